@@ -1,0 +1,64 @@
+"""Attention back-ends (chapters 04 and 06).
+
+Every back-end implements the same three functions on the same paged KV-cache layout:
+
+- `k_cache`, `v_cache`: [num_blocks, block_size, num_kv_heads, head_dim], one pair per layer.
+- `varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)`:
+  causal attention over this step's tokens only (no cached prefix). q: [num_tokens, num_heads, head_dim],
+  k/v: [num_tokens, num_kv_heads, head_dim]. Returns [num_tokens, num_heads, head_dim].
+- `paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, scale)`: causal attention whose keys are read from the paged cache (a cached prefix or
+  earlier chunks, plus this step's tokens, already stored). Query i of sequence b sits at absolute
+  position `k_len_b - q_len_b + i` and sees keys 0..that position.
+- `paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)`: one query per sequence.
+  q: [num_seqs, num_heads, head_dim]; returns the same shape.
+
+`get_backend(name)` returns a module with those functions: "torch" (the readable reference), "triton"
+(our kernels, chapter 06) or "flash_attn" (when the package imports).
+"""
+import importlib
+
+
+def flash_attn_available() -> bool:
+    try:
+        importlib.import_module("flash_attn")
+        return True
+    except Exception:
+        return False
+
+
+def triton_available() -> bool:
+    try:
+        importlib.import_module("triton")
+        return True
+    except Exception:
+        return False
+
+
+BACKENDS = ("auto", "flash_attn", "triton", "torch")
+
+
+def resolve_backend(name: str, device_type: str) -> str:
+    """Pick the concrete back-end for `name` on `device_type` ("cuda" or "cpu").
+
+    auto: flash_attn if it imports and we are on CUDA, else triton on CUDA, else torch.
+    Raises ValueError for an unknown name or one that cannot run here.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        if device_type == "cuda":
+            return "flash_attn" if flash_attn_available() else ("triton" if triton_available() else "torch")
+        return "torch"
+    if name == "flash_attn" and (device_type != "cuda" or not flash_attn_available()):
+        raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package "
+                         "(pip install flash-attn); use 'triton' or 'torch' instead")
+    if name == "triton" and not triton_available():
+        raise ValueError("attention_backend='triton' needs the triton package; use 'torch' instead")
+    return name
+
+
+def get_backend(name: str):
+    """Return the back-end module for a concrete name ("torch", "triton" or "flash_attn")."""
+    module = {"torch": "torch_backend", "triton": "triton_backend", "flash_attn": "flash_backend"}[name]
+    return importlib.import_module(f"nanovllm_ref.attn.{module}")

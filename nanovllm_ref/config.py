@@ -1,0 +1,115 @@
+"""Engine configuration: the knobs of `LLM(model, **engine_args)` (chapter 00/07).
+
+Names follow vLLM / upstream nano-vllm `config.py`. Every value is checked here, before anything is
+allocated, so a bad argument fails fast with a ValueError or TypeError that names it.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _check_int(name, value, low, high=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {rng}, got {value}")
+
+
+@dataclass
+class Config:
+    """All engine arguments. `model` is a folder holding config.json, *.safetensors and the tokenizer.
+
+    max_num_batched_tokens: token budget of one prefill step; longer prompts are chunked.
+    max_num_seqs: most sequences in one batch (also the largest CUDA-graph batch).
+    max_model_len: longest sequence (prompt + completion); capped by the model's max_position_embeddings.
+    gpu_memory_utilization: fraction of GPU memory the engine may use in all (weights + activations + KV).
+    tensor_parallel_size: number of processes (GPUs, or CPU ranks over gloo) sharing each layer.
+    enforce_eager: never use CUDA graphs.
+    kvcache_block_size: token slots per KV-cache block (any int >= 1).
+    num_kvcache_blocks: -1 = size the cache from memory; > 0 = exactly this many blocks.
+    device: "auto" (cuda if available), "cuda" or "cpu". dtype: "auto" (the checkpoint's dtype on GPU,
+        float32 on CPU), "float32", "float16" or "bfloat16".
+    attention_backend: "auto" | "flash_attn" | "triton" | "torch" (see nanovllm_ref/attn).
+    cpu_kvcache_space_gib: KV-cache budget on CPU, in GiB (like vLLM's VLLM_CPU_KVCACHE_SPACE).
+    enable_prefix_caching: share full KV blocks between requests with equal prefixes.
+    seed: seed of the sampler's random numbers.
+    """
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    cpu_kvcache_space_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    hf_config: object = field(default=None, repr=False)
+    eos: frozenset = frozenset()
+
+    def __post_init__(self):
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path to a model folder, got {type(self.model).__name__}")
+        self.model = os.fspath(self.model)
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model folder not found: {self.model!r} (for the real model run "
+                             "`python -m nanovllm_ref download smollm2`)")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model folder {self.model!r} has no config.json")
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_model_len", self.max_model_len, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)
+        _check_int("kvcache_block_size", self.kvcache_block_size, 1)
+        _check_int("seed", self.seed, 0)
+        if isinstance(self.num_kvcache_blocks, bool) or not isinstance(self.num_kvcache_blocks, int) \
+                or (self.num_kvcache_blocks < 1 and self.num_kvcache_blocks != -1):
+            raise ValueError(f"num_kvcache_blocks must be -1 (auto) or an int >= 1, got {self.num_kvcache_blocks!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.cpu_kvcache_space_gib, (int, float)) or not self.cpu_kvcache_space_gib > 0:
+            raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        from nanovllm_ref.attn import BACKENDS
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+
+        with open(os.path.join(self.model, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"unsupported architecture {archs} in {self.model}/config.json; "
+                             f"supported: {SUPPORTED_ARCHITECTURES}")
+        from transformers import AutoConfig
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        hf = self.hf_config
+        self.max_model_len = min(self.max_model_len, hf.max_position_embeddings)
+        tp = self.tensor_parallel_size
+        kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        if hf.num_attention_heads % tp or kv_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads "
+                             f"({hf.num_attention_heads}) and num_key_value_heads ({kv_heads})")
+        if hf.vocab_size % tp or hf.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide vocab_size ({hf.vocab_size}) and "
+                             f"intermediate_size ({hf.intermediate_size})")
+        eos = hf.eos_token_id
+        self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
+def rope_theta(hf_config) -> float:
+    """RoPE base from an HF config: `rope_theta`, or transformers 5's `rope_parameters["rope_theta"]`."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))

@@ -1,0 +1,195 @@
+"""The offline engine loop: add requests, step until all finish (chapter 07).
+
+`generate` validates every prompt and sampling setting first, so a bad request raises ValueError/TypeError
+before any request is queued, and the engine stays usable. Then each `step` asks the scheduler for a batch,
+runs it on the model runner(s) and feeds the sampled tokens back. Upstream nano-vllm `engine/llm_engine.py`.
+
+Tensor parallelism: rank 0 runs in this process; ranks 1..tp-1 are spawned processes that run
+`nanovllm_ref.engine.worker.run_worker` (an importable function, as `spawn` requires). Each engine picks
+its own free TCP port for the process-group rendezvous and talks to its workers over private pipes, so two
+engines never clash and nothing named is left in /dev/shm after a crash.
+"""
+import atexit
+import multiprocessing as mp
+import socket
+import time
+import warnings
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from nanovllm_ref.config import Config
+from nanovllm_ref.engine.model_runner import ModelRunner
+from nanovllm_ref.engine.scheduler import Scheduler
+from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.sampling_params import SamplingParams
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LLMEngine:
+    def __init__(self, model: str, **engine_args):
+        unknown = set(engine_args) - set(Config.__dataclass_fields__) - {"hf_config", "eos"}
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; known: "
+                            f"{sorted(k for k in Config.__dataclass_fields__ if k not in ('hf_config', 'eos'))}")
+        config = Config(model, **engine_args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        if self.tokenizer.eos_token_id is not None:
+            config.eos = config.eos | {self.tokenizer.eos_token_id}
+        self.config = config
+        self.workers, conns = [], []
+        if config.tensor_parallel_size > 1:
+            from nanovllm_ref.engine.worker import run_worker
+            port, ctx = _free_port(), mp.get_context("spawn")
+            for rank in range(1, config.tensor_parallel_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=run_worker, args=(config, rank, child, port), daemon=True)
+                proc.start()
+                self.workers.append(proc)
+                conns.append(parent)
+        else:
+            port = None
+        try:
+            self.model_runner = ModelRunner(config, 0, conns, port)
+        except BaseException:
+            self._kill_workers()
+            raise
+        self.scheduler = Scheduler(config)
+        self._closed = False
+        atexit.register(self.exit)
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    def _kill_workers(self):
+        for proc in self.workers:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(timeout=10)
+        self.workers = []
+
+    def exit(self):
+        """Stop the worker processes and free the process group. Safe to call twice."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            self.model_runner.call("exit")
+        finally:
+            for proc in self.workers:
+                proc.join(timeout=30)
+            self._kill_workers()
+        atexit.unregister(self.exit)
+
+    shutdown = exit
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.exit()
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def _check_request(self, index: int, prompt, sp: SamplingParams) -> list[int]:
+        """Token ids of one validated request; raises ValueError/TypeError naming what is wrong."""
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling_params[{index}] must be a SamplingParams, got {type(sp).__name__}")
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+            vocab = self.config.hf_config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompts[{index}] has token ids outside [0, {vocab}): {bad[:5]}")
+        else:
+            raise TypeError(f"prompts[{index}] must be a str or a list of int token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
+        max_len = self.config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(f"prompts[{index}] has {len(token_ids)} tokens, more than max_model_len={max_len}")
+        # The most tokens this request can ever hold K/V for (generation stops at max_model_len).
+        longest = min(len(token_ids) + sp.max_tokens, max_len)
+        bs = self.config.kvcache_block_size
+        need, have = (longest + bs - 1) // bs, self.config.num_kvcache_blocks
+        if need > have:
+            raise ValueError(f"prompts[{index}] can never fit in the KV cache: up to {longest} tokens need {need} "
+                             f"blocks of {bs}, the cache has {have}; lower max_tokens or give the cache more memory")
+        return token_ids
+
+    def add_request(self, prompt, sampling_params: SamplingParams) -> int:
+        """Queue one request; returns its sequence id. Raises before queuing if the request is invalid."""
+        token_ids = self._check_request(0, prompt, sampling_params)
+        seq = Sequence(token_ids, self.config.kvcache_block_size, sampling_params)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def step(self):
+        """One forward pass. Returns (finished [(seq_id, completion token ids)], num_tokens) where
+        num_tokens > 0 counts prefill tokens and < 0 counts decode tokens (for throughput)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        token_ids = self.model_runner.call("run", seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
+        return [(s.seq_id, s.completion_token_ids) for s in finished], num_tokens
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
+        """Generate completions for `prompts` (a list of str or of token-id lists; one str is also accepted).
+
+        sampling_params: one SamplingParams for all prompts, or a list with one per prompt (default:
+        SamplingParams()). Returns, in input order, one dict per prompt: {"text": str, "token_ids": list[int]}
+        (the completion only). Raises TypeError/ValueError before any work if a request is invalid.
+        """
+        if self._closed:
+            raise RuntimeError("this engine was shut down")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, SequenceABC):
+            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt "
+                             f"({len(prompts)})")
+        requests = [self._check_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        if not self.is_finished():
+            raise RuntimeError("generate() called while requests from add_request() are still pending")
+        seq_ids = []
+        for token_ids, sp in zip(requests, sampling_params):
+            seq = Sequence(token_ids, self.config.kvcache_block_size, sp)
+            self.scheduler.add(seq)
+            seq_ids.append(seq.seq_id)
+        outputs = {}
+        pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_tps = decode_tps = 0.0
+        while not self.is_finished():
+            t = time.perf_counter()
+            finished, num_tokens = self.step()
+            dt = max(time.perf_counter() - t, 1e-9)
+            if num_tokens > 0:
+                prefill_tps = num_tokens / dt
+            else:
+                decode_tps = -num_tokens / dt
+            if use_tqdm:
+                pbar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
+            for seq_id, token_ids in finished:
+                outputs[seq_id] = token_ids
+                pbar.update(1)
+        pbar.close()
+        results = []
+        for seq_id in seq_ids:
+            token_ids = outputs[seq_id]
+            results.append({"text": self.tokenizer.decode(token_ids), "token_ids": token_ids})
+        return results

@@ -1,0 +1,109 @@
+"""Continuous batching with chunked prefill and preemption (chapter 07).
+
+Every engine step the scheduler picks the batch for one forward pass (upstream nano-vllm
+`engine/scheduler.py`; vLLM's V0 scheduler with chunked prefill):
+
+1. Prefill first. Sequences still in the middle of a chunked prefill continue, then waiting sequences are
+   admitted in arrival order, while the step's token budget (`max_num_batched_tokens`), the sequence limit
+   (`max_num_seqs`) and free KV blocks allow. A prompt longer than what is left of the budget is cut: its
+   first chunk runs now and the rest in later steps (chunked prefill). Prefix-cache hits cost no budget.
+2. If nothing was prefilled, every running sequence decodes one token. A sequence that needs a new block
+   when none is free preempts the most recently admitted running sequence: that one gives up all its blocks
+   and goes back to the front of the queue, to be recomputed later (preemption by recompute).
+
+A step is all-prefill or all-decode, so the model runner has one code path per kind.
+"""
+from collections import deque
+
+from nanovllm_ref.config import Config
+from nanovllm_ref.engine.block_manager import BlockManager
+from nanovllm_ref.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: Config):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos = config.eos
+        self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Return (sequences to run this step, is_prefill). Sets seq.num_scheduled_tokens."""
+        scheduled, budget = [], self.max_num_batched_tokens
+        # 1a. Continue chunked prefills (they already hold their blocks).
+        for seq in self.running:
+            if seq.is_prefilling and budget > 0:
+                seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+                budget -= seq.num_scheduled_tokens
+                scheduled.append(seq)
+        # 1b. Admit waiting sequences.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)          # sets num_cached_tokens on a prefix hit
+            seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            scheduled.append(seq)
+        if scheduled:
+            return scheduled, True
+
+        # 2. Decode: one token for every running sequence, preempting from the back when blocks run out.
+        kept = deque()
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:                                 # nobody left to evict: this one waits itself
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                kept.append(seq)
+        self.running = kept
+        return list(kept), False
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free all of `seq`'s blocks and queue it first, to be recomputed (prompt + completion so far)."""
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Account for one finished step: seqs[i] produced token_ids[i] (ignored for a partial prefill).
+
+        Returns the sequences that finished this step (their blocks are already freed).
+        """
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.hash_blocks(seq)
+            if seq.num_cached_tokens < len(seq):      # mid chunked prefill: the sampled token is meaningless
+                continue
+            seq.append_token(token_id)
+            if ((not seq.ignore_eos and token_id in self.eos)
+                    or seq.num_completion_tokens >= seq.max_tokens
+                    or len(seq) >= self.max_model_len):
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished

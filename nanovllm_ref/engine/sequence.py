@@ -1,0 +1,84 @@
+"""One request as the engine sees it (chapter 05/07). Follows upstream nano-vllm `engine/sequence.py`.
+
+A Sequence holds its token ids (prompt then completion), its block table (the physical KV-cache blocks that
+hold its keys and values, in order) and how many of its tokens already have K/V in the cache
+(`num_cached_tokens`). The scheduler moves it WAITING -> RUNNING -> FINISHED, and back to WAITING on
+preemption.
+"""
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm_ref.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams | None = None):
+        sampling_params = sampling_params or SamplingParams()
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = copy(token_ids)
+        self.last_token = token_ids[-1]
+        self.num_tokens = len(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.block_size = block_size
+        # Tokens whose K/V are in the cache: a prefix-cache hit, then each computed prefill chunk.
+        self.num_cached_tokens = 0
+        # How many leading blocks already carry their prefix hash (see BlockManager.commit).
+        self.num_hashed_blocks = 0
+        # Tokens this step computes (set by the scheduler, read by the model runner).
+        self.num_scheduled_tokens = 0
+        self.block_table: list[int] = []
+        self.temperature = sampling_params.temperature
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+
+    def __len__(self):
+        return self.num_tokens
+
+    def __getitem__(self, key):
+        return self.token_ids[key]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold every token of the sequence."""
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while some tokens before the last one still lack K/V (a prompt, or a recompute after
+        preemption). A decode step computes exactly the last token."""
+        return self.num_cached_tokens < self.num_tokens - 1
+
+    def block(self, i: int) -> list[int]:
+        """Token ids held by logical block i."""
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1

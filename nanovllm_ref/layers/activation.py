@@ -1,0 +1,12 @@
+"""SiLU-and-multiply, the gate of the SwiGLU MLP (chapter 03; Shazeer 2020, "GLU Variants")."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """x: [..., 2 * d] = [gate | up] -> silu(gate) * up: [..., d]. Same dtype as x."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

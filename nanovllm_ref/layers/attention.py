@@ -1,0 +1,57 @@
+"""The attention layer of the engine: store this step's K/V in the paged cache, then attend (chapter 04).
+
+q, k, v arrive flat from the fused QKV projection: [num_tokens, heads * head_dim]. The layer
+1. writes k and v into its layer's cache at `context.slot_mapping` (store_kvcache), then
+2. calls the back-end chosen by the model runner (nanovllm_ref/attn):
+   - prefill with no cached prefix: attention over this step's k, v (`varlen_prefill`);
+   - prefill with a cached prefix or an earlier chunk: keys come from the cache (`paged_prefill`);
+   - decode: one query per sequence against its whole context in the cache (`paged_decode`).
+Before the KV cache exists (the model runner's warm-up), step 1 is skipped and prefill uses k, v directly.
+"""
+import torch
+from torch import nn
+
+from nanovllm_ref.utils.context import get_context
+
+
+def store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping):
+    """Plain-PyTorch KV store: the cache's flat slot s = block_id * block_size + offset gets token i's K/V
+    where slot_mapping[i] = s. Rows with slot -1 are skipped. key/value: [N, Hkv, D]."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):                    # host sync: fine on CPU, never in a CUDA graph
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.k_cache = self.v_cache = torch.tensor([])   # set by the model runner
+        self.backend = None                               # a module from nanovllm_ref.attn
+        self.store = store_kvcache_torch
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [N, H * D]; k, v: [N, Hkv * D] -> [N, H * D]."""
+        ctx = get_context()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        has_cache = self.k_cache.numel() > 0
+        if has_cache:
+            self.store(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if ctx.is_prefill:
+            if ctx.block_tables is None or not has_cache:
+                o = self.backend.varlen_prefill(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                                ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
+            else:
+                o = self.backend.paged_prefill(q, self.k_cache, self.v_cache, ctx.block_tables,
+                                               ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                               ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
+        else:
+            o = self.backend.paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables,
+                                          ctx.context_lens, self.scale)
+        return o.reshape(-1, self.num_heads * self.head_dim)

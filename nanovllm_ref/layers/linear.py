@@ -1,0 +1,102 @@
+"""Linear layers split across tensor-parallel ranks (chapter 09; Megatron-LM, Shoeybi et al. 2019, §3).
+
+- ColumnParallelLinear splits the *output* features: each rank computes a slice, no communication.
+- RowParallelLinear splits the *input* features: each rank computes a partial sum; an all-reduce adds them.
+A column-parallel layer followed by a row-parallel one (QKV -> O, gate_up -> down) needs one all-reduce.
+
+Checkpoints store q/k/v and gate/up as separate tensors, but we run them as one fused matmul. Each
+parameter has a `weight_loader(param, loaded_weight, shard_id)` that copies this rank's slice of a
+checkpoint tensor into the right rows of the fused parameter (upstream nano-vllm `layers/linear.py`).
+Weights are [out_features, in_features] like nn.Linear.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm_ref.utils.parallel import all_reduce, get_tp_rank, get_tp_size
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None):
+        param.data.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """y[:, slice of this rank] = x @ W[slice].T. Output: [num_tokens, output_size / tp_size]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        if output_size % get_tp_size():
+            raise ValueError(f"output_size {output_size} is not divisible by tp size {get_tp_size()}")
+        super().__init__(input_size, output_size // get_tp_size(), bias)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        rows = param.shape[0]
+        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * rows, rows))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul, e.g. gate_proj and up_proj (shard ids 0, 1)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param, loaded_weight, shard_id):
+        tp = self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        size = self.output_sizes[shard_id] // tp
+        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul. Each rank holds num_heads/tp query heads and
+    num_kv_heads/tp KV heads; output [num_tokens, (H + 2 * Hkv) / tp * head_dim]. Shard ids "q", "k", "v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param, loaded_weight, shard_id):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """y = sum over ranks of x[:, slice] @ W[:, slice].T (+ bias once). Input: [num_tokens, input_size / tp]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        if input_size % get_tp_size():
+            raise ValueError(f"input_size {input_size} is not divisible by tp size {get_tp_size()}")
+        super().__init__(input_size // get_tp_size(), output_size, bias)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        if param.dim() == 1:                       # the bias is not split: add it on one rank only
+            param.data.copy_(loaded_weight)
+            return
+        cols = param.shape[1]
+        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * cols, cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        return all_reduce(F.linear(x, self.weight, bias))

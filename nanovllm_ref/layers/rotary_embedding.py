@@ -1,0 +1,30 @@
+"""Rotary position embedding, RoPE (chapter 02; Su et al. 2021, "RoFormer", §3.4).
+
+Each pair of channels (i, i + d/2) of a query or key at position p is rotated by the angle
+p * base^(-2i/d) ("rotate half", the GPT-NeoX layout that HF Llama and Qwen3 use). cos and sin for every
+position up to max_position are computed once, in fp32, into `cos_sin_cache` [max_position, d]
+(first half cos, second half sin).
+"""
+import torch
+from torch import nn
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, d]; cos, sin: [num_tokens, d/2] fp32. Returns x rotated, x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)          # broadcast over heads
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)   # [P, d/2]
+        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: [num_tokens] int; q: [num_tokens, H, d]; k: [num_tokens, Hkv, d]."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
