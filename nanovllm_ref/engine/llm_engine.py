@@ -135,9 +135,9 @@ class LLMEngine:
         """One forward pass. Returns (finished [(seq_id, completion token ids)], num_tokens) where
         num_tokens > 0 counts prefill tokens and < 0 counts decode tokens (for throughput)."""
         seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
         token_ids = self.model_runner.call("run", seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
-        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
         return [(s.seq_id, s.completion_token_ids) for s in finished], num_tokens
 
     def is_finished(self) -> bool:
@@ -191,5 +191,7 @@ class LLMEngine:
         results = []
         for seq_id in seq_ids:
             token_ids = outputs[seq_id]
-            results.append({"text": self.tokenizer.decode(token_ids), "token_ids": token_ids})
+            # Like vLLM, the text leaves out special tokens such as the EOS; token_ids keep them.
+            results.append({"text": self.tokenizer.decode(token_ids, skip_special_tokens=True),
+                            "token_ids": token_ids})
         return results

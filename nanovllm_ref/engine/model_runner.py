@@ -276,7 +276,12 @@ class ModelRunner:
         temperatures = self.prepare_sample(seqs) if self.rank == 0 else None
         hidden = self.run_model(input_ids, positions, is_prefill)
         logits = self.model.compute_logits(hidden)
-        token_ids = self.sampler(logits, temperatures).tolist() if self.rank == 0 else None
+        token_ids = None
+        if self.rank == 0:
+            if all(seq.temperature == 0 for seq in seqs):     # all greedy: skip drawing noise
+                token_ids = logits.argmax(dim=-1).tolist()
+            else:
+                token_ids = self.sampler(logits, temperatures).tolist()
         reset_context()
         return token_ids
 

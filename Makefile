@@ -1,0 +1,50 @@
+# nano-vLLM course. Two commands: `make demo` and `make test` (see README.md).
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# CPU build on CPU machines. A GPU user installs their own torch first (in this venv, or in the Python
+# that creates it: then the venv sees it through --system-site-packages) and this line is skipped.
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+.PHONY: demo test install model lab release bench-cpu clean
+
+$(STAMP): pyproject.toml
+	@if [ ! -x $(PY) ]; then \
+	  if $(PYTHON) -c 'import torch' 2>/dev/null; then \
+	    echo "creating $(VENV) (keeping the torch already installed for $(PYTHON))"; \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else echo "creating $(VENV)"; $(PYTHON) -m venv $(VENV); fi; fi
+	@if ! $(PY) -c 'import torch' 2>/dev/null; then \
+	  echo "installing $(TORCH_SPEC)"; $(PIP) "$(TORCH_SPEC)" 2>&1 | $(QUIET_PIP); fi
+	@echo "installing nanovllm_ref and the course tools into $(VENV)"
+	@$(PIP) -e '.[course,test]' 2>&1 | $(QUIET_PIP)
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	@$(PY) -m nanovllm_ref download smollm2 >/dev/null
+
+demo: model
+	@$(PY) -m nanovllm_ref demo
+
+test: model
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/ solutions/ $(NBVAL)
+
+lab: model
+	$(VENV)/bin/jupyter lab chapters/
+
+release: $(STAMP)
+	$(PY) -m nanovllm_ref.course release
+
+bench-cpu: $(STAMP)
+	$(PY) -m nanovllm_ref bench --cpu
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,117 @@
+"""Tensor parallelism on CPU (gloo) and the engine's handling of bad input."""
+import json
+import math
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from nanovllm_ref import LLM, SamplingParams
+from engine_helpers import hf_greedy, tiny_dir
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 47))]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tensor_parallel_2_on_cpu_equals_tp_1_and_hf(arch):
+    path = tiny_dir(arch)
+    with LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64) as llm:
+        tp2 = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        # A second generate on the same engine, with a prefix hit and preemption-free reuse.
+        again = [o["token_ids"] for o in llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)]
+    tp1 = [o["token_ids"] for o in LLM(path, kvcache_block_size=4, max_model_len=64).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert tp2 == tp1 == [hf_greedy(path, p, 8) for p in PROMPTS]
+    assert again == tp1[:1]
+
+
+def test_two_tp_engines_one_after_another_do_not_clash():
+    path = tiny_dir("qwen3")
+    outs = []
+    for _ in range(2):
+        llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64)
+        outs.append(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
+        workers = list(llm.workers)
+        llm.exit()
+        assert all(not w.is_alive() for w in workers)
+    assert outs[0] == outs[1]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=32, num_kvcache_blocks=6)
+
+
+BAD_REQUESTS = [
+    ([[]], GREEDY, ValueError, "empty"),
+    ([""], GREEDY, ValueError, "empty"),
+    ([list(range(3, 40))], GREEDY, ValueError, "max_model_len"),
+    ([list(range(3, 20))], SamplingParams(temperature=0, max_tokens=10), ValueError, "never fit"),
+    ([[1, 2, 99999]], GREEDY, ValueError, "outside"),
+    ([[1.5, 2]], GREEDY, TypeError, "list of int"),
+    ([None], GREEDY, TypeError, "prompts\\[1\\]"),
+    ([[1, 2], [3]], [GREEDY], ValueError, "one per prompt"),
+    ([[1, 2]], "greedy", ValueError, "SamplingParams"),
+    ([[1, 2]], [None], TypeError, "sampling_params\\[0\\]"),
+]
+
+
+@pytest.mark.parametrize("prompts,sp,exc,match", BAD_REQUESTS)
+def test_bad_request_raises_before_any_state_change_and_engine_stays_usable(llm, prompts, sp, exc, match):
+    good = [7, 8, 9]
+    with pytest.raises(exc, match=match):
+        llm.generate([good] + prompts if isinstance(sp, SamplingParams) else prompts, sp, use_tqdm=False)
+    assert llm.is_finished(), "a rejected batch must not leave requests queued"
+    assert llm.scheduler.block_manager.num_free_blocks == 6
+    out = llm.generate([good], GREEDY, use_tqdm=False)
+    assert out[0]["token_ids"] == hf_greedy(tiny_dir("qwen3"), good, 8)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(temperature=-0.1), ValueError, "temperature"),
+    (dict(temperature=math.nan), ValueError, "temperature"),
+    (dict(temperature="hot"), TypeError, "temperature"),
+    (dict(max_tokens=0), ValueError, "max_tokens"),
+    (dict(max_tokens=2.5), TypeError, "max_tokens"),
+])
+def test_bad_sampling_params_raise_clear_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_missing_model_folder_raises_value_error():
+    with pytest.raises(ValueError, match="model folder not found"):
+        LLM("/nonexistent/model/folder")
+
+
+def test_unsupported_architecture_raises_value_error():
+    src = tiny_dir("qwen3")
+    dst = tempfile.mkdtemp()
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        LLM(dst)
+
+
+def test_too_little_memory_for_one_block_raises_value_error():
+    with pytest.raises(ValueError, match="too little memory for one KV-cache block"):
+        LLM(tiny_dir("qwen3"), kvcache_block_size=4096, cpu_kvcache_space_gib=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(kvcache_block_size=0), ValueError, "kvcache_block_size"),
+    (dict(tensor_parallel_size=3), ValueError, "tensor_parallel_size"),
+    (dict(attention_backend="cudnn"), ValueError, "attention_backend"),
+    (dict(dtype="int8"), ValueError, "dtype"),
+    (dict(max_num_seqs="8"), TypeError, "max_num_seqs"),
+    (dict(num_kvcache_blocks=0), ValueError, "num_kvcache_blocks"),
+    (dict(not_an_arg=1), TypeError, "unknown engine argument"),
+])
+def test_bad_engine_arguments_raise_clear_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        LLM(tiny_dir("qwen3"), **kwargs)
