@@ -37,7 +37,9 @@ class Config:
     attention_backend: "auto" | "flash_attn" | "triton" | "torch" (see nanovllm_ref/attn).
     cpu_kvcache_space_gib: KV-cache budget on CPU, in GiB (like vLLM's VLLM_CPU_KVCACHE_SPACE).
     enable_prefix_caching: share full KV blocks between requests with equal prefixes.
-    seed: seed of the sampler's random numbers.
+    seed: seed of the sampler's random numbers (and of dummy weights).
+    load_format: "auto" reads *.safetensors; "dummy" fills the weights with random numbers (vLLM's name),
+        for benchmarks of a model shape whose weights are not at hand.
     """
     model: str
     max_num_batched_tokens: int = 16384
@@ -54,6 +56,7 @@ class Config:
     cpu_kvcache_space_gib: float = 1.0
     enable_prefix_caching: bool = True
     seed: int = 0
+    load_format: str = "auto"
     hf_config: object = field(default=None, repr=False)
     eos: frozenset = frozenset()
 
@@ -79,6 +82,8 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.cpu_kvcache_space_gib, (int, float)) or not self.cpu_kvcache_space_gib > 0:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:

@@ -83,7 +83,10 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = get_model_class(hf)(hf)
         torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model)
+        if config.load_format == "dummy":
+            self._init_dummy_weights()
+        else:
+            load_model(self.model, config.model)
         self.model.eval()
         self.sampler = Sampler()
         if self.device_type == "cuda":
@@ -98,6 +101,16 @@ class ModelRunner:
             self.loop()
 
     # -- set-up -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_dummy_weights(self):
+        """Random weights with the checkpoint's shapes (benchmarks only): N(0, 0.02), norms at 1."""
+        gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        for name, param in self.model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
     def _attention_layers(self):
         from nanovllm_ref.layers.attention import Attention
         return [m for m in self.model.modules() if isinstance(m, Attention)]

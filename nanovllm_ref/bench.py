@@ -1,0 +1,461 @@
+"""Throughput benchmark: `python -m nanovllm_ref bench` (chapter 11).
+
+Default workload = upstream nano-vllm's bench.py: a Qwen3-0.6B-shaped model with random weights, 256
+requests, `random.seed(0)`, prompt lengths and max_tokens uniform in [100, 1024], ignore_eos, temperature
+0.6, one warm-up generate first. It totals 142,827 prompt and 133,966 output tokens (checked).
+Throughput = output tokens / wall seconds of the timed generate.
+
+Peers in the same run (each skipped with a recorded reason when it cannot run):
+- nanovllm_ref with each available attention back-end, with CUDA graphs and eager;
+- HF transformers continuous batching (`init_continuous_batching`, paged|sdpa, CUDA graphs on);
+- vLLM, when `import vllm` works.
+
+The physical floor of the workload: decode must read every cached K/V once per step, every step reads the
+weights once, and prefill does 2 * params FLOPs per token plus attention. With the copy bandwidth and the
+matmul rate measured on this machine, floor = KV bytes / bw + steps * weight bytes / bw + prefill FLOPs /
+rate. Each result is reported as a % of that floor.
+
+`--cpu` runs a tiny version (tiny random model, 16 short requests) in well under a minute.
+Results go to bench/results/*.json and *.csv; `--figures` draws figures/bench_*.png.
+"""
+import argparse
+import csv
+import datetime as dt
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
+                 eos_token_id=151645)
+EXPECTED_TOTALS = {256: (142_827, 133_966)}
+
+
+def make_workload(num_requests=256, seed=0, min_len=100, max_len=1024, min_out=100, max_out=1024):
+    """Upstream bench.py's draw order: all prompts first, then all max_tokens."""
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))]
+               for _ in range(num_requests)]
+    max_tokens = [random.randint(min_out, max_out) for _ in range(num_requests)]
+    return prompts, max_tokens
+
+
+def make_model_folder(kind: str, path: str) -> str:
+    """A folder the engine can open: config.json (+ a small tokenizer). Weights come from load_format='dummy'."""
+    from nanovllm_ref.tiny import make_tokenizer, tiny_config
+    os.makedirs(path, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "qwen3-0.6b":
+            cfg = tiny_config("qwen3", **QWEN3_06B)
+            cfg.dtype = torch.bfloat16
+        else:
+            cfg = tiny_config("qwen3", vocab_size=10240, max_position_embeddings=4096)
+        cfg.save_pretrained(path)
+        make_tokenizer(path)
+    return path
+
+
+def model_stats(hf_config) -> dict:
+    h, L = hf_config.hidden_size, hf_config.num_hidden_layers
+    hd = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
+    H, Hkv, I, V = hf_config.num_attention_heads, hf_config.num_key_value_heads, hf_config.intermediate_size, hf_config.vocab_size
+    per_layer = h * (H + 2 * Hkv) * hd + H * hd * h + 3 * h * I
+    params = L * per_layer + V * h * (1 if hf_config.tie_word_embeddings else 2)
+    return dict(params=params, layer_params=L * per_layer, kv_bytes_per_token=2 * L * Hkv * hd * 2,
+                attn_flops_coef=4 * L * H * hd, weight_bytes=2 * params, lm_head_params=V * h)
+
+
+def physical_floor(prompts, max_tokens, stats, bw_bytes_s, flops_s) -> dict:
+    """Seconds the workload needs at least, on a machine with copy bandwidth bw and matmul rate flops_s."""
+    kv_tok = stats["kv_bytes_per_token"]
+    # Decode token t (1 .. M-1; token 0 comes from prefill) attends over P + t cached positions.
+    kv_bytes = sum(kv_tok * ((m - 1) * len(p) + (m - 1) * m // 2) for p, m in zip(prompts, max_tokens))
+    steps = max(max_tokens) - 1                     # all requests decode together; the longest sets the count
+    weight_bytes = steps * stats["weight_bytes"]
+    lens = [len(p) for p in prompts]
+    prefill_flops = 2 * (stats["layer_params"]) * sum(lens) + 2 * stats["lm_head_params"] * len(lens) \
+        + stats["attn_flops_coef"] * sum(n * n / 2 for n in lens)
+    parts = dict(kv_read_s=kv_bytes / bw_bytes_s, weight_read_s=weight_bytes / bw_bytes_s,
+                 prefill_s=prefill_flops / flops_s)
+    parts["floor_s"] = sum(parts.values())
+    parts.update(kv_bytes=kv_bytes, weight_bytes=weight_bytes, prefill_flops=prefill_flops)
+    return parts
+
+
+def measure_machine(device: str) -> dict:
+    """Copy bandwidth (read + write bytes / s) and bf16 (GPU) or fp32 (CPU) matmul FLOP/s."""
+    if device == "cuda":
+        x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        for _ in range(3):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        bw = 2 * x.numel() * 20 / (time.perf_counter() - t)
+        del x, y
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            a @ b
+        torch.cuda.synchronize()
+        flops = 2 * 8192**3 * 20 / (time.perf_counter() - t)
+        del a, b
+        torch.cuda.empty_cache()
+    else:
+        x = torch.empty(256 * 2**20, dtype=torch.uint8)
+        y = torch.empty_like(x)
+        y.copy_(x)
+        t = time.perf_counter()
+        for _ in range(5):
+            y.copy_(x)
+        bw = 2 * x.numel() * 5 / (time.perf_counter() - t)
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        a @ b
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        flops = 2 * 1024**3 * 10 / (time.perf_counter() - t)
+    return dict(copy_bandwidth_Bps=bw, matmul_flops=flops)
+
+
+def _engine_run(path, prompts, max_tokens, temperature, engine_args):
+    from nanovllm_ref import LLM, SamplingParams
+    llm = LLM(path, load_format="dummy", **engine_args)
+    sps = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    llm.generate(["Benchmark: "], SamplingParams(temperature=temperature, max_tokens=16), use_tqdm=False)
+    if llm.model_runner.device_type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    if llm.model_runner.device_type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    out_tokens = sum(len(o["token_ids"]) for o in outs)
+    info = dict(backend=llm.model_runner.backend_name, cuda_graphs=not llm.model_runner.enforce_eager,
+                num_kvcache_blocks=llm.config.num_kvcache_blocks, preemptions=llm.scheduler.num_preemptions)
+    llm.exit()
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out_tokens, seconds, info
+
+
+def _hf_cb_run(path, prompts, max_tokens, temperature) -> tuple[int, float, dict]:
+    """HF transformers continuous batching on the same workload, per-request max_new_tokens, EOS off."""
+    from transformers import AutoConfig, AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+    cfg = AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
+    model = model.cuda().eval()
+    gc = GenerationConfig(do_sample=True, temperature=temperature, max_new_tokens=max(max_tokens),
+                          eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(use_cuda_graph=True)
+
+    def run(ps, ms):
+        manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
+        manager.start()
+        try:
+            for i, (p, m) in enumerate(zip(ps, ms)):
+                manager.add_request(p, request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1)
+            done, tokens = 0, 0
+            while done < len(ps):
+                r = manager.get_result(timeout=600)
+                if r is None:
+                    raise RuntimeError("HF continuous batching timed out")
+                if r.is_finished():
+                    done += 1
+                    tokens += len(r.generated_tokens)
+        finally:
+            manager.stop(block=True)
+        return tokens
+
+    run([[1, 2, 3]], [8])                                    # warm-up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    tokens = run(prompts, max_tokens)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    del model
+    torch.cuda.empty_cache()
+    return tokens, seconds, dict(attn_implementation="paged|sdpa", use_cuda_graph=True)
+
+
+def decode_batch1(path, engine_args, prompt_len=128, new_tokens=512) -> dict:
+    """Batch-1 decode speed: one request, timed after its prefill (tokens 2..N over their wall time)."""
+    from nanovllm_ref import LLM, SamplingParams
+    llm = LLM(path, load_format="dummy", **engine_args)
+    prompt = list(range(1000, 1000 + prompt_len))
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    llm.step()                                               # prefill (first token)
+    sync = torch.cuda.synchronize if llm.model_runner.device_type == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    steps = 0
+    while not llm.is_finished():
+        llm.step()
+        steps += 1
+    sync()
+    seconds = time.perf_counter() - t
+    res = dict(backend=llm.model_runner.backend_name, cuda_graphs=not llm.model_runner.enforce_eager,
+               decode_steps=steps, seconds=seconds, tok_s=steps / seconds, ms_per_step=1000 * seconds / steps)
+    llm.exit()
+    return res
+
+
+def graph_sweep(path, engine_args, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), context=512, iters=20) -> list[dict]:
+    """ms per decode step at each batch size, CUDA graph replay vs eager, same engine and inputs."""
+    from nanovllm_ref import LLM, SamplingParams
+    from nanovllm_ref.engine.sequence import Sequence
+    args = dict(engine_args, max_num_seqs=max(sizes))
+    llm = LLM(path, load_format="dummy", **args)
+    runner, bm, bs = llm.model_runner, llm.scheduler.block_manager, llm.config.kvcache_block_size
+    rows = []
+    for n in sizes:
+        seqs = []
+        for i in range(n):
+            seq = Sequence([(7 * i + j) % 1000 for j in range(context)], bs, SamplingParams(temperature=0))
+            bm.allocate(seq)
+            seq.num_cached_tokens = context - 1
+            seqs.append(seq)
+        row = dict(batch_size=n, context=context)
+        for mode in ("graph", "eager"):
+            saved = runner.graphs
+            if mode == "eager":
+                runner.graphs = {}
+            for _ in range(3):
+                runner.run(seqs, False)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(iters):
+                runner.run(seqs, False)
+            torch.cuda.synchronize()
+            row[f"{mode}_ms"] = 1000 * (time.perf_counter() - t) / iters
+            runner.graphs = saved
+        row["speedup"] = row["eager_ms"] / row["graph_ms"]
+        rows.append(row)
+        for seq in seqs:
+            bm.deallocate(seq)
+    llm.exit()
+    return rows
+
+
+def draw_figures(result: dict, outdir: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(outdir, exist_ok=True)
+    paths = []
+    runs = [r for r in result["runs"] if r.get("tok_s")]
+    if runs:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        names = [r["name"] for r in runs]
+        vals = [r["tok_s"] for r in runs]
+        ax.barh(names, vals, color=["#4c72b0" if r["name"].startswith("nanovllm") else "#dd8452" for r in runs])
+        floor = result.get("floor", {}).get("floor_tok_s")
+        if floor:
+            ax.axvline(floor, color="k", ls="--", lw=1)
+            ax.text(floor, len(runs) - 0.5, f" floor {floor:,.0f}", va="top", fontsize=8)
+        for i, v in enumerate(vals):
+            ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
+        ax.set_xlabel("output tokens / s")
+        ax.set_title(f"{result['workload']['name']} on {result['machine']['device_name']}", fontsize=10)
+        fig.tight_layout()
+        p = os.path.join(outdir, f"bench_throughput_{result['tag']}.png")
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    fl = result.get("floor")
+    if fl and runs:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        parts = ["kv_read_s", "weight_read_s", "prefill_s"]
+        bottom = 0.0
+        for part, color in zip(parts, ["#55a868", "#c44e52", "#8172b2"]):
+            ax.bar(["physical floor"], [fl[part]], bottom=bottom, color=color, label=part.replace("_s", ""))
+            bottom += fl[part]
+        best = max(runs, key=lambda r: r["tok_s"] if r["name"].startswith("nanovllm") else 0)
+        ax.bar([best["name"]], [best["seconds"]], color="#4c72b0")
+        ax.set_ylabel("seconds for the workload")
+        ax.legend(fontsize=8)
+        ax.set_title("Where the floor comes from (roofline of the workload)", fontsize=10)
+        fig.tight_layout()
+        p = os.path.join(outdir, f"bench_floor_{result['tag']}.png")
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    sweep = result.get("graph_sweep")
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [r["batch_size"] for r in sweep]
+        ax.plot(xs, [r["eager_ms"] for r in sweep], "o-", label="eager")
+        ax.plot(xs, [r["graph_ms"] for r in sweep], "o-", label="CUDA graph")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("decode batch size")
+        ax.set_ylabel("ms per decode step")
+        for r in sweep:
+            ax.annotate(f"{r['speedup']:.1f}x", (r["batch_size"], r["graph_ms"]), fontsize=7,
+                        textcoords="offset points", xytext=(0, -10), ha="center")
+        ax.legend()
+        ax.set_title("CUDA-graph speedup of one decode step", fontsize=10)
+        fig.tight_layout()
+        p = os.path.join(outdir, f"cuda_graph_speedup_{result['tag']}.png")
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def main(argv=None) -> int:
+    warnings.filterwarnings("ignore")
+    ap = argparse.ArgumentParser(prog="python -m nanovllm_ref bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="tiny CPU run: tiny model, 16 short requests")
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--backends", default="auto", help="comma list of nanovllm_ref back-ends, or 'auto' = all available")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager (no CUDA graph) runs")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument("--batch1", action="store_true", help="also measure batch-1 decode tok/s")
+    ap.add_argument("--graph-sweep", action="store_true", help="also measure CUDA-graph speedup per batch size")
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--kvcache-block-size", type=int, default=256)
+    ap.add_argument("--out", default="bench/results", help="folder for JSON/CSV")
+    ap.add_argument("--figures", default=None, help="folder for PNG figures (default: none)")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = "cuda" if cuda else "cpu"
+    tmp = tempfile.mkdtemp(prefix="nanovllm_bench_")
+    if cuda:
+        n = args.num_requests or 256
+        prompts, max_tokens = make_workload(n)
+        path = make_model_folder("qwen3-0.6b", tmp)
+        workload = f"upstream bench.py: Qwen3-0.6B shape, random weights, {n} requests"
+        engine_args = dict(max_model_len=4096, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           kvcache_block_size=args.kvcache_block_size)
+    else:
+        n = args.num_requests or 16
+        prompts, max_tokens = make_workload(n, min_len=16, max_len=64, min_out=16, max_out=48)
+        prompts = [[t % 10000 for t in p] for p in prompts]
+        path = make_model_folder("tiny", tmp)
+        workload = f"CPU mode: tiny random Qwen3, {n} requests"
+        engine_args = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=1024, kvcache_block_size=16,
+                           device="cpu")
+    n_prompt, n_out = sum(map(len, prompts)), sum(max_tokens)
+    if n in EXPECTED_TOTALS and cuda and EXPECTED_TOTALS[n] != (n_prompt, n_out):
+        print(f"workload totals {n_prompt}/{n_out} differ from upstream's {EXPECTED_TOTALS[n]}", file=sys.stderr)
+        return 2
+    print(f"workload: {workload}: {n_prompt:,} prompt tokens, {n_out:,} output tokens")
+
+    from nanovllm_ref.attn import flash_attn_available, triton_available
+    from transformers import AutoConfig
+    hf_config = AutoConfig.from_pretrained(path)
+    machine = measure_machine(device)
+    machine.update(device=device, device_name=torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+                   torch=torch.__version__, python=platform.python_version())
+    try:
+        import triton
+        machine["triton"] = triton.__version__
+    except Exception:
+        machine["triton"] = None
+    import transformers
+    machine["transformers"] = transformers.__version__
+    stats = model_stats(hf_config)
+    floor = physical_floor(prompts, max_tokens, stats, machine["copy_bandwidth_Bps"], machine["matmul_flops"])
+    floor["floor_tok_s"] = n_out / floor["floor_s"]
+    print(f"machine: {machine['device_name']}, copy {machine['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, matmul "
+          f"{machine['matmul_flops'] / 1e12:.1f} TFLOP/s; floor {floor['floor_s']:.2f} s = {floor['floor_tok_s']:,.0f} tok/s")
+
+    if args.backends == "auto":
+        backends = ["torch"] + (["triton"] if cuda and triton_available() else []) + \
+                   (["flash_attn"] if cuda and flash_attn_available() else [])
+    else:
+        backends = args.backends.split(",")
+    runs = []
+
+    def record(name, fn):
+        try:
+            tokens, seconds, info = fn()
+            row = dict(name=name, output_tokens=tokens, seconds=seconds, tok_s=tokens / seconds,
+                       pct_of_floor=100 * floor["floor_s"] / seconds, **info)
+            print(f"{name:38s} {tokens:>9,} tok {seconds:8.2f} s {row['tok_s']:>10,.0f} tok/s "
+                  f"{row['pct_of_floor']:5.1f}% of floor")
+        except Exception as exc:                   # a peer that cannot run is reported, not fatal
+            row = dict(name=name, error=f"{type(exc).__name__}: {exc}"[:500])
+            print(f"{name:38s} skipped: {row['error']}")
+        runs.append(row)
+        return row
+
+    modes = [False] if not cuda else ([False] if args.no_eager else [False, True])
+    for backend in backends:
+        for eager in modes:
+            name = f"nanovllm_ref[{backend}{'' if not cuda else (',eager' if eager else ',cudagraph')}]"
+            record(name, lambda b=backend, e=eager: _engine_run(
+                path, prompts, max_tokens, 0.6, dict(engine_args, attention_backend=b, enforce_eager=e)))
+    if cuda and not args.no_hf:
+        record("hf_transformers[continuous_batching]", lambda: _hf_cb_run(path, prompts, max_tokens, 0.6))
+    try:
+        import vllm  # noqa: F401
+        vllm_status = "importable, but not run by this script"
+    except Exception as exc:
+        vllm_status = f"not importable here ({type(exc).__name__})"
+    print(f"vllm: {vllm_status}")
+
+    result = dict(tag=args.tag or ("h200" if cuda and "H200" in machine["device_name"] else device),
+                  date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"), machine=machine,
+                  workload=dict(name=workload, num_requests=n, prompt_tokens=n_prompt, output_tokens=n_out,
+                                temperature=0.6, ignore_eos=True, engine_args=engine_args),
+                  floor=floor, runs=runs, vllm=vllm_status)
+    best = [r for r in runs if r.get("tok_s") and r["name"].startswith("nanovllm")]
+    hf = [r for r in runs if r.get("tok_s") and r["name"].startswith("hf_")]
+    if best and hf:
+        result["speedup_vs_hf"] = max(r["tok_s"] for r in best) / hf[0]["tok_s"]
+        print(f"best nanovllm_ref / HF continuous batching: {result['speedup_vs_hf']:.1f}x")
+    if args.batch1:
+        b = backends[-1]
+        result["decode_batch1"] = decode_batch1(path, dict(engine_args, attention_backend=b))
+        print(f"batch-1 decode ({b}): {result['decode_batch1']['tok_s']:,.0f} tok/s "
+              f"({result['decode_batch1']['ms_per_step']:.2f} ms/step)")
+    if args.graph_sweep and cuda:
+        result["graph_sweep"] = graph_sweep(path, dict(engine_args, attention_backend=backends[-1]))
+        for r in result["graph_sweep"]:
+            print(f"decode bs {r['batch_size']:4d}: eager {r['eager_ms']:7.2f} ms, graph {r['graph_ms']:7.2f} ms, "
+                  f"{r['speedup']:.1f}x")
+
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"bench_{result['tag']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    with open(stem + ".csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["name", "output_tokens", "seconds", "tok_s", "pct_of_floor", "error"])
+        for r in runs:
+            w.writerow([r["name"], r.get("output_tokens"), r.get("seconds"), r.get("tok_s"), r.get("pct_of_floor"),
+                        r.get("error", "")])
+    print(f"wrote {stem}.json and .csv")
+    if args.figures:
+        for p in draw_figures(result, args.figures):
+            print(f"wrote {p}")
+    return 0 if best else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
