@@ -330,6 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="auto", help="comma list of nanovllm_ref back-ends, or 'auto' = all available")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (no CUDA graph) runs")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument("--peers", default="nanovllm,hf", help="comma list of peers to run: nanovllm, hf")
+    ap.add_argument("--merge", default=None, help="add this run's rows to an earlier result JSON (same workload)")
     ap.add_argument("--batch1", action="store_true", help="also measure batch-1 decode tok/s")
     ap.add_argument("--graph-sweep", action="store_true", help="also measure CUDA-graph speedup per batch size")
     ap.add_argument("--max-num-seqs", type=int, default=512)
@@ -404,13 +406,16 @@ def main(argv=None) -> int:
         runs.append(row)
         return row
 
+    peers = set(args.peers.split(","))
+    if args.no_hf:
+        peers.discard("hf")
     modes = [False] if not cuda else ([False] if args.no_eager else [False, True])
-    for backend in backends:
+    for backend in (backends if "nanovllm" in peers else []):
         for eager in modes:
             name = f"nanovllm_ref[{backend}{'' if not cuda else (',eager' if eager else ',cudagraph')}]"
             record(name, lambda b=backend, e=eager: _engine_run(
                 path, prompts, max_tokens, 0.6, dict(engine_args, attention_backend=b, enforce_eager=e)))
-    if cuda and not args.no_hf:
+    if cuda and "hf" in peers:
         record("hf_transformers[continuous_batching]", lambda: _hf_cb_run(path, prompts, max_tokens, 0.6))
     try:
         import vllm  # noqa: F401
@@ -424,6 +429,18 @@ def main(argv=None) -> int:
                   workload=dict(name=workload, num_requests=n, prompt_tokens=n_prompt, output_tokens=n_out,
                                 temperature=0.6, ignore_eos=True, engine_args=engine_args),
                   floor=floor, runs=runs, vllm=vllm_status)
+    if args.merge:
+        with open(args.merge) as f:
+            earlier = json.load(f)
+        if earlier["workload"]["output_tokens"] != n_out or earlier["workload"]["prompt_tokens"] != n_prompt:
+            print("--merge: the earlier result has another workload", file=sys.stderr)
+            return 2
+        names = {r["name"] for r in runs}
+        for r in runs:
+            r["note"] = f"measured in a separate call on {result['date']}, same machine kind"
+            r["pct_of_floor"] = r.get("seconds") and 100 * earlier["floor"]["floor_s"] / r["seconds"]
+        earlier["runs"] = [r for r in earlier["runs"] if r["name"] not in names] + runs
+        result, runs = earlier, earlier["runs"]
     best = [r for r in runs if r.get("tok_s") and r["name"].startswith("nanovllm")]
     hf = [r for r in runs if r.get("tok_s") and r["name"].startswith("hf_")]
     if best and hf:

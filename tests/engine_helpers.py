@@ -1,12 +1,27 @@
-"""Shared helpers for the engine tests: tiny checkpoints and the HF transformers oracle."""
+"""Shared helpers for the engine tests: tiny checkpoints, the HF transformers oracle, and `LLM`.
+
+`LLM` here is nanovllm_ref.LLM with extra default engine arguments taken from the JSON in the environment
+variable NANOVLLM_TEST_ENGINE_ARGS, so the GPU run (bench/gpu_run.sh) can repeat the same equivalence tests
+with, e.g., {"dtype": "float32", "attention_backend": "triton", "enforce_eager": false}.
+"""
 import functools
+import json
+import os
 import tempfile
 import warnings
 
 import torch
 
+import nanovllm_ref
 from nanovllm_ref.engine.invariants import check_block_manager
 from nanovllm_ref.tiny import make_tiny_model
+
+
+TEST_ENGINE_ARGS = json.loads(os.environ.get("NANOVLLM_TEST_ENGINE_ARGS") or "{}")
+
+
+def LLM(model, **engine_args):
+    return nanovllm_ref.LLM(model, **{**TEST_ENGINE_ARGS, **engine_args})
 
 
 @functools.lru_cache(maxsize=None)

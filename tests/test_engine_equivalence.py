@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from nanovllm_ref import LLM, SamplingParams
-from engine_helpers import hf_greedy, run_checked, tiny_dir
+from nanovllm_ref import SamplingParams
+from engine_helpers import LLM, hf_greedy, run_checked, tiny_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 

@@ -7,8 +7,8 @@ import tempfile
 
 import pytest
 
-from nanovllm_ref import LLM, SamplingParams
-from engine_helpers import hf_greedy, tiny_dir
+from nanovllm_ref import SamplingParams
+from engine_helpers import LLM, hf_greedy, tiny_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 47))]
@@ -100,7 +100,7 @@ def test_unsupported_architecture_raises_value_error():
 
 def test_too_little_memory_for_one_block_raises_value_error():
     with pytest.raises(ValueError, match="too little memory for one KV-cache block"):
-        LLM(tiny_dir("qwen3"), kvcache_block_size=4096, cpu_kvcache_space_gib=1e-6)
+        LLM(tiny_dir("qwen3"), kvcache_block_size=4096, cpu_kvcache_space_gib=1e-6, device="cpu")
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [

@@ -88,9 +88,7 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.model.eval()
-        self.sampler = Sampler()
-        if self.device_type == "cuda":
-            self.sampler = torch.compile(self.sampler)
+        self.sampler = Sampler(compile=self.device_type == "cuda")
         self._setup_attention()
         self.warmup_model()
         self.allocate_kv_cache()

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the project, for the lent H200 (device tool), in one command.
+#
+#   call 1 (carry .carry/a):  bash bench/gpu_run.sh stage     # copies GGUF part 1 to /tmp on the device
+#   call 2 (carry .carry/b):  bash bench/gpu_run.sh all       # everything below; results under $OUT
+#   call 3 (optional):        bash bench/gpu_run.sh hf        # the HF continuous-batching peer alone
+#
+# .carry/a/part_aa and .carry/b/part_ab are the two halves of SmolLM2-135M-Instruct.Q4_1.gguf (the device
+# takes at most 64 MiB per call); .carry/b also holds the gguf wheel (the device has no PyPI).
+# Results come back in $OUT: logs, pytest summaries, kernels.json, bench_h200.json/csv, figures.
+set -uo pipefail
+mode=${1:-all}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/smol
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site" NANOVLLM_REF_HOME=/tmp/nanovllm_home HF_HUB_OFFLINE=1
+unset TRITON_INTERPRET
+
+if [ "$mode" = stage ]; then
+  cp .carry/a/part_aa /tmp/smol/ && ls -la /tmp/smol && nvidia-smi --query-gpu=name,memory.total --format=csv
+  exit 0
+fi
+
+step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+{
+  step "versions"
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+  if [ "$mode" = all ]; then
+    step "SmolLM2: reassemble + convert"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/b/gguf-*.whl
+    cat /tmp/smol/part_aa .carry/b/part_ab > /tmp/smol/model.gguf
+    python3 - <<'PY'
+from nanovllm_ref import download
+download.verify_sha256("/tmp/smol/model.gguf", download.MODELS["smollm2"]["sha256"])
+print(download.convert_gguf("/tmp/smol/model.gguf", download.model_dir("smollm2")))
+PY
+
+    step "kernel checks"
+    python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40
+
+    for cfg in graphs eager; do
+      eager=$([ $cfg = eager ] && echo true || echo false)
+      step "equivalence tests on GPU, CUDA graphs: $cfg"
+      NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"float32\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py \
+          tests/test_engine_tp_and_errors.py tests/test_smollm2_engine.py \
+          -k "not tensor_parallel and not tp_engines" --junitxml="$OUT/pytest_gpu_$cfg.xml" 2>&1 | tail -15
+    done
+
+    step "benchmark (nanovllm_ref back-ends, batch-1 decode, CUDA-graph sweep)"
+    timeout 420 python3 -m nanovllm_ref bench --no-hf --backends triton,torch --batch1 --graph-sweep \
+      --out "$OUT" --figures "$OUT" 2>&1 | tail -30
+  fi
+
+  if [ "$mode" = hf ] || [ "$mode" = all-hf ]; then
+    step "HF transformers continuous batching peer"
+    timeout 500 python3 -m nanovllm_ref bench --peers hf --merge bench/results/bench_h200.json --out "$OUT" --figures "$OUT" 2>&1 | tail -20
+  fi
+  step "done"
+} 2>&1 | tee "$OUT/gpu_run.log"
