@@ -115,3 +115,41 @@ def test_too_little_memory_for_one_block_raises_value_error():
 def test_bad_engine_arguments_raise_clear_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         LLM(tiny_dir("qwen3"), **kwargs)
+
+
+CRASHING_RUN = r"""
+import sys, time
+sys.path.insert(0, {tests!r})
+from engine_helpers import LLM
+from nanovllm_ref import SamplingParams
+llm = LLM({path!r}, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64)
+print("worker pids", *[w.pid for w in llm.workers], flush=True)
+while True:
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+"""
+
+
+def test_tp_engine_killed_mid_run_leaves_no_workers_and_next_engine_starts():
+    import signal
+    import subprocess
+    import sys
+    import time
+    path = tiny_dir("qwen3")
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING_RUN.format(tests=tests_dir, path=path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("worker pids"), line
+    worker_pids = [int(x) for x in line.split()[2:]]
+    time.sleep(1.0)                                   # let it run a few generate calls
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.time() + 30                       # orphaned workers see their pipe close and exit
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") and
+                                         open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in worker_pids):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+                   for p in worker_pids), "a TP worker outlived its killed engine"
+    with LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert out[0]["token_ids"] == hf_greedy(path, [5, 6, 7], 8)
