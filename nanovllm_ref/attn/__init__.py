@@ -55,6 +55,14 @@ def resolve_backend(name: str, device_type: str) -> str:
                          "(pip install flash-attn); use 'triton' or 'torch' instead")
     if name == "triton" and not triton_available():
         raise ValueError("attention_backend='triton' needs the triton package; use 'torch' instead")
+    if name == "triton" and device_type == "cpu":
+        import os
+
+        import nanovllm_ref
+        if os.environ.get("TRITON_INTERPRET") != "1" or nanovllm_ref.TRITON_IMPORTED_WITHOUT_INTERPRETER:
+            raise ValueError("attention_backend='triton' on CPU runs in the Triton interpreter, which must be on "
+                             "before triton is imported: set TRITON_INTERPRET=1 in the environment, or import "
+                             "nanovllm_ref before anything that imports triton")
     return name
 
 

@@ -4,6 +4,7 @@ Slow but obviously right. Every other back-end is tested against this one. Layou
 are in `nanovllm_ref/attn/__init__.py`. Maths runs in fp32 whatever the cache dtype, because the softmax of
 bf16 scores loses the small probabilities that a long context is made of.
 
+`store_kvcache` writes this step's K/V into the cache (the Triton version is kernels/store_kvcache.py).
 The decode path has no host synchronisation (no `.item()`, no data-dependent shapes), so it can be captured
 in a CUDA graph; the prefill paths loop over sequences in Python and are never captured.
 """
@@ -71,3 +72,42 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgt,bthd->bhgd", probs, v)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def _check_store_args(key, value, k_cache, v_cache, slot_mapping):
+    """Shape/dtype/device checks that need no host synchronisation (safe under CUDA-graph capture)."""
+    if key.dim() != 3:
+        raise ValueError(f"key must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(key.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if tuple(k_cache.shape[2:]) != tuple(key.shape[1:]):
+        raise ValueError(f"key rows are {tuple(key.shape[1:])} but cache rows are {tuple(k_cache.shape[2:])} "
+                         "(num_kv_heads, head_dim)")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 (or int64), got {slot_mapping.dtype}")
+    if not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtype mismatch: key {key.dtype}, value {value.dtype}, "
+                         f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    devices = {key.device, value.device, k_cache.device, v_cache.device, slot_mapping.device}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """Same semantics in plain PyTorch: index_copy into the flattened cache, skipping slot -1.
+
+    The boolean filter is a host synchronisation on CUDA, so use this on CPU (or outside CUDA graphs)."""
+    _check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep])
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep])
+
+
+store_kvcache_torch = store_kvcache

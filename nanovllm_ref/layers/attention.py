@@ -11,18 +11,8 @@ Before the KV cache exists (the model runner's warm-up), step 1 is skipped and p
 import torch
 from torch import nn
 
+from nanovllm_ref.attn.torch_backend import store_kvcache as store_kvcache_torch
 from nanovllm_ref.utils.context import get_context
-
-
-def store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping):
-    """Plain-PyTorch KV store: the cache's flat slot s = block_id * block_size + offset gets token i's K/V
-    where slot_mapping[i] = s. Rows with slot -1 are skipped. key/value: [N, Hkv, D]."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):                    # host sync: fine on CPU, never in a CUDA graph
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    slots = slot_mapping.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
 
 
 class Attention(nn.Module):
