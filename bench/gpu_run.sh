@@ -49,7 +49,7 @@ PY
     done
 
     step "benchmark (nanovllm_ref back-ends, batch-1 decode, CUDA-graph sweep)"
-    timeout 420 python3 -m nanovllm_ref bench --no-hf --backends triton,torch --batch1 --graph-sweep \
+    timeout 420 python3 -m nanovllm_ref bench --no-hf --runs triton:graph,triton:eager,torch:eager --batch1 --graph-sweep \
       --out "$OUT" --figures "$OUT" 2>&1 | tail -30
   fi
 

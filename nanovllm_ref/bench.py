@@ -329,6 +329,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--backends", default="auto", help="comma list of nanovllm_ref back-ends, or 'auto' = all available")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (no CUDA graph) runs")
+    ap.add_argument("--runs", default=None, help="explicit nanovllm_ref runs, e.g. triton:graph,triton:eager,torch:eager "
+                                                 "(overrides --backends/--no-eager)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     ap.add_argument("--peers", default="nanovllm,hf", help="comma list of peers to run: nanovllm, hf")
     ap.add_argument("--merge", default=None, help="add this run's rows to an earlier result JSON (same workload)")
@@ -410,11 +412,14 @@ def main(argv=None) -> int:
     if args.no_hf:
         peers.discard("hf")
     modes = [False] if not cuda else ([False] if args.no_eager else [False, True])
-    for backend in (backends if "nanovllm" in peers else []):
-        for eager in modes:
-            name = f"nanovllm_ref[{backend}{'' if not cuda else (',eager' if eager else ',cudagraph')}]"
-            record(name, lambda b=backend, e=eager: _engine_run(
-                path, prompts, max_tokens, 0.6, dict(engine_args, attention_backend=b, enforce_eager=e)))
+    plan = [(b, e) for b in backends for e in modes]
+    if args.runs:
+        plan = [(r.split(":")[0], r.split(":")[1] == "eager") for r in args.runs.split(",")]
+        backends = list(dict.fromkeys(b for b, _ in plan))
+    for backend, eager in (plan if "nanovllm" in peers else []):
+        name = f"nanovllm_ref[{backend}{'' if not cuda else (',eager' if eager else ',cudagraph')}]"
+        record(name, lambda b=backend, e=eager: _engine_run(
+            path, prompts, max_tokens, 0.6, dict(engine_args, attention_backend=b, enforce_eager=e)))
     if cuda and "hf" in peers:
         record("hf_transformers[continuous_batching]", lambda: _hf_cb_run(path, prompts, max_tokens, 0.6))
     try:
@@ -447,12 +452,12 @@ def main(argv=None) -> int:
         result["speedup_vs_hf"] = max(r["tok_s"] for r in best) / hf[0]["tok_s"]
         print(f"best nanovllm_ref / HF continuous batching: {result['speedup_vs_hf']:.1f}x")
     if args.batch1:
-        b = backends[-1]
+        b = backends[0]
         result["decode_batch1"] = decode_batch1(path, dict(engine_args, attention_backend=b))
         print(f"batch-1 decode ({b}): {result['decode_batch1']['tok_s']:,.0f} tok/s "
               f"({result['decode_batch1']['ms_per_step']:.2f} ms/step)")
     if args.graph_sweep and cuda:
-        result["graph_sweep"] = graph_sweep(path, dict(engine_args, attention_backend=backends[-1]))
+        result["graph_sweep"] = graph_sweep(path, dict(engine_args, attention_backend=backends[0]))
         for r in result["graph_sweep"]:
             print(f"decode bs {r['batch_size']:4d}: eager {r['eager_ms']:7.2f} ms, graph {r['graph_ms']:7.2f} ms, "
                   f"{r['speedup']:.1f}x")
