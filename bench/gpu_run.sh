@@ -3,6 +3,7 @@
 #
 #   call 1 (carry .carry/a):  bash bench/gpu_run.sh stage     # copies GGUF part 1 to /tmp on the device
 #   call 2 (carry .carry/b):  bash bench/gpu_run.sh all       # everything below; results under $OUT
+#   or:                       bash bench/gpu_run.sh bench     # the benchmark alone (no model needed)
 #   call 3 (optional):        bash bench/gpu_run.sh hf        # the HF continuous-batching peer alone
 #
 # .carry/a/part_aa and .carry/b/part_ab are the two halves of SmolLM2-135M-Instruct.Q4_1.gguf (the device
@@ -45,12 +46,14 @@ PY
       NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"float32\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py \
           tests/test_engine_tp_and_errors.py tests/test_smollm2_engine.py \
-          -k "not tensor_parallel and not tp_engines" --junitxml="$OUT/pytest_gpu_$cfg.xml" 2>&1 | tail -15
+          -k "not tensor_parallel and not tp_engines and not tp_engine" --junitxml="$OUT/pytest_gpu_$cfg.xml" 2>&1 | tail -15
     done
 
-    step "benchmark (nanovllm_ref back-ends, batch-1 decode, CUDA-graph sweep)"
-    timeout 420 python3 -m nanovllm_ref bench --no-hf --runs triton:graph,triton:eager,torch:eager --batch1 --graph-sweep \
-      --out "$OUT" --figures "$OUT" 2>&1 | tail -30
+  fi
+  if [ "$mode" = all ] || [ "$mode" = bench ]; then
+    step "benchmark: nanovllm_ref (triton, graphs and eager), HF continuous batching, batch-1 decode, CUDA-graph sweep"
+    timeout 540 python3 -m nanovllm_ref bench --runs ${BENCH_RUNS:-triton:graph,triton:eager} --batch1 --graph-sweep \
+      --out "$OUT" --figures "$OUT" 2>&1 | grep -v DEBUG
   fi
 
   if [ "$mode" = hf ] || [ "$mode" = all-hf ]; then

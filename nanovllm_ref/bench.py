@@ -175,7 +175,7 @@ def _hf_cb_run(path, prompts, max_tokens, temperature) -> tuple[int, float, dict
                 manager.add_request(p, request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1)
             done, tokens = 0, 0
             while done < len(ps):
-                r = manager.get_result(timeout=600)
+                r = manager.get_result(timeout=120)
                 if r is None:
                     raise RuntimeError("HF continuous batching timed out")
                 if r.is_finished():
@@ -420,8 +420,6 @@ def main(argv=None) -> int:
         name = f"nanovllm_ref[{backend}{'' if not cuda else (',eager' if eager else ',cudagraph')}]"
         record(name, lambda b=backend, e=eager: _engine_run(
             path, prompts, max_tokens, 0.6, dict(engine_args, attention_backend=b, enforce_eager=e)))
-    if cuda and "hf" in peers:
-        record("hf_transformers[continuous_batching]", lambda: _hf_cb_run(path, prompts, max_tokens, 0.6))
     try:
         import vllm  # noqa: F401
         vllm_status = "importable, but not run by this script"
@@ -446,11 +444,20 @@ def main(argv=None) -> int:
             r["pct_of_floor"] = r.get("seconds") and 100 * earlier["floor"]["floor_s"] / r["seconds"]
         earlier["runs"] = [r for r in earlier["runs"] if r["name"] not in names] + runs
         result, runs = earlier, earlier["runs"]
-    best = [r for r in runs if r.get("tok_s") and r["name"].startswith("nanovllm")]
-    hf = [r for r in runs if r.get("tok_s") and r["name"].startswith("hf_")]
-    if best and hf:
-        result["speedup_vs_hf"] = max(r["tok_s"] for r in best) / hf[0]["tok_s"]
-        print(f"best nanovllm_ref / HF continuous batching: {result['speedup_vs_hf']:.1f}x")
+    def save():
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, f"bench_{result['tag']}")
+        with open(stem + ".json", "w") as f:
+            json.dump(result, f, indent=2)
+        with open(stem + ".csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["name", "output_tokens", "seconds", "tok_s", "pct_of_floor", "error"])
+            for r in runs:
+                w.writerow([r["name"], r.get("output_tokens"), r.get("seconds"), r.get("tok_s"), r.get("pct_of_floor"),
+                            r.get("error", "")])
+        print(f"wrote {stem}.json and .csv")
+
+    save()
     if args.batch1:
         b = backends[0]
         result["decode_batch1"] = decode_batch1(path, dict(engine_args, attention_backend=b))
@@ -462,17 +469,15 @@ def main(argv=None) -> int:
             print(f"decode bs {r['batch_size']:4d}: eager {r['eager_ms']:7.2f} ms, graph {r['graph_ms']:7.2f} ms, "
                   f"{r['speedup']:.1f}x")
 
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"bench_{result['tag']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    with open(stem + ".csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["name", "output_tokens", "seconds", "tok_s", "pct_of_floor", "error"])
-        for r in runs:
-            w.writerow([r["name"], r.get("output_tokens"), r.get("seconds"), r.get("tok_s"), r.get("pct_of_floor"),
-                        r.get("error", "")])
-    print(f"wrote {stem}.json and .csv")
+    save()
+    if cuda and "hf" in peers:
+        record("hf_transformers[continuous_batching]", lambda: _hf_cb_run(path, prompts, max_tokens, 0.6))
+    best = [r for r in result["runs"] if r.get("tok_s") and r["name"].startswith("nanovllm")]
+    hf = [r for r in result["runs"] if r.get("tok_s") and r["name"].startswith("hf_")]
+    if best and hf:
+        result["speedup_vs_hf"] = max(r["tok_s"] for r in best) / hf[0]["tok_s"]
+        print(f"best nanovllm_ref / HF continuous batching: {result['speedup_vs_hf']:.1f}x")
+    save()
     if args.figures:
         for p in draw_figures(result, args.figures):
             print(f"wrote {p}")

@@ -23,7 +23,9 @@ def test_smollm2_greedy_matches_hf_reference_ids(smollm2, dtype):
 
 
 def test_smollm2_chunked_prefill_and_prefix_hits_keep_reference_ids(smollm2):
-    llm = LLM(smollm2, max_model_len=256, kvcache_block_size=2, max_num_batched_tokens=3)
+    # fp32: the second prompt's continuation equals the reference only up to rounding, and bf16 rounding
+    # differs between a prefill and a decode step (seen on the H200: one id flips at position 11).
+    llm = LLM(smollm2, max_model_len=256, kvcache_block_size=2, max_num_batched_tokens=3, dtype="float32")
     sp = SamplingParams(temperature=0, max_tokens=20)
     out = llm.generate([PROMPT_IDS, PROMPT_IDS + REFERENCE[:6]], sp, use_tqdm=False)
     assert out[0]["token_ids"] == REFERENCE
