@@ -4,6 +4,7 @@
 #   call 1 (carry .carry/a):  bash bench/gpu_run.sh stage     # copies GGUF part 1 to /tmp on the device
 #   call 2 (carry .carry/b):  bash bench/gpu_run.sh all       # everything below; results under $OUT
 #   or:                       bash bench/gpu_run.sh bench     # the benchmark alone (no model needed)
+#   or:                       bash bench/gpu_run.sh final     # equivalence tests (no SmolLM2) + benchmark
 #   call 3 (optional):        bash bench/gpu_run.sh hf        # the HF continuous-batching peer alone
 #
 # .carry/a/part_aa and .carry/b/part_ab are the two halves of SmolLM2-135M-Instruct.Q4_1.gguf (the device
@@ -50,13 +51,19 @@ PY
     done
 
   fi
-  if [ "$mode" = all ] || [ "$mode" = bench ]; then
+  if [ "$mode" = final ]; then
+    step "equivalence tests on GPU with fused kernels and CUDA graphs (fp32 vs HF)"
+    NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32", "max_num_seqs": 16}' timeout 150 python3 -m pytest -q \
+      -p no:cacheprovider tests/test_engine_equivalence.py tests/test_triton_engine.py \
+      --junitxml="$OUT/pytest_gpu_fused.xml" 2>&1 | grep -v DEBUG | tail -5
+  fi
+  if [ "$mode" = all ] || [ "$mode" = bench ] || [ "$mode" = final ]; then
     step "benchmark: nanovllm_ref (triton, graphs and eager), HF continuous batching, batch-1 decode, CUDA-graph sweep"
-    timeout 540 python3 -m nanovllm_ref bench --runs ${BENCH_RUNS:-triton:graph,triton:eager} --batch1 --graph-sweep \
+    timeout ${BENCH_TIMEOUT:-540} python3 -m nanovllm_ref bench --runs ${BENCH_RUNS:-triton:graph,triton:eager} --batch1 --graph-sweep \
       --out "$OUT" --figures "$OUT" 2>&1 | grep -v DEBUG
   fi
 
-  if [ "$mode" = hf ] || [ "$mode" = all-hf ]; then
+  if [ "$mode" = hf ]; then
     step "HF transformers continuous batching peer"
     timeout 500 python3 -m nanovllm_ref bench --peers hf --merge bench/results/bench_h200.json --out "$OUT" --figures "$OUT" 2>&1 | tail -20
   fi

@@ -26,6 +26,7 @@ from nanovllm_ref.layers.sampler import Sampler
 from nanovllm_ref.models import get_model_class
 from nanovllm_ref.utils.context import get_context, reset_context, set_context
 from nanovllm_ref.utils.loader import load_model
+from nanovllm_ref.utils import fusion
 from nanovllm_ref.utils.parallel import set_tp
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -76,6 +77,8 @@ class ModelRunner:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=120))
         set_tp(rank, self.world_size)
+        # Fuse RMSNorm / RoPE / SiLU-and-mul into one kernel each on GPU (see utils/fusion.py).
+        fusion.enable(self.device_type == "cuda")
         torch.manual_seed(config.seed)
 
         default_dtype = torch.get_default_dtype()
@@ -201,7 +204,15 @@ class ModelRunner:
         return getattr(self, method)(*args)
 
     def exit(self):
-        self.graphs = {}
+        """Leave the process group and give the GPU memory (graphs, KV cache, weights) back."""
+        self.graphs, self.graph_vars, self.kv_cache = {}, None, None
+        for layer in self._attention_layers():
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.model = None
+        if self.device_type == "cuda":
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
         if self.world_size > 1 and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -8,12 +8,21 @@ position up to max_position are computed once, in fp32, into `cos_sin_cache` [ma
 import torch
 from torch import nn
 
+from nanovllm_ref.utils.fusion import fused
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, num_heads, d]; cos, sin: [num_tokens, d/2] fp32. Returns x rotated, x's dtype."""
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)          # broadcast over heads
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+@fused
+def rotary_qk(positions, q, k, cos_sin_cache):
+    """Rotate q [T, H, d] and k [T, Hkv, d] by their positions [T]: one fused kernel when compiled."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -26,5 +35,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: [num_tokens] int; q: [num_tokens, H, d]; k: [num_tokens, Hkv, d]."""
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return rotary_qk(positions, q, k, self.cos_sin_cache)

@@ -17,8 +17,20 @@ from nanovllm_ref.layers.attention import Attention
 from nanovllm_ref.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm_ref.layers.layernorm import RMSNorm
 from nanovllm_ref.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding
+from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from nanovllm_ref.utils.fusion import fused
 from nanovllm_ref.utils.parallel import get_tp_size
+
+
+@fused
+def qk_norm_rope(positions, q, k, q_weight, k_weight, eps: float, cos_sin_cache):
+    """Qwen3's per-head RMSNorm of q [T, H, d] and k [T, Hkv, d], then RoPE: one kernel when compiled."""
+    def norm(x, w):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+        return w * xf.to(x.dtype)
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    return apply_rotary(norm(q, q_weight), cos, sin), apply_rotary(norm(k, k_weight), cos, sin)
 
 
 def head_dim_of(config) -> int:
@@ -49,8 +61,10 @@ class DecoderAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:                    # Qwen3 normalises each head before RoPE (keeps logits bounded)
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                self.rotary_emb.cos_sin_cache)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q.flatten(1), k.flatten(1), v)
         return self.o_proj(o)
 
