@@ -275,7 +275,8 @@ def draw_figures(result: dict, outdir: str) -> list[str]:
         for i, v in enumerate(vals):
             ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
         ax.set_xlabel("output tokens / s")
-        ax.set_title(f"{result['workload']['name']} on {result['machine']['device_name']}", fontsize=10)
+        ax.set_title(f"{result['workload']['num_requests']} requests, {result['workload']['output_tokens']:,} output "
+                     f"tokens, on {result['machine']['device_name']}", fontsize=10)
         fig.tight_layout()
         p = os.path.join(outdir, f"bench_throughput_{result['tag']}.png")
         fig.savefig(p, dpi=120)
