@@ -67,3 +67,28 @@ def tiny_model_dir(arch: str = "qwen3") -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return make_tiny_model(tempfile.mkdtemp(prefix=f"nanovllm_tiny_{arch}_"), arch)
+
+
+# -- added for chapters 00-02 (course machinery) -------------------------------------------------------------
+def check_unchanged(tag: str, before: dict, after: dict, hint: str | None = None) -> None:
+    """Fail unless each named tensor in `after` equals (bit for bit) its copy in `before`.
+
+    Use: `before = {"x": x.clone()}; call_student(...); check_unchanged(tag, before, {"x": x})`."""
+    for name, saved in before.items():
+        now = after[name]
+        if now.shape != saved.shape or now.dtype != saved.dtype or not torch.equal(now, saved):
+            fail(tag, f"your function changed its input `{name}` (an in-place operation such as `+=`, "
+                      "`.mul_()` or `out=`); the caller may still need it",
+                 hint or "build new tensors (x = x + r) instead of writing into the inputs")
+
+
+def check_type(tag: str, value, types, what: str, hint: str | None = None) -> None:
+    """Fail unless `value` is an instance of `types` (a type or tuple of types)."""
+    if not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        fail(tag, f"{what} should be a {names}, got {type(value).__name__}", hint)
+
+
+def randint(g: torch.Generator, low: int, high: int) -> int:
+    """A random int in [low, high] (inclusive) drawn from generator `g`."""
+    return int(torch.randint(low, high + 1, (1,), generator=g).item())

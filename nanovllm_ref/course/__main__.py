@@ -1,0 +1,120 @@
+"""`python -m nanovllm_ref.course <command>`: the course machinery's command line.
+
+    release [NAMES...]      write chapters/NN_slug.ipynb from solutions/NN_slug.ipynb (all, or those named)
+    check                   exit 1 if committed chapters/ differ from a fresh release (drift check)
+    execute NOTEBOOK...     run solution notebooks top to bottom in this environment, save them normalised
+    verify [NAMES...]       run released chapters unfilled: they must fail exactly at their check cells
+    figures [CHAPTERS...]   redraw figures/chNN_*.png (all chapters, or e.g. `figures 01 02`)
+    import-py SRC.py DST.ipynb   make a notebook from a percent-format (`# %%`) Python file
+
+See nanovllm_ref/course/README.md.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+from nanovllm_ref.course import release as rel
+
+
+def _names(values):
+    return [v for v in values] or None
+
+
+def cmd_execute(args) -> int:
+    status = 0
+    for p in args.notebooks:
+        errors = rel.execute_in_place(Path(p), timeout=args.timeout)
+        for e in errors:
+            print(f"{p}: cell {e.index} raised {e.ename}: {e.evalue[:300]}", file=sys.stderr)
+            status = 1
+        if not errors:
+            print(f"executed {p}")
+    return status
+
+
+def cmd_verify(args) -> int:
+    import nbformat
+    status = 0
+    for path in sorted(Path(args.chapters).glob("*.ipynb")):
+        if not rel.NOTEBOOK_NAME.match(path.name) or (args.names and path.name[:2] not in args.names
+                                                       and path.name not in args.names):
+            continue
+        nb = nbformat.read(path, as_version=4)
+        _, errors = rel.execute_notebook(nb, path.parent, timeout=args.timeout)
+        problems = rel.stub_failures_ok(nb, errors)
+        for p in problems:
+            print(f"{path.name}: {p}", file=sys.stderr)
+        status |= bool(problems)
+        if not problems:
+            print(f"{path.name}: fails at its {len(rel.expected_failures(nb))} check cell(s) and nowhere else")
+    return status
+
+
+def cmd_figures(args) -> int:
+    from nanovllm_ref.course import figures
+    for path in figures.draw(args.chapters or None, Path(args.out)):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_import_py(args) -> int:
+    from nanovllm_ref.course.release import py_to_notebook
+    nb = py_to_notebook(Path(args.src).read_text(encoding="utf-8"))
+    Path(args.dst).write_text(rel.dumps(rel.normalize(nb)), encoding="utf-8")
+    print(f"wrote {args.dst} (now run: python -m nanovllm_ref.course execute {args.dst})")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m nanovllm_ref.course", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def dirs(p):
+        p.add_argument("--solutions", default=str(rel.SOLUTIONS))
+        p.add_argument("--chapters", default=str(rel.CHAPTERS))
+
+    p = sub.add_parser("release", help="write chapters/ from solutions/")
+    dirs(p)
+    p.add_argument("names", nargs="*", help="notebook names, stems or 2-digit chapter numbers (default: all)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if chapters/ is stale")
+    p.set_defaults(func=rel.main_release)
+
+    p = sub.add_parser("check", help="same as `release --check`")
+    dirs(p)
+    p.add_argument("names", nargs="*")
+    p.set_defaults(func=rel.main_release, check=True)
+
+    p = sub.add_parser("execute", help="execute solution notebooks in place (normalised)")
+    p.add_argument("notebooks", nargs="+")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per cell")
+    p.set_defaults(func=cmd_execute)
+
+    p = sub.add_parser("verify", help="released chapters fail exactly at their check cells")
+    p.add_argument("--chapters", default=str(rel.CHAPTERS))
+    p.add_argument("names", nargs="*")
+    p.add_argument("--timeout", type=int, default=300)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("figures", help="redraw figures/chNN_*.png")
+    p.add_argument("chapters", nargs="*", help="2-digit chapter numbers (default: all)")
+    p.add_argument("--out", default=str(rel.FIGURES))
+    p.set_defaults(func=cmd_figures)
+
+    p = sub.add_parser("import-py", help="percent-format .py -> .ipynb (authoring aid)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.set_defaults(func=cmd_import_py)
+
+    args = ap.parse_args(argv)
+    if getattr(args, "names", None) == []:
+        args.names = None
+    try:
+        return args.func(args)
+    except rel.ReleaseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Checks for chapter 04: the KV cache, block tables and paged attention.
+
+- `check_slot_mapping(fn)` (E4.1): fn(block_table, start, end, block_size) -> the cache slot of every
+  position in [start, end); compared with what the engine's `ModelRunner.prepare_prefill` computes.
+- `check_paged_decode(fn)` (E4.2): fn(q, k_cache, v_cache, block_tables, context_lens, scale) compared with
+  `nanovllm_ref.attn.torch_backend.paged_decode` (fp32 atol 1e-5 / rtol 1e-4; bf16 atol 2e-2 / rtol 2e-2).
+- `check_store_kvcache(fn)` (E4.3): fn(key, value, k_cache, v_cache, slot_mapping) writes in place; the
+  caches must equal the ones `nanovllm_ref.layers.attention.store_kvcache_torch` produces, bit for bit.
+
+Every check draws fresh random inputs on each call and prints `E4.n ok` and nothing else on success.
+The `reference_*` functions are the reference answers, for later sections of the notebook and for tests.
+"""
+import random
+
+import torch
+
+from nanovllm_ref.attn import torch_backend
+from nanovllm_ref.course.common import call_student, check_close, fail, fresh_generator, ok
+from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.layers.attention import store_kvcache_torch
+from nanovllm_ref.utils.context import get_context, reset_context
+
+# -- why a KV cache: a FLOP count ---------------------------------------------------------------------------
+
+# Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B).
+QWEN3_0_6B = dict(layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151_936)
+
+
+def forward_flops(num_new: int, num_cached: int, spec: dict = QWEN3_0_6B) -> int:
+    """Multiply-add FLOPs (2 per MAC) of one forward over `num_new` tokens that follow `num_cached` tokens
+    whose K/V is already known, ending in the logits of the last token. Linear layers cost 2 * params per
+    token; attention costs 4 * context * heads * head_dim per token and layer (q.k and p.v); the LM head
+    runs for one token. Norms, RoPE and softmax are ignored (a few percent)."""
+    L, d, H, Hkv, D, I, V = (spec[k] for k in ("layers", "hidden", "heads", "kv_heads", "head_dim",
+                                                "intermediate", "vocab"))
+    per_layer_params = d * (H + 2 * Hkv) * D + H * D * d + 3 * d * I
+    linear = 2 * num_new * L * per_layer_params
+    contexts = sum(range(num_cached + 1, num_cached + num_new + 1))        # token i sees i + 1 keys
+    attention = 4 * L * H * D * contexts
+    return linear + attention + 2 * d * V
+
+
+def generation_flops(prompt_len: int, new_tokens: int, cached: bool, spec: dict = QWEN3_0_6B) -> list[int]:
+    """Cumulative FLOPs after each of `new_tokens` generated tokens. Without a cache every step runs the
+    whole sequence again; with one, the prompt runs once and each later step runs one token."""
+    total, out = 0, []
+    for k in range(new_tokens):
+        if cached:
+            total += forward_flops(prompt_len, 0, spec) if k == 0 else forward_flops(1, prompt_len + k - 1, spec)
+        else:
+            total += forward_flops(prompt_len + k, 0, spec)
+        out.append(total)
+    return out
+
+
+reference_paged_decode = torch_backend.paged_decode
+reference_store_kvcache = store_kvcache_torch
+
+# -- E4.1 slot mapping ------------------------------------------------------------------------------------
+
+
+def reference_slot_mapping(block_table, start: int, end: int, block_size: int) -> list[int]:
+    """The slots the engine writes positions [start, end) to: what ModelRunner.prepare_prefill computes."""
+    from nanovllm_ref.engine.model_runner import ModelRunner
+    runner = object.__new__(ModelRunner)          # only the input-preparation code, no model
+    runner.block_size, runner.device_type, runner.device = block_size, "cpu", torch.device("cpu")
+    seq = Sequence(list(range(max(end, 1))), block_size)
+    seq.block_table = list(block_table)
+    seq.num_cached_tokens, seq.num_scheduled_tokens = start, end - start
+    try:
+        runner.prepare_prefill([seq])
+        return get_context().slot_mapping.tolist()
+    finally:
+        reset_context()
+
+
+def reference_decode_context(lengths: list[int], block_tables: list[list[int]], block_size: int) -> dict:
+    """What the engine's ModelRunner.prepare_decode gives the attention layers when sequences of these
+    lengths (their last token not yet computed) decode one token: {"positions", "slot_mapping",
+    "context_lens", "block_tables"} as Python lists (block tables padded with -1)."""
+    from nanovllm_ref.engine.model_runner import ModelRunner
+    runner = object.__new__(ModelRunner)
+    runner.block_size, runner.device_type, runner.device = block_size, "cpu", torch.device("cpu")
+    seqs = []
+    for n, table in zip(lengths, block_tables):
+        seq = Sequence(list(range(n)), block_size)
+        seq.block_table = list(table)
+        seq.num_cached_tokens = n - 1
+        seqs.append(seq)
+    try:
+        _, positions = runner.prepare_decode(seqs)
+        ctx = get_context()
+        return {"positions": positions.tolist(), "slot_mapping": ctx.slot_mapping.tolist(),
+                "context_lens": ctx.context_lens.tolist(), "block_tables": ctx.block_tables.tolist()}
+    finally:
+        reset_context()
+
+
+def _as_int_list(tag, value, what):
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.is_floating_point():
+            fail(tag, f"{what} should be a 1-D integer tensor or a list of int, got a tensor of shape "
+                      f"{tuple(value.shape)} and dtype {value.dtype}")
+        return [int(x) for x in value.tolist()]
+    if isinstance(value, (list, tuple, range)):
+        if not all(isinstance(x, int) or (isinstance(x, torch.Tensor) and x.numel() == 1) for x in value):
+            fail(tag, f"{what} should hold ints")
+        return [int(x) for x in value]
+    fail(tag, f"{what} should be a list of int (or a 1-D integer tensor), got {type(value).__name__}")
+
+
+def _slot_hint(table, start, end, bs, got):
+    """Name the mistake whose whole output equals `got` (the student's slots), if any."""
+    n = len(table) * bs
+
+    def variant(f):
+        try:
+            return [f(p) for p in range(start, end)]
+        except IndexError:
+            return None
+    right = [table[p // bs] * bs + p % bs for p in range(start, end)]
+    candidates = [
+        (variant(lambda p: table[(p - start) // bs] * bs + (p - start) % bs),
+         "use the absolute position p (start, start + 1, ...), not the index inside this chunk: the first "
+         "`start` tokens are already in the cache"),
+        (variant(lambda p: table[0] * bs + p if p < n else None),
+         "did you wrap to the next block of the block table? Position p lives in block_table[p // "
+         "block_size], at offset p % block_size"),
+        (variant(lambda p: table[p // bs] + p % bs),
+         "a block holds block_size slots: multiply the block id by block_size"),
+        (list(range(start, end)),
+         "the block table maps logical block p // block_size to a physical block id: look it up"),
+        ([x + 1 for x in right], "off by one: position p sits at offset p % block_size (0-based) inside its block"),
+        ([x - 1 for x in right], "off by one: position p sits at offset p % block_size (0-based) inside its block"),
+    ]
+    for slots, hint in candidates:
+        if slots is not None and slots == got and slots != right:
+            return hint
+    return "slot(p) = block_table[p // block_size] * block_size + p % block_size"
+
+
+def _slot_cases(rng: random.Random):
+    """(block_size, num_tokens, start, end) covering full prefills, decodes, chunks and block boundaries."""
+    cases = []
+    for bs in (1, 4, 16, rng.choice([3, 5, 7])):
+        n = rng.randint(1, 4 * bs + 3)
+        cases.append((bs, n, 0, n))                              # whole prompt
+        cases.append((bs, n, n - 1, n))                          # one decode token
+        s = rng.randint(0, n)
+        cases.append((bs, n, s, rng.randint(s, n)))              # a chunk (possibly empty)
+        k = rng.randint(1, 3)
+        cases.append((bs, k * bs + 1, k * bs, k * bs + 1))       # first token of a new block
+        cases.append((bs, k * bs, (k - 1) * bs, k * bs))         # exactly one full block
+    return cases
+
+
+def check_slot_mapping(fn) -> None:
+    tag = "E4.1"
+    rng = random.Random(int(fresh_generator().initial_seed()))
+    cases = [(4, 6, 0, 6, [7, 2])] + [(bs, n, s, e, None) for bs, n, s, e in _slot_cases(rng)]
+    for bs, n, start, end, table in cases:      # the first case is the worked example of the notebook
+        num_blocks = (n + bs - 1) // bs
+        if table is None:                         # distinct physical blocks, in any order
+            table = rng.sample(range(3 * num_blocks + 8), num_blocks)
+        expected = reference_slot_mapping(table, start, end, bs)
+        args = f"slot_mapping({table}, {start}, {end}, {bs})"
+        got = _as_int_list(tag, call_student(tag, fn, list(table), start, end, bs), args)
+        if len(got) != len(expected):
+            fail(tag, f"{args} returned {len(got)} slots, expected {len(expected)} (one per position in "
+                      f"[start, end))", "positions start, start + 1, ..., end - 1; end is excluded")
+        for i, (g, e) in enumerate(zip(got, expected)):
+            if g != e:
+                p = start + i
+                fail(tag, f"{args}: position {p} went to slot {g}, expected {e} (block {table[p // bs]}, "
+                          f"offset {p % bs})", _slot_hint(table, start, end, bs, got))
+    ok(tag)
+
+
+# -- E4.2 paged decode attention --------------------------------------------------------------------------
+
+
+def make_paged_batch(gen: torch.Generator, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     block_size: int, context_lens: list[int], dtype=torch.float32, share_prefix: bool = False):
+    """Random decode inputs over a paged cache filled with random values everywhere (so a kernel that reads
+    past a sequence's context sees garbage). Block tables are padded with -1 to the longest one."""
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for nb in blocks_per_seq:
+        tables.append(perm[used:used + nb])
+        used += nb
+    if share_prefix and batch > 1 and blocks_per_seq[0] > 1 and blocks_per_seq[1] > 1:
+        tables[1][0] = tables[0][0]                      # two sequences share their first block
+    width = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def _decode_variants(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Outputs of plausible wrong decode kernels, with the hint for each."""
+    B, H, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    out = {}
+    width = block_tables.shape[1] * bs
+    out["ignores context_lens"] = (
+        torch_backend.paged_decode(q, k_cache, v_cache, block_tables, torch.full_like(context_lens, width), scale),
+        "mask out keys at positions >= context_lens[b]: the rest of the last block (and the padding) holds "
+        "stale values from other sequences")
+    out["attends one key too few"] = (
+        torch_backend.paged_decode(q, k_cache, v_cache, block_tables, (context_lens - 1).clamp(min=1), scale),
+        "the context has context_lens[b] keys, positions 0 .. context_lens[b] - 1, including the new token's")
+    out["scale"] = (torch_backend.paged_decode(q, k_cache, v_cache, block_tables, context_lens, 1.0),
+                    "multiply the scores q.k by `scale` before the softmax")
+    if Hkv != H:
+        # Query head h read KV head h % Hkv instead of h // (H / Hkv).
+        idx = torch.arange(H) % Hkv
+        group = H // Hkv
+        perm = torch.cat([torch.nonzero(idx == j).flatten() for j in range(Hkv)])
+        wrong = torch_backend.paged_decode(q[:, perm], k_cache, v_cache, block_tables, context_lens, scale)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(H)
+        out["GQA grouping"] = (wrong[:, inv],
+                               f"with {H} query heads and {Hkv} KV heads, query head h uses KV head "
+                               f"h // {group} (heads 0..{group - 1} share KV head 0), not h % {Hkv}")
+    return out
+
+
+def check_paged_decode(fn) -> None:
+    tag = "E4.2"
+    gen = fresh_generator()
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    configs = [  # (batch, H, Hkv, D, block_size, dtype)
+        (1, 4, 4, 8, 4, torch.float32),
+        (3, 4, 2, 16, 4, torch.float32),
+        (4, 8, 1, 16, 16, torch.float32),
+        (3, 6, 2, 8, rng.choice([3, 5]), torch.float32),
+        (2, 4, 2, 16, 1, torch.float32),
+        (3, 4, 2, 16, 8, torch.bfloat16),
+    ]
+    for batch, H, Hkv, D, bs, dtype in configs:
+        # Awkward lengths: 1, exactly one block, one past a block, then random.
+        lens = [1, bs, bs + 1, rng.randint(1, 5 * bs + 3)][:batch]
+        lens += [rng.randint(1, 5 * bs + 3) for _ in range(batch - len(lens))]
+        rng.shuffle(lens)
+        q, kc, vc, bt, cl = make_paged_batch(gen, batch, H, Hkv, D, bs, lens, dtype, share_prefix=True)
+        scale = D ** -0.5
+        expected = torch_backend.paged_decode(q, kc, vc, bt, cl, scale)
+        inputs = [t.clone() for t in (q, kc, vc, bt, cl)]
+        got = call_student(tag, fn, *inputs, scale)
+        for name, before, after in zip(("q", "k_cache", "v_cache", "block_tables", "context_lens"),
+                                       (q, kc, vc, bt, cl), inputs):
+            if not torch.equal(before, after):
+                fail(tag, f"paged_decode modified its input {name}", "decode attention only reads its inputs")
+        where = (f"batch {batch}, {H} query heads / {Hkv} KV heads, head_dim {D}, block_size {bs}, "
+                 f"context_lens {lens}, {str(dtype).replace('torch.', '')}")
+        rtol, atol = (1e-4, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == expected.dtype:
+            err = (got.float() - expected.float()).abs() > atol + rtol * expected.float().abs()
+            if err.any():
+                b, h = (int(i) for i in err.nonzero()[0][:2])
+                hint = "softmax(scale * q . k over the first context_lens[b] keys) @ v, per query head"
+                for _, (variant, why) in _decode_variants(q, kc, vc, bt, cl, scale).items():
+                    if torch.allclose(got.float(), variant.float(), rtol=rtol, atol=atol):
+                        hint = why
+                        break
+                fail(tag, f"output differs from the reference for sequence {b} (context_len {lens[b]}, block "
+                          f"table {bt[b].tolist()}) at query head {h} [{where}]", hint)
+        check_close(tag, got, expected, rtol=rtol, atol=atol, what=f"paged_decode output [{where}]",
+                    hint="output shape [num_seqs, num_heads, head_dim], q's dtype; compute in fp32")
+    ok(tag)
+
+
+# -- E4.3 store_kvcache -----------------------------------------------------------------------------------
+
+
+def check_store_kvcache(fn) -> None:
+    tag = "E4.3"
+    gen = fresh_generator()
+    for num_blocks, bs, Hkv, D, n, dtype in [(4, 4, 2, 8, 6, torch.float32), (6, 1, 1, 16, 1, torch.float32),
+                                             (5, 16, 2, 8, 17, torch.bfloat16), (3, 5, 4, 8, 7, torch.float32)]:
+        k_cache = torch.randn(num_blocks, bs, Hkv, D, generator=gen).to(dtype)
+        v_cache = torch.randn(num_blocks, bs, Hkv, D, generator=gen).to(dtype)
+        key = torch.randn(n, Hkv, D, generator=gen).to(dtype)
+        value = torch.randn(n, Hkv, D, generator=gen).to(dtype)
+        # Distinct slots, never the last one of the cache, and some -1 rows ("do not write").
+        slots = torch.randperm(num_blocks * bs - 1, generator=gen)[:n]
+        if n > 1:
+            slots[torch.randperm(n, generator=gen)[: max(1, n // 3)]] = -1
+        slots = slots.to(torch.int32)
+        exp_k, exp_v = k_cache.clone(), v_cache.clone()
+        store_kvcache_torch(key, value, exp_k, exp_v, slots)
+        got_k, got_v = k_cache.clone(), v_cache.clone()
+        call_student(tag, fn, key.clone(), value.clone(), got_k, got_v, slots.clone())
+        where = f"{num_blocks} blocks of {bs} slots, {n} tokens, slot_mapping {slots.tolist()}"
+        for name, got, exp, old, other in (("k_cache", got_k, exp_k, k_cache, value),
+                                           ("v_cache", got_v, exp_v, v_cache, key)):
+            if torch.equal(got, exp):
+                continue
+            if torch.equal(got, old):
+                fail(tag, f"{name} is unchanged [{where}]",
+                     "write into the cache tensor itself (in place), e.g. k_cache.view(-1, Hkv, D)[slots] = key; "
+                     "a reshape that copies, or a new tensor, leaves the caller's cache untouched")
+            flat_got, flat_exp, flat_old = (t.view(-1, Hkv, D) for t in (got, exp, old))
+            if not torch.equal(flat_got[-1], flat_old[-1]):
+                fail(tag, f"{name}: the last slot of the cache was overwritten, but no token maps to it [{where}]",
+                     "slot -1 means 'do not write'; indexing with -1 writes into the last slot: drop those rows")
+            bad = int((flat_got != flat_exp).flatten(1).any(1).nonzero()[0])
+            rows = (slots == bad).nonzero().flatten().tolist()
+            hint = ("token i's row goes to flat slot slot_mapping[i] of the cache viewed as "
+                    "[num_blocks * block_size, Hkv, D]")
+            if rows and torch.equal(flat_got[bad], other[rows[0]]):
+                hint = "keys go to k_cache and values to v_cache: did you swap them?"
+            fail(tag, f"{name}: slot {bad} (block {bad // bs}, offset {bad % bs}) holds the wrong values "
+                      f"[{where}]", hint)
+    ok(tag)

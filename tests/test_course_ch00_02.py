@@ -1,0 +1,285 @@
+"""Mutation tests of the chapter 00-02 check helpers (nanovllm_ref/course/ch00.py, ch01.py, ch02.py).
+
+Each check must pass on the reference answer (printing exactly its one `E<n>.<m> ok` line, on several
+fresh draws), fail on a stub raising NotImplementedError with 'not implemented yet', and fail with an
+AssertionError on each planted plausible mistake.
+"""
+import pytest
+import torch
+
+from nanovllm_ref import SamplingParams
+from nanovllm_ref.course import ch00, ch01, ch02
+
+
+def passes(check, fn, tag, capsys, times=3):
+    for _ in range(times):
+        capsys.readouterr()
+        check(fn)
+        assert capsys.readouterr().out == f"{tag} ok\n"
+
+
+def fails(check, fn, tag, match=None):
+    with pytest.raises(AssertionError, match=match) as info:
+        check(fn)
+    assert str(info.value).startswith(f"{tag}:"), str(info.value)
+    return str(info.value)
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError("Exercise: stub")
+
+
+CHECKS = [(ch00.check_complete, "E0.1"), (ch01.check_rms_norm, "E1.1"), (ch01.check_fused_add_rms_norm, "E1.2"),
+          (ch02.check_rope_cos_sin, "E2.1"), (ch02.check_apply_rope, "E2.2")]
+
+
+@pytest.mark.parametrize("check, tag", CHECKS)
+def test_stub_is_reported_as_not_implemented(check, tag):
+    fails(check, stub, tag, match="not implemented yet")
+
+
+# -- E0.1 greedy completion ---------------------------------------------------------------------------------
+def test_e0_1_reference_passes(capsys):
+    passes(ch00.check_complete, ch00.reference_complete, "E0.1", capsys, times=2)
+
+
+def _sampled(llm, prompt, max_tokens):
+    return llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=max_tokens), use_tqdm=False)[0]["text"]
+
+
+def _default_length(llm, prompt, max_tokens):
+    return llm.generate([prompt], SamplingParams(temperature=0), use_tqdm=False)[0]["text"]
+
+
+def _with_prompt(llm, prompt, max_tokens):
+    return prompt + ch00.reference_complete(llm, prompt, max_tokens)
+
+
+def _token_ids(llm, prompt, max_tokens):
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]["token_ids"]
+
+
+@pytest.mark.parametrize("mutant, match", [
+    (_sampled, "temperature"), (_default_length, "max_tokens"), (_with_prompt, "only the completion"),
+    (_token_ids, "should be a str")])
+def test_e0_1_catches(mutant, match):
+    fails(ch00.check_complete, mutant, "E0.1", match=match)
+
+
+# -- E1.1 RMSNorm -------------------------------------------------------------------------------------------
+def test_e1_1_reference_passes(capsys):
+    passes(ch01.check_rms_norm, ch01.reference_rms_norm, "E1.1", capsys)
+
+
+def test_e1_1_accepts_equivalent_formulas(capsys):
+    def single_rounding(x, w, eps):          # multiply by weight in fp32, round once
+        xf = x.float()
+        return (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+    passes(ch01.check_rms_norm, single_rounding, "E1.1", capsys)
+
+
+def _no_eps(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True))).to(x.dtype) * w
+
+
+def _eps_outside_sqrt(x, w, eps):
+    xf = x.float()
+    return (xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype) * w
+
+
+def _bf16_normalise(x, w, eps):                 # everything in the input dtype: no fp32 upcast
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _layernorm(x, w, eps):                      # subtracts the mean: LayerNorm, not RMSNorm
+    xf = x.float()
+    xf = xf - xf.mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _sum_not_mean(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _no_weight(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _wrong_dim(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(0, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _returns_fp32(x, w, eps):
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+def _in_place(x, w, eps):
+    x.mul_(torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype))
+    return x * w
+
+
+@pytest.mark.parametrize("mutant, match", [
+    (_no_eps, "eps|NaN"), (_eps_outside_sqrt, None), (_bf16_normalise, "bfloat16"), (_layernorm, None),
+    (_sum_not_mean, None), (_no_weight, None), (_wrong_dim, None), (_returns_fp32, "dtype"),
+    (_in_place, "changed its input")])
+def test_e1_1_catches(mutant, match):
+    fails(ch01.check_rms_norm, mutant, "E1.1", match=match)
+
+
+# -- E1.2 fused add + RMSNorm -------------------------------------------------------------------------------
+def test_e1_2_reference_passes(capsys):
+    passes(ch01.check_fused_add_rms_norm, ch01.reference_fused_add_rms_norm, "E1.2", capsys)
+
+
+def _returns_old_residual(x, r, w, eps):
+    return ch01.reference_rms_norm(x + r, w, eps), r
+
+
+def _in_place_add(x, r, w, eps):
+    x += r
+    return ch01.reference_rms_norm(x, w, eps), x
+
+
+def _norm_x_only(x, r, w, eps):
+    return ch01.reference_rms_norm(x, w, eps), x + r
+
+
+def _swapped(x, r, w, eps):
+    s = x + r
+    return s, ch01.reference_rms_norm(s, w, eps)
+
+
+def _fp32_residual(x, r, w, eps):
+    s = x.float() + r.float()
+    return ch01.reference_rms_norm(s.to(x.dtype), w, eps), s
+
+
+def _no_eps_fused(x, r, w, eps):
+    s = x + r
+    return _no_eps(s, w, eps), s
+
+
+@pytest.mark.parametrize("mutant, match", [
+    (_returns_old_residual, "new_residual"), (_in_place_add, "changed its input"), (_norm_x_only, "normed"),
+    (_swapped, None), (_fp32_residual, "dtype"), (_no_eps_fused, None),
+    (lambda x, r, w, eps: ch01.reference_rms_norm(x + r, w, eps), "tuple")])
+def test_e1_2_catches(mutant, match):
+    fails(ch01.check_fused_add_rms_norm, mutant, "E1.2", match=match)
+
+
+# -- E2.1 cos/sin table -------------------------------------------------------------------------------------
+def test_e2_1_reference_passes(capsys):
+    passes(ch02.check_rope_cos_sin, ch02.reference_rope_cos_sin, "E2.1", capsys)
+
+
+def test_e2_1_accepts_fp64_computation(capsys):
+    def fp64(d, p, base):
+        inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        a = torch.outer(torch.arange(p, dtype=torch.float64), inv)
+        return a.cos().float(), a.sin().float()
+    passes(ch02.check_rope_cos_sin, fp64, "E2.1", capsys)
+
+
+def _table(d, p, base, *, exponent=None, start=0, dtype=torch.float32):
+    i = torch.arange(0, d, 2, dtype=torch.float64)
+    inv = base ** (-(exponent(i, d) if exponent else i / d))
+    a = torch.outer(torch.arange(start, start + p, dtype=torch.float64), inv)
+    return a.cos().to(dtype), a.sin().to(dtype)
+
+
+@pytest.mark.parametrize("mutant, match", [
+    (lambda d, p, base: _table(d, p, 10000.0), None),                                 # base hard-coded
+    (lambda d, p, base: _table(d, p, base, exponent=lambda i, d: i / (2 * d)), None),  # i/d instead of 2i/d
+    (lambda d, p, base: _table(d, p, base, start=1), None),                           # positions from 1
+    (lambda d, p, base: _table(d, p, base, dtype=torch.float64), "dtype"),
+    (lambda d, p, base: tuple(torch.cat([t, t], -1) for t in _table(d, p, base)), "shape"),
+    (lambda d, p, base: _table(d, p, base)[::-1], None),                              # (sin, cos)
+    (lambda d, p, base: torch.stack(_table(d, p, base)), "tuple"),
+])
+def test_e2_1_catches(mutant, match):
+    fails(ch02.check_rope_cos_sin, mutant, "E2.1", match=match)
+
+
+# -- E2.2 apply RoPE ----------------------------------------------------------------------------------------
+def test_e2_2_reference_passes(capsys):
+    passes(ch02.check_apply_rope, ch02.reference_apply_rope, "E2.2", capsys)
+
+
+def test_e2_2_accepts_hf_style_bf16_arithmetic(capsys):
+    def hf_style(positions, q, k, cos, sin):     # cos/sin cast to the input dtype, rotate_half in bf16
+        c = torch.cat([cos[positions], cos[positions]], -1).to(q.dtype).unsqueeze(1)
+        s = torch.cat([sin[positions], sin[positions]], -1).to(q.dtype).unsqueeze(1)
+
+        def rot(x):
+            x1, x2 = x.chunk(2, -1)
+            return x * c + torch.cat((-x2, x1), -1) * s
+        return rot(q), rot(k)
+    passes(ch02.check_apply_rope, hf_style, "E2.2", capsys)
+
+
+def _rotate(x, c, s, sign=1.0):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = c.unsqueeze(1), sign * s.unsqueeze(1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def _interleaved(positions, q, k, cos, sin):
+    return ch02._interleaved(q, cos[positions], sin[positions]), ch02._interleaved(k, cos[positions], sin[positions])
+
+
+def _ignores_positions(positions, q, k, cos, sin):
+    p = torch.arange(positions.numel())
+    return _rotate(q, cos[p], sin[p]), _rotate(k, cos[p], sin[p])
+
+
+def _backwards(positions, q, k, cos, sin):
+    return _rotate(q, cos[positions], sin[positions], -1.0), _rotate(k, cos[positions], sin[positions], -1.0)
+
+
+def _k_not_rotated(positions, q, k, cos, sin):
+    return _rotate(q, cos[positions], sin[positions]), k.clone()
+
+
+def _returns_fp32(positions, q, k, cos, sin):
+    return (_rotate(q.float(), cos[positions], sin[positions]), _rotate(k.float(), cos[positions], sin[positions]))
+
+
+def _in_place(positions, q, k, cos, sin):
+    q_rot, k_rot = _rotate(q, cos[positions], sin[positions]), _rotate(k, cos[positions], sin[positions])
+    q.copy_(q_rot)
+    return q, k_rot
+
+
+def _wrong_base(positions, q, k, cos, sin):    # builds its own table with base 10000 instead of using cos/sin
+    c, s = ch02.reference_rope_cos_sin(q.shape[-1], cos.shape[0], 10000.0)
+    return _rotate(q, c[positions], s[positions]), _rotate(k, c[positions], s[positions])
+
+
+@pytest.mark.parametrize("mutant, match", [
+    (_interleaved, "neighbouring pairs"), (_ignores_positions, "instead of `positions`"), (_backwards, None),
+    (_k_not_rotated, "k_rot"), (_returns_fp32, "dtype"), (_in_place, "changed its input"),
+    (_wrong_base, None)])
+def test_e2_2_catches(mutant, match):
+    fails(ch02.check_apply_rope, mutant, "E2.2", match=match)
+
+
+def test_e2_2_reference_agrees_with_hugging_face():
+    g = torch.Generator().manual_seed(0)
+    positions = torch.tensor([0, 1, 2, 0, 1, 517])
+    q, k = torch.randn(6, 4, 64, generator=g), torch.randn(6, 2, 64, generator=g)
+    cos, sin = ch02.reference_rope_cos_sin(64, 1024, 1e6)
+    ours = ch02.reference_apply_rope(positions, q, k, cos, sin)
+    theirs = ch02.hf_apply_rope(positions, q, k, 64, 1024, 1e6)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_demos_are_stable():
+    assert ch02.relative_position_demo()
+    err = ch01.accumulation_error([64, 4096], rows=8)
+    assert err["bf16"][1] > 100 * err["fp32"][1] and err["bf16"][1] > err["bf16"][0]

@@ -1,0 +1,545 @@
+"""Mutation tests of the chapter 03-05 check helpers (nanovllm_ref/course/ch03.py, ch04.py, ch05.py).
+
+Each check must pass on the reference (printing exactly its one `E<n>.<m> ok` line), fail on a stub that
+raises NotImplementedError (with 'not implemented yet'), and fail on planted plausible mistakes with a
+message that points at the mistake.
+"""
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm_ref.attn import torch_backend
+from nanovllm_ref.course import ch03, ch04, ch05
+from nanovllm_ref.engine.block_manager import BlockManager, compute_block_hash
+from nanovllm_ref.layers.attention import store_kvcache_torch
+from nanovllm_ref.models.qwen3 import DecoderAttention, DecoderMLP
+from nanovllm_ref.utils.context import reset_context, set_context
+
+
+def passes(check, *fns, tag, capsys):
+    capsys.readouterr()
+    check(*fns)
+    assert capsys.readouterr().out == f"{tag} ok\n"
+
+
+def fails(check, *fns, match):
+    with pytest.raises(AssertionError, match=match) as info:
+        check(*fns)
+    return str(info.value)
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError("Exercise: fill in this code")
+
+
+# == chapter 03 =============================================================================================
+
+def gqa_ref(q, k, v, scale):
+    return ch03.reference_gqa_attention(q, k, v, scale)
+
+
+def gqa_noncausal(q, k, v, scale):
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
+                                          v.repeat_interleave(group, 1).transpose(0, 1), scale=scale).transpose(0, 1)
+
+
+def gqa_repeat_not_interleave(q, k, v, scale):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat(1, group, 1), v.repeat(1, group, 1)
+    return ch03.reference_gqa_attention(q, k, v, scale)
+
+
+def gqa_no_scale(q, k, v, scale):
+    return ch03.reference_gqa_attention(q, k, v, 1.0)
+
+
+def attn_ref(attn, positions, x):
+    return DecoderAttention.forward(attn, positions, x)
+
+
+def attn_norm_after_rope(attn, positions, x):
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.reshape(-1, attn.num_heads, attn.head_dim)
+    k = k.reshape(-1, attn.num_kv_heads, attn.head_dim)
+    q, k = attn.rotary_emb(positions, q, k)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    return attn.o_proj(attn.attn(q.flatten(1), k.flatten(1), v))
+
+
+def attn_split_qvk(attn, positions, x):
+    q, v, k = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = attn.q_norm(q.reshape(-1, attn.num_heads, attn.head_dim))
+    k = attn.k_norm(k.reshape(-1, attn.num_kv_heads, attn.head_dim))
+    q, k = attn.rotary_emb(positions, q, k)
+    return attn.o_proj(attn.attn(q.flatten(1), k.flatten(1), v))
+
+
+def attn_no_norm(attn, positions, x):
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k = attn.rotary_emb(positions, q.reshape(-1, attn.num_heads, attn.head_dim),
+                           k.reshape(-1, attn.num_kv_heads, attn.head_dim))
+    return attn.o_proj(attn.attn(q.flatten(1), k.flatten(1), v))
+
+
+def mlp_ref(mlp, x):
+    return DecoderMLP.forward(mlp, x)
+
+
+def mlp_swapped(mlp, x):
+    gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+    return mlp.down_proj(F.silu(up) * gate)
+
+
+def qkv_ref(param, w, shard_id, q_size, kv_size):
+    offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+    param.data[offset:offset + size] = w
+
+
+def qkv_kv_swapped(param, w, shard_id, q_size, kv_size):
+    offset, size = {"q": (0, q_size), "v": (q_size, kv_size), "k": (q_size + kv_size, kv_size)}[shard_id]
+    param.data[offset:offset + size] = w
+
+
+def qkv_bad_offset(param, w, shard_id, q_size, kv_size):
+    offset = {"q": 0, "k": kv_size, "v": 2 * kv_size}[shard_id]
+    param.data[offset:offset + w.shape[0]] = w
+
+
+def gate_up_ref(param, w, shard_id, inter):
+    param.data[shard_id * inter:(shard_id + 1) * inter] = w
+
+
+def gate_up_swapped(param, w, shard_id, inter):
+    param.data[(1 - shard_id) * inter:(2 - shard_id) * inter] = w
+
+
+def make_build_model(qkv_loader=qkv_ref, gate_up_loader=gate_up_ref, gqa=gqa_ref):
+    from transformers import AutoConfig
+    from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM
+    from nanovllm_ref.utils.loader import load_model
+
+    def varlen_prefill(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        b = cu_q.tolist()
+        return torch.cat([gqa(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(b[:-1], b[1:])])
+
+    def build_model(model_dir):
+        model = Qwen3ForCausalLM(AutoConfig.from_pretrained(model_dir))
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.forward = types.MethodType(attn_ref, attn)
+            mlp.forward = types.MethodType(mlp_ref, mlp)
+            attn.qkv_proj.weight.weight_loader = lambda p, w, s, a=attn: qkv_loader(p, w, s, a.q_size, a.kv_size)
+            mlp.gate_up_proj.weight.weight_loader = (
+                lambda p, w, s, m=mlp: gate_up_loader(p, w, s, m.gate_up_proj.output_sizes[0]))
+            attn.attn.backend = SimpleNamespace(varlen_prefill=varlen_prefill)
+        load_model(model, model_dir)
+        return model.eval()
+    return build_model
+
+
+def make_prefill_logits(global_positions=False, one_sequence=False, first_token=False):
+    def prefill_logits(model, prompts):
+        ids = torch.tensor([t for p in prompts for t in p])
+        pos = torch.arange(len(ids)) if global_positions else torch.tensor([i for p in prompts for i in range(len(p))])
+        lens = [len(ids)] if one_sequence else [len(p) for p in prompts]
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        set_context(True, cu, cu, max(lens), max(lens))
+        try:
+            hidden = model(ids, pos)
+        finally:
+            reset_context()
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0)
+        rows = ends - torch.tensor([len(p) for p in prompts]) if first_token else ends - 1
+        return model.compute_logits(hidden[rows])
+    return prefill_logits
+
+
+def no_backend_build(model_dir):
+    from transformers import AutoConfig
+    from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM
+    from nanovllm_ref.utils.loader import load_model
+    model = Qwen3ForCausalLM(AutoConfig.from_pretrained(model_dir))
+    load_model(model, model_dir)
+    return model
+
+
+def unloaded_build(model_dir):
+    from transformers import AutoConfig
+    from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(AutoConfig.from_pretrained(model_dir))
+    for p in model.parameters():
+        p.data.normal_()
+    for m in model.modules():
+        if hasattr(m, "backend"):
+            m.backend = torch_backend
+    return model
+
+
+def test_reference_answers(capsys):
+    passes(ch03.check_decoder_blocks, ch03.reference_attention_forward, ch03.reference_mlp_forward, tag="E3.2",
+           capsys=capsys)
+    passes(ch03.check_packed_loaders, ch03.reference_qkv_weight_loader, ch03.reference_gate_up_weight_loader,
+           tag="E3.3", capsys=capsys)
+    passes(ch04.check_paged_decode, ch04.reference_paged_decode, tag="E4.2", capsys=capsys)
+    passes(ch04.check_store_kvcache, ch04.reference_store_kvcache, tag="E4.3", capsys=capsys)
+    passes(ch05.check_compute_block_hash, ch05.reference_compute_block_hash, tag="E5.1", capsys=capsys)
+    passes(ch05.check_prefix_caching, ch05.ReferenceBlockManager, tag="E5.3", capsys=capsys)
+
+
+def test_e3_1(capsys):
+    passes(ch03.check_gqa_attention, gqa_ref, tag="E3.1", capsys=capsys)
+    fails(ch03.check_gqa_attention, stub, match="not implemented yet")
+    fails(ch03.check_gqa_attention, gqa_noncausal, match="causal mask")
+    fails(ch03.check_gqa_attention, gqa_repeat_not_interleave, match="GQA")
+    fails(ch03.check_gqa_attention, gqa_no_scale, match="scale")
+
+
+def test_e3_2(capsys):
+    passes(ch03.check_decoder_blocks, attn_ref, mlp_ref, tag="E3.2", capsys=capsys)
+    fails(ch03.check_decoder_blocks, stub, mlp_ref, match="not implemented yet")
+    fails(ch03.check_decoder_blocks, attn_ref, stub, match="not implemented yet")
+    fails(ch03.check_decoder_blocks, attn_norm_after_rope, mlp_ref, match="before\\* RoPE")
+    fails(ch03.check_decoder_blocks, attn_split_qvk, mlp_ref, match="q \\| k \\| v")
+    fails(ch03.check_decoder_blocks, attn_no_norm, mlp_ref, match="q_norm")
+    fails(ch03.check_decoder_blocks, attn_ref, mlp_swapped, match="first half")
+
+
+def test_e3_3(capsys):
+    passes(ch03.check_packed_loaders, qkv_ref, gate_up_ref, tag="E3.3", capsys=capsys)
+    fails(ch03.check_packed_loaders, stub, gate_up_ref, match="not implemented yet")
+    fails(ch03.check_packed_loaders, qkv_ref, stub, match="not implemented yet")
+    fails(ch03.check_packed_loaders, qkv_kv_swapped, gate_up_ref,
+          match="where shard 'k' belongs, hold the weights of shard 'v'")
+    fails(ch03.check_packed_loaders, qkv_bad_offset, gate_up_ref, match="qkv_proj")
+    fails(ch03.check_packed_loaders, qkv_ref, gate_up_swapped, match="gate_up_proj")
+
+
+def test_e3_4(capsys):
+    passes(ch03.check_prefill_logits, make_prefill_logits(), make_build_model(), tag="E3.4", capsys=capsys)
+    fails(ch03.check_prefill_logits, stub, make_build_model(), match="not implemented yet")
+    fails(ch03.check_prefill_logits, make_prefill_logits(), make_build_model(qkv_loader=stub),
+          match="not implemented yet")
+    fails(ch03.check_prefill_logits, make_prefill_logits(), make_build_model(qkv_loader=qkv_kv_swapped),
+          match="wrong weights in .*qkv_proj")
+    # Positions counted over the whole batch instead of per prompt give the same logits: RoPE only sees
+    # position differences inside a sequence. (A going-further question in the notebook.)
+    passes(ch03.check_prefill_logits, make_prefill_logits(global_positions=True), make_build_model(), tag="E3.4",
+           capsys=capsys)
+    fails(ch03.check_prefill_logits, make_prefill_logits(), no_backend_build, match="set layer.backend")
+    fails(ch03.check_prefill_logits, make_prefill_logits(), unloaded_build, match="wrong weights")
+    passes(ch03.check_prefill_logits, ch03.reference_prefill_logits, ch03.reference_build_model, tag="E3.4",
+           capsys=capsys)
+    fails(ch03.check_prefill_logits, make_prefill_logits(one_sequence=True), make_build_model(),
+          match="cu_seqlens")
+    fails(ch03.check_prefill_logits, make_prefill_logits(first_token=True), make_build_model(),
+          match="last\\* token")
+    fails(ch03.check_prefill_logits, make_prefill_logits(), make_build_model(gqa=gqa_noncausal),
+          match="differ from HF")
+
+
+# == chapter 04 =============================================================================================
+
+def slots_ref(block_table, start, end, block_size):
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def slots_tensor(block_table, start, end, block_size):
+    p = torch.arange(start, end)
+    return torch.tensor(block_table, dtype=torch.long)[p // block_size] * block_size + p % block_size
+
+
+def slots_off_by_one(block_table, start, end, block_size):
+    return [block_table[p // block_size] * block_size + p % block_size + 1 for p in range(start, end)]
+
+
+def slots_no_wrap(block_table, start, end, block_size):
+    return [block_table[0] * block_size + p for p in range(start, end)]
+
+
+def slots_no_multiply(block_table, start, end, block_size):
+    return [block_table[p // block_size] + p % block_size for p in range(start, end)]
+
+
+def slots_chunk_relative(block_table, start, end, block_size):
+    return [block_table[i // block_size] * block_size + i % block_size for i in range(end - start)]
+
+
+def slots_end_inclusive(block_table, start, end, block_size):
+    return [block_table[p // block_size] * block_size + p % block_size
+            for p in range(start, min(end + 1, len(block_table) * block_size))]
+
+
+def decode_ignores_lens(q, k_cache, v_cache, block_tables, context_lens, scale):
+    full = torch.full_like(context_lens, block_tables.shape[1] * k_cache.shape[1])
+    return torch_backend.paged_decode(q, k_cache, v_cache, block_tables, full, scale)
+
+
+def decode_gqa_modulo(q, k_cache, v_cache, block_tables, context_lens, scale):
+    B, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    table = block_tables.long().clamp(min=0)
+    k = k_cache[table].reshape(B, -1, Hkv, D).float().repeat(1, 1, H // Hkv, 1)     # head h -> h % Hkv
+    v = v_cache[table].reshape(B, -1, Hkv, D).float().repeat(1, 1, H // Hkv, 1)
+    scores = torch.einsum("bhd,bthd->bht", q.float(), k) * scale
+    valid = torch.arange(k.shape[1])[None, :] < context_lens[:, None]
+    probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), -1)
+    return torch.einsum("bht,bthd->bhd", probs, v).to(q.dtype)
+
+
+def decode_lens_minus_one(q, k_cache, v_cache, block_tables, context_lens, scale):
+    return torch_backend.paged_decode(q, k_cache, v_cache, block_tables, (context_lens - 1).clamp(min=1), scale)
+
+
+def decode_bf16_math(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Plausible but wrong: returns fp32 for every input."""
+    return torch_backend.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale).float()
+
+
+def store_writes_minus_one(key, value, k_cache, v_cache, slot_mapping):
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value
+
+
+def store_swapped(key, value, k_cache, v_cache, slot_mapping):
+    store_kvcache_torch(value, key, k_cache, v_cache, slot_mapping)
+
+
+def store_not_in_place(key, value, k_cache, v_cache, slot_mapping):
+    keep = slot_mapping >= 0
+    k_cache = k_cache.clone()
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep].long()] = key[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep].long()] = value[keep]
+
+
+def test_e4_1(capsys):
+    passes(ch04.check_slot_mapping, slots_ref, tag="E4.1", capsys=capsys)
+    passes(ch04.check_slot_mapping, slots_tensor, tag="E4.1", capsys=capsys)
+    fails(ch04.check_slot_mapping, stub, match="not implemented yet")
+    fails(ch04.check_slot_mapping, slots_off_by_one, match="off by one")
+    fails(ch04.check_slot_mapping, slots_no_wrap, match="wrap to the next block")
+    fails(ch04.check_slot_mapping, slots_no_multiply, match="multiply the block id")
+    fails(ch04.check_slot_mapping, slots_chunk_relative, match="absolute position")
+    fails(ch04.check_slot_mapping, slots_end_inclusive, match="end is excluded")
+
+
+def test_reference_slot_mapping_is_the_engines():
+    assert ch04.reference_slot_mapping([7, 2], 0, 6, 4) == [28, 29, 30, 31, 8, 9]
+    assert ch04.reference_slot_mapping([7, 2], 5, 6, 4) == [9]
+    assert ch04.reference_slot_mapping([3, 0, 5], 3, 9, 3) == [0, 1, 2, 15, 16, 17]
+
+
+def test_e4_2(capsys):
+    passes(ch04.check_paged_decode, torch_backend.paged_decode, tag="E4.2", capsys=capsys)
+    fails(ch04.check_paged_decode, stub, match="not implemented yet")
+    fails(ch04.check_paged_decode, decode_ignores_lens, match="mask out keys at positions >= context_lens")
+    fails(ch04.check_paged_decode, decode_gqa_modulo, match="uses KV head h // ")
+    fails(ch04.check_paged_decode, decode_lens_minus_one, match="context_lens\\[b\\] keys")
+    fails(ch04.check_paged_decode, decode_bf16_math, match="dtype")
+
+
+def test_e4_3(capsys):
+    passes(ch04.check_store_kvcache, store_kvcache_torch, tag="E4.3", capsys=capsys)
+    fails(ch04.check_store_kvcache, stub, match="not implemented yet")
+    fails(ch04.check_store_kvcache, store_writes_minus_one, match="slot -1 means")
+    fails(ch04.check_store_kvcache, store_swapped, match="swap")
+    fails(ch04.check_store_kvcache, store_not_in_place, match="k_cache is unchanged")
+
+
+# == chapter 05 =============================================================================================
+
+def hash_no_prefix(token_ids, prefix_hash=-1):
+    return compute_block_hash(token_ids, -1)
+
+
+def hash_int32(token_ids, prefix_hash=-1):
+    import xxhash
+    from array import array
+    h = xxhash.xxh64()
+    if prefix_hash != -1:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(array("i", token_ids).tobytes())
+    return h.intdigest()
+
+
+def hash_zero_is_none(token_ids, prefix_hash=-1):
+    return compute_block_hash(token_ids, prefix_hash if prefix_hash else -1)
+
+
+def hash_hex(token_ids, prefix_hash=-1):
+    return hex(compute_block_hash(token_ids, prefix_hash))
+
+
+class NoDecrement(BlockManager):
+    """Ref count not decremented on deallocate: shared blocks are freed while still held."""
+    def deallocate(self, seq):
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            if block.ref_count == 1:
+                block.ref_count = 0
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+        seq.num_hashed_blocks = 0
+
+
+class FreeForgetsHash(BlockManager):
+    """A freed block loses its hash (and its hash-map entry)."""
+    def deallocate(self, seq):
+        for block_id in seq.block_table:
+            block = self.blocks[block_id]
+            if block.ref_count == 1 and block.hash != -1:
+                self.hash_to_block_id.pop(block.hash, None)
+                block.hash, block.token_ids = -1, []
+        super().deallocate(seq)
+
+
+class HitsUnwritten(BlockManager):
+    """Registers hashes at allocation time: a second request can hit blocks whose K/V is not written yet."""
+    def allocate(self, seq):
+        super().allocate(seq)
+        saved = seq.num_cached_tokens
+        seq.num_cached_tokens = len(seq)
+        self.hash_blocks(seq)
+        seq.num_cached_tokens = saved
+
+
+class UnchainedHashBlocks(BlockManager):
+    """hash_blocks ignores the previous block's hash."""
+    def hash_blocks(self, seq):
+        if not self.enable_prefix_caching:
+            return
+        for i in range(seq.num_hashed_blocks, seq.num_cached_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            block.hash = compute_block_hash(seq.block(i), -1)
+            block.token_ids = list(seq.block(i))
+            self.hash_to_block_id[block.hash] = block.block_id
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_cached_tokens // self.block_size)
+
+
+class LifoFree(BlockManager):
+    """Free pool used as a stack: the most recently freed block is handed out first."""
+    def _take_free_block(self):
+        block_id, _ = self.free_block_ids.popitem(last=True)
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.reset()
+        self.used_block_ids.add(block_id)
+        return block_id
+
+
+class NoRevivedCount(BlockManager):
+    """can_allocate forgets that hits sitting in the free pool use up free blocks too."""
+    def can_allocate(self, seq):
+        return self.num_free_blocks >= seq.num_blocks - len(self._match_prefix(seq))
+
+
+class NoFullHitPop(BlockManager):
+    """A fully cached prompt keeps every hit: no token left to compute."""
+    def _match_prefix(self, seq):
+        hits = super()._match_prefix(seq)
+        n = len(seq) // self.block_size
+        if self.enable_prefix_caching and len(hits) == n - 1 and n > 0 and len(seq) % self.block_size == 0:
+            prev = self.blocks[hits[-1]].hash if hits else -1
+            h = compute_block_hash(seq.block(n - 1), prev)
+            if h in self.hash_to_block_id:
+                hits.append(self.hash_to_block_id[h])
+        return hits
+
+
+class StaleHashOnReuse(BlockManager):
+    """Re-using a freed block keeps its old hash-map entry and contents."""
+    def _take_free_block(self):
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        self.blocks[block_id].ref_count = 1
+        self.used_block_ids.add(block_id)
+        return block_id
+
+
+class CanAppendAlways(BlockManager):
+    def can_append(self, seq):
+        return True
+
+    def may_append(self, seq):
+        if len(seq.block_table) < seq.num_blocks and self.free_block_ids:
+            seq.block_table.append(self._take_free_block())
+
+
+class AppendEveryStep(BlockManager):
+    """may_append adds a block when the last block becomes full, one token too early."""
+    def can_append(self, seq):
+        return len(seq) % self.block_size != 0 or self.num_free_blocks >= 1
+
+    def may_append(self, seq):
+        if len(seq) % self.block_size == 0:
+            seq.block_table.append(self._take_free_block())
+
+
+class StubManager:
+    def __init__(self, num_blocks, block_size, enable_prefix_caching=True):
+        raise NotImplementedError("Exercise 5.2: fill in this code")
+
+
+def test_e5_1(capsys):
+    passes(ch05.check_compute_block_hash, compute_block_hash, tag="E5.1", capsys=capsys)
+    fails(ch05.check_compute_block_hash, stub, match="not implemented yet")
+    fails(ch05.check_compute_block_hash, hash_no_prefix, match="must chain")
+    fails(ch05.check_compute_block_hash, hash_int32, match="8 little-endian bytes")
+    fails(ch05.check_compute_block_hash, hash_zero_is_none, match="0 is a valid hash")
+    fails(ch05.check_compute_block_hash, hash_hex, match="Python int")
+
+
+def test_e5_2(capsys):
+    passes(ch05.check_block_manager_basics, BlockManager, tag="E5.2", capsys=capsys)
+    fails(ch05.check_block_manager_basics, StubManager, match="not implemented yet")
+    fails(ch05.check_block_manager_basics, LifoFree, match="scenario 'allocate and free'")
+    fails(ch05.check_block_manager_basics, CanAppendAlways, match="can_append")
+    fails(ch05.check_block_manager_basics, AppendEveryStep, match="decode appends")
+
+
+def test_e5_2_stub_methods():
+    class Partial(BlockManager):
+        def can_append(self, seq):
+            raise NotImplementedError("Exercise 5.2: fill in this code")
+    fails(ch05.check_block_manager_basics, Partial, match="not implemented yet")
+
+
+def test_e5_3(capsys):
+    passes(ch05.check_prefix_caching, BlockManager, tag="E5.3", capsys=capsys)
+    fails(ch05.check_prefix_caching, StubManager, match="not implemented yet")
+    fails(ch05.check_prefix_caching, NoDecrement, match="decrements the ref count")
+    fails(ch05.check_prefix_caching, FreeForgetsHash, match="freed block keeps its hash")
+    fails(ch05.check_prefix_caching, HitsUnwritten, match="register nothing before hash_blocks")
+    fails(ch05.check_prefix_caching, UnchainedHashBlocks, match="chain the hashes")
+    fails(ch05.check_prefix_caching, NoRevivedCount, match="free pool")
+    fails(ch05.check_prefix_caching, NoFullHitPop, match="whole prompt cached")
+    fails(ch05.check_prefix_caching, StaleHashOnReuse, match="reset an old one")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_e5_random_stream_agrees_with_itself(seed):
+    import random
+    rng = random.Random(seed)
+    for caching in (False, True):
+        ch05._random_stream("E5.x", BlockManager, rng, caching)
+
+
+def test_checks_draw_fresh_inputs(monkeypatch):
+    """Two calls of a check see different inputs (the generator is seeded from the OS)."""
+    seen = []
+
+    def spy(block_table, start, end, block_size):
+        seen.append((tuple(block_table), start, end, block_size))
+        return slots_ref(block_table, start, end, block_size)
+    ch04.check_slot_mapping(spy)
+    first = list(seen)
+    seen.clear()
+    ch04.check_slot_mapping(spy)
+    assert first != seen
