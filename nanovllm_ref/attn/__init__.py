@@ -38,21 +38,28 @@ def triton_available() -> bool:
 BACKENDS = ("auto", "flash_attn", "triton", "torch")
 
 
-def resolve_backend(name: str, device_type: str) -> str:
+def resolve_backend(name: str, device_type: str, block_size: int = 256) -> str:
     """Pick the concrete back-end for `name` on `device_type` ("cuda" or "cpu").
 
-    auto: flash_attn if it imports and we are on CUDA, else triton on CUDA, else torch.
+    auto: flash_attn if it imports, we are on CUDA and the block size is a multiple of 256 (flash-attn's
+    paged KV needs that), else triton on CUDA, else torch.
     Raises ValueError for an unknown name or one that cannot run here.
     """
+    flash_ok = block_size % 256 == 0
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
         if device_type == "cuda":
-            return "flash_attn" if flash_attn_available() else ("triton" if triton_available() else "torch")
+            if flash_ok and flash_attn_available():
+                return "flash_attn"
+            return "triton" if triton_available() else "torch"
         return "torch"
     if name == "flash_attn" and (device_type != "cuda" or not flash_attn_available()):
         raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package "
                          "(pip install flash-attn); use 'triton' or 'torch' instead")
+    if name == "flash_attn" and not flash_ok:
+        raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, "
+                         f"got {block_size}")
     if name == "triton" and not triton_available():
         raise ValueError("attention_backend='triton' needs the triton package; use 'torch' instead")
     if name == "triton" and device_type == "cpu":

@@ -68,7 +68,7 @@ class ModelRunner:
         self.device_type = resolve_device(config.device)
         self.device = torch.device(f"cuda:{rank}" if self.device_type == "cuda" else "cpu")
         self.dtype = resolve_dtype(config.dtype, hf, self.device_type)
-        self.backend_name = resolve_backend(config.attention_backend, self.device_type)
+        self.backend_name = resolve_backend(config.attention_backend, self.device_type, self.block_size)
         self.enforce_eager = config.enforce_eager or self.device_type != "cuda"
         if self.device_type == "cuda":
             torch.cuda.set_device(self.device)
