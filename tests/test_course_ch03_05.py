@@ -295,9 +295,69 @@ def decode_lens_minus_one(q, k_cache, v_cache, block_tables, context_lens, scale
     return torch_backend.paged_decode(q, k_cache, v_cache, block_tables, (context_lens - 1).clamp(min=1), scale)
 
 
-def decode_bf16_math(q, k_cache, v_cache, block_tables, context_lens, scale):
+def decode_returns_fp32(q, k_cache, v_cache, block_tables, context_lens, scale):
     """Plausible but wrong: returns fp32 for every input."""
     return torch_backend.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale).float()
+
+
+def decode_bf16_compute(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """The solution without its .float() calls: scores, softmax and weighted sum in the input dtype."""
+    B, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    table = block_tables.long().clamp(min=0)
+    k = k_cache[table].reshape(B, -1, Hkv, D).repeat_interleave(H // Hkv, dim=2)
+    v = v_cache[table].reshape(B, -1, Hkv, D).repeat_interleave(H // Hkv, dim=2)
+    scores = torch.einsum("bhd,bthd->bht", q, k) * scale
+    valid = torch.arange(k.shape[1])[None, :] < context_lens[:, None]
+    probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("bht,bthd->bhd", probs, v)
+
+
+def decode_bf16_manual_softmax(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Per sequence and head, exp(s - max) / sum in the input dtype."""
+    B, H, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b in range(B):
+        n = int(context_lens[b])
+        blocks = block_tables[b, :(n + bs - 1) // bs].long()
+        k = k_cache[blocks].reshape(-1, Hkv, D)[:n]
+        v = v_cache[blocks].reshape(-1, Hkv, D)[:n]
+        for h in range(H):
+            s = (k[:, h * Hkv // H] @ q[b, h]) * scale
+            e = torch.exp(s - s.max())
+            out[b, h] = (e / e.sum()) @ v[:, h * Hkv // H]
+    return out
+
+
+def decode_fp32_loop(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Right: a different fp32 formulation (loop, manual softmax), output cast back at the end."""
+    B, H, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b in range(B):
+        n = int(context_lens[b])
+        blocks = block_tables[b, :(n + bs - 1) // bs].long()
+        k = k_cache[blocks].reshape(-1, Hkv, D)[:n].float()
+        v = v_cache[blocks].reshape(-1, Hkv, D)[:n].float()
+        for h in range(H):
+            s = (k[:, h * Hkv // H] @ q[b, h].float()) * scale
+            e = torch.exp(s - s.max())
+            out[b, h] = ((e / e.sum()) @ v[:, h * Hkv // H]).to(q.dtype)
+    return out
+
+
+def decode_bf16_probs(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Acceptable (what FlashAttention does): fp32 scores and softmax, weights rounded to bf16 for P @ V."""
+    B, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    table = block_tables.long().clamp(min=0)
+    k = k_cache[table].reshape(B, -1, Hkv, D).repeat_interleave(H // Hkv, dim=2).float()
+    v = v_cache[table].reshape(B, -1, Hkv, D).repeat_interleave(H // Hkv, dim=2)
+    scores = torch.einsum("bhd,bthd->bht", q.float(), k) * scale
+    valid = torch.arange(k.shape[1])[None, :] < context_lens[:, None]
+    probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("bht,bthd->bhd", probs.to(v.dtype).float(), v.float()).to(q.dtype)
 
 
 def store_writes_minus_one(key, value, k_cache, v_cache, slot_mapping):
@@ -340,7 +400,27 @@ def test_e4_2(capsys):
     fails(ch04.check_paged_decode, decode_ignores_lens, match="mask out keys at positions >= context_lens")
     fails(ch04.check_paged_decode, decode_gqa_modulo, match="uses KV head h // ")
     fails(ch04.check_paged_decode, decode_lens_minus_one, match="context_lens\\[b\\] keys")
-    fails(ch04.check_paged_decode, decode_bf16_math, match="dtype")
+    fails(ch04.check_paged_decode, decode_returns_fp32, match="dtype")
+    passes(ch04.check_paged_decode, decode_fp32_loop, tag="E4.2", capsys=capsys)
+    passes(ch04.check_paged_decode, decode_bf16_probs, tag="E4.2", capsys=capsys)
+    msg = fails(ch04.check_paged_decode, decode_bf16_compute, match="compute in fp32")
+    assert "large scores" in msg and "bfloat16" in msg
+    fails(ch04.check_paged_decode, decode_bf16_manual_softmax, match="compute in fp32")
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_e4_2_bf16_compute_always_caught(seed, capsys):
+    """The large-score bf16 case separates fp32 from bf16 arithmetic on every draw: the reference always
+    passes and computing in bf16 always fails. (Tuned on 1000 draws each, with decode_fp32_loop and
+    decode_bf16_probs passing and decode_bf16_manual_softmax failing every time too.) Checks seed from OS
+    entropy, so these are 200 independent draws."""
+    passes(ch04.check_paged_decode, torch_backend.paged_decode, tag="E4.2", capsys=capsys)
+    fails(ch04.check_paged_decode, decode_bf16_compute, match="compute in fp32")
+
+
+def store_forgets_v(key, value, k_cache, v_cache, slot_mapping):
+    keep = slot_mapping >= 0
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep].long()] = key[keep]
 
 
 def test_e4_3(capsys):
@@ -349,6 +429,45 @@ def test_e4_3(capsys):
     fails(ch04.check_store_kvcache, store_writes_minus_one, match="slot -1 means")
     fails(ch04.check_store_kvcache, store_swapped, match="swap")
     fails(ch04.check_store_kvcache, store_not_in_place, match="k_cache is unchanged")
+    msg = fails(ch04.check_store_kvcache, store_forgets_v, match="v_cache is unchanged")
+    assert "v_cache must receive `value` at the same slots as k_cache receives `key`" in msg
+
+
+def test_ch04_paged_figure_arrows_end_on_their_blocks():
+    """Each arrow of figures/ch04_paged_blocks.png starts at its logical block and ends on the top edge of
+    the physical block its block table names, inside that block's width and on no other block."""
+    from nanovllm_ref.course import figures_ch04
+    layout = figures_ch04.paged_layout()
+    tables = figures_ch04.EXAMPLE["block_tables"]
+    assert sorted((s, i, b) for s, i, b, _, _ in layout["arrows"]) == sorted(
+        (s, i, b) for s, t in enumerate(tables) for i, b in enumerate(t))
+    for s, i, b, (x0, y0), (x1, y1) in layout["arrows"]:
+        lx, ly, lw, _ = layout["logical"][(s, i)]
+        assert lx <= x0 <= lx + lw and y0 < ly, (s, i)
+        px, py, pw, ph = layout["physical"][b]
+        assert px + 0.25 * pw <= x1 <= px + 0.75 * pw and y1 == pytest.approx(py + ph), (s, i, b)
+        for other, (ox, oy, ow, oh) in layout["physical"].items():
+            if other != b:
+                assert not (ox - 0.05 <= x1 <= ox + ow + 0.05), (s, i, b, other)
+    # the straight arrows run between the rows, above every physical block and below every logical one
+    top = max(py + ph for _, py, _, ph in layout["physical"].values())
+    bottom = min(ly for _, ly, _, _ in layout["logical"].values())
+    assert all(top <= y1 and y0 < bottom for *_, (_, y0), (_, y1) in layout["arrows"])
+
+
+def test_ch04_paged_figure_draws_the_layout(tmp_path, monkeypatch):
+    """The drawing uses paged_layout's arrows: every FancyArrowPatch goes from a layout start to its end."""
+    from matplotlib.patches import FancyArrowPatch
+    from nanovllm_ref.course import figures_ch04
+    drawn, real_save = [], figures_ch04.save
+
+    def spy(fig, path):
+        drawn.extend(tuple(p._posA_posB) for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch))
+        return real_save(fig, path)
+    monkeypatch.setattr(figures_ch04, "save", spy)
+    figures_ch04.paged_blocks(tmp_path / "x.png")
+    expected = [(start, end) for *_, start, end in figures_ch04.paged_layout()["arrows"]]
+    assert sorted(drawn) == sorted(expected)
 
 
 # == chapter 05 =============================================================================================

@@ -32,56 +32,90 @@ def kv_cache_flops(path: Path) -> Path:
     return save(fig, path)
 
 
+SLOT_W, BLOCK_H = 0.3, 0.45       # width of one slot, height of a block (logical and physical alike)
+BLOCK_GAP, SEQ_GAP = 0.2, 0.8      # between two blocks, between two sequences
+LOGICAL_Y, PHYSICAL_Y = 4.0, 1.0   # bottom edges of the two rows
+
+
+def paged_layout(example: dict = EXAMPLE) -> dict:
+    """Where paged_blocks draws everything, in data coordinates, so tests can check the arrows.
+
+    The sequences' logical blocks sit side by side in a top row, the pool of physical blocks in a bottom
+    row, and every arrow runs down through the empty band between them, from the bottom edge of logical
+    block i to the centre of the top edge of the physical block that the block table names.
+    Returns {"logical": {(seq, i): (x, y, w, h)}, "physical": {block: (x, y, w, h)},
+    "arrows": [(seq, i, block, (x0, y0), (x1, y1))]}."""
+    bs, nb, tables = example["block_size"], example["num_blocks"], example["block_tables"]
+    bw = bs * SLOT_W
+    physical = {b: (b * (bw + BLOCK_GAP), PHYSICAL_Y, bw, BLOCK_H) for b in range(nb)}
+    pool_w = nb * bw + (nb - 1) * BLOCK_GAP
+    top_w = sum(len(t) * bw + (len(t) - 1) * BLOCK_GAP for t in tables) + (len(tables) - 1) * SEQ_GAP
+    logical, x = {}, (pool_w - top_w) / 2
+    for s, table in enumerate(tables):
+        for i in range(len(table)):
+            logical[(s, i)] = (x, LOGICAL_Y, bw, BLOCK_H)
+            x += bw + BLOCK_GAP
+        x += SEQ_GAP - BLOCK_GAP
+    arrows = []
+    for s, table in enumerate(tables):
+        for i, b in enumerate(table):
+            lx, ly, lw, _ = logical[(s, i)]
+            px, py, pw, ph = physical[b]
+            arrows.append((s, i, b, (lx + lw / 2, ly - 0.4), (px + pw / 2, py + ph)))
+    return {"logical": logical, "physical": physical, "arrows": arrows}
+
+
+def _draw_block(ax, x, y, color, n_filled, first_pos=None):
+    """One block of SLOT_W-wide slots: the first n_filled coloured (numbered from first_pos if given)."""
+    for j in range(EXAMPLE["block_size"]):
+        filled = j < n_filled
+        ax.add_patch(Rectangle((x + j * SLOT_W, y), SLOT_W, BLOCK_H, ec="#333", lw=0.8, zorder=2,
+                               fc=color if filled else ("white" if color != "#e0e0e0" else color)))
+        if filled and first_pos is not None:
+            ax.text(x + (j + 0.5) * SLOT_W, y + BLOCK_H / 2, str(first_pos + j), ha="center", va="center",
+                    fontsize=6.5, zorder=3)
+
+
 def paged_blocks(path: Path) -> Path:
     bs, nb = EXAMPLE["block_size"], EXAMPLE["num_blocks"]
     lengths, tables = EXAMPLE["lengths"], EXAMPLE["block_tables"]
-    fig, ax = figure(figsize=(10, 5.2))
+    layout = paged_layout()
+    pool_w = layout["physical"][nb - 1][0] + layout["physical"][nb - 1][2]
+    fig, ax = figure(figsize=(11, 4.6))
     ax.axis("off")
     ax.grid(False)
-    ax.set_xlim(-1.8, 14.5)
-    ax.set_ylim(0.55, 7.2)
-    w = 0.42                       # width of one slot
-    owner = {}
-    # left: logical blocks of each sequence
+    ax.set_xlim(-0.2, pool_w + 0.2)
+    ax.set_ylim(-0.35, 5.75)
+    owner = {b: (s, i) for s, table in enumerate(tables) for i, b in enumerate(table)}
+    # top: the logical blocks of each sequence
+    ax.text(-0.1, 5.5, "logical blocks of each sequence (positions 0, 1, ...)", fontsize=10)
     for s, (n, table) in enumerate(zip(lengths, tables)):
-        y = 5.8 - 2.1 * s
-        ax.text(-1.7, y + 0.2, f"seq {'ABC'[s]}\n{n} tokens", fontsize=9, va="center")
-        ax.text(0, y + 0.75, f"block table {table}", fontsize=8.5, color="#333")
-        for i, block in enumerate(table):
-            x = i * (bs * w + 0.25)
-            for j in range(bs):
-                pos = i * bs + j
-                filled = pos < n
-                ax.add_patch(Rectangle((x + j * w, y), w, 0.45, fc=SEQ_COLORS[s] if filled else "white",
-                                       ec="#333", lw=0.8))
-                if filled:
-                    ax.text(x + j * w + w / 2, y + 0.22, str(pos), ha="center", va="center", fontsize=7)
-            ax.text(x + bs * w / 2, y - 0.25, f"logical {i}", ha="center", fontsize=7.5)
-            owner[block] = (s, i, x + bs * w / 2, y)
-    ax.text(0, 6.95, "logical blocks (positions 0, 1, ...)", fontsize=10)
-    # right: the physical pool, 3 rows of 4 blocks
-    px, py = 9.2, 5.6
-    ax.text(px, 6.95, f"physical KV cache: {nb} blocks of {bs} slots", fontsize=10)
+        x0 = layout["logical"][(s, 0)][0]
+        ax.text(x0, LOGICAL_Y + 0.85, f"seq {'ABC'[s]}: {n} tokens", fontsize=9, fontweight="bold")
+        ax.text(x0, LOGICAL_Y + 0.6, f"block table {table}", fontsize=8.5, color="#333")
+        for i in range(len(table)):
+            x, y, w, _ = layout["logical"][(s, i)]
+            _draw_block(ax, x, y, SEQ_COLORS[s], min(bs, n - i * bs), first_pos=i * bs)
+            ax.text(x + w / 2, y - 0.25, f"logical {i}", ha="center", fontsize=7.5)
+    # bottom: the physical pool
     for b in range(nb):
-        r, c = divmod(b, 4)
-        x, y = px + c * (bs * 0.3 + 0.15), py - r * 1.6
-        s = owner.get(b, (None,))[0]
-        n_in = 0
-        if s is not None:
-            n_in = min(bs, lengths[s] - owner[b][1] * bs)
-        for j in range(bs):
-            ax.add_patch(Rectangle((x + j * 0.3, y), 0.3, 0.45, ec="#333", lw=0.8,
-                                   fc=SEQ_COLORS[s] if s is not None and j < n_in else
-                                   ("white" if s is not None else "#e0e0e0")))
-        ax.text(x + bs * 0.15, y - 0.28, f"block {b}" + ("" if s is not None else " (free)"), ha="center",
-                fontsize=7.5)
-        if s is not None:
-            _, i, lx, ly = owner[b]
-            ax.add_patch(FancyArrowPatch((lx + bs * w / 2 + 0.05, ly + 0.22), (x - 0.05, y + 0.22),
-                                         arrowstyle="->", mutation_scale=9, color=SEQ_COLORS[s], lw=1,
-                                         connectionstyle="arc3,rad=0.08"))
-    ax.text(-1.7, 0.65, "slot(p) = block_table[p // 4] * 4 + p % 4:  seq A's position 9 -> block 9, offset 1 -> "
-                         "slot 37.  Only the last block of a sequence can be partly empty.", fontsize=9)
+        x, y, w, _ = layout["physical"][b]
+        s, i = owner.get(b, (None, None))
+        if s is None:
+            _draw_block(ax, x, y, "#e0e0e0", bs)
+        else:
+            _draw_block(ax, x, y, SEQ_COLORS[s], min(bs, lengths[s] - i * bs))
+        ax.text(x + w / 2, y - 0.28, f"block {b}", ha="center", fontsize=7.5,
+                fontweight="bold" if s is not None else "normal")
+        if s is None:
+            ax.text(x + w / 2, y - 0.5, "(free)", ha="center", fontsize=7, color="#666")
+    ax.text(-0.1, 0.05, f"physical KV cache: one shared pool of {nb} blocks of {bs} slots", fontsize=10)
+    # arrows: logical block i -> the top of the physical block block_table[i]
+    for s, i, b, start, end in layout["arrows"]:
+        ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=11, color=SEQ_COLORS[s],
+                                     lw=1.3, shrinkA=0, shrinkB=0, zorder=1))
+    ax.text(-0.1, -0.3, "slot(p) = block_table[p // 4] * 4 + p % 4:  seq A's position 9 -> block 9, offset 1 -> "
+                        "slot 37.  Only the last block of a sequence can be partly empty.", fontsize=9)
     ax.set_title("Paged KV cache: each sequence's blocks sit anywhere in one shared pool", fontsize=11)
     return save(fig, path)
 
