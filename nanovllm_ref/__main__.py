@@ -132,14 +132,18 @@ def main(argv=None):
     sub.add_parser("bench", help="throughput benchmark (output tokens/s); see `bench --help`")
 
     args = parser.parse_args(argv)
-    if args.cmd == "generate":
-        cmd_generate(args)
-    elif args.cmd == "demo":
-        cmd_generate(args, prompts=DEMO_PROMPTS, chat=True)
-    elif args.cmd == "download":
-        cmd_download(args)
-    elif args.cmd == "doctor":
-        cmd_doctor(args)
+    try:
+        if args.cmd == "generate":
+            cmd_generate(args)
+        elif args.cmd == "demo":
+            cmd_generate(args, prompts=DEMO_PROMPTS, chat=True)
+        elif args.cmd == "download":
+            cmd_download(args)
+        elif args.cmd == "doctor":
+            cmd_doctor(args)
+    except (ValueError, TypeError, RuntimeError) as exc:     # a user error: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

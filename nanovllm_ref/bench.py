@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--kvcache-block-size", type=int, default=256)
-    ap.add_argument("--out", default="bench/results", help="folder for JSON/CSV")
+    ap.add_argument("--out", default="bench/results", help="folder for JSON/CSV (CPU runs are git-ignored there)")
     ap.add_argument("--figures", default=None, help="folder for PNG figures (default: none)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
             row = dict(name=name, output_tokens=tokens, seconds=seconds, tok_s=tokens / seconds,
                        pct_of_floor=100 * floor["floor_s"] / seconds, **info)
             print(f"{name:38s} {tokens:>9,} tok {seconds:8.2f} s {row['tok_s']:>10,.0f} tok/s "
-                  f"{row['pct_of_floor']:5.1f}% of floor")
+                  f"{row['pct_of_floor']:.3g}% of floor")
         except Exception as exc:                   # a peer that cannot run is reported, not fatal
             row = dict(name=name, error=f"{type(exc).__name__}: {exc}"[:500])
             print(f"{name:38s} skipped: {row['error']}")
@@ -456,7 +456,7 @@ def main(argv=None) -> int:
             for r in runs:
                 w.writerow([r["name"], r.get("output_tokens"), r.get("seconds"), r.get("tok_s"), r.get("pct_of_floor"),
                             r.get("error", "")])
-        print(f"wrote {stem}.json and .csv")
+        return stem
 
     save()
     if args.batch1:
@@ -471,6 +471,9 @@ def main(argv=None) -> int:
                   f"{r['speedup']:.1f}x")
 
     save()
+    if not cuda and "hf" in peers:
+        runs.append(dict(name="hf_transformers[continuous_batching]", error="skipped: needs CUDA"))
+        print(f"{'hf_transformers[continuous_batching]':38s} skipped: needs CUDA")
     if cuda and "hf" in peers:
         record("hf_transformers[continuous_batching]", lambda: _hf_cb_run(path, prompts, max_tokens, 0.6))
     best = [r for r in result["runs"] if r.get("tok_s") and r["name"].startswith("nanovllm")]
@@ -478,7 +481,7 @@ def main(argv=None) -> int:
     if best and hf:
         result["speedup_vs_hf"] = max(r["tok_s"] for r in best) / hf[0]["tok_s"]
         print(f"best nanovllm_ref / HF continuous batching: {result['speedup_vs_hf']:.1f}x")
-    save()
+    print(f"wrote {save()}.json and .csv")
     if args.figures:
         for p in draw_figures(result, args.figures):
             print(f"wrote {p}")

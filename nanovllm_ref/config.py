@@ -4,6 +4,7 @@ Names follow vLLM / upstream nano-vllm `config.py`. Every value is checked here,
 allocated, so a bad argument fails fast with a ValueError or TypeError that names it.
 """
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -37,7 +38,9 @@ class Config:
     attention_backend: "auto" | "flash_attn" | "triton" | "torch" (see nanovllm_ref/attn).
     cpu_kvcache_space_gib: KV-cache budget on CPU, in GiB (like vLLM's VLLM_CPU_KVCACHE_SPACE).
     enable_prefix_caching: share full KV blocks between requests with equal prefixes.
-    seed: seed of the sampler's random numbers (and of dummy weights).
+    seed: seed of the sampler's random numbers (and of dummy weights). It seeds torch's global generator
+        when the engine starts, so, as in vLLM without per-request seeds, samples also depend on what else
+        draws random numbers in the process and on how requests are batched.
     load_format: "auto" reads *.safetensors; "dummy" fills the weights with random numbers (vLLM's name),
         for benchmarks of a model shape whose weights are not at hand.
     """
@@ -74,14 +77,18 @@ class Config:
         _check_int("max_model_len", self.max_model_len, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)
         _check_int("kvcache_block_size", self.kvcache_block_size, 1)
-        _check_int("seed", self.seed, 0)
+        _check_int("seed", self.seed, 0, 2**63 - 1)
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if isinstance(self.num_kvcache_blocks, bool) or not isinstance(self.num_kvcache_blocks, int) \
                 or (self.num_kvcache_blocks < 1 and self.num_kvcache_blocks != -1):
             raise ValueError(f"num_kvcache_blocks must be -1 (auto) or an int >= 1, got {self.num_kvcache_blocks!r}")
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not isinstance(self.cpu_kvcache_space_gib, (int, float)) or not self.cpu_kvcache_space_gib > 0:
-            raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib!r}")
+        for name, ok, rng in (("gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+                              ("cpu_kvcache_space_gib", lambda v: 0 < v < 2**20, "in (0, 2**20) GiB")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"{name} must be a number {rng}, got {v!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in DEVICES:
@@ -92,8 +99,15 @@ class Config:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
-        with open(os.path.join(self.model, "config.json")) as f:
-            archs = json.load(f).get("architectures") or []
+        config_path = os.path.join(self.model, "config.json")
+        try:
+            with open(config_path) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read {config_path}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config_path} must hold a JSON object, got {type(raw).__name__}")
+        archs = raw.get("architectures") or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise ValueError(f"unsupported architecture {archs} in {self.model}/config.json; "
                              f"supported: {SUPPORTED_ARCHITECTURES}")

@@ -63,6 +63,8 @@ def tiny_config(arch: str = "qwen3", **overrides):
 def make_tiny_model(path: str, arch: str = "qwen3", seed: int = 0, tokenizer: bool = True, **overrides) -> str:
     """Write a tiny random `arch` checkpoint (+ tokenizer) to `path`; returns `path`."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()             # no "Writing model shards" bars in notebooks and tests
     os.makedirs(path, exist_ok=True)
     cfg = tiny_config(arch, **overrides)
     torch.manual_seed(seed)

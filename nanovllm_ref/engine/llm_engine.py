@@ -11,6 +11,7 @@ engines never clash and nothing named is left in /dev/shm after a crash.
 """
 import atexit
 import multiprocessing as mp
+import numbers
 import socket
 import time
 import warnings
@@ -41,12 +42,22 @@ class LLMEngine:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+            except Exception as exc:
+                raise ValueError(f"could not load a tokenizer from {config.model!r}: {exc}") from exc
+        if len(self.tokenizer) < 2:
+            raise ValueError(f"model folder {config.model!r} has no usable tokenizer "
+                             "(tokenizer.json / tokenizer_config.json); the engine needs one")
         if self.tokenizer.eos_token_id is not None:
             config.eos = config.eos | {self.tokenizer.eos_token_id}
         self.config = config
         self.workers, conns = [], []
         if config.tensor_parallel_size > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                raise ValueError("another tensor-parallel engine is alive in this process; call exit() on it "
+                                 "first (one process group per process)")
             from nanovllm_ref.engine.worker import run_worker
             port, ctx = _free_port(), mp.get_context("spawn")
             for rank in range(1, config.tensor_parallel_size):
@@ -61,6 +72,9 @@ class LLMEngine:
             self.model_runner = ModelRunner(config, 0, conns, port)
         except BaseException:
             self._kill_workers()
+            import torch.distributed as dist
+            if config.tensor_parallel_size > 1 and dist.is_initialized():
+                dist.destroy_process_group()
             raise
         self.scheduler = Scheduler(config)
         self._closed = False
@@ -102,8 +116,11 @@ class LLMEngine:
             raise TypeError(f"sampling_params[{index}] must be a SamplingParams, got {type(sp).__name__}")
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
+        elif isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray)):
+            for j, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise TypeError(f"prompts[{index}][{j}] must be an int token id, got {type(t).__name__}")
+            token_ids = [int(t) for t in prompt]
             vocab = self.config.hf_config.vocab_size
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
@@ -115,8 +132,9 @@ class LLMEngine:
         max_len = self.config.max_model_len
         if len(token_ids) > max_len:
             raise ValueError(f"prompts[{index}] has {len(token_ids)} tokens, more than max_model_len={max_len}")
-        # The most tokens this request can ever hold K/V for (generation stops at max_model_len).
-        longest = min(len(token_ids) + sp.max_tokens, max_len)
+        # The most tokens this request ever holds K/V for: the prompt, then every sampled token but the
+        # last (generation stops at max_tokens or max_model_len, and the last token is never fed back).
+        longest = max(len(token_ids), min(len(token_ids) + sp.max_tokens, max_len) - 1)
         bs = self.config.kvcache_block_size
         need, have = (longest + bs - 1) // bs, self.config.num_kvcache_blocks
         if need > have:
@@ -124,8 +142,13 @@ class LLMEngine:
                              f"blocks of {bs}, the cache has {have}; lower max_tokens or give the cache more memory")
         return token_ids
 
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this engine was shut down (exit() was called); create a new LLM")
+
     def add_request(self, prompt, sampling_params: SamplingParams) -> int:
         """Queue one request; returns its sequence id. Raises before queuing if the request is invalid."""
+        self._check_open()
         token_ids = self._check_request(0, prompt, sampling_params)
         seq = Sequence(token_ids, self.config.kvcache_block_size, sampling_params)
         self.scheduler.add(seq)
@@ -134,6 +157,9 @@ class LLMEngine:
     def step(self):
         """One forward pass. Returns (finished [(seq_id, completion token ids)], num_tokens) where
         num_tokens > 0 counts prefill tokens and < 0 counts decode tokens (for throughput)."""
+        self._check_open()
+        if self.is_finished():
+            return [], 0
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
         token_ids = self.model_runner.call("run", seqs, is_prefill)
@@ -143,6 +169,10 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
+    def abort_all(self) -> None:
+        """Drop every queued or running request and free its KV blocks (cached prefixes stay cached)."""
+        self.scheduler.abort_all()
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
         """Generate completions for `prompts` (a list of str or of token-id lists; one str is also accepted).
 
@@ -150,8 +180,7 @@ class LLMEngine:
         SamplingParams()). Returns, in input order, one dict per prompt: {"text": str, "token_ids": list[int]}
         (the completion only). Raises TypeError/ValueError before any work if a request is invalid.
         """
-        if self._closed:
-            raise RuntimeError("this engine was shut down")
+        self._check_open()
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):
@@ -165,7 +194,8 @@ class LLMEngine:
                              f"({len(prompts)})")
         requests = [self._check_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
         if not self.is_finished():
-            raise RuntimeError("generate() called while requests from add_request() are still pending")
+            raise RuntimeError("generate() called while requests from add_request() are still pending; "
+                               "step() until is_finished(), or call abort_all()")
         seq_ids = []
         for token_ids, sp in zip(requests, sampling_params):
             seq = Sequence(token_ids, self.config.kvcache_block_size, sp)
@@ -173,21 +203,28 @@ class LLMEngine:
             seq_ids.append(seq.seq_id)
         outputs = {}
         pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tps = decode_tps = 0.0
-        while not self.is_finished():
-            t = time.perf_counter()
-            finished, num_tokens = self.step()
-            dt = max(time.perf_counter() - t, 1e-9)
-            if num_tokens > 0:
-                prefill_tps = num_tokens / dt
-            else:
-                decode_tps = -num_tokens / dt
-            if use_tqdm:
-                pbar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
-            for seq_id, token_ids in finished:
-                outputs[seq_id] = token_ids
-                pbar.update(1)
-        pbar.close()
+        # Throughput so far (tokens / seconds of that kind of step), not of the last step alone.
+        totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+        try:
+            while not self.is_finished():
+                t = time.perf_counter()
+                finished, num_tokens = self.step()
+                kind = totals["prefill" if num_tokens > 0 else "decode"]
+                kind[0] += abs(num_tokens)
+                kind[1] += time.perf_counter() - t
+                if use_tqdm:
+                    pbar.set_postfix({k: f"{n / max(s, 1e-9):.0f}tok/s" for k, (n, s) in totals.items()},
+                                     refresh=False)
+                for seq_id, token_ids in finished:
+                    outputs[seq_id] = token_ids
+                    pbar.update(1)
+        except BaseException:
+            # Interrupted (Ctrl-C, a kernel interrupt) or failed: drop this call's requests so the engine
+            # stays usable, then let the exception through.
+            self.scheduler.abort_all()
+            raise
+        finally:
+            pbar.close()
         results = []
         for seq_id in seq_ids:
             token_ids = outputs[seq_id]

@@ -79,6 +79,16 @@ class Scheduler:
         self.running = kept
         return list(kept), False
 
+    def abort_all(self) -> None:
+        """Forget every waiting and running sequence; their blocks go back to the pool (hashes kept)."""
+        for seq in list(self.running) + list(self.waiting):
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.num_scheduled_tokens = 0
+        self.running.clear()
+        self.waiting.clear()
+
     def preempt(self, seq: Sequence) -> None:
         """Free all of `seq`'s blocks and queue it first, to be recomputed (prompt + completion so far)."""
         self.num_preemptions += 1

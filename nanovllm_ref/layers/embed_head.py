@@ -22,6 +22,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        if loaded_weight.shape != (self.shard * self.tp_size, param.shape[1]):
+            raise RuntimeError(f"expected shape {(self.shard * self.tp_size, param.shape[1])}, "
+                               f"got {tuple(loaded_weight.shape)}")
         param.data.copy_(loaded_weight.narrow(0, self.start, self.shard))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -31,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.start
         mine = (local >= 0) & (local < self.shard)
         out = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return all_reduce(out)
+        return all_reduce(out, self.tp_size)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

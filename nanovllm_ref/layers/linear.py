@@ -16,6 +16,12 @@ from torch import nn
 from nanovllm_ref.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 
+def _expect(loaded: torch.Tensor, dim: int, size: int) -> None:
+    """The checkpoint tensor must have exactly `size` along `dim` (else config.json and weights disagree)."""
+    if loaded.shape[dim] != size:
+        raise RuntimeError(f"expected size {size} along dim {dim}, got shape {tuple(loaded.shape)}")
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -29,6 +35,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None):
+        if loaded_weight.shape != param.shape:
+            raise RuntimeError(f"expected shape {tuple(param.shape)}, got {tuple(loaded_weight.shape)}")
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +57,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         rows = param.shape[0]
+        _expect(loaded_weight, 0, rows * self.tp_size)
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * rows, rows))
 
 
@@ -63,6 +72,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
+        _expect(loaded_weight, 0, self.output_sizes[shard_id])
         param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
 
 
@@ -79,6 +89,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded_weight, shard_id):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        _expect(loaded_weight, 0, size * self.tp_size)
         param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
 
 
@@ -92,11 +103,13 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         if param.dim() == 1:                       # the bias is not split: add it on one rank only
+            _expect(loaded_weight, 0, param.shape[0])
             param.data.copy_(loaded_weight)
             return
         cols = param.shape[1]
+        _expect(loaded_weight, 1, cols * self.tp_size)
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias))
+        return all_reduce(F.linear(x, self.weight, bias), self.tp_size)

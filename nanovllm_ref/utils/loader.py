@@ -16,6 +16,8 @@ from torch import nn
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None):
+    if loaded_weight.shape != param.shape:
+        raise RuntimeError(f"expected shape {tuple(param.shape)}, got {tuple(loaded_weight.shape)}")
     param.data.copy_(loaded_weight)
 
 
@@ -27,7 +29,11 @@ def load_model(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = set()
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(file, framework="pt", device="cpu")
+        except Exception as exc:                  # a truncated or foreign file
+            raise ValueError(f"cannot read safetensors file {file!r}: {exc}") from exc
+        with handle as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
@@ -43,10 +49,17 @@ def load_model(model: nn.Module, path: str) -> None:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 tensor = f.get_tensor(name).to(param.dtype)
-                if shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
+                try:
+                    if shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                except NotImplementedError:       # a course exercise's stub loader: let it say so
+                    raise
+                except RuntimeError as exc:       # shape mismatch: config.json and weights disagree
+                    raise ValueError(f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)} does not fit "
+                                     f"parameter {target!r} of shape {tuple(param.shape)} (does config.json "
+                                     f"match the weights?): {exc}") from exc
                 loaded.add(target)
     missing = [n for n in params if n not in loaded
                and not (n == "lm_head.weight" and getattr(model, "tie_word_embeddings", False))]

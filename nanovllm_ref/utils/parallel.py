@@ -1,7 +1,8 @@
-"""Which tensor-parallel rank this process is, and the two collectives the layers use (chapter 09).
+"""Which tensor-parallel rank this process is, and the collective the layers use (chapter 09).
 
-The model runner sets the rank and size once, before it builds the model; layers read them here rather than
-from torch.distributed, so a single-process engine never needs a process group.
+The model runner sets the rank and size before it builds the model; each layer copies them at construction
+(so a later engine with another size in the same process does not change it), and a single-process engine
+never needs a process group.
 """
 import torch
 import torch.distributed as dist
@@ -22,8 +23,8 @@ def get_tp_size() -> int:
     return _TP_SIZE
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over ranks in place (a no-op for one rank)."""
-    if _TP_SIZE > 1:
+def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Sum `x` over the `tp_size` ranks of the layer's engine, in place (a no-op for one rank)."""
+    if tp_size > 1:
         dist.all_reduce(x)
     return x
