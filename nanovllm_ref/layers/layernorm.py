@@ -23,9 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(rms_norm(x + residual), x + residual); the add is in the model dtype, as in HF."""
     x = x + residual
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype), x
+    return rms_norm.eager(x, weight, eps), x
 
 
 class RMSNorm(nn.Module):

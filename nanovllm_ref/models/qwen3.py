@@ -15,7 +15,7 @@ from nanovllm_ref.config import rope_theta
 from nanovllm_ref.layers.activation import SiluAndMul
 from nanovllm_ref.layers.attention import Attention
 from nanovllm_ref.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm_ref.layers.layernorm import RMSNorm
+from nanovllm_ref.layers.layernorm import RMSNorm, rms_norm
 from nanovllm_ref.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from nanovllm_ref.utils.fusion import fused
@@ -25,12 +25,9 @@ from nanovllm_ref.utils.parallel import get_tp_size
 @fused
 def qk_norm_rope(positions, q, k, q_weight, k_weight, eps: float, cos_sin_cache):
     """Qwen3's per-head RMSNorm of q [T, H, d] and k [T, Hkv, d], then RoPE: one kernel when compiled."""
-    def norm(x, w):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-        return w * xf.to(x.dtype)
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    return apply_rotary(norm(q, q_weight), cos, sin), apply_rotary(norm(k, k_weight), cos, sin)
+    q, k = rms_norm.eager(q, q_weight, eps), rms_norm.eager(k, k_weight, eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def head_dim_of(config) -> int:
