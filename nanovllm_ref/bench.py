@@ -340,6 +340,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--kvcache-block-size", type=int, default=256)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU ranks) per engine")
     ap.add_argument("--out", default="bench/results", help="folder for JSON/CSV (CPU runs are git-ignored there)")
     ap.add_argument("--figures", default=None, help="folder for PNG figures (default: none)")
     ap.add_argument("--tag", default=None)
@@ -355,7 +356,8 @@ def main(argv=None) -> int:
         workload = f"upstream bench.py: Qwen3-0.6B shape, random weights, {n} requests"
         engine_args = dict(max_model_len=4096, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
-                           kvcache_block_size=args.kvcache_block_size)
+                           kvcache_block_size=args.kvcache_block_size,
+                           tensor_parallel_size=args.tensor_parallel_size)
     else:
         n = args.num_requests or 16
         prompts, max_tokens = make_workload(n, min_len=16, max_len=64, min_out=16, max_out=48)
@@ -363,7 +365,7 @@ def main(argv=None) -> int:
         path = make_model_folder("tiny", tmp)
         workload = f"CPU mode: tiny random Qwen3, {n} requests"
         engine_args = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=1024, kvcache_block_size=16,
-                           device="cpu")
+                           device="cpu", tensor_parallel_size=args.tensor_parallel_size)
     n_prompt, n_out = sum(map(len, prompts)), sum(max_tokens)
     if n in EXPECTED_TOTALS and cuda and EXPECTED_TOTALS[n] != (n_prompt, n_out):
         print(f"workload totals {n_prompt}/{n_out} differ from upstream's {EXPECTED_TOTALS[n]}", file=sys.stderr)
@@ -418,7 +420,8 @@ def main(argv=None) -> int:
         plan = [(r.split(":")[0], r.split(":")[1] == "eager") for r in args.runs.split(",")]
         backends = list(dict.fromkeys(b for b, _ in plan))
     for backend, eager in (plan if "nanovllm" in peers else []):
-        name = f"nanovllm_ref[{backend}{'' if not cuda else (',eager' if eager else ',cudagraph')}]"
+        tp = f",tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+        name = f"nanovllm_ref[{backend}{'' if not cuda else (',eager' if eager else ',cudagraph')}{tp}]"
         record(name, lambda b=backend, e=eager: _engine_run(
             path, prompts, max_tokens, 0.6, dict(engine_args, attention_backend=b, enforce_eager=e)))
     try:
