@@ -262,6 +262,12 @@ def draw_figures(result: dict, outdir: str) -> list[str]:
     import matplotlib.pyplot as plt
     os.makedirs(outdir, exist_ok=True)
     paths = []
+
+    def save(fig, stem):
+        fig.tight_layout()
+        paths.append(os.path.join(outdir, f"{stem}{result['tag']}.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     runs = [r for r in result["runs"] if r.get("tok_s")]
     if runs:
         fig, ax = plt.subplots(figsize=(8, 4))
@@ -277,11 +283,7 @@ def draw_figures(result: dict, outdir: str) -> list[str]:
         ax.set_xlabel("output tokens / s")
         ax.set_title(f"{result['workload']['num_requests']} requests, {result['workload']['output_tokens']:,} output "
                      f"tokens, on {result['machine']['device_name']}", fontsize=10)
-        fig.tight_layout()
-        p = os.path.join(outdir, f"bench_throughput_{result['tag']}.png")
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
+        save(fig, "bench_throughput_")
     fl = result.get("floor")
     if fl and runs:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -295,11 +297,7 @@ def draw_figures(result: dict, outdir: str) -> list[str]:
         ax.set_ylabel("seconds for the workload")
         ax.legend(fontsize=8)
         ax.set_title("Where the floor comes from (roofline of the workload)", fontsize=10)
-        fig.tight_layout()
-        p = os.path.join(outdir, f"bench_floor_{result['tag']}.png")
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
+        save(fig, "bench_floor_")
     sweep = result.get("graph_sweep")
     if sweep:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -314,11 +312,7 @@ def draw_figures(result: dict, outdir: str) -> list[str]:
                         textcoords="offset points", xytext=(0, -10), ha="center")
         ax.legend()
         ax.set_title("CUDA-graph speedup of one decode step", fontsize=10)
-        fig.tight_layout()
-        p = os.path.join(outdir, f"cuda_graph_speedup_{result['tag']}.png")
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
+        save(fig, "cuda_graph_speedup_")
     return paths
 
 
