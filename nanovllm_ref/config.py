@@ -5,6 +5,7 @@ allocated, so a bad argument fails fast with a ValueError or TypeError that name
 """
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 def _check_int(name, value, low, high=None):
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < low or (high is not None and value > high):
         rng = f">= {low}" if high is None else f"in [{low}, {high}]"
@@ -72,6 +73,10 @@ class Config:
                              "`python -m nanovllm_ref download smollm2`)")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model folder {self.model!r} has no config.json")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
+                     "kvcache_block_size", "num_kvcache_blocks", "seed"):
+            if isinstance(getattr(self, name), numbers.Integral) and not isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))      # numpy ints become plain ints
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_model_len", self.max_model_len, 1)
@@ -81,14 +86,18 @@ class Config:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if isinstance(self.num_kvcache_blocks, bool) or not isinstance(self.num_kvcache_blocks, int) \
-                or (self.num_kvcache_blocks < 1 and self.num_kvcache_blocks != -1):
+        if isinstance(self.num_kvcache_blocks, bool) or not isinstance(self.num_kvcache_blocks, int):
+            raise TypeError(f"num_kvcache_blocks must be an int, got {type(self.num_kvcache_blocks).__name__}")
+        if self.num_kvcache_blocks < 1 and self.num_kvcache_blocks != -1:
             raise ValueError(f"num_kvcache_blocks must be -1 (auto) or an int >= 1, got {self.num_kvcache_blocks!r}")
         for name, ok, rng in (("gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
                               ("cpu_kvcache_space_gib", lambda v: 0 < v < 2**20, "in (0, 2**20) GiB")):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{name} must be a number {rng}, got {type(v).__name__}")
+            if not math.isfinite(v) or not ok(v):
                 raise ValueError(f"{name} must be a number {rng}, got {v!r}")
+            setattr(self, name, float(v))
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in DEVICES:

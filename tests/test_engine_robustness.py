@@ -99,7 +99,8 @@ def test_engine_after_exit_and_idle_step():
 
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(cpu_kvcache_space_gib=math.inf), ValueError, "cpu_kvcache_space_gib"),
-    (dict(gpu_memory_utilization=True), ValueError, "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=True), TypeError, "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
     (dict(seed=2**64), ValueError, "seed"),
     (dict(enforce_eager="no"), TypeError, "enforce_eager"),
     (dict(enable_prefix_caching=0), TypeError, "enable_prefix_caching"),
@@ -107,6 +108,13 @@ def test_engine_after_exit_and_idle_step():
 def test_more_bad_engine_arguments_name_themselves(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         LLM(tiny_dir("qwen3"), **kwargs)
+
+
+def test_numpy_engine_arguments_are_accepted():
+    llm = LLM(tiny_dir("qwen3"), max_num_seqs=np.int64(3), max_model_len=np.int32(32), kvcache_block_size=np.int64(4),
+              num_kvcache_blocks=np.int64(8), cpu_kvcache_space_gib=np.float32(0.5), device="cpu")
+    assert llm.config.num_kvcache_blocks == 8 and type(llm.config.max_model_len) is int
+    assert llm.generate([P], G, use_tqdm=False)[0]["token_ids"] == hf_greedy(tiny_dir("qwen3"), P, 6)
 
 
 def _edit(path, name, text=None, data=None):
