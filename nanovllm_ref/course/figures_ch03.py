@@ -81,6 +81,22 @@ def packed_batch(path: Path) -> Path:
     return save(fig, path)
 
 
+
+def _stacked_weight(ax, x_mid, x_label, title, total_rows, parts):
+    """One fused [total_rows, 64] weight drawn as row blocks, each fed by its checkpoint tensor."""
+    y0, scale = 3.6, 2.6 / total_rows
+    ax.text(x_mid, 3.75, title, ha="center", fontsize=9)
+    row = 0
+    for name, rows, color, sid in parts:
+        h = rows * scale
+        ax.add_patch(Rectangle((x_mid - 0.7, y0 - h), 1.4, h, fc=color, ec="#333"))
+        ax.text(x_mid, y0 - h / 2, f"rows {row}..{row + rows - 1}", ha="center", va="center", fontsize=8)
+        ax.text(x_label, y0 - h / 2, f"{name}.weight\n[{rows}, 64], shard {sid}", va="center", fontsize=8)
+        ax.annotate("", xy=(x_mid - 0.75, y0 - h / 2), xytext=(x_mid - 1.25, y0 - h / 2),
+                    arrowprops=dict(arrowstyle="->"))
+        y0 -= h
+        row += rows
+
 def fused_weights(path: Path) -> Path:
     fig, ax = figure(figsize=(9, 3.6))
     ax.axis("off")
@@ -88,31 +104,11 @@ def fused_weights(path: Path) -> Path:
     ax.set_xlim(0, 10)
     ax.set_ylim(0, 4)
     # qkv: q 4 heads x 16, k 2 x 16, v 2 x 16 (the tiny model) drawn as row blocks of a tall matrix
-    parts = [("q_proj", 64, Q_COLOR, '"q"'), ("k_proj", 32, K_COLOR, '"k"'), ("v_proj", 32, V_COLOR, '"v"')]
-    y0, scale = 3.6, 2.6 / 128
-    ax.text(2.6, 3.75, "qkv_proj.weight  [128, 64]", ha="center", fontsize=9)
-    row = 0
-    for name, rows, color, sid in parts:
-        h = rows * scale
-        ax.add_patch(Rectangle((1.9, y0 - h), 1.4, h, fc=color, ec="#333"))
-        ax.text(2.6, y0 - h / 2, f"rows {row}..{row + rows - 1}", ha="center", va="center", fontsize=8)
-        ax.text(0.2, y0 - h / 2, f"{name}.weight\n[{rows}, 64], shard {sid}", va="center", fontsize=8)
-        ax.annotate("", xy=(1.85, y0 - h / 2), xytext=(1.35, y0 - h / 2), arrowprops=dict(arrowstyle="->"))
-        y0 -= h
-        row += rows
+    _stacked_weight(ax, 2.6, 0.2, "qkv_proj.weight  [128, 64]", 128,
+                    [("q_proj", 64, Q_COLOR, '"q"'), ("k_proj", 32, K_COLOR, '"k"'), ("v_proj", 32, V_COLOR, '"v"')])
     ax.text(0.2, 0.45, "offset of k = q_size = 4 heads x 16\noffset of v = q_size + kv_size", fontsize=8)
-    parts = [("gate_proj", 128, "#fdae6b", "0"), ("up_proj", 128, "#c6dbef", "1")]
-    y0, scale = 3.6, 2.6 / 256
-    ax.text(7.6, 3.75, "gate_up_proj.weight  [256, 64]", ha="center", fontsize=9)
-    row = 0
-    for name, rows, color, sid in parts:
-        h = rows * scale
-        ax.add_patch(Rectangle((6.9, y0 - h), 1.4, h, fc=color, ec="#333"))
-        ax.text(7.6, y0 - h / 2, f"rows {row}..{row + rows - 1}", ha="center", va="center", fontsize=8)
-        ax.text(5.0, y0 - h / 2, f"{name}.weight\n[{rows}, 64], shard {sid}", va="center", fontsize=8)
-        ax.annotate("", xy=(6.85, y0 - h / 2), xytext=(6.35, y0 - h / 2), arrowprops=dict(arrowstyle="->"))
-        y0 -= h
-        row += rows
+    _stacked_weight(ax, 7.6, 5.0, "gate_up_proj.weight  [256, 64]", 256,
+                    [("gate_proj", 128, "#fdae6b", "0"), ("up_proj", 128, "#c6dbef", "1")])
     ax.text(8.5, 2.0, "SiluAndMul:\nsilu(first half)\n * second half", fontsize=8, va="center")
     ax.set_title("The checkpoint stores separate matrices; the engine runs one fused matmul for each group "
                  "(tiny Qwen3: hidden 64)", fontsize=10)
