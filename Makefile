@@ -41,7 +41,7 @@ lab: model
 	$(VENV)/bin/jupyter lab chapters/
 
 release: $(STAMP)
-	$(PY) -m nanovllm_ref.course release
+	$(PY) -m nanovllm_course release
 
 bench-cpu: $(STAMP)
 	$(PY) -m nanovllm_ref bench --cpu

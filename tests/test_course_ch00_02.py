@@ -1,4 +1,4 @@
-"""Mutation tests of the chapter 00-02 check helpers (nanovllm_ref/course/ch00.py, ch01.py, ch02.py).
+"""Mutation tests of the chapter 00-02 check helpers (nanovllm_course/ch00.py, ch01.py, ch02.py).
 
 Each check must pass on the reference answer (printing exactly its one `E<n>.<m> ok` line, on several
 fresh draws), fail on a stub raising NotImplementedError with 'not implemented yet', and fail with an
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanovllm_ref import SamplingParams
-from nanovllm_ref.course import ch00, ch01, ch02
+from nanovllm_course import ch00, ch01, ch02
 
 
 def passes(check, fn, tag, capsys, times=3):

@@ -1,4 +1,4 @@
-"""Mutation tests of the chapter 03-05 check helpers (nanovllm_ref/course/ch03.py, ch04.py, ch05.py).
+"""Mutation tests of the chapter 03-05 check helpers (nanovllm_course/ch03.py, ch04.py, ch05.py).
 
 Each check must pass on the reference (printing exactly its one `E<n>.<m> ok` line), fail on a stub that
 raises NotImplementedError (with 'not implemented yet'), and fail on planted plausible mistakes with a
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm_ref.attn import torch_backend
-from nanovllm_ref.course import ch03, ch04, ch05
+from nanovllm_course import ch03, ch04, ch05
 from nanovllm_ref.engine.block_manager import BlockManager, compute_block_hash
 from nanovllm_ref.layers.attention import store_kvcache_torch
 from nanovllm_ref.models.qwen3 import DecoderAttention, DecoderMLP
@@ -436,7 +436,7 @@ def test_e4_3(capsys):
 def test_ch04_paged_figure_arrows_end_on_their_blocks():
     """Each arrow of figures/ch04_paged_blocks.png starts at its logical block and ends on the top edge of
     the physical block its block table names, inside that block's width and on no other block."""
-    from nanovllm_ref.course import figures_ch04
+    from nanovllm_course import figures_ch04
     layout = figures_ch04.paged_layout()
     tables = figures_ch04.EXAMPLE["block_tables"]
     assert sorted((s, i, b) for s, i, b, _, _ in layout["arrows"]) == sorted(
@@ -458,7 +458,7 @@ def test_ch04_paged_figure_arrows_end_on_their_blocks():
 def test_ch04_paged_figure_draws_the_layout(tmp_path, monkeypatch):
     """The drawing uses paged_layout's arrows: every FancyArrowPatch goes from a layout start to its end."""
     from matplotlib.patches import FancyArrowPatch
-    from nanovllm_ref.course import figures_ch04
+    from nanovllm_course import figures_ch04
     drawn, real_save = [], figures_ch04.save
 
     def spy(fig, path):

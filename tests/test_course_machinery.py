@@ -1,4 +1,4 @@
-"""Tests of the course machinery (nanovllm_ref/course/release.py), over every notebook in solutions/.
+"""Tests of the course machinery (nanovllm_course/release.py), over every notebook in solutions/.
 
 * marker parsing and stubbing (unit tests);
 * solution notebooks follow the conventions and are stored normalised; referenced figures exist;
@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from nanovllm_ref.course import release as rel
+from nanovllm_course import release as rel
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = [p.name for p in rel.solution_paths(REPO / "solutions")]
@@ -138,7 +138,7 @@ def test_solution_follows_conventions(name):
     assert exercises, f"{name} has no exercise"
     assert nb.metadata["kernelspec"]["name"] == "python3"
     assert path.read_text(encoding="utf-8") == rel.dumps(rel.normalize(nbformat.read(path, as_version=4))), \
-        f"{name} is not normalised: run `python -m nanovllm_ref.course execute solutions/{name}`"
+        f"{name} is not normalised: run `python -m nanovllm_course execute solutions/{name}`"
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and cell.execution_count is None and not rel.is_gpu_cell(cell):
             raise AssertionError(f"{name} cell {i} was not executed")
@@ -149,16 +149,16 @@ def test_solution_follows_conventions(name):
 
 def test_chapters_match_a_fresh_release():
     drift = rel.release(REPO / "solutions", REPO / "chapters", check=True)
-    assert drift == [], f"stale chapters {drift}: run `python -m nanovllm_ref.course release` and commit"
+    assert drift == [], f"stale chapters {drift}: run `python -m nanovllm_course release` and commit"
 
 
 def test_check_command_exit_status(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    ok = subprocess.run([sys.executable, "-m", "nanovllm_ref.course", "check"], cwd=REPO, env=env,
+    ok = subprocess.run([sys.executable, "-m", "nanovllm_course", "check"], cwd=REPO, env=env,
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     if NOTEBOOKS:      # an empty chapters folder is stale
-        bad = subprocess.run([sys.executable, "-m", "nanovllm_ref.course", "check", "--chapters", str(tmp_path)],
+        bad = subprocess.run([sys.executable, "-m", "nanovllm_course", "check", "--chapters", str(tmp_path)],
                              cwd=REPO, env=env, capture_output=True, text=True)
         assert bad.returncode == 1 and "stale" in bad.stderr
 

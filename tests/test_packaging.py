@@ -30,3 +30,21 @@ def test_makefile_test_target_is_what_ci_runs():
     assert re.search(r"^test:", (ROOT / "Makefile").read_text(), re.M)
     readme = (ROOT / "README.md").read_text()
     assert "make demo" in readme and "make test" in readme
+
+
+def test_the_engine_imports_nothing_from_the_course():
+    """nanovllm_ref is the engine only: no module of it names the course package, and importing the whole
+    engine (every submodule) loads nothing of it."""
+    import subprocess
+    import sys
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "nanovllm_ref").rglob("*.py")
+                 if "nanovllm_course" in p.read_text(encoding="utf-8")]
+    assert offenders == []
+    code = ("import pkgutil, importlib, sys, nanovllm_ref\n"
+            "for m in pkgutil.walk_packages(nanovllm_ref.__path__, 'nanovllm_ref.'):\n"
+            "    if m.name.endswith('flash_backend'):\n"
+            "        continue\n"
+            "    importlib.import_module(m.name)\n"
+            "print(sorted(k for k in sys.modules if k.startswith('nanovllm_course')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
-from nanovllm_ref.course.figures import figure, save
+from nanovllm_course.figures import figure, save
 
 Q_COLOR, K_COLOR, V_COLOR = "#9ecae1", "#f6c26b", "#a1d99b"
 SEQ_COLORS = ["#6baed6", "#fd8d3c", "#74c476", "#9e9ac8"]

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-from nanovllm_ref.course.figures import figure, save
+from nanovllm_course.figures import figure, save
 
 
 def residual_stream(path: Path) -> Path:
@@ -36,7 +36,7 @@ def residual_stream(path: Path) -> Path:
 
 
 def accumulation_error(path: Path) -> Path:
-    from nanovllm_ref.course.ch01 import accumulation_error as measure
+    from nanovllm_course.ch01 import accumulation_error as measure
     sizes = [16, 32, 64, 128, 256, 576, 1024, 2048, 4096, 8192]
     err = measure(sizes)
     fig, ax = figure(figsize=(6.5, 4))

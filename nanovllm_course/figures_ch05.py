@@ -5,7 +5,7 @@ from pathlib import Path
 
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from nanovllm_ref.course.figures import figure, save
+from nanovllm_course.figures import figure, save
 
 A_COLOR, B_COLOR, SHARED = "#6baed6", "#fd8d3c", "#bcbddc"
 
@@ -89,7 +89,7 @@ def prefix_sharing(path: Path) -> Path:
 
 
 def prefill_savings(path: Path) -> Path:
-    from nanovllm_ref.course.ch05 import simulate
+    from nanovllm_course.ch05 import simulate
     rng = random.Random(0)
     system = [rng.randrange(1000) for _ in range(256)]
     counts = [1, 2, 4, 8, 16, 32]

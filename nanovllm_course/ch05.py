@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import xxhash
 
-from nanovllm_ref.course.common import call_student, fail, fresh_generator, ok
+from nanovllm_course.common import call_student, fail, fresh_generator, ok
 from nanovllm_ref.engine.block_manager import BlockManager as RefBlockManager
 from nanovllm_ref.engine.block_manager import compute_block_hash as ref_hash
 from nanovllm_ref.engine.invariants import check_block_manager

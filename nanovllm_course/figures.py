@@ -1,8 +1,8 @@
 """Draw the course figures (figures/chNN_*.png) with matplotlib's Agg back-end.
 
-Each chapter's drawing code lives in `nanovllm_ref/course/figures_chNN.py`, a module with a function
+Each chapter's drawing code lives in `nanovllm_course/figures_chNN.py`, a module with a function
 `draw(out_dir: Path) -> list[Path]` that writes that chapter's figures (named `chNN_<what>.png`) with
-`save(fig, out_dir / name)` from here. `python -m nanovllm_ref.course figures [NN ...]` runs them all
+`save(fig, out_dir / name)` from here. `python -m nanovllm_course figures [NN ...]` runs them all
 (or those named). Figures are drawn from fixed seeds and saved without a timestamp or software tag, so
 redrawing on the same library versions gives the same bytes.
 """
@@ -37,8 +37,8 @@ def save(fig, path: Path) -> Path:
 
 
 def chapter_modules() -> dict[str, str]:
-    """{"01": "nanovllm_ref.course.figures_ch01", ...} for every figures_chNN module."""
-    import nanovllm_ref.course as pkg
+    """{"01": "nanovllm_course.figures_ch01", ...} for every figures_chNN module."""
+    import nanovllm_course as pkg
     found = {}
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name.startswith("figures_ch") and info.name[10:].isdigit():

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from nanovllm_ref.course.figures import figure, save
+from nanovllm_course.figures import figure, save
 
 SEQ_COLORS = ["#6baed6", "#fd8d3c", "#74c476"]
 
@@ -13,7 +13,7 @@ EXAMPLE = dict(block_size=4, num_blocks=12, lengths=[10, 6, 13], block_tables=[[
 
 
 def kv_cache_flops(path: Path) -> Path:
-    from nanovllm_ref.course.ch04 import generation_flops
+    from nanovllm_course.ch04 import generation_flops
     prompt, n = 512, 1024
     steps = list(range(1, n + 1))
     without = generation_flops(prompt, n, cached=False)

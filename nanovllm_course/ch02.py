@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from nanovllm_ref.course.common import call_student, check_close, check_type, check_unchanged, fail, \
+from nanovllm_course.common import call_student, check_close, check_type, check_unchanged, fail, \
     fresh_generator, ok, randint
 from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm_ref.attn import get_backend, torch_backend
-from nanovllm_ref.course.common import call_student, check_close, fail, fresh_generator, ok, tiny_model_dir
+from nanovllm_course.common import call_student, check_close, fail, fresh_generator, ok, tiny_model_dir
 from nanovllm_ref.layers.attention import Attention
 from nanovllm_ref.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm_ref.layers.rotary_embedding import apply_rotary

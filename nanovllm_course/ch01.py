@@ -12,7 +12,7 @@ Tolerances, |yours - reference| <= atol + rtol * |reference|:
 """
 import torch
 
-from nanovllm_ref.course.common import call_student, check_close, check_type, check_unchanged, fail, \
+from nanovllm_course.common import call_student, check_close, check_type, check_unchanged, fail, \
     fresh_generator, ok
 from nanovllm_ref.layers.layernorm import RMSNorm
 

@@ -17,7 +17,7 @@ import random
 import torch
 
 from nanovllm_ref.attn import torch_backend
-from nanovllm_ref.course.common import call_student, check_close, fail, fresh_generator, ok
+from nanovllm_course.common import call_student, check_close, fail, fresh_generator, ok
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.attention import store_kvcache_torch
 from nanovllm_ref.utils.context import get_context, reset_context

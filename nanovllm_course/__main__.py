@@ -1,4 +1,4 @@
-"""`python -m nanovllm_ref.course <command>`: the course machinery's command line.
+"""`python -m nanovllm_course <command>`: the course machinery's command line.
 
     release [NAMES...]      write chapters/NN_slug.ipynb from solutions/NN_slug.ipynb (all, or those named)
     check                   exit 1 if committed chapters/ differ from a fresh release (drift check)
@@ -7,13 +7,13 @@
     figures [CHAPTERS...]   redraw figures/chNN_*.png (all chapters, or e.g. `figures 01 02`)
     import-py SRC.py DST.ipynb   make a notebook from a percent-format (`# %%`) Python file
 
-See nanovllm_ref/course/README.md.
+See nanovllm_course/README.md.
 """
 import argparse
 import sys
 from pathlib import Path
 
-from nanovllm_ref.course import release as rel
+from nanovllm_course import release as rel
 
 
 def _names(values):
@@ -51,22 +51,22 @@ def cmd_verify(args) -> int:
 
 
 def cmd_figures(args) -> int:
-    from nanovllm_ref.course import figures
+    from nanovllm_course import figures
     for path in figures.draw(args.chapters or None, Path(args.out)):
         print(f"wrote {path}")
     return 0
 
 
 def cmd_import_py(args) -> int:
-    from nanovllm_ref.course.release import py_to_notebook
+    from nanovllm_course.release import py_to_notebook
     nb = py_to_notebook(Path(args.src).read_text(encoding="utf-8"))
     Path(args.dst).write_text(rel.dumps(rel.normalize(nb)), encoding="utf-8")
-    print(f"wrote {args.dst} (now run: python -m nanovllm_ref.course execute {args.dst})")
+    print(f"wrote {args.dst} (now run: python -m nanovllm_course execute {args.dst})")
     return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nanovllm_ref.course", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m nanovllm_course", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import torch
 
-from nanovllm_ref.course.figures import figure, save
+from nanovllm_course.figures import figure, save
 
 
 def rotation_angles(path: Path, head_dim: int = 64, base: float = 10000.0, positions: int = 128) -> Path:
-    from nanovllm_ref.course.ch02 import reference_rope_cos_sin
+    from nanovllm_course.ch02 import reference_rope_cos_sin
     cos, sin = reference_rope_cos_sin(head_dim, positions, base)
     angle = torch.atan2(sin, cos)                                  # wrapped to (-pi, pi]
     fig, (a0, a1) = figure(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1.3, 1]})

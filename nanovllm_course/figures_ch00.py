@@ -3,7 +3,7 @@ from pathlib import Path
 
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-from nanovllm_ref.course.figures import figure, save
+from nanovllm_course.figures import figure, save
 
 COLORS = {"api": "#d9d9d9", "engine": "#f6c26b", "model": "#9ecae1", "mem": "#a1d99b", "sample": "#fdae9f"}
 
@@ -86,7 +86,7 @@ DECODE_THROUGHPUT = {
 def measure_decode_throughput(model_dir: str, device: str, batch_sizes, **engine_args) -> dict:
     """{batch size: decode tokens/s} for the model in `model_dir` on `device`, engine defaults otherwise."""
     from nanovllm_ref import LLM
-    from nanovllm_ref.course.ch00 import decode_throughput
+    from nanovllm_course.ch00 import decode_throughput
     llm = LLM(str(model_dir), device=device, max_model_len=512, **engine_args)
     try:
         return decode_throughput(llm, batch_sizes, repeats=3 if device == "cuda" else 1)

@@ -13,7 +13,7 @@ import os
 import platform
 import warnings
 
-from nanovllm_ref.course.common import call_student, check_type, fail, fresh_generator, ok, randint, \
+from nanovllm_course.common import call_student, check_type, fail, fresh_generator, ok, randint, \
     tiny_model_dir
 
 PROMPTS = ("The capital of France is", "Hello", "def f(x):", "A paged KV cache",

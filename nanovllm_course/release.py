@@ -23,7 +23,7 @@ Determinism: notebook metadata is reduced to kernelspec `python3` + language_inf
 (not stripped: nbval only compares the outputs of cells whose stored execution_count is not None, and
 fails a cell that has outputs but no count).
 
-Command line: `python -m nanovllm_ref.course --help`.
+Command line: `python -m nanovllm_course --help`.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import nbformat
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = REPO / "solutions"
 CHAPTERS = REPO / "chapters"
 FIGURES = REPO / "figures"
@@ -217,7 +217,7 @@ def validate_solution(nb, name: str) -> dict[str, list[str]]:
             ids = ok_lines(cell)
             if not ids:
                 raise ReleaseError(f"{where}: check cell has no stored 'Ex.y ok' line; execute the solution "
-                                   "notebook top to bottom (python -m nanovllm_ref.course execute ...) first")
+                                   "notebook top to bottom (python -m nanovllm_course execute ...) first")
             checked.update(ids)
     missing = sorted(set(exercises) - checked)
     if missing:
@@ -384,7 +384,7 @@ def main_release(args) -> int:
         for name in drift:
             print(f"stale: chapters/{name} differs from a fresh release of solutions/", file=sys.stderr)
         if drift:
-            print("run `python -m nanovllm_ref.course release` and commit chapters/", file=sys.stderr)
+            print("run `python -m nanovllm_course release` and commit chapters/", file=sys.stderr)
             return 1
         print("chapters/ is up to date")
         return 0

@@ -1,6 +1,0 @@
-"""Course support: check helpers for the chapter notebooks and the release tool.
-
-Students never edit this package. Each chapter NN has a module `nanovllm_ref.course.chNN` with its
-`check_*` functions; `common` holds what they share; `python -m nanovllm_ref.course release` writes the
-student notebooks in chapters/ from the complete ones in solutions/.
-"""
