@@ -32,7 +32,7 @@ from nanovllm_course.common import call_student, check_close, fail, fresh_genera
 from nanovllm_ref.layers.attention import Attention
 from nanovllm_ref.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm_ref.layers.rotary_embedding import apply_rotary
-from nanovllm_ref.utils.context import reset_context, set_context
+from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
 
 TOL32 = dict(rtol=1e-4, atol=1e-5)
 TOL16 = dict(rtol=2e-2, atol=2e-2)
@@ -59,10 +59,12 @@ def _rng(gen: torch.Generator) -> random.Random:
     return random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
 
 
-def _prefill_context(lengths: list[int]) -> None:
-    """The attention context of one prefill step over packed sequences of these lengths (no KV cache)."""
+def _prefill_context(lengths: list[int]):
+    """`with _prefill_context(lengths):` the attention metadata of one prefill step over packed sequences of
+    these lengths (no KV cache)."""
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
-    set_context(True, cu, cu, max(lengths), max(lengths))
+    return attention_metadata(AttentionMetadata(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                max_seqlen_q=max(lengths), max_seqlen_k=max(lengths)))
 
 
 def _positions(lengths: list[int]) -> torch.Tensor:
@@ -232,16 +234,13 @@ def check_decoder_blocks(attention_forward, mlp_forward) -> None:
         where = (f"{heads} query heads, {kv_heads} KV heads, head_dim {head_dim}, hidden {hidden}, "
                  f"sequences of {lengths} tokens")
         with torch.no_grad():
-            _prefill_context(lengths)
-            try:
+            with _prefill_context(lengths):
                 expected = attn(positions, x)
                 got = call_student(tag, attention_forward, attn, positions.clone(), x.clone())
                 if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == expected.dtype \
                         and not torch.allclose(got, expected, **TOL32):
                     fail(tag, f"attention_forward differs from the reference [{where}]",
                          _attention_hint(got, attn, positions, x))
-            finally:
-                reset_context()
             check_close(tag, got, expected, **TOL32, what=f"attention_forward output [{where}]",
                         hint="return o_proj's output, [num_tokens, hidden]")
             expected = mlp(x)
@@ -396,12 +395,8 @@ def _ref_prefill(model, prompts, *, one_sequence=False, first_token=False):
     lengths = [len(p) for p in prompts]
     ids = torch.tensor([t for p in prompts for t in p])
     pos = _positions(lengths)
-    _prefill_context([len(ids)] if one_sequence else lengths)
-    try:
-        with torch.no_grad():
-            hidden = model(ids, pos)
-    finally:
-        reset_context()
+    with _prefill_context([len(ids)] if one_sequence else lengths), torch.no_grad():
+        hidden = model(ids, pos)
     ends = torch.tensor(lengths).cumsum(0)
     return model.compute_logits(hidden[ends - torch.tensor(lengths)] if first_token else hidden[ends - 1])
 
@@ -451,11 +446,8 @@ def check_prefill_logits(prefill_logits, build_model) -> None:
     for prompts in batches:
         expected = hf_last_logits(path, prompts)
         lens = [len(p) for p in prompts]
-        try:
-            with torch.no_grad():
-                got = call_student(tag, prefill_logits, model, [list(p) for p in prompts])
-        finally:
-            reset_context()
+        with torch.no_grad():
+            got = call_student(tag, prefill_logits, model, [list(p) for p in prompts])
         where = f"{len(prompts)} prompt(s) of {lens} tokens"
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == expected.dtype \
                 and not torch.allclose(got, expected, **tol):

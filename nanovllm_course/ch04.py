@@ -1,7 +1,7 @@
 """Checks for chapter 04: the KV cache, block tables and paged attention.
 
 - `check_slot_mapping(fn)` (E4.1): fn(block_table, start, end, block_size) -> the cache slot of every
-  position in [start, end); compared with what the engine's `ModelRunner.prepare_prefill` computes.
+  position in [start, end); compared with what the engine's `nanovllm_ref.engine.inputs.prepare_prefill` computes.
 - `check_paged_decode(fn)` (E4.2): fn(q, k_cache, v_cache, block_tables, context_lens, scale) compared with
   `nanovllm_ref.attn.torch_backend.paged_decode` (fp32 atol 1e-5 / rtol 1e-4; bf16 atol 2e-2 / rtol 2e-2).
   One bf16 case has long contexts and large scores, where computing in bf16 instead of fp32 misses the
@@ -20,7 +20,7 @@ from nanovllm_ref.attn import torch_backend
 from nanovllm_course.common import call_student, check_close, fail, fresh_generator, ok
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.attention import store_kvcache_torch
-from nanovllm_ref.utils.context import get_context, reset_context
+from nanovllm_ref.engine.inputs import prepare_decode, prepare_prefill
 
 # -- why a KV cache: a FLOP count ---------------------------------------------------------------------------
 
@@ -62,40 +62,27 @@ reference_store_kvcache = store_kvcache_torch
 
 
 def reference_slot_mapping(block_table, start: int, end: int, block_size: int) -> list[int]:
-    """The slots the engine writes positions [start, end) to: what ModelRunner.prepare_prefill computes."""
-    from nanovllm_ref.engine.model_runner import ModelRunner
-    runner = object.__new__(ModelRunner)          # only the input-preparation code, no model
-    runner.block_size, runner.device_type, runner.device = block_size, "cpu", torch.device("cpu")
+    """The slots the engine writes positions [start, end) to: what engine/inputs.py's prepare_prefill computes."""
     seq = Sequence(list(range(max(end, 1))), block_size)
     seq.block_table = list(block_table)
     seq.num_cached_tokens, seq.num_scheduled_tokens = start, end - start
-    try:
-        runner.prepare_prefill([seq])
-        return get_context().slot_mapping.tolist()
-    finally:
-        reset_context()
+    return prepare_prefill([seq], block_size, "cpu").metadata.slot_mapping.tolist()
 
 
 def reference_decode_context(lengths: list[int], block_tables: list[list[int]], block_size: int) -> dict:
-    """What the engine's ModelRunner.prepare_decode gives the attention layers when sequences of these
+    """What the engine's prepare_decode (engine/inputs.py) gives the attention layers when sequences of these
     lengths (their last token not yet computed) decode one token: {"positions", "slot_mapping",
     "context_lens", "block_tables"} as Python lists (block tables padded with -1)."""
-    from nanovllm_ref.engine.model_runner import ModelRunner
-    runner = object.__new__(ModelRunner)
-    runner.block_size, runner.device_type, runner.device = block_size, "cpu", torch.device("cpu")
     seqs = []
     for n, table in zip(lengths, block_tables):
         seq = Sequence(list(range(n)), block_size)
         seq.block_table = list(table)
         seq.num_cached_tokens = n - 1
         seqs.append(seq)
-    try:
-        _, positions = runner.prepare_decode(seqs)
-        ctx = get_context()
-        return {"positions": positions.tolist(), "slot_mapping": ctx.slot_mapping.tolist(),
-                "context_lens": ctx.context_lens.tolist(), "block_tables": ctx.block_tables.tolist()}
-    finally:
-        reset_context()
+    step = prepare_decode(seqs, block_size, "cpu")
+    meta = step.metadata
+    return {"positions": step.positions.tolist(), "slot_mapping": meta.slot_mapping.tolist(),
+            "context_lens": meta.context_lens.tolist(), "block_tables": meta.block_tables.tolist()}
 
 
 def _as_int_list(tag, value, what):

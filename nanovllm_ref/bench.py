@@ -236,9 +236,9 @@ def graph_sweep(path, engine_args, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), con
             seqs.append(seq)
         row = dict(batch_size=n, context=context)
         for mode in ("graph", "eager"):
-            saved = runner.graphs
+            saved = runner.graph_runner
             if mode == "eager":
-                runner.graphs = {}
+                runner.graph_runner = None
             for _ in range(3):
                 runner.run(seqs, False)
             torch.cuda.synchronize()
@@ -247,7 +247,7 @@ def graph_sweep(path, engine_args, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), con
                 runner.run(seqs, False)
             torch.cuda.synchronize()
             row[f"{mode}_ms"] = 1000 * (time.perf_counter() - t) / iters
-            runner.graphs = saved
+            runner.graph_runner = saved
         row["speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
         for seq in seqs:

@@ -16,7 +16,7 @@ from nanovllm_course import ch03, ch04, ch05
 from nanovllm_ref.engine.block_manager import BlockManager, compute_block_hash
 from nanovllm_ref.layers.attention import store_kvcache_torch
 from nanovllm_ref.models.qwen3 import DecoderAttention, DecoderMLP
-from nanovllm_ref.utils.context import reset_context, set_context
+from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
 
 
 def passes(check, *fns, tag, capsys):
@@ -147,11 +147,10 @@ def make_prefill_logits(global_positions=False, one_sequence=False, first_token=
         pos = torch.arange(len(ids)) if global_positions else torch.tensor([i for p in prompts for i in range(len(p))])
         lens = [len(ids)] if one_sequence else [len(p) for p in prompts]
         cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-        set_context(True, cu, cu, max(lens), max(lens))
-        try:
+        meta = AttentionMetadata(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                                 max_seqlen_k=max(lens))
+        with attention_metadata(meta):
             hidden = model(ids, pos)
-        finally:
-            reset_context()
         ends = torch.tensor([len(p) for p in prompts]).cumsum(0)
         rows = ends - torch.tensor([len(p) for p in prompts]) if first_token else ends - 1
         return model.compute_logits(hidden[rows])

@@ -1,19 +1,22 @@
 """Runs the model for one scheduled batch: inputs in, next tokens out (chapters 04, 08, 09, 10).
 
+A short orchestrator over modules that each teach one thing:
+- engine/inputs.py: the batch -> input ids, positions and attention metadata (`Parts.prepare_prefill/decode`);
+- utils/context.py: `with attention_metadata(meta):` hands the metadata to the attention layers;
+- engine/kv_cache.py: sizing and allocating the paged KV cache;
+- engine/cuda_graph.py: decode CUDA graphs (capture, static inputs, replay);
+- layers/sampler.py: logits -> token ids (`Parts.sampler`).
+
 One ModelRunner lives in each tensor-parallel process. Rank 0 runs in the engine's process and forwards
-every call (method name + arguments) to the other ranks through a pipe; they execute the same call, so the
-collectives inside the layers line up (upstream nano-vllm `engine/model_runner.py`).
+every call (method name + arguments) to the other ranks through a pipe; each worker runs `loop()` (called by
+engine/worker.py, not from __init__) and executes the same call, so the collectives inside the layers line
+up (upstream nano-vllm `engine/model_runner.py`).
 
-Per step it
-1. flattens the batch into the tensors the model and the attention layers need: input ids, positions,
-   slot mapping, cu_seqlens, context lengths, block tables (`prepare_prefill` / `prepare_decode`);
-2. runs the model, eagerly or by replaying a captured CUDA graph (decode only);
-3. computes logits for each sequence's last token and samples.
-
-At start-up it loads the weights, runs one warm-up prefill at the largest batch to measure peak activation
-memory, sizes the KV cache from what is left, and captures the decode CUDA graphs.
+At start-up it builds the model with the engine's parts inside `tensor_parallel(rank, size)`, loads the
+weights, runs one warm-up prefill at the largest batch to measure peak activation memory (GPU), sizes the KV
+cache from what is left, and captures the decode CUDA graphs.
 """
-import os
+import dataclasses
 from datetime import timedelta
 
 import torch
@@ -21,13 +24,17 @@ import torch.distributed as dist
 
 from nanovllm_ref.attn import get_backend, resolve_backend
 from nanovllm_ref.config import Config
+from nanovllm_ref.engine import kv_cache
+from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes  # noqa: F401  (re-export)
+from nanovllm_ref.engine.inputs import to_device
 from nanovllm_ref.engine.sequence import Sequence
-from nanovllm_ref.layers.sampler import Sampler
+from nanovllm_ref.layers.sampler import SamplingMetadata
 from nanovllm_ref.models import get_model_class
-from nanovllm_ref.utils.context import get_context, reset_context, set_context
+from nanovllm_ref.parts import Parts
+from nanovllm_ref.utils.context import attention_metadata
+from nanovllm_ref.utils.fusion import choose
 from nanovllm_ref.utils.loader import load_model
-from nanovllm_ref.utils import fusion
-from nanovllm_ref.utils.parallel import set_tp
+from nanovllm_ref.utils.parallel import tensor_parallel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -51,16 +58,14 @@ def resolve_dtype(name: str, hf_config, device: str) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, 8, then every 16, and max_num_seqs itself, so any batch size up
-    to max_num_seqs pads to a captured graph with at most 15 idle rows."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
-    return sorted(set(sizes + [max_num_seqs]))
-
-
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0, conns=None, port: int | None = None):
+    """config: the engine's Config; rank: this process's tensor-parallel rank; conns: rank 0's pipes to the
+    workers, or a worker's one pipe; port: the process-group rendezvous port (tp > 1); parts: the engine's
+    nanovllm_ref.Parts (None = the reference parts)."""
+
+    def __init__(self, config: Config, rank: int = 0, conns=None, port: int | None = None, parts: Parts | None = None):
         self.config = config
+        self.parts = parts if parts is not None else Parts()
         self.rank, self.world_size = rank, config.tensor_parallel_size
         self.conns = conns or []              # rank 0: one pipe per worker; worker: [its pipe]
         self.block_size = config.kvcache_block_size
@@ -68,40 +73,57 @@ class ModelRunner:
         self.device_type = resolve_device(config.device)
         self.device = torch.device(f"cuda:{rank}" if self.device_type == "cuda" else "cpu")
         self.dtype = resolve_dtype(config.dtype, hf, self.device_type)
-        self.backend_name = resolve_backend(config.attention_backend, self.device_type, self.block_size)
         self.enforce_eager = config.enforce_eager or self.device_type != "cuda"
+        # Fuse RMSNorm / RoPE / SiLU-and-mul / the sampler into one compiled kernel each on GPU
+        # (utils/fusion.py). The choice is this engine's: the model is built with it.
+        self.fuse = self.device_type == "cuda"
         if self.device_type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
             backend = "nccl" if self.device_type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=120))
-        set_tp(rank, self.world_size)
-        # Fuse RMSNorm / RoPE / SiLU-and-mul into one kernel each on GPU (see utils/fusion.py).
-        fusion.enable(self.device_type == "cuda")
         torch.manual_seed(config.seed)
 
+        model_parts = self._resolve_attention(self.parts)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
-        with torch.device(self.device):
-            self.model = get_model_class(hf)(hf)
-        torch.set_default_dtype(default_dtype)
+        try:
+            with torch.device(self.device), tensor_parallel(rank, self.world_size):
+                self.model = get_model_class(hf)(hf, parts=model_parts, fuse=self.fuse)
+        finally:
+            torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
             self._init_dummy_weights()
         else:
             load_model(self.model, config.model)
         self.model.eval()
-        self.sampler = Sampler(compile=self.device_type == "cuda")
-        self._setup_attention()
+        self.sampler = choose(self.parts.sampler, Parts().sampler, self.fuse)
+        self.graph_runner = None
         self.warmup_model()
         self.allocate_kv_cache()
-        self.graphs = {}
         if not self.enforce_eager:
             self.capture_cudagraph()
-        if self.world_size > 1 and rank > 0:
-            self.loop()
 
     # -- set-up -----------------------------------------------------------------------------------------
+    def _resolve_attention(self, parts: Parts) -> Parts:
+        """Parts with the attention back-end and KV store filled in: the parts' own, or the engine's choice
+        (config.attention_backend; the Triton store on CUDA or with the triton back-end, else the torch one)."""
+        if parts.attention_backend is not None:
+            if self.config.attention_backend != "auto":
+                raise ValueError(f"attention_backend={self.config.attention_backend!r} conflicts with "
+                                 "Parts.attention_backend; leave attention_backend='auto' when parts bring one")
+            self.backend_name = "parts"
+            backend = parts.attention_backend
+        else:
+            self.backend_name = resolve_backend(self.config.attention_backend, self.device_type, self.block_size)
+            backend = get_backend(self.backend_name)
+        store = parts.store_kvcache
+        if store is None and (self.device_type == "cuda" or self.backend_name == "triton"):
+            from nanovllm_ref.kernels.store_kvcache import store_kvcache
+            store = store_kvcache
+        return dataclasses.replace(parts, attention_backend=backend, store_kvcache=store)
+
     @torch.no_grad()
     def _init_dummy_weights(self):
         """Random weights with the checkpoint's shapes (benchmarks only): N(0, 0.02), norms at 1."""
@@ -115,17 +137,6 @@ class ModelRunner:
     def _attention_layers(self):
         from nanovllm_ref.layers.attention import Attention
         return [m for m in self.model.modules() if isinstance(m, Attention)]
-
-    def _setup_attention(self):
-        backend = get_backend(self.backend_name)
-        store = None
-        if self.device_type == "cuda" or self.backend_name == "triton":
-            from nanovllm_ref.kernels.store_kvcache import store_kvcache
-            store = store_kvcache
-        for layer in self._attention_layers():
-            layer.backend = backend
-            if store is not None:
-                layer.store = store
 
     @torch.inference_mode()
     def warmup_model(self):
@@ -144,48 +155,17 @@ class ModelRunner:
         torch.cuda.empty_cache()
 
     def kv_block_bytes(self) -> int:
-        layers = self._attention_layers()
-        a = layers[0]
-        return 2 * len(layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return kv_cache.kv_block_bytes(self._attention_layers(), self.block_size, self.dtype)
 
     def allocate_kv_cache(self):
-        """Size and allocate the cache [2, num_layers, num_blocks, block_size, Hkv, D]; point each layer at
-        its slice. Raises ValueError if not even one block fits."""
-        cfg, block_bytes = self.config, self.kv_block_bytes()
-        if self.device_type == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            stats = torch.cuda.memory_stats()
-            used = total - free
-            peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-            budget = int(total * cfg.gpu_memory_utilization) - used - peak + current
-        else:
-            budget = int(cfg.cpu_kvcache_space_gib * 2**30)
-        fit = max(budget, 0) // block_bytes
-        if cfg.num_kvcache_blocks > 0:
-            if cfg.num_kvcache_blocks > fit:
-                raise ValueError(f"num_kvcache_blocks={cfg.num_kvcache_blocks} needs "
-                                 f"{cfg.num_kvcache_blocks * block_bytes / 2**20:.1f} MiB but only "
-                                 f"{max(budget, 0) / 2**20:.1f} MiB is available for the KV cache")
-            num_blocks = cfg.num_kvcache_blocks
-        else:
-            # More blocks than max_num_seqs full-length sequences can use is wasted memory.
-            blocks_per_seq = (cfg.max_model_len + self.block_size - 1) // self.block_size
-            num_blocks = min(fit, cfg.max_num_seqs * blocks_per_seq)
-        if self.world_size > 1:              # every rank must agree, or block ids would differ
-            t = torch.tensor([num_blocks], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            num_blocks = int(t.item())
-        if num_blocks < 1:
-            raise ValueError(f"too little memory for one KV-cache block ({block_bytes / 2**20:.2f} MiB per "
-                             f"block of {self.block_size} tokens, {max(budget, 0) / 2**20:.2f} MiB available); "
-                             "raise gpu_memory_utilization / cpu_kvcache_space_gib or lower kvcache_block_size")
-        cfg.num_kvcache_blocks = num_blocks
-        layers = self._attention_layers()
-        a = layers[0]
-        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
-                                    dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        """Size the cache (engine/kv_cache.py), record the block count in the config, allocate it.
+        Raises ValueError if not even one block fits."""
+        budget = kv_cache.kv_budget_bytes(self.config, self.device_type)
+        num_blocks = kv_cache.plan_num_blocks(self.config, self.kv_block_bytes(), budget, self.world_size,
+                                              self.device)
+        self.config.num_kvcache_blocks = num_blocks
+        self.kv_cache = kv_cache.allocate_kv_cache(self._attention_layers(), num_blocks, self.block_size,
+                                                   self.dtype, self.device)
 
     # -- tensor parallel plumbing -----------------------------------------------------------------------
     def loop(self):
@@ -204,9 +184,11 @@ class ModelRunner:
         return getattr(self, method)(*args)
 
     def exit(self):
-        """Leave the process group and give the GPU memory (graphs, KV cache, weights) back."""
-        self.graphs, self.graph_vars, self.kv_cache = {}, None, None
-        for layer in self._attention_layers():
+        """Leave the process group and give the memory (graphs, KV cache, weights) back."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+        self.graph_runner, self.kv_cache = None, None
+        for layer in self._attention_layers() if self.model is not None else []:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.model = None
         if self.device_type == "cuda":
@@ -217,122 +199,41 @@ class ModelRunner:
             dist.barrier()
             dist.destroy_process_group()
 
-    # -- input preparation ------------------------------------------------------------------------------
-    def _to_device(self, data, dtype):
-        t = torch.tensor(data, dtype=dtype, pin_memory=self.device_type == "cuda")
-        return t.to(self.device, non_blocking=True)
+    # -- one step ---------------------------------------------------------------------------------------
+    def prepare_sample(self, seqs: list[Sequence]) -> SamplingMetadata:
+        temperatures = [seq.temperature for seq in seqs]
+        return SamplingMetadata(to_device(temperatures, torch.float32, self.device),
+                                all_greedy=all(t == 0 for t in temperatures))
 
-    def _block_tables(self, seqs):
-        width = max(len(seq.block_table) for seq in seqs)
-        return self._to_device([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs],
-                               torch.int32)
-
-    def prepare_prefill(self, seqs: list[Sequence]):
-        """Tokens [num_cached_tokens, num_cached_tokens + num_scheduled_tokens) of each sequence."""
-        input_ids, positions, slot_mapping = [], [], []
-        cu_q, cu_k, max_q, max_k, has_prefix = [0], [0], 0, 0, False
-        bs = self.block_size
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
-            input_ids.extend(seq[start:end])
-            positions.extend(range(start, end))
-            cu_q.append(cu_q[-1] + end - start)
-            cu_k.append(cu_k[-1] + end)
-            max_q, max_k = max(max_q, end - start), max(max_k, end)
-            has_prefix |= start > 0
-            if not seq.block_table:          # warm-up: no cache yet
-                continue
-            for i in range(start // bs, (end + bs - 1) // bs):
-                lo, hi = max(start, i * bs), min(end, (i + 1) * bs)
-                base = seq.block_table[i] * bs - i * bs
-                slot_mapping.extend(range(base + lo, base + hi))
-        set_context(True, self._to_device(cu_q, torch.int32), self._to_device(cu_k, torch.int32), max_q, max_k,
-                    self._to_device(slot_mapping, torch.int32),
-                    block_tables=self._block_tables(seqs) if has_prefix else None)
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64)
-
-    def prepare_decode(self, seqs: list[Sequence]):
-        """The last token of each sequence, at position len - 1."""
-        bs = self.block_size
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        context_lens = [len(seq) for seq in seqs]
-        slot_mapping = [seq.block_table[(len(seq) - 1) // bs] * bs + (len(seq) - 1) % bs for seq in seqs]
-        set_context(False, slot_mapping=self._to_device(slot_mapping, torch.int32),
-                    context_lens=self._to_device(context_lens, torch.int32),
-                    block_tables=self._block_tables(seqs))
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64)
-
-    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
-        return self._to_device([seq.temperature for seq in seqs], torch.float32)
-
-    # -- running ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
-        """Hidden states of the last token of each sequence: [num_seqs, hidden]."""
-        ctx = get_context()
-        if is_prefill:
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """Hidden states of the last token of each sequence: [num_seqs, hidden]. Call inside
+        `attention_metadata(meta)`. Decode replays a CUDA graph when one fits the batch."""
+        if meta.is_prefill:
             hidden = self.model(input_ids, positions)
-            return hidden[ctx.cu_seqlens_q[1:] - 1]
-        batch = input_ids.shape[0]
-        graph_bs = next((b for b in self.graph_sizes if b >= batch), None) if self.graphs else None
-        if graph_bs is None:
-            return self.model(input_ids, positions)
-        # Replay: copy this step's inputs into the captured buffers; idle rows write to no slot.
-        g = self.graph_vars
-        g["input_ids"][:batch] = input_ids
-        g["positions"][:batch] = positions
-        g["slot_mapping"].fill_(-1)
-        g["slot_mapping"][:batch] = ctx.slot_mapping
-        g["context_lens"].zero_()
-        g["context_lens"][:batch] = ctx.context_lens
-        g["block_tables"].fill_(-1)
-        g["block_tables"][:batch, :ctx.block_tables.shape[1]] = ctx.block_tables
-        self.graphs[graph_bs].replay()
-        return g["outputs"][:batch]
+            return hidden[meta.cu_seqlens_q[1:] - 1]
+        if self.graph_runner is not None:
+            hidden = self.graph_runner.run(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, positions)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """One step for `seqs`. Returns one sampled token id per sequence on rank 0, None elsewhere."""
-        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        temperatures = self.prepare_sample(seqs) if self.rank == 0 else None
-        hidden = self.run_model(input_ids, positions, is_prefill)
+        prepare = self.parts.prepare_prefill if is_prefill else self.parts.prepare_decode
+        step = prepare(seqs, self.block_size, self.device)
+        sampling = self.prepare_sample(seqs) if self.rank == 0 else None
+        with attention_metadata(step.metadata):
+            hidden = self.run_model(step.input_ids, step.positions, step.metadata)
         logits = self.model.compute_logits(hidden)
-        token_ids = None
-        if self.rank == 0:
-            if all(seq.temperature == 0 for seq in seqs):     # all greedy: skip drawing noise
-                token_ids = logits.argmax(dim=-1).tolist()
-            else:
-                token_ids = self.sampler(logits, temperatures).tolist()
-        reset_context()
-        return token_ids
+        if self.rank != 0:
+            return None
+        return self.sampler(logits, sampling).tolist()
 
-    @torch.inference_mode()
     def capture_cudagraph(self):
-        """Capture one decode graph per batch size in graph_batch_sizes(max_num_seqs), sharing one pool."""
+        """Capture one decode graph per size in Parts.graph_batch_sizes(max_num_seqs) (engine/cuda_graph.py)."""
         cfg = self.config
-        max_bs = cfg.max_num_seqs
         max_blocks = (cfg.max_model_len + self.block_size - 1) // self.block_size
-        hidden = cfg.hf_config.hidden_size
-        dev = self.device
-        g = dict(input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-                 positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-                 slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
-                 context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
-                 block_tables=torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=dev),
-                 outputs=torch.zeros(max_bs, hidden, dtype=self.dtype, device=dev))
-        self.graph_sizes = graph_batch_sizes(max_bs)
-        pool = None
-        for bs in reversed(self.graph_sizes):
-            graph = torch.cuda.CUDAGraph()
-            set_context(False, slot_mapping=g["slot_mapping"][:bs], context_lens=g["context_lens"][:bs],
-                        block_tables=g["block_tables"][:bs])
-            g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])     # warm-up
-            with torch.cuda.graph(graph, pool):
-                g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
-            reset_context()
-        self.graph_vars = g
+        self.graph_runner = CUDAGraphRunner(self.model, self.parts.graph_batch_sizes(cfg.max_num_seqs), max_blocks,
+                                            cfg.hf_config.hidden_size, self.dtype, self.device)

@@ -5,6 +5,9 @@ function defined in a notebook cell or __main__ cannot be found by the child.
 """
 
 
-def run_worker(config, rank: int, conn, port: int) -> None:
+def run_worker(config, rank: int, conn, port: int, parts=None) -> None:
+    """Build this rank's ModelRunner (with the same parts as rank 0), then run the commands rank 0 sends
+    until "exit"."""
     from nanovllm_ref.engine.model_runner import ModelRunner
-    ModelRunner(config, rank, [conn], port)     # its __init__ enters the command loop and returns on "exit"
+    runner = ModelRunner(config, rank, [conn], port, parts)
+    runner.loop()

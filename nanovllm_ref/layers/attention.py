@@ -2,31 +2,42 @@
 
 q, k, v arrive flat from the fused QKV projection: [num_tokens, heads * head_dim]. The layer
 1. writes k and v into its layer's cache at `context.slot_mapping` (store_kvcache), then
-2. calls the back-end chosen by the model runner (nanovllm_ref/attn):
+2. calls its attention back-end (nanovllm_ref/attn; the model runner's choice, or a Parts back-end):
    - prefill with no cached prefix: attention over this step's k, v (`varlen_prefill`);
    - prefill with a cached prefix or an earlier chunk: keys come from the cache (`paged_prefill`);
    - decode: one query per sequence against its whole context in the cache (`paged_decode`).
 Before the KV cache exists (the model runner's warm-up), step 1 is skipped and prefill uses k, v directly.
+
+The step's metadata (slot mapping, cu_seqlens, block tables, context lengths) is not an argument of
+forward: it is read from `current_metadata()`, set by the model runner's `with attention_metadata(meta):`
+around the forward (nanovllm_ref/utils/context.py, the one hidden channel of the design).
 """
 import torch
 from torch import nn
 
 from nanovllm_ref.attn.torch_backend import store_kvcache as store_kvcache_torch
-from nanovllm_ref.utils.context import get_context
+from nanovllm_ref.utils.context import current_metadata
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    """Paged attention of one layer. backend: an object with varlen_prefill / paged_prefill / paged_decode
+    (nanovllm_ref.attn.AttentionBackend; default the torch back-end); store: the KV-store function
+    (key, value, k_cache, v_cache, slot_mapping) -> None (default the torch one)."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend=None, store=None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
-        self.k_cache = self.v_cache = torch.tensor([])   # set by the model runner
-        self.backend = None                               # a module from nanovllm_ref.attn
-        self.store = store_kvcache_torch
+        self.k_cache = self.v_cache = torch.tensor([])   # views of the engine's cache, set by the model runner
+        if backend is None:
+            from nanovllm_ref.attn import get_backend
+            backend = get_backend("torch")
+        self.backend = backend
+        self.store = store if store is not None else store_kvcache_torch
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [N, H * D]; k, v: [N, Hkv * D] -> [N, H * D]."""
-        ctx = get_context()
+        ctx = current_metadata()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
