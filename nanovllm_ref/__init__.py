@@ -3,21 +3,14 @@
     from nanovllm_ref import LLM, SamplingParams
     llm = LLM("path/to/model")
     llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))
+
+Swap parts of the engine for your own (the course's exercises) with `LLM(path, parts=Parts(...))`; see
+nanovllm_ref/parts.py. Importing this package changes no environment variable: to run the Triton kernels on
+a CPU, start Python with TRITON_INTERPRET=1 (nanovllm_ref/kernels/__init__.py says why).
 """
-import os
-import sys
+from nanovllm_ref.llm import LLM
+from nanovllm_ref.parts import Parts
+from nanovllm_ref.sampling_params import SamplingParams
 
-import torch
-
-# Without CUDA, Triton kernels can only run in the Triton interpreter, which must be on before triton is
-# first imported (transformers and torch may import it early). Switch it on now unless the user decided.
-TRITON_IMPORTED_WITHOUT_INTERPRETER = False
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    TRITON_IMPORTED_WITHOUT_INTERPRETER = "triton" in sys.modules
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from nanovllm_ref.llm import LLM  # noqa: E402
-from nanovllm_ref.sampling_params import SamplingParams  # noqa: E402
-
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "Parts", "SamplingParams"]
 __version__ = "0.1.0"

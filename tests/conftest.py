@@ -1,9 +1,18 @@
 """Shared pytest configuration.
 
 Notebook tests (course machinery): when CUDA is unavailable, nbval cells whose notebook cell is tagged
-`gpu` are skipped, like cells tagged `nbval-skip`. Nothing else here yet; the lead adds engine fixtures.
+`gpu` are skipped, like cells tagged `nbval-skip`.
 """
+import os
+
 import pytest
+import torch
+
+# The Triton kernels run on a CPU only under the Triton interpreter, chosen before any kernel is defined.
+# nanovllm_ref sets no environment variable itself, so the test session chooses it here (notebook kernels
+# and tensor-parallel workers started by the tests inherit it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 GPU_TAG = "gpu"
 

@@ -14,9 +14,49 @@ Every back-end implements the same three functions on the same paged KV-cache la
   q: [num_seqs, num_heads, head_dim]; returns the same shape.
 
 `get_backend(name)` returns a module with those functions: "torch" (the readable reference), "triton"
-(our kernels, chapter 06) or "flash_attn" (when the package imports).
+(our kernels, chapter 06) or "flash_attn" (when the package imports). `AttentionBackend` is that interface
+as a typing.Protocol; `FunctionBackend` bundles three functions into an object that pickles (a module does
+not), so a back-end of your own can travel to tensor-parallel workers inside `nanovllm_ref.Parts`:
+
+    from dataclasses import replace
+    mine = replace(FunctionBackend.of("torch"), paged_decode=my_paged_decode)
+    LLM(path, parts=Parts(attention_backend=mine))
 """
 import importlib
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """The three functions every attention back-end provides (shapes in this module's docstring)."""
+
+    def varlen_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                       scale: float) -> torch.Tensor: ...
+
+    def paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor: ...
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class FunctionBackend:
+    """An AttentionBackend made of three module-level functions; picklable when they are."""
+    varlen_prefill: Callable
+    paged_prefill: Callable
+    paged_decode: Callable
+
+    @classmethod
+    def of(cls, name: str) -> "FunctionBackend":
+        """The functions of a built-in back-end ("torch", "triton", "flash_attn") as a FunctionBackend."""
+        m = get_backend(name)
+        return cls(m.varlen_prefill, m.paged_prefill, m.paged_decode)
 
 
 def flash_attn_available() -> bool:
@@ -63,13 +103,12 @@ def resolve_backend(name: str, device_type: str, block_size: int = 256) -> str:
     if name == "triton" and not triton_available():
         raise ValueError("attention_backend='triton' needs the triton package; use 'torch' instead")
     if name == "triton" and device_type == "cpu":
-        import os
-
-        import nanovllm_ref
-        if os.environ.get("TRITON_INTERPRET") != "1" or nanovllm_ref.TRITON_IMPORTED_WITHOUT_INTERPRETER:
-            raise ValueError("attention_backend='triton' on CPU runs in the Triton interpreter, which must be on "
-                             "before triton is imported: set TRITON_INTERPRET=1 in the environment, or import "
-                             "nanovllm_ref before anything that imports triton")
+        from nanovllm_ref.kernels import interpreted
+        if not interpreted():
+            raise ValueError("attention_backend='triton' on a CPU runs in the Triton interpreter, which must be "
+                             "chosen before the kernels are defined: start Python with TRITON_INTERPRET=1, or set "
+                             "os.environ['TRITON_INTERPRET'] = '1' before importing nanovllm_ref.kernels "
+                             "(nanovllm_ref sets no environment variable itself)")
     return name
 
 

@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 
 from nanovllm_ref.config import Config
 from nanovllm_ref.engine.model_runner import ModelRunner
-from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.parts import Parts
 from nanovllm_ref.sampling_params import SamplingParams
 
 
@@ -33,7 +33,15 @@ def _free_port() -> int:
 
 
 class LLMEngine:
-    def __init__(self, model: str, **engine_args):
+    """model: a local model folder; parts: a nanovllm_ref.Parts of swappable parts (default: the reference
+    ones); engine_args: the fields of nanovllm_ref.config.Config. Raises TypeError for an unknown argument or
+    a `parts` that is not a Parts, ValueError for a bad value."""
+
+    def __init__(self, model: str, parts: Parts | None = None, **engine_args):
+        if parts is None:
+            parts = Parts()
+        if not isinstance(parts, Parts):
+            raise TypeError(f"parts must be a nanovllm_ref.Parts, got {type(parts).__name__}")
         unknown = set(engine_args) - set(Config.__dataclass_fields__) - {"hf_config", "eos"}
         if unknown:
             raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; known: "
@@ -52,8 +60,10 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             config.eos = config.eos | {self.tokenizer.eos_token_id}
         self.config = config
+        self.parts = parts
         self.workers, conns = [], []
         if config.tensor_parallel_size > 1:
+            parts.check_picklable()
             import torch.distributed as dist
             if dist.is_initialized():
                 raise ValueError("another tensor-parallel engine is alive in this process; call exit() on it "
@@ -62,21 +72,21 @@ class LLMEngine:
             port, ctx = _free_port(), mp.get_context("spawn")
             for rank in range(1, config.tensor_parallel_size):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=run_worker, args=(config, rank, child, port), daemon=True)
+                proc = ctx.Process(target=run_worker, args=(config, rank, child, port, parts), daemon=True)
                 proc.start()
                 self.workers.append(proc)
                 conns.append(parent)
         else:
             port = None
         try:
-            self.model_runner = ModelRunner(config, 0, conns, port)
+            self.model_runner = ModelRunner(config, 0, conns, port, parts)
         except BaseException:
             self._kill_workers()
             import torch.distributed as dist
             if config.tensor_parallel_size > 1 and dist.is_initialized():
                 dist.destroy_process_group()
             raise
-        self.scheduler = Scheduler(config)
+        self.scheduler = parts.scheduler(config, parts.block_manager)
         self._closed = False
         atexit.register(self.exit)
 

@@ -21,12 +21,16 @@ from nanovllm_ref.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: Config):
+    """config: the engine's Config (budgets, max_model_len, eos ids, cache size); block_manager_cls: the class
+    of the block manager to build, called as block_manager_cls(num_blocks, block_size, enable_prefix_caching)
+    (nanovllm_ref.Parts.block_manager)."""
+
+    def __init__(self, config: Config, block_manager_cls=BlockManager):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos = config.eos
-        self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
+        self.block_manager = block_manager_cls(config.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()

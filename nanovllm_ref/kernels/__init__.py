@@ -1,12 +1,26 @@
 """Triton kernels (chapter 06).
 
-On a machine without CUDA, Triton kernels can still run under the Triton interpreter, which must be switched
-on before any `@triton.jit` function is defined. We do that here, before the kernel modules are imported, so
-`import nanovllm_ref.kernels.store_kvcache` works on a CPU laptop (slowly, for tests and teaching).
+On a machine without CUDA, Triton kernels run only under the Triton interpreter, and Triton decides that
+when a kernel is *defined* (`@triton.jit` reads the TRITON_INTERPRET setting then). Importing nanovllm_ref
+changes no environment variable, so choose it yourself, before anything imports these modules:
+
+    TRITON_INTERPRET=1 python my_script.py          # from the shell, or, as the first lines of a notebook:
+    import os; os.environ["TRITON_INTERPRET"] = "1"
+
+`interpreted()` tells which way this process's kernels were defined; the engine refuses
+attention_backend="triton" on a CPU when they cannot run (nanovllm_ref.attn.resolve_backend).
 """
 import os
+import sys
 
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+def interpreted() -> bool:
+    """True when this process's Triton kernels run in the interpreter: TRITON_INTERPRET=1 now, and the
+    kernel modules (if already imported) were defined under it."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    for name in ("nanovllm_ref.kernels.attention", "nanovllm_ref.kernels.store_kvcache"):
+        module = sys.modules.get(name)
+        if module is not None and not getattr(module, "DEFINED_INTERPRETED", False):
+            return False
+    return True

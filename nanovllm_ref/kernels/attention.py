@@ -58,6 +58,9 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
+# Triton picks interpreter or compiler when each @triton.jit below runs (see nanovllm_ref/kernels/__init__.py).
+DEFINED_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 # Min tokens a decode split should own (one GPU tile): shorter splits are pure set-up and merge cost. On an
 # H200, batch 1 at 512 tokens took 4.9 us with 8 splits of 64 tokens against 6.1 us with 4 of 128
 # (bench/results/gpu_kernels_h200.json, split sweep).

@@ -25,11 +25,16 @@ captured CUDA graph where a host synchronisation is not allowed.
 
 `store_kvcache_torch` has the same semantics in plain PyTorch for CPU engines (and as the reference).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm_ref.attn.torch_backend import _check_store_args, store_kvcache_torch  # noqa: F401  (re-export)
+
+# Triton picks interpreter or compiler when each @triton.jit below runs (see nanovllm_ref/kernels/__init__.py).
+DEFINED_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

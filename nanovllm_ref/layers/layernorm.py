@@ -27,14 +27,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    """RMSNorm with a learned scale. `norm` and `add_norm` are the functions it calls (the reference ones
+    by default; the model passes the engine's choice: compiled, or a student's part from nanovllm_ref.Parts)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, norm=rms_norm, add_norm=add_rms_norm):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.norm, self.add_norm = norm, add_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [num_tokens, hidden]. Without residual returns norm(x); with it returns
         (norm(x + residual), x + residual)."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return self.norm(x, self.weight, self.eps)
+        return self.add_norm(x, residual, self.weight, self.eps)

@@ -61,36 +61,57 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * rows, rows))
 
 
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs fused into one matmul, e.g. gate_proj and up_proj (shard ids 0, 1)."""
+def load_gate_up_shard(layer: "MergedColumnParallelLinear", param: nn.Parameter, loaded_weight: torch.Tensor,
+                       shard_id: int) -> None:
+    """Copy this rank's slice of checkpoint tensor number `shard_id` (0 = gate_proj, 1 = up_proj, each
+    [output_sizes[shard_id], in] or a bias [output_sizes[shard_id]]) into its rows of the fused `param`
+    ([sum(output_sizes) / tp, in]). Raises RuntimeError if the checkpoint tensor has the wrong size."""
+    tp = layer.tp_size
+    offset = sum(layer.output_sizes[:shard_id]) // tp
+    size = layer.output_sizes[shard_id] // tp
+    _expect(loaded_weight, 0, layer.output_sizes[shard_id])
+    param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, layer.tp_rank * size, size))
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul, e.g. gate_proj and up_proj (shard ids 0, 1).
+    `loader(layer, param, loaded_weight, shard_id)` fills one shard (load_gate_up_shard by default)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, loader=load_gate_up_shard):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+        self.loader = loader
 
     def weight_loader(self, param, loaded_weight, shard_id):
-        tp = self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // tp
-        size = self.output_sizes[shard_id] // tp
-        _expect(loaded_weight, 0, self.output_sizes[shard_id])
-        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        self.loader(self, param, loaded_weight, shard_id)
+
+
+def load_qkv_shard(layer: "QKVParallelLinear", param: nn.Parameter, loaded_weight: torch.Tensor,
+                   shard_id: str) -> None:
+    """Copy this rank's heads of checkpoint tensor q_proj / k_proj / v_proj (shard_id "q" / "k" / "v";
+    [heads * head_dim, in] or a bias) into the fused `param`: q rows first, then k, then v, each holding
+    this rank's num_heads (or num_kv_heads) * head_dim rows. Raises RuntimeError on a size mismatch."""
+    q_size, kv_size = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+    _expect(loaded_weight, 0, size * layer.tp_size)
+    param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, layer.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul. Each rank holds num_heads/tp query heads and
-    num_kv_heads/tp KV heads; output [num_tokens, (H + 2 * Hkv) / tp * head_dim]. Shard ids "q", "k", "v"."""
+    num_kv_heads/tp KV heads; output [num_tokens, (H + 2 * Hkv) / tp * head_dim]. Shard ids "q", "k", "v";
+    `loader(layer, param, loaded_weight, shard_id)` fills one shard (load_qkv_shard by default)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 loader=load_qkv_shard):
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        self.loader = loader
 
     def weight_loader(self, param, loaded_weight, shard_id):
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        _expect(loaded_weight, 0, size * self.tp_size)
-        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        self.loader(self, param, loaded_weight, shard_id)
 
 
 class RowParallelLinear(LinearBase):

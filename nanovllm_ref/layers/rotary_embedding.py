@@ -2,13 +2,20 @@
 
 Each pair of channels (i, i + d/2) of a query or key at position p is rotated by the angle
 p * base^(-2i/d) ("rotate half", the GPT-NeoX layout that HF Llama and Qwen3 use). cos and sin for every
-position up to max_position are computed once, in fp32, into `cos_sin_cache` [max_position, d]
-(first half cos, second half sin).
+position up to max_position are computed once, in fp32 (`rope_cos_sin`), into `cos_sin_cache`
+[max_position, d] (first half cos, second half sin).
 """
 import torch
 from torch import nn
 
 from nanovllm_ref.utils.fusion import fused
+
+
+def rope_cos_sin(head_dim: int, max_position: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the angles p * base^(-2i/head_dim), each [max_position, head_dim // 2] fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)   # [P, d/2]
+    return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -19,20 +26,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 @fused
-def rotary_qk(positions, q, k, cos_sin_cache):
-    """Rotate q [T, H, d] and k [T, Hkv, d] by their positions [T]: one fused kernel when compiled."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q [T, H, d] and k [T, Hkv, d] by the angles of their positions [T] (int64), with the tables
+    cos, sin [max_position, d/2] fp32 from `rope_cos_sin`. Returns (q, k) in their dtypes."""
+    c, s = cos[positions], sin[positions]
+    return apply_rotary(q, c, s), apply_rotary(k, c, s)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    """Holds the cos/sin tables of one head size; `forward(positions, q, k)` rotates q and k.
+    `cos_sin` builds the tables and `rotary` applies them (the reference functions by default)."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, cos_sin=rope_cos_sin, rotary=apply_rope):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)   # [P, d/2]
-        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1),
-                             persistent=False)
+        cos, sin = cos_sin(head_dim, max_position, base)
+        self.register_buffer("cos_sin_cache", torch.cat((cos, sin), dim=-1), persistent=False)
+        self.rotary = rotary
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [num_tokens] int; q: [num_tokens, H, d]; k: [num_tokens, Hkv, d]."""
-        return rotary_qk(positions, q, k, self.cos_sin_cache)
+        """positions: [num_tokens] int64; q: [num_tokens, H, d]; k: [num_tokens, Hkv, d]."""
+        cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
+        return self.rotary(positions, q, k, cos, sin)

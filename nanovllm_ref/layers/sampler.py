@@ -3,18 +3,33 @@
 Sampling uses the Gumbel-max / exponential-race trick: argmax(p_i / E_i) with E_i ~ Exp(1) is a sample
 from p, with no cumulative sum and no host sync, so it compiles into one fused kernel (torch.compile) and
 fits in the decode step. Rows with temperature 0 take argmax(logits). Logits are divided by the
-temperature in fp32: bf16 has 8 bits of mantissa, too few for the small probabilities of a sharpened
-softmax.
+temperature in fp32: bf16 keeps 7 stored mantissa bits (8 significant bits), too few for the small
+probabilities of a sharpened softmax.
+
+The sampler is one of the engine's swappable parts (`nanovllm_ref.Parts.sampler`): a function
+`(logits, metadata) -> token ids`. The all-greedy shortcut lives here, not in the model runner, so a
+replacement sampler is exercised by greedy runs too.
 """
-import functools
+from dataclasses import dataclass
 
 import torch
-from torch import nn
+
+from nanovllm_ref.utils.fusion import fused
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """What the sampler knows about the batch. temperatures: [num_seqs] fp32 on the logits' device, >= 0
+    (0 = greedy). all_greedy: True when every temperature is 0 (known on the host, so checking it costs no
+    device sync)."""
+    temperatures: torch.Tensor
+    all_greedy: bool
+
+
+@fused
+def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """logits: [num_seqs, vocab] any float dtype; temperatures: [num_seqs] fp32, >= 0.
-    Returns [num_seqs] int64 token ids."""
+    Returns [num_seqs] int64: argmax where the temperature is 0, a draw from softmax(logits / T) elsewhere."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
@@ -24,16 +39,20 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     return torch.where(temperatures > 0, sampled, greedy)
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_sample():
-    """`sample` compiled once per process (every engine shares it), with a dynamic batch dimension."""
-    return torch.compile(sample, dynamic=True)
+def _sample(rows, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.all_greedy:                 # no noise to draw: one argmax
+        return logits.argmax(dim=-1)
+    return rows(logits, metadata.temperatures)
 
 
-class Sampler(nn.Module):
-    def __init__(self, compile: bool = False):
-        super().__init__()
-        self.fn = compiled_sample() if compile else sample
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The reference sampler: [num_seqs, vocab] logits -> [num_seqs] int64 token ids (see module docstring)."""
+    return _sample(sample_rows, logits, metadata)
 
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        return self.fn(logits, temperatures)
+
+def sample_compiled(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """`sample` with the row draw compiled by torch.compile (what an engine with fusion on calls)."""
+    return _sample(sample_rows.compiled(), logits, metadata)
+
+
+sample.compiled = lambda: sample_compiled

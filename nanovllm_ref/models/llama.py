@@ -10,9 +10,9 @@ from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM
 class LlamaForCausalLM(Qwen3ForCausalLM):
     QK_NORM = False
 
-    def __init__(self, config):
+    def __init__(self, config, parts=None, fuse: bool = False):
         scaling = getattr(config, "rope_scaling", None) or {}
         kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
         if kind not in (None, "default"):
             raise ValueError(f"rope scaling {kind!r} is not supported by nanovllm_ref's Llama")
-        super().__init__(config)
+        super().__init__(config, parts, fuse)

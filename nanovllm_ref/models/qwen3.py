@@ -7,26 +7,49 @@ The residual add is fused into the next RMSNorm call. Shapes: tokens of all sequ
 packed into one dimension, [num_tokens, hidden]; the attention context says where each sequence starts.
 
 `packed_modules_mapping` tells the loader which checkpoint tensors go into which fused parameter.
+
+Built as `Qwen3ForCausalLM(hf_config, parts=None, fuse=False)`: `parts` (a nanovllm_ref.Parts, or None for
+the reference parts) supplies the element-wise ops, the weight loaders, the attention back-end and the KV
+store; `fuse=True` swaps the reference element-wise ops for their compiled versions (utils/fusion.py).
 """
 import torch
 from torch import nn
 
 from nanovllm_ref.config import rope_theta
-from nanovllm_ref.layers.activation import SiluAndMul
+from nanovllm_ref.layers.activation import SiluAndMul, silu_and_mul
 from nanovllm_ref.layers.attention import Attention
 from nanovllm_ref.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm_ref.layers.layernorm import RMSNorm, rms_norm
-from nanovllm_ref.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from nanovllm_ref.utils.fusion import fused
+from nanovllm_ref.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
+from nanovllm_ref.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                        load_gate_up_shard, load_qkv_shard)
+from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding, apply_rope, apply_rotary, rope_cos_sin
+from nanovllm_ref.utils.fusion import choose, fused
 from nanovllm_ref.utils.parallel import get_tp_size
+
+# The reference of each part a model uses (nanovllm_ref.Parts field name -> function).
+_REFERENCE_OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope_cos_sin": rope_cos_sin,
+                  "rotary": apply_rope, "silu_and_mul": silu_and_mul, "qkv_weight_loader": load_qkv_shard,
+                  "gate_up_weight_loader": load_gate_up_shard}
+
+
+class ModelOps:
+    """The functions a model calls, resolved once from `parts` (None = the reference) and `fuse`."""
+
+    def __init__(self, parts=None, fuse: bool = False):
+        for name, ref in _REFERENCE_OPS.items():
+            setattr(self, name, choose(getattr(parts, name, ref) if parts is not None else ref, ref, fuse))
+        self.attention_backend = getattr(parts, "attention_backend", None)
+        self.store_kvcache = getattr(parts, "store_kvcache", None)
+        # Qwen3's q/k norm + RoPE in one compiled kernel, only when both parts are the reference ones.
+        reference_qk = parts is None or (parts.rms_norm is rms_norm and parts.rotary is apply_rope)
+        self.qk_norm_rope = qk_norm_rope.compiled() if fuse and reference_qk else None
 
 
 @fused
 def qk_norm_rope(positions, q, k, q_weight, k_weight, eps: float, cos_sin_cache):
     """Qwen3's per-head RMSNorm of q [T, H, d] and k [T, Hkv, d], then RoPE: one kernel when compiled."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    q, k = rms_norm.eager(q, q_weight, eps), rms_norm.eager(k, k_weight, eps)
+    q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
@@ -35,7 +58,7 @@ def head_dim_of(config) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, qk_norm: bool):
+    def __init__(self, config, qk_norm: bool, ops: ModelOps):
         super().__init__()
         tp = get_tp_size()
         self.head_dim = head_dim_of(config)
@@ -44,47 +67,54 @@ class DecoderAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          total_kv, bias=bias)
+                                          total_kv, bias=bias, loader=ops.qkv_weight_loader)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config),
+                                          cos_sin=ops.rope_cos_sin, rotary=ops.rotary)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
+                              backend=ops.attention_backend, store=ops.store_kvcache)
         self.qk_norm = qk_norm
+        self.fused_qk_norm_rope = ops.qk_norm_rope
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:                    # Qwen3 normalises each head before RoPE (keeps logits bounded)
-            q, k = qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                self.rotary_emb.cos_sin_cache)
+        if self.qk_norm and self.fused_qk_norm_rope is not None:      # one compiled kernel (GPU)
+            q, k = self.fused_qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight,
+                                           self.q_norm.eps, self.rotary_emb.cos_sin_cache)
         else:
+            if self.qk_norm:                # Qwen3 normalises each head before RoPE (keeps logits bounded)
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q.flatten(1), k.flatten(1), v)
         return self.o_proj(o)
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, ops: ModelOps):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                                       loader=ops.gate_up_weight_loader)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(ops.silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qk_norm: bool):
+    def __init__(self, config, qk_norm: bool, ops: ModelOps):
         super().__init__()
-        self.self_attn = DecoderAttention(config, qk_norm)
-        self.mlp = DecoderMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, qk_norm, ops)
+        self.mlp = DecoderMLP(config, ops)
+        norms = dict(eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norms)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norms)
 
     def forward(self, positions, hidden_states, residual):
         if residual is None:
@@ -98,11 +128,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qk_norm: bool):
+    def __init__(self, config, qk_norm: bool, ops: ModelOps):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(config, qk_norm, ops) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
@@ -123,9 +153,9 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config):
+    def __init__(self, config, parts=None, fuse: bool = False):
         super().__init__()
-        self.model = DecoderModel(config, self.QK_NORM)
+        self.model = DecoderModel(config, self.QK_NORM, ModelOps(parts, fuse))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

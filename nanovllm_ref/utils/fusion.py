@@ -6,31 +6,33 @@ is launch-bound (~4 ms measured on an H200 for 28 layers) while the weights need
 each of those pure functions with torch.compile (Inductor) turns each into one generated Triton kernel.
 
 Only the small functions are compiled, not the whole model: compile time stays a few seconds, the model
-code stays plain PyTorch, and the attention back-ends are untouched. On CPU (and with `enable(False)`)
-the same functions run eagerly, so results are identical there.
+code stays plain PyTorch, and the attention back-ends are untouched.
+
+The switch belongs to the engine, not to the process: `@fused` leaves the function as it is and only gives
+it a `.compiled()` method; a model built with `fuse=True` (the model runner does this on CUDA) calls the
+compiled version, one built with `fuse=False` calls the function itself. So a CPU engine and a GPU engine
+in one process do not change each other.
 """
 import functools
 
 import torch
 
-_ENABLED = False
-
-
-def enable(flag: bool) -> None:
-    """Turn compiled fusion on or off for the whole process (the model runner sets it on CUDA)."""
-    global _ENABLED
-    _ENABLED = flag
-
 
 def fused(fn):
-    """Decorator: call `fn` compiled when fusion is enabled, eagerly otherwise."""
+    """Decorator: give `fn` a `.compiled()` method that returns `fn` compiled by torch.compile (made once,
+    with dynamic shapes and fullgraph=True), and `.eager` (= fn). Calling `fn` itself stays eager."""
     @functools.lru_cache(maxsize=None)
     def compiled():
         return torch.compile(fn, dynamic=True, fullgraph=True)
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return compiled()(*args, **kwargs) if _ENABLED else fn(*args, **kwargs)
+    fn.compiled = compiled
+    fn.eager = fn
+    return fn
 
-    wrapper.eager = fn
-    return wrapper
+
+def choose(fn, reference, fuse: bool):
+    """The function a model should call for one part: the compiled reference when `fuse` is on and `fn`
+    is the reference itself; otherwise `fn` unchanged (a student's part always runs as written)."""
+    if fuse and fn is reference and hasattr(fn, "compiled"):
+        return fn.compiled()
+    return fn
