@@ -6,6 +6,8 @@
     verify [NAMES...]       run released chapters unfilled: they must fail exactly at their check cells
     figures [CHAPTERS...]   redraw figures/chNN_*.png (all chapters, or e.g. `figures 01 02`)
     import-py SRC.py DST.ipynb   make a notebook from a percent-format (`# %%`) Python file
+    export [CHAPTERS...]    write your exercises from chapters/ into student/chNN.py (importable, picklable
+                            for tensor-parallel workers) and list which engine parts are yours
 
 See nanovllm_course/README.md.
 """
@@ -65,6 +67,17 @@ def cmd_import_py(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from nanovllm_course import export as ex
+    rows = ex.export(Path(args.notebooks), Path(args.out), args.chapters or None)
+    print(f"exported {len({r['chapter'] for r in rows})} chapter(s) from {args.notebooks}/ into {args.out}/")
+    print(ex.part_table(rows))
+    missing = sorted({r["exercise"] for r in rows if r["status"] != "done"})
+    if missing:
+        print(f"still the reference's (not done yet): {', '.join(missing)}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nanovllm_course", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,6 +118,12 @@ def main(argv=None) -> int:
     p.add_argument("src")
     p.add_argument("dst")
     p.set_defaults(func=cmd_import_py)
+
+    p = sub.add_parser("export", help="chapters' exercises -> importable student/chNN.py + manifest")
+    p.add_argument("chapters", nargs="*", help="2-digit chapter numbers (default: all with parts)")
+    p.add_argument("--notebooks", default=str(rel.CHAPTERS), help="folder of filled notebooks (default chapters/)")
+    p.add_argument("--out", default=str(rel.REPO / "student"), help="package folder to write (default student/)")
+    p.set_defaults(func=cmd_export)
 
     args = ap.parse_args(argv)
     if getattr(args, "names", None) == []:

@@ -1,0 +1,219 @@
+"""Export a student's exercises from the chapter notebooks into importable modules, and build the engine's
+`Parts` from them (nbdev-style; course machinery).
+
+    python -m nanovllm_course export                    # chapters/ -> student/chNN.py + student/manifest.json
+    python -m nanovllm_course export --notebooks solutions --out /tmp/ref_student
+
+Why a file and not the notebook's functions: a tensor-parallel engine starts worker processes, which receive
+the parts pickled, and Python pickles a function by its module and name. A function defined in a notebook
+cell has no importable module, so it cannot reach a worker; the same function in `student/ch01.py` can.
+
+What is exported, per chapter notebook: for every part in EXPORTS, the *last* code cell that defines that
+function or class (so a student who redefines it further down is taken at their latest version), reduced to
+its top-level imports, constants, functions and classes (demo code in the cell does not run on import),
+plus every top-level import of the notebook. A part whose body still holds the release's
+`raise NotImplementedError("Exercise ...")` stub counts as not done, and the engine uses the reference.
+
+`parts_from_student(folder)` reads the manifest and returns (Parts, table); `part_table(...)` says, for each
+Parts field, whose code runs: the student's (with its exercise) or the reference's.
+"""
+import ast
+import dataclasses
+import functools
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from nanovllm_ref.parts import Parts
+
+STUB_MARK = 'raise NotImplementedError("Exercise'
+
+
+@dataclass(frozen=True)
+class Export:
+    name: str         # the function or class the notebook defines
+    field: str        # the Parts field it fills
+    exercise: str     # "E1.1"
+
+
+# chapter -> the parts its exercises provide. Each entry's adapter (ADAPTERS) turns the notebook's function
+# into the Parts field's signature.
+EXPORTS: dict[str, list[Export]] = {
+    "01": [Export("rms_norm", "rms_norm", "E1.1"), Export("fused_add_rms_norm", "add_rms_norm", "E1.2")],
+    "02": [Export("rope_cos_sin", "rope_cos_sin", "E2.1"), Export("apply_rope", "rotary", "E2.2")],
+    "03": [Export("qkv_weight_loader", "qkv_weight_loader", "E3.3"),
+           Export("gate_up_weight_loader", "gate_up_weight_loader", "E3.3")],
+    "04": [Export("slot_mapping", "prepare_prefill", "E4.1"), Export("slot_mapping", "prepare_decode", "E4.1"),
+           Export("paged_decode", "attention_backend", "E4.2"), Export("store_kvcache", "store_kvcache", "E4.3")],
+    "05": [Export("BlockManager", "block_manager", "E5.2-E5.3")],
+}
+
+
+# -- adapters: notebook signature -> Parts signature (module-level, so the results pickle) ------------------
+def _qkv_loader(fn, layer, param, loaded_weight, shard_id):
+    """Chapter 03's qkv_weight_loader(param, w, shard_id, q_size, kv_size) knows one rank only: hand it this
+    rank's heads of the checkpoint tensor and this rank's q/kv sizes."""
+    q_size, kv_size = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    size = q_size if shard_id == "q" else kv_size
+    if loaded_weight.shape[0] != size * layer.tp_size:
+        raise RuntimeError(f"expected size {size * layer.tp_size} along dim 0, got {tuple(loaded_weight.shape)}")
+    fn(param, loaded_weight.narrow(0, layer.tp_rank * size, size), shard_id, q_size, kv_size)
+
+
+def _gate_up_loader(fn, layer, param, loaded_weight, shard_id):
+    """Chapter 03's gate_up_weight_loader(param, w, shard_id, intermediate_size), per rank likewise."""
+    size = layer.output_sizes[shard_id] // layer.tp_size
+    if loaded_weight.shape[0] != layer.output_sizes[shard_id]:
+        raise RuntimeError(f"expected size {layer.output_sizes[shard_id]} along dim 0, got {tuple(loaded_weight.shape)}")
+    fn(param, loaded_weight.narrow(0, layer.tp_rank * size, size), shard_id, size)
+
+
+def _adapt(field: str, fn):
+    from nanovllm_ref.attn import FunctionBackend
+    from nanovllm_ref.engine import inputs
+    if field == "qkv_weight_loader":
+        return functools.partial(_qkv_loader, fn)
+    if field == "gate_up_weight_loader":
+        return functools.partial(_gate_up_loader, fn)
+    if field == "prepare_prefill":
+        return functools.partial(inputs.prepare_prefill, slot_fn=fn)
+    if field == "prepare_decode":
+        return functools.partial(inputs.prepare_decode, slot_fn=fn)
+    if field == "attention_backend":
+        return dataclasses.replace(FunctionBackend.of("torch"), paged_decode=fn)
+    return fn
+
+
+def parts_from_functions(**functions) -> tuple[Parts, list[str]]:
+    """Parts from notebook-level objects named as in EXPORTS (e.g. rms_norm=..., BlockManager=...).
+    An object that is still the release's stub is skipped. Returns (parts, names of the objects used)."""
+    by_name = {e.name: e for chapter in EXPORTS.values() for e in chapter}
+    changes, used = {}, []
+    for name, obj in functions.items():
+        if name not in by_name:
+            raise ValueError(f"{name!r} is not an exported exercise; known: {sorted(by_name)}")
+        if is_stub(obj):
+            continue
+        used.append(name)
+        for e in (e for chapter in EXPORTS.values() for e in chapter if e.name == name):
+            changes[e.field] = _adapt(e.field, obj)
+    return Parts(**changes), used
+
+
+def is_stub(obj) -> bool:
+    """True when `obj` (a function or class) still contains the release's NotImplementedError stub."""
+    import inspect
+    try:
+        return STUB_MARK in inspect.getsource(obj)
+    except (OSError, TypeError):
+        return False
+
+
+# -- export -------------------------------------------------------------------------------------------------
+def _top_level(source: str):
+    """ast of a cell, or None when it is not plain Python (IPython magics, syntax errors)."""
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return None
+
+
+def _defined(tree) -> set[str]:
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def export_notebook(path: Path, out_dir: Path) -> list[dict]:
+    """Write out_dir/chNN.py from one chapter notebook; return its manifest rows."""
+    chapter = path.name[:2]
+    nb = nbformat.read(path, as_version=4)
+    cells = [c.source for c in nb.cells if c.cell_type == "code"]
+    trees = [_top_level(src) for src in cells]
+    imports, seen = [], set()
+    for src, tree in zip(cells, trees):
+        for node in tree.body if tree else []:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                text = ast.get_source_segment(src, node)
+                if text not in seen:
+                    seen.add(text)
+                    imports.append(text)
+    wanted = {e.name for e in EXPORTS[chapter]}
+    # The last cell defining each wanted name; keep its defs, classes, imports and constants.
+    chosen = {}
+    for i, tree in enumerate(trees):
+        for name in _defined(tree) if tree else ():
+            if name in wanted:
+                chosen[name] = i
+    body = []
+    for i in sorted(set(chosen.values())):
+        src, tree = cells[i], trees[i]
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)):
+                body.append(ast.get_source_segment(src, node, padded=True))
+    text = (f'"""Exported by `python -m nanovllm_course export` from {path.name}. Do not edit: change the notebook\n'
+            'and export again."""\n' + "\n".join(imports) + "\n\n\n" + "\n\n\n".join(body) + "\n")
+    (out_dir / f"ch{chapter}.py").write_text(text, encoding="utf-8")
+    rows = []
+    for e in EXPORTS[chapter]:
+        status = "missing"
+        if e.name in chosen:
+            node = next(n for n in trees[chosen[e.name]].body
+                        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == e.name)
+            status = "stub" if STUB_MARK in ast.get_source_segment(cells[chosen[e.name]], node) else "done"
+        rows.append(dict(chapter=chapter, exercise=e.exercise, name=e.name, field=e.field, status=status))
+    return rows
+
+
+def export(notebooks_dir: Path, out_dir: Path, chapters=None) -> list[dict]:
+    """Export every chapter notebook in `notebooks_dir` that has parts (or those in `chapters`) into the
+    package folder `out_dir` (created, with __init__.py and manifest.json). Returns the manifest rows."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "__init__.py").write_text('"""Your exercises, exported from the chapter notebooks."""\n')
+    rows = []
+    for path in sorted(Path(notebooks_dir).glob("[0-9][0-9]_*.ipynb")):
+        if path.name[:2] in EXPORTS and (not chapters or path.name[:2] in chapters):
+            rows += export_notebook(path, out_dir)
+    (out_dir / "manifest.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+def parts_from_student(out_dir: Path) -> tuple[Parts, list[dict]]:
+    """Import the exported package `out_dir` (its parent goes on sys.path) and build Parts from its
+    manifest: a part marked "done" is the student's (adapted), anything else the reference's.
+    Returns (parts, rows) where each row also has "source": "yours" or "reference"."""
+    out_dir = Path(out_dir).resolve()
+    rows = json.loads((out_dir / "manifest.json").read_text())
+    if str(out_dir.parent) not in sys.path:
+        sys.path.insert(0, str(out_dir.parent))
+    package = out_dir.name
+    for mod in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        del sys.modules[mod]                  # a fresh export replaces an earlier import
+    importlib.invalidate_caches()
+    changes = {}
+    for row in rows:
+        row["source"] = "reference"
+        if row["status"] == "done":
+            module = importlib.import_module(f"{package}.ch{row['chapter']}")
+            changes[row["field"]] = _adapt(row["field"], getattr(module, row["name"]))
+            row["source"] = "yours"
+    return Parts(**changes), rows
+
+
+def part_table(rows: list[dict]) -> str:
+    """One line per Parts field: whose code runs and the exercise it comes from."""
+    lines = [f"{'part':<22} {'runs':<10} from"]
+    covered = set()
+    for row in rows:
+        if row["field"] in covered:
+            continue
+        covered.add(row["field"])
+        whose = row.get("source", "yours" if row["status"] == "done" else "reference")
+        note = "" if whose == "yours" else f" ({row['status']})"
+        lines.append(f"{row['field']:<22} {whose:<10} ch{row['chapter']} {row['exercise']} {row['name']}{note}")
+    for f in dataclasses.fields(Parts):
+        if f.name not in covered:
+            lines.append(f"{f.name:<22} {'reference':<10} (no exercise yet)")
+    return "\n".join(lines)

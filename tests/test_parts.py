@@ -1,0 +1,220 @@
+"""The engine's seams: Parts, pure input preparation, scoped attention metadata, no process globals, and the
+course's export round trip (a student's exported parts run inside the engine with HF-equal greedy ids)."""
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nanovllm_ref
+from nanovllm_ref import Parts, SamplingParams
+from nanovllm_ref.attn import FunctionBackend, torch_backend
+from nanovllm_ref.engine.inputs import prepare_decode, prepare_prefill, slot_mapping
+from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.layers.layernorm import rms_norm
+from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata, current_metadata
+from nanovllm_ref.utils.parallel import get_tp_rank, get_tp_size, tensor_parallel
+
+from engine_helpers import LLM, hf_greedy, run_checked, tiny_dir
+import parts_spies
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [100, 4], [7] * 13, [5, 9, 11, 3, 7, 2, 8, 40, 41]]
+
+
+def greedy(n=8):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+# -- input preparation ------------------------------------------------------------------------------------
+def test_prepare_prefill_is_a_pure_function_with_the_worked_values():
+    a = Sequence(list(range(10)), 4)
+    a.block_table, a.num_cached_tokens, a.num_scheduled_tokens = [7, 2, 5], 4, 5      # a cached first block
+    b = Sequence([1, 2, 3], 4)
+    b.block_table, b.num_cached_tokens, b.num_scheduled_tokens = [0], 0, 3
+    step = prepare_prefill([a, b], 4, "cpu")
+    assert step.input_ids.tolist() == [4, 5, 6, 7, 8, 1, 2, 3]
+    assert step.positions.tolist() == [4, 5, 6, 7, 8, 0, 1, 2]
+    m = step.metadata
+    assert m.is_prefill and m.cu_seqlens_q.tolist() == [0, 5, 8] and m.cu_seqlens_k.tolist() == [0, 9, 12]
+    assert (m.max_seqlen_q, m.max_seqlen_k) == (5, 9)
+    assert m.slot_mapping.tolist() == [8, 9, 10, 11, 20, 0, 1, 2]
+    assert m.block_tables.tolist() == [[7, 2, 5], [0, -1, -1]]
+    assert m.slot_mapping.dtype == torch.int32 and step.input_ids.dtype == torch.int64
+    assert a.block_table == [7, 2, 5] and a.num_cached_tokens == 4         # inputs untouched
+
+
+def test_prepare_decode_values_and_custom_slot_fn():
+    a = Sequence(list(range(9)), 4)
+    a.block_table = [3, 1, 6]
+    step = prepare_decode([a], 4, "cpu")
+    assert step.input_ids.tolist() == [8] and step.positions.tolist() == [8]
+    assert step.metadata.slot_mapping.tolist() == [6 * 4 + 0] and step.metadata.context_lens.tolist() == [9]
+    same = prepare_decode([a], 4, "cpu", slot_fn=lambda t, s, e, bs: slot_mapping(t, s, e, bs))
+    assert same.metadata.slot_mapping.tolist() == [24]
+
+
+def test_slot_mapping_past_the_table_is_a_value_error():
+    with pytest.raises(ValueError, match="block table has 1"):
+        slot_mapping([0], 0, 5, 4)
+
+
+# -- scoped metadata and no process globals ---------------------------------------------------------------
+def test_attention_metadata_is_scoped_and_restored_after_an_exception():
+    meta = AttentionMetadata(is_prefill=True, max_seqlen_q=3)
+    with pytest.raises(RuntimeError):
+        with attention_metadata(meta):
+            assert current_metadata() is meta
+            raise RuntimeError("forward failed")
+    assert current_metadata() == AttentionMetadata()
+    inner = AttentionMetadata(max_seqlen_q=1)
+    with attention_metadata(meta):
+        with attention_metadata(inner):
+            assert current_metadata() is inner
+        assert current_metadata() is meta
+    with pytest.raises(TypeError, match="AttentionMetadata"):
+        with attention_metadata({"is_prefill": True}):
+            pass
+
+
+def test_a_failing_step_leaves_no_stale_metadata_and_other_requests_still_finish():
+    path = tiny_dir("qwen3")
+    llm = LLM(path, kvcache_block_size=4, parts=Parts(sampler=parts_spies.broken_sampler))
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        llm.generate([PROMPTS[0]], greedy(), use_tqdm=False)
+    assert current_metadata() == AttentionMetadata()
+    assert llm.is_finished()                       # the failed call's requests were dropped
+    llm.exit()
+    ok = LLM(path, kvcache_block_size=4)
+    assert ok.generate([PROMPTS[1]], greedy(), use_tqdm=False)[0]["token_ids"] == hf_greedy(path, PROMPTS[1], 8)
+    ok.exit()
+
+
+def test_tensor_parallel_scope_does_not_outlive_the_block():
+    with pytest.raises(RuntimeError):
+        with tensor_parallel(1, 2):
+            assert (get_tp_rank(), get_tp_size()) == (1, 2)
+            raise RuntimeError
+    assert (get_tp_rank(), get_tp_size()) == (0, 1)
+    with pytest.raises(ValueError, match="rank"):
+        with tensor_parallel(2, 2):
+            pass
+
+
+def test_fusion_is_chosen_per_model_not_per_process():
+    from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM
+    from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(tiny_dir("qwen3"))
+    fused = Qwen3ForCausalLM(hf, fuse=True)           # not run: compiling needs no GPU to be built
+    plain = Qwen3ForCausalLM(hf)
+    assert fused.model.norm.norm is rms_norm.compiled() and fused.model.layers[0].self_attn.fused_qk_norm_rope
+    assert plain.model.norm.norm is rms_norm and plain.model.layers[0].self_attn.fused_qk_norm_rope is None
+    mine = Qwen3ForCausalLM(hf, parts=Parts(rms_norm=parts_spies.rms_norm), fuse=True)
+    assert mine.model.norm.norm is parts_spies.rms_norm              # a part runs as written
+    assert mine.model.layers[0].self_attn.fused_qk_norm_rope is None
+
+
+def test_importing_the_engine_sets_no_environment_variable():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os, nanovllm_ref, nanovllm_ref.kernels, nanovllm_ref.attn.triton_backend, nanovllm_ref.bench\n"
+            "print(os.environ.get('TRITON_INTERPRET'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "None"
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused_by_name():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from nanovllm_ref.attn import resolve_backend\n"
+            "try:\n    resolve_backend('triton', 'cpu')\nexcept ValueError as e:\n    print('ValueError', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    assert out.stdout.startswith("ValueError") and "TRITON_INTERPRET=1" in out.stdout
+
+
+# -- Parts --------------------------------------------------------------------------------------------------
+def test_every_part_runs_inside_the_engine_and_greedy_ids_equal_hf():
+    spies = Parts(rms_norm=parts_spies.rms_norm, add_rms_norm=parts_spies.add_rms_norm,
+                  rope_cos_sin=parts_spies.rope_cos_sin, rotary=parts_spies.rotary,
+                  silu_and_mul=parts_spies.silu_and_mul, qkv_weight_loader=parts_spies.qkv_weight_loader,
+                  gate_up_weight_loader=parts_spies.gate_up_weight_loader,
+                  prepare_prefill=parts_spies.prepare_prefill, prepare_decode=parts_spies.prepare_decode,
+                  attention_backend=dataclasses.replace(FunctionBackend.of("torch"), paged_decode=parts_spies.paged_decode),
+                  store_kvcache=parts_spies.store_kvcache, block_manager=parts_spies.SpyBlockManager,
+                  scheduler=parts_spies.SpyScheduler, sampler=parts_spies.sample,
+                  graph_batch_sizes=parts_spies.graph_sizes)
+    assert spies.replaced() == [f.name for f in dataclasses.fields(Parts)]
+    parts_spies.CALLS.clear()
+    path = tiny_dir("qwen3")
+    llm = LLM(path, kvcache_block_size=4, parts=spies)
+    out = llm.generate(PROMPTS, greedy(), use_tqdm=False)        # all greedy: the sampler part still runs
+    llm.exit()
+    for prompt, o in zip(PROMPTS, out):
+        assert o["token_ids"] == hf_greedy(path, prompt, 8)
+    ran = {name for name, n in parts_spies.CALLS.items() if n > 0}
+    # graph_batch_sizes is used only when CUDA graphs are captured (GPU); the GPU run covers it.
+    assert ran == set(spies.replaced()) - {"graph_batch_sizes"}
+
+
+def test_parts_are_checked_before_anything_starts():
+    with pytest.raises(TypeError, match="Parts.rms_norm must be callable"):
+        Parts(rms_norm=3)
+    with pytest.raises(TypeError, match="Parts.scheduler must be a class"):
+        Parts(scheduler=parts_spies.sample)
+    with pytest.raises(TypeError, match="attention_backend"):
+        Parts(attention_backend=object())
+    path = tiny_dir("qwen3")
+    with pytest.raises(TypeError, match="parts must be a nanovllm_ref.Parts"):
+        nanovllm_ref.LLM(path, parts={"rms_norm": rms_norm})
+    with pytest.raises(ValueError, match="conflicts with Parts.attention_backend"):
+        nanovllm_ref.LLM(path, attention_backend="torch", parts=Parts(attention_backend=FunctionBackend.of("torch")))
+    with pytest.raises(TypeError, match="Parts.sampler cannot be sent to tensor-parallel workers"):
+        nanovllm_ref.LLM(path, tensor_parallel_size=2, parts=Parts(sampler=lambda logits, meta: logits.argmax(-1)))
+
+
+# -- the course's export round trip -------------------------------------------------------------------------
+def _export(notebooks: str, tmp_path: Path):
+    from nanovllm_course import export as ex
+    out = tmp_path / "student"
+    cli = subprocess.run([sys.executable, "-m", "nanovllm_course", "export", "--notebooks", str(ROOT / notebooks),
+                          "--out", str(out)], capture_output=True, text=True, cwd=ROOT, check=True)
+    parts, rows = ex.parts_from_student(out)
+    return parts, rows, cli.stdout
+
+
+def test_exported_solutions_run_in_the_engine_with_hf_equal_ids(tmp_path):
+    parts, rows, printed = _export("solutions", tmp_path)
+    assert {r["source"] for r in rows} == {"yours"}
+    assert set(parts.replaced()) == {"rms_norm", "add_rms_norm", "rope_cos_sin", "rotary", "qkv_weight_loader",
+                                     "gate_up_weight_loader", "prepare_prefill", "prepare_decode",
+                                     "attention_backend", "store_kvcache", "block_manager"}
+    assert "not done yet" not in printed
+    for arch in ("qwen3", "llama"):
+        path = tiny_dir(arch)
+        # Tight cache, small chunks and a shared prefix: chunked prefill, prefix hits and preemption all run
+        # through the student's block manager, slot mapping, store and decode attention.
+        llm = LLM(path, parts=parts, kvcache_block_size=4, num_kvcache_blocks=12, max_num_batched_tokens=8,
+                  max_model_len=64)
+        got, _ = run_checked(llm, PROMPTS, greedy(10))
+        assert llm.scheduler.num_preemptions > 0
+        llm.exit()
+        for prompt, ids in zip(PROMPTS, got):
+            assert ids == hf_greedy(path, prompt, 10), arch
+
+
+def test_exported_parts_pickle_into_tensor_parallel_workers(tmp_path):
+    parts, _, _ = _export("solutions", tmp_path)
+    path = tiny_dir("qwen3")
+    with LLM(path, parts=parts, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64) as llm:
+        out = llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)
+    for prompt, o in zip(PROMPTS[:2], out):
+        assert o["token_ids"] == hf_greedy(path, prompt, 8)
+
+
+def test_exported_unfilled_chapters_fall_back_to_the_reference_and_say_so(tmp_path):
+    parts, rows, printed = _export("chapters", tmp_path)
+    assert parts == Parts() and parts.replaced() == []
+    assert {r["status"] for r in rows} == {"stub"} and {r["source"] for r in rows} == {"reference"}
+    assert "still the reference's (not done yet): E1.1, E1.2, E2.1, E2.2, E3.3, E4.1, E4.2, E4.3, E5.2-E5.3" in printed
+    assert "rms_norm               reference  ch01 E1.1 rms_norm (stub)" in printed
