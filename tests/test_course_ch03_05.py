@@ -229,7 +229,8 @@ def test_e3_4(capsys):
     # position differences inside a sequence. (A going-further question in the notebook.)
     passes(ch03.check_prefill_logits, make_prefill_logits(global_positions=True), make_build_model(), tag="E3.4",
            capsys=capsys)
-    fails(ch03.check_prefill_logits, make_prefill_logits(), no_backend_build, match="set layer.backend")
+    # An Attention layer built without a back-end uses the torch one (the engine's default), so this is right.
+    passes(ch03.check_prefill_logits, make_prefill_logits(), no_backend_build, tag="E3.4", capsys=capsys)
     fails(ch03.check_prefill_logits, make_prefill_logits(), unloaded_build, match="wrong weights")
     passes(ch03.check_prefill_logits, ch03.reference_prefill_logits, ch03.reference_build_model, tag="E3.4",
            capsys=capsys)

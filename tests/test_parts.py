@@ -11,7 +11,7 @@ import torch
 
 import nanovllm_ref
 from nanovllm_ref import Parts, SamplingParams
-from nanovllm_ref.attn import FunctionBackend, torch_backend
+from nanovllm_ref.attn import FunctionBackend
 from nanovllm_ref.engine.inputs import prepare_decode, prepare_prefill, slot_mapping
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.layernorm import rms_norm

@@ -58,7 +58,8 @@ def head_dim_of(config) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, qk_norm: bool, ops: ModelOps):
+    def __init__(self, config, qk_norm: bool, ops: ModelOps | None = None):
+        ops = ops if ops is not None else ModelOps()
         super().__init__()
         tp = get_tp_size()
         self.head_dim = head_dim_of(config)
@@ -95,7 +96,8 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config, ops: ModelOps):
+    def __init__(self, config, ops: ModelOps | None = None):
+        ops = ops if ops is not None else ModelOps()
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
@@ -108,7 +110,8 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qk_norm: bool, ops: ModelOps):
+    def __init__(self, config, qk_norm: bool, ops: ModelOps | None = None):
+        ops = ops if ops is not None else ModelOps()
         super().__init__()
         self.self_attn = DecoderAttention(config, qk_norm, ops)
         self.mlp = DecoderMLP(config, ops)
@@ -128,7 +131,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qk_norm: bool, ops: ModelOps):
+    def __init__(self, config, qk_norm: bool, ops: ModelOps | None = None):
+        ops = ops if ops is not None else ModelOps()
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(config, qk_norm, ops) for _ in range(config.num_hidden_layers)])
