@@ -1,11 +1,22 @@
 """Issue 12: config and checkpoint faults from public bug reports, each with HF transformers as the oracle
 where a model is involved. Every test here failed on the engine before the fix it names."""
+import json
+import os
+import random
+import shutil
+import warnings
+
 import pytest
 import torch
 
+from nanovllm_ref import SamplingParams
+from nanovllm_ref.config import Config
 from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.layers.rope_scaling import rope_frequencies, rope_parameters_of
 from nanovllm_ref.layers.sampler import exponential_race
+from nanovllm_ref.tiny import make_tiny_model, tiny_config
+from engine_helpers import LLM, hf_greedy, hf_model, tiny_dir
 
 
 # -- 2. the exponential race's noise has a floor ---------------------------------------------------------
@@ -48,3 +59,93 @@ def test_prefix_hit_requires_the_cached_blocks_parent():
     _, hit = _run_prefill(bm, x2 + y + [1])
     assert hit == 4
 
+
+
+# -- 1. stop ids from generation_config.json ------------------------------------------------------------
+def _hf_generate(path, prompt, max_new_tokens):
+    """HF generate with the folder's own generation config (its stop ids), greedy."""
+    model = hf_model(path)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def test_stop_ids_from_generation_config_json(tmp_path):
+    src = tiny_dir("qwen3")
+    path = str(tmp_path / "model")
+    shutil.copytree(src, path)
+    prompt, free_run = None, None
+    for seed in range(50):                   # a prompt whose 3rd greedy token is new and not the eos (2)
+        p = random.Random(seed).sample(range(3, 500), 6)
+        run = hf_greedy(src, p, 8)
+        if run[2] != 2 and run[2] not in run[:2] and 2 not in run[:3]:
+            prompt, free_run = p, run
+            break
+    stop = free_run[2]
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, stop], "bos_token_id": 1, "pad_token_id": 2}, f)
+    expected = _hf_generate(path, prompt, 8)
+    assert expected == free_run[:3]          # HF stops at the generation_config stop id
+    out = LLM(path, kvcache_block_size=4, max_model_len=64).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out[0]["token_ids"] == expected
+
+
+# -- 3. config keys that change the maths: implemented and tested against HF, or refused by name ----------
+ROPE_SCALINGS = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                    "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16},
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("scaling", sorted(ROPE_SCALINGS))
+def test_rope_scaling_matches_hf(tmp_path, arch, scaling):
+    path = make_tiny_model(str(tmp_path / "m"), arch, rope_scaling=dict(ROPE_SCALINGS[scaling]))
+    prompt = random.Random(4).choices(range(3, 500), k=40)
+    out = LLM(path, kvcache_block_size=16, max_model_len=128).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert out[0]["token_ids"] == hf_greedy(path, prompt, 12)
+
+
+def test_rope_scaling_frequencies_match_hf():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    for arch in ("qwen3", "llama"):
+        for name, scaling in ROPE_SCALINGS.items():
+            cfg = tiny_config(arch, rope_scaling=dict(scaling))
+            want, want_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg)
+            got, got_scale = rope_frequencies(16, 10000.0, rope_parameters_of(cfg), 512)
+            torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0, msg=name)
+            assert got_scale == pytest.approx(want_scale, rel=1e-12), name
+
+
+def _config_only(tmp_path, arch, **overrides):
+    path = str(tmp_path / "cfg")
+    tiny_config(arch, **overrides).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch, overrides, key", [
+    ("qwen3", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
+    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 128}), "rope_type"),
+    ("qwen3", dict(hidden_act="gelu"), "hidden_act"),
+    ("llama", dict(hidden_act="relu"), "hidden_act"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding_window"),
+])
+def test_config_settings_the_engine_cannot_honour_are_refused_by_name(tmp_path, arch, overrides, key):
+    path = _config_only(tmp_path, arch, **overrides)
+    with pytest.raises(ValueError, match=key):
+        Config(path)
+
+
+def test_qwen3_ignores_mlp_bias_as_hf_does(tmp_path):
+    path = make_tiny_model(str(tmp_path / "m"), "qwen3", mlp_bias=True)
+    prompt = random.Random(6).choices(range(3, 500), k=9)
+    out = LLM(path, kvcache_block_size=4, max_model_len=64).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert out[0]["token_ids"] == hf_greedy(path, prompt, 8)

@@ -3,11 +3,13 @@
 Each pair of channels (i, i + d/2) of a query or key at position p is rotated by the angle
 p * base^(-2i/d) ("rotate half", the GPT-NeoX layout that HF Llama and Qwen3 use). cos and sin for every
 position up to max_position are computed once, in fp32, into `cos_sin_cache` [max_position, d]
-(first half cos, second half sin).
+(first half cos, second half sin). Scaled RoPE (linear, YaRN) changes the frequencies and may multiply
+cos and sin by a factor: see `rope_scaling.py`.
 """
 import torch
 from torch import nn
 
+from nanovllm_ref.layers.rope_scaling import rope_frequencies
 from nanovllm_ref.utils.fusion import fused
 
 
@@ -26,11 +28,13 @@ def rotary_qk(positions, q, k, cos_sin_cache):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_parameters: dict | None = None):
+        """rope_parameters: the config's RoPE scaling (`rope_scaling.rope_parameters_of`); None = plain RoPE.
+        Raises ValueError for a scaling the engine does not implement."""
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        inv_freq, scale = rope_frequencies(head_dim, base, rope_parameters, max_position)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)   # [P, d/2]
-        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1),
+        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1) * scale,
                              persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -17,6 +17,7 @@ from nanovllm_ref.layers.attention import Attention
 from nanovllm_ref.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm_ref.layers.layernorm import RMSNorm, rms_norm
 from nanovllm_ref.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm_ref.layers.rope_scaling import rope_parameters_of
 from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from nanovllm_ref.utils.fusion import fused
 from nanovllm_ref.utils.parallel import get_tp_size
@@ -46,7 +47,8 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           total_kv, bias=bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config),
+                                          rope_parameters_of(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         self.qk_norm = qk_norm
         if qk_norm:
