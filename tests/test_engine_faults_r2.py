@@ -9,6 +9,8 @@ import warnings
 import pytest
 import torch
 
+from safetensors.torch import load_file, save_file
+
 from nanovllm_ref import SamplingParams
 from nanovllm_ref.config import Config
 from nanovllm_ref.engine.block_manager import BlockManager
@@ -149,3 +151,79 @@ def test_qwen3_ignores_mlp_bias_as_hf_does(tmp_path):
     out = LLM(path, kvcache_block_size=4, max_model_len=64).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert out[0]["token_ids"] == hf_greedy(path, prompt, 8)
+
+
+# -- 4. a tied config whose checkpoint also stores lm_head.weight ---------------------------------------
+def _add_stored_head(path, noise: float):
+    file = os.path.join(path, "model.safetensors")
+    sd = load_file(file)
+    gen = torch.Generator().manual_seed(1)
+    embed = sd["model.embed_tokens.weight"]
+    sd["lm_head.weight"] = embed + noise * torch.randn(embed.shape, generator=gen)
+    save_file(sd, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("noise", [0.0, 0.5])
+def test_tied_config_with_a_stored_lm_head_behaves_as_hf(tmp_path, arch, noise):
+    path = make_tiny_model(str(tmp_path / "m"), arch, tie_word_embeddings=True)
+    _add_stored_head(path, noise)
+    prompts = [random.Random(s).choices(range(3, 500), k=7) for s in range(3)]
+    llm = LLM(path, kvcache_block_size=4, max_model_len=64)
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [g["token_ids"] for g in got] == [hf_greedy(path, p, 10) for p in prompts]
+    model = llm.model_runner.model
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (noise == 0.0)
+
+
+# -- 5. the loader follows model.safetensors.index.json -------------------------------------------------
+def _sharded(tmp_path, num_shards=6):
+    """A tiny Qwen3 saved as `num_shards` shards + model.safetensors.index.json; returns (path, state dict)."""
+    path = make_tiny_model(str(tmp_path / "m"), "qwen3", seed=3)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    os.remove(os.path.join(path, "model.safetensors"))
+    names, weight_map = sorted(sd), {}
+    for i in range(num_shards):
+        shard = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = names[i::num_shards]
+        save_file({n: sd[n] for n in part}, os.path.join(path, shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path, sd
+
+
+@pytest.mark.parametrize("stray", ["consolidated", "model-old"])
+def test_loader_reads_the_shards_the_index_lists_and_nothing_else(tmp_path, stray):
+    path, sd = _sharded(tmp_path)
+    if stray == "consolidated":      # the same tensors under other names
+        save_file({n.removeprefix("model."): t for n, t in sd.items()},
+                  os.path.join(path, "consolidated.safetensors"), metadata={"format": "pt"})
+    else:                            # the same names, other values
+        save_file({n: t.flip(0).contiguous() for n, t in sd.items()},
+                  os.path.join(path, "model-old.safetensors"), metadata={"format": "pt"})
+    prompts = [random.Random(s).choices(range(3, 500), k=9) for s in range(2)]
+    got = LLM(path, kvcache_block_size=4, max_model_len=64).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [g["token_ids"] for g in got] == [hf_greedy(path, p, 10) for p in prompts]
+
+
+def test_loader_refuses_a_tensor_defined_in_two_files(tmp_path):
+    path, sd = _sharded(tmp_path, num_shards=2)
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    second = "model-00002-of-00002.safetensors"
+    name = next(n for n, s in index["weight_map"].items() if s != second)
+    extra = load_file(os.path.join(path, second))
+    extra[name] = sd[name]
+    save_file(extra, os.path.join(path, second), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="defined twice"):
+        LLM(path, kvcache_block_size=4, max_model_len=64)
+
+
+def test_loader_without_index_refuses_several_files(tmp_path):
+    path = make_tiny_model(str(tmp_path / "m"), "qwen3")
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "a.safetensors"))
+    shutil.copy(os.path.join(path, "a.safetensors"), os.path.join(path, "b.safetensors"))
+    with pytest.raises(ValueError, match="index"):
+        LLM(path, kvcache_block_size=4, max_model_len=64)
