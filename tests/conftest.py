@@ -1,7 +1,7 @@
 """Shared pytest configuration.
 
 Notebook tests (course machinery): when CUDA is unavailable, nbval cells whose notebook cell is tagged
-`gpu` are skipped, like cells tagged `nbval-skip`. Nothing else here yet; the lead adds engine fixtures.
+`gpu` are skipped, like cells tagged `nbval-skip`.
 """
 import pytest
 

@@ -17,7 +17,7 @@ from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.rope_scaling import rope_frequencies, rope_parameters_of
 from nanovllm_ref.layers.sampler import exponential_race
-from nanovllm_ref.tiny import make_tiny_model, tiny_config
+from nanovllm_ref.tiny import CHAT_TEMPLATE, make_tiny_model, make_tokenizer, tiny_config
 from engine_helpers import LLM, hf_greedy, hf_model, tiny_dir
 
 
@@ -92,7 +92,7 @@ def test_stop_ids_from_generation_config_json(tmp_path):
     assert expected == free_run[:3]          # HF stops at the generation_config stop id
     out = LLM(path, kvcache_block_size=4, max_model_len=64).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    assert out[0]["token_ids"] == expected
+    assert out[0]["token_ids"] == expected and out[0]["finish_reason"] == "stop"
 
 
 # -- 3. config keys that change the maths: implemented and tested against HF, or refused by name ----------
@@ -227,3 +227,95 @@ def test_loader_without_index_refuses_several_files(tmp_path):
     shutil.copy(os.path.join(path, "a.safetensors"), os.path.join(path, "b.safetensors"))
     with pytest.raises(ValueError, match="index"):
         LLM(path, kvcache_block_size=4, max_model_len=64)
+
+
+# -- 6. chat prompts are tokenized as HF's apply_chat_template does (one BOS) ---------------------------
+def _model_with_bos_tokenizer(tmp_path):
+    """A tiny Qwen3 whose tokenizer adds BOS (<|im_start|> = 1) and whose chat template writes it too."""
+    from tokenizers import processors
+    path = make_tiny_model(str(tmp_path / "m"), "qwen3", tokenizer=False)
+    tok = make_tokenizer(path)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", pair="<|im_start|> $A $B", special_tokens=[("<|im_start|>", 1)])
+    tok.chat_template = "{{ bos_token }}" + CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def test_chat_adds_one_bos_like_hf(tmp_path):
+    from transformers import AutoTokenizer
+    path = _model_with_bos_tokenizer(tmp_path)
+    conv = [{"role": "user", "content": "Hello, world!"}]
+    hf_ids = AutoTokenizer.from_pretrained(path).apply_chat_template(conv, tokenize=True, add_generation_prompt=True,
+                                                                     return_dict=False)
+    assert hf_ids[:3] == [1, 1, 291]         # the template's BOS, then <|im_start|>user
+    llm = LLM(path, kvcache_block_size=4, max_model_len=64)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    one, = llm.chat(conv, sp, use_tqdm=False)
+    assert one["prompt_token_ids"] == hf_ids
+    assert one["token_ids"] == hf_greedy(path, hf_ids, 6)
+    two = llm.chat([conv, conv + [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "x"}]], sp,
+                   use_tqdm=False)
+    assert two[0] == one and two[1]["prompt_token_ids"][:2] == [1, 1]
+    with pytest.raises(TypeError, match=r"messages\[0\]\[0\]"):
+        llm.chat([[{"role": "user"}]], sp)
+    assert llm.is_finished()
+
+
+def test_cli_chat_adds_one_bos_like_hf(tmp_path, capsys):
+    from nanovllm_ref.__main__ import main
+    path = _model_with_bos_tokenizer(tmp_path)
+    # max-model-len = the chat prompt's length: one BOS fits, a second one would not
+    from transformers import AutoTokenizer
+    n = len(AutoTokenizer.from_pretrained(path).apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=True, add_generation_prompt=True, return_dict=False))
+    assert main(["generate", "--model", path, "--chat", "--prompt", "Hi", "--max-model-len", str(n),
+                 "--max-tokens", "3", "--device", "cpu"]) == 0
+    assert "[cut short: reached max_model_len" in capsys.readouterr().out
+
+
+# -- finish_reason and the CLI -----------------------------------------------------------------------------
+def test_finish_reason_says_why_a_completion_ended():
+    path = tiny_dir("qwen3")
+    llm = LLM(path, kvcache_block_size=4, max_model_len=12)
+    outs = llm.generate([[5, 6, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o["finish_reason"] for o in outs] == ["length", "length"]
+    assert [len(o["token_ids"]) for o in outs] == [4, 2]        # max_tokens; max_model_len
+    assert set(outs[0]) == {"text", "token_ids", "prompt_token_ids", "finish_reason"}
+
+
+def _weightless_model(tmp_path):
+    """config.json and a tokenizer, no weights: loading the weights fails, so an error about anything
+    else proves the check ran before the weights were loaded."""
+    path = make_tiny_model(str(tmp_path / "m"), "qwen3")
+    os.remove(os.path.join(path, "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--max-model-len", "4", "--prompt", "The quick brown fox jumps over the lazy dog."], "max_model_len=4"),
+    (["--max-model-len", "4", "--chat"], "max_model_len=4"),
+])
+def test_cli_checks_settings_and_prompt_lengths_before_loading_weights(tmp_path, capsys, flags, message):
+    from nanovllm_ref.__main__ import main
+    path = _weightless_model(tmp_path)
+    argv = ["generate", "--model", path, "--device", "cpu", *flags]
+    if "--prompt" not in flags:
+        argv += ["--prompt", "Hello"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "safetensors" not in err
+
+
+def test_cli_help_shows_defaults_and_reports_length_cut(capsys):
+    from nanovllm_ref.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 64)" in out and "(default: 2048)" in out
+    assert main(["generate", "--model", tiny_dir("qwen3"), "--prompt", "Hello", "--max-tokens", "2",
+                 "--device", "cpu"]) == 0
+    assert "[cut short: reached max_tokens=2 (--max-tokens)]" in capsys.readouterr().out
