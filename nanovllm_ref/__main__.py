@@ -13,11 +13,13 @@ import sys
 import time
 import warnings
 
+# Prompts SmolLM2-135M-Instruct answers well (greedy, fp32 on CPU, 2026-11-30). It got the KV cache, a
+# haiku, prime numbers and the largest planet wrong, so those are not demo prompts.
 DEMO_PROMPTS = [
     "What is the capital of France?",
-    "Explain in one sentence what a KV cache is.",
-    "Write a haiku about GPUs.",
-    "List three prime numbers.",
+    "Name three fruits.",
+    "What is 2 + 3?",
+    "Give me three tips for staying healthy.",
 ]
 
 
@@ -38,37 +40,69 @@ def _engine_args(args) -> dict:
 
 
 def _add_engine_flags(p):
-    p.add_argument("--model", default="smollm2", help="model folder, or a name from `download` (default smollm2)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn", "triton", "torch"])
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--model", default="smollm2", help="model folder, or a name from `download`")
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion, in tokens")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="auto: the checkpoint's dtype on GPU, float32 on CPU")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn", "triton", "torch"],
+                   help="attention kernels")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU ranks) per layer")
     p.add_argument("--kvcache-block-size", type=int, default=0, help="0 = engine default")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
-def _chat(tokenizer, text: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
+DEMO_NOTE = ("SmolLM2-135M-Instruct is a very small model (135 M parameters), here dequantized from a 4-bit "
+             "GGUF: expect fluent text and simple answers, but also wrong facts and arithmetic. For better "
+             "answers run a larger Qwen3 or Llama folder with --model.")
 
 
-def cmd_generate(args, prompts=None, chat=None):
+def _load_tokenizer(path: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers import AutoTokenizer
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except Exception as exc:
+            raise ValueError(f"could not load a tokenizer from {path!r}: {exc}") from exc
+
+
+def cmd_generate(args, prompts=None, chat=None, note=None):
     from nanovllm_ref import LLM, SamplingParams
-    llm = LLM(_model_path(args.model), **_engine_args(args))
+    from nanovllm_ref.config import Config
+    from nanovllm_ref.llm import chat_token_ids
+    # Cheap checks first: sampling settings, engine arguments and config.json, then prompt lengths with
+    # the tokenizer; only then load the weights (tens of seconds on a CPU).
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     prompts = prompts or args.prompt
     chat = args.chat if chat is None else chat
-    texts = [_chat(llm.tokenizer, p) if chat else p for p in prompts]
-    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    path, engine_args = _model_path(args.model), _engine_args(args)
+    max_len = Config(path, **engine_args).max_model_len
+    tokenizer = _load_tokenizer(path)
+    token_ids = [chat_token_ids(tokenizer, [{"role": "user", "content": p}], where=f"prompt {i + 1}") if chat
+                 else tokenizer.encode(p) for i, p in enumerate(prompts)]
+    for i, ids in enumerate(token_ids):
+        if not ids:
+            raise ValueError(f"prompt {i + 1} is empty")
+        if len(ids) > max_len:
+            raise ValueError(f"prompt {i + 1} has {len(ids)} tokens{' with the chat template' if chat else ''}, "
+                             f"more than max_model_len={max_len} (--max-model-len)")
+    llm = LLM(path, **engine_args)
     t = time.perf_counter()
-    outputs = llm.generate(texts, sp, use_tqdm=True)
+    outputs = llm.generate(token_ids, sp, use_tqdm=True)
     dt = time.perf_counter() - t
-    for prompt, out in zip(prompts, outputs):
+    for prompt, ids, out in zip(prompts, token_ids, outputs):
         print(f"\n>>> {prompt}\n{out['text'].strip()}")
+        if out["finish_reason"] == "length":
+            limit = (f"max_model_len={max_len} (--max-model-len)" if len(ids) + len(out["token_ids"]) >= max_len
+                     else f"max_tokens={sp.max_tokens} (--max-tokens)")
+            print(f"[cut short: reached {limit}]")
     n = sum(len(o["token_ids"]) for o in outputs)
     print(f"\n{len(outputs)} prompts, {n} output tokens in {dt:.2f} s: {n / dt:.1f} output tokens/s "
           f"({llm.model_runner.device_type}, {str(llm.model_runner.dtype).replace('torch.', '')}, "
           f"attention={llm.model_runner.backend_name}, cuda_graphs={not llm.model_runner.enforce_eager})")
+    if note:
+        print(note)
     llm.exit()
 
 
@@ -112,17 +146,18 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    p = sub.add_parser("generate", help="generate text for one or more prompts", formatter_class=defaults)
     _add_engine_flags(p)
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=64, help="most new tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
 
-    p = sub.add_parser("demo", help="the README demo: SmolLM2 answers a few chat prompts")
+    p = sub.add_parser("demo", help="the README demo: SmolLM2 answers a few chat prompts", formatter_class=defaults)
     _add_engine_flags(p)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=48, help="most new tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
 
     p = sub.add_parser("download", help="fetch and convert a real model (no model hub needed)")
     p.add_argument("name", nargs="?", default="smollm2")
@@ -136,7 +171,7 @@ def main(argv=None):
         if args.cmd == "generate":
             cmd_generate(args)
         elif args.cmd == "demo":
-            cmd_generate(args, prompts=DEMO_PROMPTS, chat=True)
+            cmd_generate(args, prompts=DEMO_PROMPTS, chat=True, note=DEMO_NOTE)
         elif args.cmd == "download":
             cmd_download(args)
         elif args.cmd == "doctor":

@@ -42,7 +42,7 @@ class Config:
     seed: seed of the sampler's random numbers (and of dummy weights). It seeds torch's global generator
         when the engine starts, so, as in vLLM without per-request seeds, samples also depend on what else
         draws random numbers in the process and on how requests are batched.
-    load_format: "auto" reads *.safetensors; "dummy" fills the weights with random numbers (vLLM's name),
+    load_format: "auto" reads the safetensors checkpoint (see utils/loader.py); "dummy" fills the weights with random numbers (vLLM's name),
         for benchmarks of a model shape whose weights are not at hand.
     """
     model: str
@@ -62,6 +62,8 @@ class Config:
     seed: int = 0
     load_format: str = "auto"
     hf_config: object = field(default=None, repr=False)
+    # Stop ids, as HF generate and vLLM use them: config.json's eos_token_id, then generation_config.json's
+    # (real chat checkpoints list their end-of-turn ids there), then the tokenizer's eos (added by LLMEngine).
     eos: frozenset = frozenset()
 
     def __post_init__(self):
@@ -132,8 +134,9 @@ class Config:
         if hf.vocab_size % tp or hf.intermediate_size % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide vocab_size ({hf.vocab_size}) and "
                              f"intermediate_size ({hf.intermediate_size})")
-        eos = hf.eos_token_id
-        self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        check_model_config(hf)
+        self.eos = frozenset(_token_ids("config.json eos_token_id", hf.eos_token_id)
+                             | _token_ids("generation_config.json eos_token_id", _generation_eos(self.model)))
 
 
 def rope_theta(hf_config) -> float:
@@ -141,3 +144,56 @@ def rope_theta(hf_config) -> float:
     params = getattr(hf_config, "rope_parameters", None) or {}
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))
+
+
+def _token_ids(where: str, value) -> set[int]:
+    """An eos_token_id setting (None, an int or a list of ints) as a set; ValueError naming `where`."""
+    if value is None:
+        return set()
+    values = [value] if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+    if not isinstance(values, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                                                     or v < 0 for v in values):
+        raise ValueError(f"{where} must be a token id or a list of token ids, got {value!r}")
+    return {int(v) for v in values}
+
+
+def _generation_eos(model: str):
+    """eos_token_id of the folder's generation_config.json (read with transformers' GenerationConfig), or None."""
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    from transformers import GenerationConfig
+    try:
+        return GenerationConfig.from_pretrained(model).eos_token_id
+    except Exception as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+
+
+# The config.json keys of the Qwen3 and Llama architectures that change the forward pass, and what the
+# engine does with each (README, "Config keys"). Everything else there (initializer_range, use_cache,
+# attention_dropout, pretraining_tp, pad_token_id, dtype, ...) does not change inference in HF either.
+def check_model_config(hf) -> None:
+    """Refuse, by name, every config setting the engine cannot honour; drop those HF ignores too.
+
+    Implemented: vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads, head_dim, rms_norm_eps, attention_bias, mlp_bias (Llama only: HF's Qwen3 MLP
+    has no bias, so the key is ignored for Qwen3), tie_word_embeddings, max_position_embeddings, rope_theta
+    and RoPE scaling of type default / linear / yarn. Refused with ValueError: hidden_act other than silu,
+    sliding-window layers (Qwen3 use_sliding_window with sliding_window, or layer_types), other RoPE
+    scaling types, partial_rotary_factor != 1, and quantization_config.
+    """
+    act = getattr(hf, "hidden_act", "silu")
+    if act not in ("silu", "swish"):                 # HF's ACT2FN maps both names to SiLU
+        raise ValueError(f"config.json hidden_act={act!r} is not supported (the engine's MLP is SiLU-and-mul); "
+                         "supported: 'silu'")
+    layer_types = getattr(hf, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError("config.json asks for sliding-window attention (use_sliding_window / sliding_window / "
+                         f"layer_types = {sorted(set(layer_types))}); nanovllm_ref implements full attention only")
+    if getattr(hf, "quantization_config", None):
+        raise ValueError("config.json quantization_config is set; nanovllm_ref loads unquantized weights only")
+    if "Qwen3ForCausalLM" in (hf.architectures or []) and getattr(hf, "mlp_bias", False):
+        hf.mlp_bias = False                          # HF's Qwen3 ignores mlp_bias: so do we
+    from nanovllm_ref.layers.rope_scaling import rope_frequencies, rope_parameters_of
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    rope_frequencies(head_dim, rope_theta(hf), rope_parameters_of(hf), hf.max_position_embeddings)

@@ -7,8 +7,12 @@ the blocks holding its tokens in order, so slot(token p) = block_table[p // bloc
 Prefix caching (vLLM's automatic prefix caching; upstream nano-vllm `engine/block_manager.py`):
 - A *full* block whose K/V has been written gets a hash chained over all tokens up to its end:
   h_i = xxh64(h_{i-1} || token_ids of block i). Equal hashes mean equal prefixes, so a new sequence whose
-  first blocks hash the same reuses them instead of recomputing. Hash collisions are possible, so the token
-  ids are compared on every hit.
+  first blocks hash the same reuses them instead of recomputing. Hash collisions are possible, so a hit
+  must also pass two exact checks: the cached block holds the same token ids, and its parent (the block
+  it was chained to when hashed) is the block this sequence just matched before it. Each filling of a
+  block gets a fresh serial number (`uid`) and the child records its parent's, so a recycled parent never
+  vouches for an old child. By induction, a hit reuses K/V computed after exactly this sequence's prefix,
+  whatever the hash function.
 - Blocks are shared, so each has a ref count: the number of live block tables holding it. A block returns to
   the free pool only at ref count 0.
 - A freed block keeps its hash and contents until the pool hands it out again (least recently freed first),
@@ -19,6 +23,7 @@ Prefix caching (vLLM's automatic prefix caching; upstream nano-vllm `engine/bloc
 """
 from array import array
 from collections import OrderedDict
+from itertools import count
 
 import xxhash
 
@@ -40,11 +45,14 @@ class Block:
         self.ref_count = 0
         self.hash = -1          # -1: not a full, written block (or reset after reuse)
         self.token_ids: list[int] = []
+        self.uid = -1           # serial number of this filling of the block (-1: not hashed)
+        self.parent_uid = -1    # uid of the block before it when it was hashed (-1: first block)
 
     def reset(self) -> None:
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
+        self.uid = self.parent_uid = -1
 
 
 class BlockManager:
@@ -52,11 +60,18 @@ class BlockManager:
 
     num_blocks: blocks in the cache (>= 1). block_size: token slots per block (>= 1).
     enable_prefix_caching: if False, every sequence gets fresh blocks (no hashing, no sharing).
+    hash_fn: fn(token_ids, prefix_hash=-1) -> int >= 0, the chained block hash (default: xxh64,
+        `compute_block_hash`). Only speed depends on its quality: hits are verified exactly.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_fn=compute_block_hash):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        if not callable(hash_fn):
+            raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
+        self.hash_fn = hash_fn
+        self._uids = count()
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -84,14 +99,18 @@ class BlockManager:
         """Block ids of the longest cached prefix of `seq`, in order (full blocks only)."""
         if not self.enable_prefix_caching:
             return []
-        hits, h = [], -1
+        hits, h, parent_uid = [], -1, -1
         for i in range(len(seq) // self.block_size):
             tokens = seq.block(i)
-            h = compute_block_hash(tokens, h)
+            h = self.hash_fn(tokens, h)
             block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent_uid != parent_uid:    # a hash collision
                 break
             hits.append(block_id)
+            parent_uid = block.uid
         # If the whole sequence is cached there is no token left to compute logits from: recompute the
         # last block (into a fresh block, never into a shared one).
         if hits and len(hits) * self.block_size == len(seq):
@@ -156,10 +175,11 @@ class BlockManager:
             return
         num_full = seq.num_cached_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, num_full):
-            prefix = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            parent = self.blocks[seq.block_table[i - 1]] if i > 0 else None
             tokens = seq.block(i)
             block = self.blocks[seq.block_table[i]]
-            block.hash = compute_block_hash(tokens, prefix)
+            block.hash = self.hash_fn(tokens, parent.hash if parent else -1)
             block.token_ids = list(tokens)
+            block.uid, block.parent_uid = next(self._uids), (parent.uid if parent else -1)
             self.hash_to_block_id[block.hash] = block.block_id
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

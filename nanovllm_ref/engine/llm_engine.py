@@ -187,8 +187,10 @@ class LLMEngine:
         """Generate completions for `prompts` (a list of str or of token-id lists; one str is also accepted).
 
         sampling_params: one SamplingParams for all prompts, or a list with one per prompt (default:
-        SamplingParams()). Returns, in input order, one dict per prompt: {"text": str, "token_ids": list[int]}
-        (the completion only). Raises TypeError/ValueError before any work if a request is invalid.
+        SamplingParams()). Returns, in input order, one dict per prompt: {"text": str, "token_ids": list[int]
+        (the completion only), "prompt_token_ids": list[int], "finish_reason": "stop" (an eos / stop id was
+        sampled) or "length" (max_tokens reached, or prompt + completion reached max_model_len)}.
+        Raises TypeError/ValueError before any work if a request is invalid.
         """
         self._check_open()
         if isinstance(prompts, str):
@@ -206,11 +208,11 @@ class LLMEngine:
         if not self.is_finished():
             raise RuntimeError("generate() called while requests from add_request() are still pending; "
                                "step() until is_finished(), or call abort_all()")
-        seq_ids = []
+        seqs = []
         for token_ids, sp in zip(requests, sampling_params):
             seq = Sequence(token_ids, self.config.kvcache_block_size, sp)
             self.scheduler.add(seq)
-            seq_ids.append(seq.seq_id)
+            seqs.append(seq)
         outputs = {}
         pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         # Throughput so far (tokens / seconds of that kind of step), not of the last step alone.
@@ -236,9 +238,10 @@ class LLMEngine:
         finally:
             pbar.close()
         results = []
-        for seq_id in seq_ids:
-            token_ids = outputs[seq_id]
+        for seq in seqs:
+            token_ids = outputs[seq.seq_id]
             # Like vLLM, the text leaves out special tokens such as the EOS; token_ids keep them.
             results.append({"text": self.tokenizer.decode(token_ids, skip_special_tokens=True),
-                            "token_ids": token_ids})
+                            "token_ids": token_ids, "prompt_token_ids": seq.prompt_token_ids,
+                            "finish_reason": seq.finish_reason})
         return results

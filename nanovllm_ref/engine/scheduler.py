@@ -113,9 +113,9 @@ class Scheduler:
             if seq.num_cached_tokens < len(seq):      # mid chunked prefill: the sampled token is meaningless
                 continue
             seq.append_token(token_id)
-            if ((not seq.ignore_eos and token_id in self.eos)
-                    or seq.num_completion_tokens >= seq.max_tokens
-                    or len(seq) >= self.max_model_len):
+            stopped = not seq.ignore_eos and token_id in self.eos
+            if stopped or seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
+                seq.finish_reason = "stop" if stopped else "length"
                 seq.status = SequenceStatus.FINISHED
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)

@@ -40,6 +40,8 @@ class Sequence:
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
+        # Why it finished, as in vLLM: "stop" (an eos / stop id), "length" (max_tokens or max_model_len).
+        self.finish_reason: str | None = None
 
     def __len__(self):
         return self.num_tokens

@@ -3,11 +3,13 @@
 Each pair of channels (i, i + d/2) of a query or key at position p is rotated by the angle
 p * base^(-2i/d) ("rotate half", the GPT-NeoX layout that HF Llama and Qwen3 use). cos and sin for every
 position up to max_position are computed once, in fp32 (`rope_cos_sin`), into `cos_sin_cache`
-[max_position, d] (first half cos, second half sin).
+[max_position, d] (first half cos, second half sin). Scaled RoPE (linear, YaRN) changes the frequencies
+and may multiply cos and sin by a factor: see `rope_scaling.py`.
 """
 import torch
 from torch import nn
 
+from nanovllm_ref.layers.rope_scaling import rope_frequencies
 from nanovllm_ref.utils.fusion import fused
 
 
@@ -35,11 +37,26 @@ def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: t
 
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin tables of one head size; `forward(positions, q, k)` rotates q and k.
-    `cos_sin` builds the tables and `rotary` applies them (the reference functions by default)."""
+    `cos_sin` builds the tables and `rotary` applies them (the reference functions by default).
+    rope_parameters: the config's RoPE setting (`rope_scaling.rope_parameters_of`); None or type "default"
+    is plain RoPE. Raises ValueError for a scaling the engine does not implement, or for a scaled RoPE with
+    a `cos_sin` other than the reference (which knows only plain RoPE)."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, cos_sin=rope_cos_sin, rotary=apply_rope):
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_parameters: dict | None = None,
+                 cos_sin=rope_cos_sin, rotary=apply_rope):
         super().__init__()
-        cos, sin = cos_sin(head_dim, max_position, base)
+        kind = (rope_parameters or {}).get("rope_type", "default")
+        if kind == "default":
+            if rope_parameters:
+                rope_frequencies(head_dim, base, rope_parameters, max_position)    # refuses unsupported keys
+            cos, sin = cos_sin(head_dim, max_position, base)
+        else:
+            if cos_sin is not rope_cos_sin:
+                raise ValueError(f"config.json rope scaling rope_type={kind!r} needs the reference rope_cos_sin "
+                                 "(Parts.rope_cos_sin builds plain RoPE tables only)")
+            inv_freq, scale = rope_frequencies(head_dim, base, rope_parameters, max_position)
+            angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)   # [P, d/2]
+            cos, sin = angles.cos() * scale, angles.sin() * scale
         self.register_buffer("cos_sin_cache", torch.cat((cos, sin), dim=-1), persistent=False)
         self.rotary = rotary
 

@@ -4,7 +4,8 @@ Sampling uses the Gumbel-max / exponential-race trick: argmax(p_i / E_i) with E_
 from p, with no cumulative sum and no host sync, so it compiles into one fused kernel (torch.compile) and
 fits in the decode step. Rows with temperature 0 take argmax(logits). Logits are divided by the
 temperature in fp32: bf16 keeps 7 stored mantissa bits (8 significant bits), too few for the small
-probabilities of a sharpened softmax.
+probabilities of a sharpened softmax. The noise is floored at fp32's smallest normal number: an Exp(1)
+draw of exactly 0 would make p / noise = 0 / 0 = NaN for a zero-probability token, and argmax would pick it.
 
 The sampler is one of the engine's swappable parts (`nanovllm_ref.Parts.sampler`): a function
 `(logits, metadata) -> token ids`. The all-greedy shortcut lives here, not in the model runner, so a
@@ -15,6 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm_ref.utils.fusion import fused
+
+
+def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs: [num_seqs, vocab] fp32; noise: same shape, Exp(1) draws (>= 0). Returns [num_seqs] int64
+    argmax(probs / max(noise, tiny)): a token with probability 0 never wins, whatever the draw."""
+    return (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -34,8 +41,7 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tenso
     greedy = logits.argmax(dim=-1)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits / t.unsqueeze(-1), dim=-1)
-    noise = torch.empty_like(probs).exponential_(1.0)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = exponential_race(probs, torch.empty_like(probs).exponential_(1.0))
     return torch.where(temperatures > 0, sampled, greedy)
 
 

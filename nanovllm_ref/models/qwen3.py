@@ -22,6 +22,7 @@ from nanovllm_ref.layers.embed_head import ParallelLMHead, VocabParallelEmbeddin
 from nanovllm_ref.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from nanovllm_ref.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                         load_gate_up_shard, load_qkv_shard)
+from nanovllm_ref.layers.rope_scaling import rope_parameters_of
 from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding, apply_rope, apply_rotary, rope_cos_sin
 from nanovllm_ref.utils.fusion import choose, fused
 from nanovllm_ref.utils.parallel import get_tp_size
@@ -71,7 +72,7 @@ class DecoderAttention(nn.Module):
                                           total_kv, bias=bias, loader=ops.qkv_weight_loader)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config),
-                                          cos_sin=ops.rope_cos_sin, rotary=ops.rotary)
+                                          rope_parameters_of(config), cos_sin=ops.rope_cos_sin, rotary=ops.rotary)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
                               backend=ops.attention_backend, store=ops.store_kvcache)
         self.qk_norm = qk_norm
