@@ -6,6 +6,7 @@
 #   or:                       bash bench/gpu_run.sh bench     # the benchmark alone (no model needed)
 #   or:                       bash bench/gpu_run.sh final     # equivalence tests (no SmolLM2) + benchmark
 #   call 3 (optional):        bash bench/gpu_run.sh hf        # the HF continuous-batching peer alone
+#   or:                       bash bench/gpu_run.sh check     # kernel checks + equivalence/Parts tests, graphs and eager
 #
 # .carry/a/part_aa and .carry/b/part_ab are the two halves of SmolLM2-135M-Instruct.Q4_1.gguf (the device
 # takes at most 64 MiB per call); .carry/b also holds the gguf wheel (the device has no PyPI).
@@ -50,6 +51,18 @@ PY
           -k "not tensor_parallel and not tp_engines and not tp_engine" --junitxml="$OUT/pytest_gpu_$cfg.xml" 2>&1 | tail -15
     done
 
+  fi
+  if [ "$mode" = check ]; then
+    step "kernel checks"
+    timeout 120 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -8
+    for cfg in graphs eager; do
+      eager=$([ $cfg = eager ] && echo true || echo false)
+      step "equivalence + Parts tests on GPU (fp32 vs HF), CUDA graphs: $cfg"
+      NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"float32\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
+        timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_engine_equivalence.py tests/test_parts.py \
+          tests/test_engine_faults_r2.py tests/test_triton_engine.py -k "not tensor_parallel and not tp_engine and not tensor_parallel_workers" \
+          --junitxml="$OUT/pytest_gpu_$cfg.xml" 2>&1 | grep -v DEBUG | tail -15
+    done
   fi
   if [ "$mode" = final ]; then
     step "equivalence tests on GPU with fused kernels and CUDA graphs (fp32 vs HF)"

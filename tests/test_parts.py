@@ -149,12 +149,14 @@ def test_every_part_runs_inside_the_engine_and_greedy_ids_equal_hf():
     path = tiny_dir("qwen3")
     llm = LLM(path, kvcache_block_size=4, parts=spies)
     out = llm.generate(PROMPTS, greedy(), use_tqdm=False)        # all greedy: the sampler part still runs
+    used_graphs = llm.model_runner.graph_runner is not None
     llm.exit()
     for prompt, o in zip(PROMPTS, out):
         assert o["token_ids"] == hf_greedy(path, prompt, 8)
     ran = {name for name, n in parts_spies.CALLS.items() if n > 0}
     # graph_batch_sizes is used only when CUDA graphs are captured (GPU); the GPU run covers it.
-    assert ran == set(spies.replaced()) - {"graph_batch_sizes"}
+    expected = set(spies.replaced()) - (set() if used_graphs else {"graph_batch_sizes"})
+    assert ran == expected
 
 
 def test_parts_are_checked_before_anything_starts():
@@ -194,8 +196,10 @@ def test_exported_solutions_run_in_the_engine_with_hf_equal_ids(tmp_path):
         path = tiny_dir(arch)
         # Tight cache, small chunks and a shared prefix: chunked prefill, prefix hits and preemption all run
         # through the student's block manager, slot mapping, store and decode attention.
+        # enforce_eager: chapter 04's store uses a boolean mask (a host sync), which CUDA graphs cannot capture;
+        # chapter 10 teaches the capture-safe store.
         llm = LLM(path, parts=parts, kvcache_block_size=4, num_kvcache_blocks=12, max_num_batched_tokens=8,
-                  max_model_len=64)
+                  max_model_len=64, enforce_eager=True)
         got, _ = run_checked(llm, PROMPTS, greedy(10))
         assert llm.scheduler.num_preemptions > 0
         llm.exit()

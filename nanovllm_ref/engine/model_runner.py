@@ -25,7 +25,7 @@ import torch.distributed as dist
 from nanovllm_ref.attn import get_backend, resolve_backend
 from nanovllm_ref.config import Config
 from nanovllm_ref.engine import kv_cache
-from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes  # noqa: F401  (re-export)
+from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes  # noqa: F401  (tests import it here)
 from nanovllm_ref.engine.inputs import to_device
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.sampler import SamplingMetadata
@@ -235,5 +235,12 @@ class ModelRunner:
         """Capture one decode graph per size in Parts.graph_batch_sizes(max_num_seqs) (engine/cuda_graph.py)."""
         cfg = self.config
         max_blocks = (cfg.max_model_len + self.block_size - 1) // self.block_size
-        self.graph_runner = CUDAGraphRunner(self.model, self.parts.graph_batch_sizes(cfg.max_num_seqs), max_blocks,
-                                            cfg.hf_config.hidden_size, self.dtype, self.device)
+        try:
+            self.graph_runner = CUDAGraphRunner(self.model, self.parts.graph_batch_sizes(cfg.max_num_seqs), max_blocks,
+                                                cfg.hf_config.hidden_size, self.dtype, self.device)
+        except Exception as exc:
+            mine = self.parts.replaced()
+            raise RuntimeError(f"CUDA graph capture of the decode step failed ({type(exc).__name__}: {exc})"
+                               + (f"; a part may not be capture-safe (no host syncs, no boolean-mask indexing): "
+                                  f"Parts fields replaced: {mine}" if mine else "")
+                               + "; enforce_eager=True runs without CUDA graphs") from exc
