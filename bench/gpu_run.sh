@@ -63,6 +63,12 @@ PY
           tests/test_engine_faults_r2.py tests/test_triton_engine.py -k "not tensor_parallel and not tp_engine and not tensor_parallel_workers" \
           --junitxml="$OUT/pytest_gpu_$cfg.xml" 2>&1 | grep -v DEBUG | tail -15
     done
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      step "tensor parallel on two GPUs over NCCL (TP=2 vs HF, exported parts in TP workers)"
+      NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32"}' timeout 240 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_engine_tp_and_errors.py tests/test_parts.py -k "tensor_parallel or tp_engine" \
+        --junitxml="$OUT/pytest_gpu_tp2.xml" 2>&1 | grep -v DEBUG | tail -15
+    fi
   fi
   if [ "$mode" = final ]; then
     step "equivalence tests on GPU with fused kernels and CUDA graphs (fp32 vs HF)"
