@@ -52,21 +52,23 @@ PY
     done
 
   fi
-  if [ "$mode" = check ]; then
+  if [ "$mode" = check ] && [ -z "${SKIP_KERNELS:-}" ]; then
     step "kernel checks"
     timeout 120 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -8
+  fi
+  if [ "$mode" = check ]; then
     for cfg in graphs eager; do
       eager=$([ $cfg = eager ] && echo true || echo false)
       step "equivalence + Parts tests on GPU (fp32 vs HF), CUDA graphs: $cfg"
       NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"float32\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
-        timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_engine_equivalence.py tests/test_parts.py \
-          tests/test_engine_faults_r2.py tests/test_triton_engine.py -k "not tensor_parallel and not tp_engine and not tensor_parallel_workers" \
+        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_parts.py \
+          tests/test_engine_faults_r2.py tests/test_triton_engine.py -k "not tensor_parallel and not tp_engine and not exported" \
           --junitxml="$OUT/pytest_gpu_$cfg.xml" 2>&1 | grep -v DEBUG | tail -15
     done
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       step "tensor parallel on two GPUs over NCCL (TP=2 vs HF, exported parts in TP workers)"
       NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32"}' timeout 240 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_engine_tp_and_errors.py tests/test_parts.py -k "tensor_parallel or tp_engine" \
+        tests/test_engine_tp_and_errors.py tests/test_parts.py -k "(tensor_parallel or tp_engine) and not exported" \
         --junitxml="$OUT/pytest_gpu_tp2.xml" 2>&1 | grep -v DEBUG | tail -15
     fi
   fi
@@ -75,6 +77,11 @@ PY
     NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32", "max_num_seqs": 16}' timeout 150 python3 -m pytest -q \
       -p no:cacheprovider tests/test_engine_equivalence.py tests/test_triton_engine.py \
       --junitxml="$OUT/pytest_gpu_fused.xml" 2>&1 | grep -v DEBUG | tail -5
+  fi
+  if [ -n "${TP_BENCH:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    step "benchmark: TP=1 and TP=2 on two H200s (triton, CUDA graphs), batch-1 decode"
+    timeout 200 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --batch1 --out "$OUT" --tag tp1 2>&1 | grep -v DEBUG | tail -12
+    timeout 200 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --tensor-parallel-size 2 --out "$OUT" --tag tp2 2>&1 | grep -v DEBUG | tail -12
   fi
   if [ "$mode" = all ] || [ "$mode" = bench ] || [ "$mode" = final ]; then
     step "benchmark: nanovllm_ref (triton, graphs and eager), HF continuous batching, batch-1 decode, CUDA-graph sweep"

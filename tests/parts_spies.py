@@ -92,5 +92,9 @@ def graph_sizes(max_num_seqs):
     return graph_batch_sizes(max_num_seqs)
 
 
-def broken_sampler(logits, metadata):
-    raise RuntimeError("sampler broke")
+def rms_norm_breaks_on_7_tokens(x, weight, eps):
+    """Raises inside the forward (inside the attention-metadata block) on a 7-token prefill only, so the
+    engine's start-up (warm-up prefill, CUDA-graph capture at batch sizes 1, 2, 4, 8, 16) runs through."""
+    if x.shape[0] == 7:
+        raise RuntimeError("rms_norm broke")
+    return layernorm.rms_norm(x, weight, eps)

@@ -82,8 +82,9 @@ def test_attention_metadata_is_scoped_and_restored_after_an_exception():
 
 def test_a_failing_step_leaves_no_stale_metadata_and_other_requests_still_finish():
     path = tiny_dir("qwen3")
-    llm = LLM(path, kvcache_block_size=4, parts=Parts(sampler=parts_spies.broken_sampler))
-    with pytest.raises(RuntimeError, match="sampler broke"):
+    llm = LLM(path, kvcache_block_size=4, max_num_seqs=16, parts=Parts(rms_norm=parts_spies.rms_norm_breaks_on_7_tokens))
+    assert len(PROMPTS[0]) == 7
+    with pytest.raises(RuntimeError, match="rms_norm broke"):      # raised inside the forward
         llm.generate([PROMPTS[0]], greedy(), use_tqdm=False)
     assert current_metadata() == AttentionMetadata()
     assert llm.is_finished()                       # the failed call's requests were dropped
@@ -211,6 +212,15 @@ def test_exported_parts_pickle_into_tensor_parallel_workers(tmp_path):
     parts, _, _ = _export("solutions", tmp_path)
     path = tiny_dir("qwen3")
     with LLM(path, parts=parts, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64) as llm:
+        out = llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)
+    for prompt, o in zip(PROMPTS[:2], out):
+        assert o["token_ids"] == hf_greedy(path, prompt, 8)
+
+
+def test_parts_from_an_importable_module_run_in_tensor_parallel_workers():
+    spies = Parts(rms_norm=parts_spies.rms_norm, block_manager=parts_spies.SpyBlockManager, sampler=parts_spies.sample)
+    path = tiny_dir("qwen3")
+    with LLM(path, parts=spies, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64) as llm:
         out = llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)
     for prompt, o in zip(PROMPTS[:2], out):
         assert o["token_ids"] == hf_greedy(path, prompt, 8)
