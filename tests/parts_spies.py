@@ -60,14 +60,25 @@ def prepare_decode(*a):
     return inputs.prepare_decode(*a)
 
 
-def paged_decode(*a):
+def _engine_backend(t):
+    """What the engine itself uses: the Triton back-end on CUDA (capture-safe), the torch one on CPU."""
+    if t.is_cuda:
+        from nanovllm_ref.attn import triton_backend
+        return triton_backend
+    return torch_backend
+
+
+def paged_decode(q, *a):
     CALLS["attention_backend"] += 1
-    return torch_backend.paged_decode(*a)
+    return _engine_backend(q).paged_decode(q, *a)
 
 
-def store_kvcache(*a):
+def store_kvcache(key, *a):
     CALLS["store_kvcache"] += 1
-    return torch_backend.store_kvcache(*a)
+    if key.is_cuda:
+        from nanovllm_ref.kernels.store_kvcache import store_kvcache as triton_store
+        return triton_store(key, *a)
+    return torch_backend.store_kvcache(key, *a)
 
 
 class SpyBlockManager(BlockManager):
