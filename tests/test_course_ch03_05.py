@@ -141,8 +141,10 @@ def make_build_model(qkv_loader=qkv_ref, gate_up_loader=gate_up_ref, gqa=gqa_ref
     return build_model
 
 
-def make_prefill_logits(global_positions=False, one_sequence=False, first_token=False):
+def make_prefill_logits(global_positions=False, one_sequence=False, first_token=False, per_prompt_forward=False):
     def prefill_logits(model, prompts):
+        if per_prompt_forward and len(prompts) > 1:     # right logits, but one forward per prompt
+            return torch.cat([prefill_logits(model, [p]) for p in prompts])
         ids = torch.tensor([t for p in prompts for t in p])
         pos = torch.arange(len(ids)) if global_positions else torch.tensor([i for p in prompts for i in range(len(p))])
         lens = [len(ids)] if one_sequence else [len(p) for p in prompts]
@@ -226,10 +228,13 @@ def test_e3_4(capsys):
           match="not implemented yet")
     fails(ch03.check_prefill_logits, make_prefill_logits(), make_build_model(qkv_loader=qkv_kv_swapped),
           match="wrong weights in .*qkv_proj")
-    # Positions counted over the whole batch instead of per prompt give the same logits: RoPE only sees
-    # position differences inside a sequence. (A going-further question in the notebook.)
-    passes(ch03.check_prefill_logits, make_prefill_logits(global_positions=True), make_build_model(), tag="E3.4",
-           capsys=capsys)
+    # Positions counted over the whole batch instead of per prompt give the same logits (RoPE only sees
+    # position differences inside a sequence), so the check looks at the positions handed to the model.
+    msg = fails(ch03.check_prefill_logits, make_prefill_logits(global_positions=True), make_build_model(),
+                match="the positions handed to the model")
+    assert "restart at 0 for each prompt" in msg
+    fails(ch03.check_prefill_logits, make_prefill_logits(per_prompt_forward=True), make_build_model(),
+          match="ran the model 3 times")
     fails(ch03.check_prefill_logits, make_prefill_logits(), no_backend_build, match="set layer.backend")
     fails(ch03.check_prefill_logits, make_prefill_logits(), unloaded_build, match="wrong weights")
     passes(ch03.check_prefill_logits, ch03.reference_prefill_logits, ch03.reference_build_model, tag="E3.4",
