@@ -410,6 +410,17 @@ def test_e4_2(capsys):
     passes(ch04.check_paged_decode, decode_bf16_probs, tag="E4.2", capsys=capsys)
     msg = fails(ch04.check_paged_decode, decode_bf16_compute, match="compute in fp32")
     assert "large scores" in msg and "bfloat16" in msg
+    assert "off by up to 0.0625" in msg and "~6.5%" in msg
+
+
+def test_e4_2_fp32_hint_states_the_bf16_rounding_bound():
+    """A score in [16, 32) rounded to bf16 is off by at most half the 0.125 spacing; e^0.0625 - 1 = 6.45%."""
+    import math
+    s = torch.linspace(16, 31.99, 100_001, dtype=torch.float64)
+    err = (s.to(torch.bfloat16).double() - s).abs().max().item()
+    assert err <= 0.0625 and err > 0.062
+    assert abs(100 * (math.exp(0.0625) - 1) - 6.5) < 0.1
+    assert "0.0625" in ch04.FP32_HINT and "6.5%" in ch04.FP32_HINT
     fails(ch04.check_paged_decode, decode_bf16_manual_softmax, match="compute in fp32")
 
 
