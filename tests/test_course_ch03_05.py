@@ -817,3 +817,26 @@ def test_e5_solution_classes_pass_their_own_checks(capsys):
     passes(ch05.check_prefix_caching, ns["CachingBlockManager"], tag="E5.3", capsys=capsys)
     passes(ch05.check_block_manager_basics, ns["CachingBlockManager"], tag="E5.2", capsys=capsys)
     fails(ch05.check_prefix_caching, ns["BlockManager"], match="E5.3")
+
+
+@pytest.mark.parametrize("name, exercises", [("03_qwen3_model.ipynb", ("E3.2",)),
+                                             ("05_block_manager_prefix_caching.ipynb", ("E5.2", "E5.3"))])
+def test_spec_is_not_a_transcription_of_the_solution(name, exercises):
+    """The markdown states what to compute: no statement of these exercises' solutions appears in it verbatim."""
+    import json
+    import re
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parents[1] / "solutions" / name).read_text())
+    markdown = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    markdown = re.sub(r"\s+", " ", markdown)
+    copied = []
+    for cell in nb["cells"]:
+        inside = False
+        for line in "".join(cell["source"]).splitlines():
+            if "### BEGIN SOLUTION" in line:
+                inside = any(f"SOLUTION {e}" in line for e in exercises)
+            elif "### END SOLUTION" in line:
+                inside = False
+            elif inside and len(line.strip()) >= 20 and re.sub(r"\s+", " ", line.strip()) in markdown:
+                copied.append(line.strip())
+    assert not copied, copied
