@@ -9,6 +9,9 @@ only ~1e-4 of absolute precision, so formulas that round differently may differ 
 E2.2 is compared with `RotaryEmbedding.forward` and, in fp32, with Hugging Face's
 `transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb` (cos/sin from `Qwen3RotaryEmbedding`):
     fp32: rtol 1e-5, atol 1e-5;  bf16: rtol 2e-2, atol 2e-2 (about two bf16 steps of |q| ~ 1).
+    bf16 outputs must moreover be the exact rotation rounded once: within half a bf16 step of the fp64
+    rotation of the same inputs, plus 1e-6 of the terms' size for fp32 round-off (`_check_single_rounding`).
+    Arithmetic in bf16 (cos/sin cast to bf16, products and sums rounded) lands up to a few steps away.
 Inputs: packed sequences whose positions restart at 0, decode-style scattered positions, one token,
 head_dim from 2 to 128, grouped KV heads.
 """
@@ -132,6 +135,9 @@ def check_apply_rope(apply_rope) -> None:
             check_close(tag, q_rot, exp_q, **TOL[dtype], what=f"q_rot ({where})", hint=hint)
             check_close(tag, k_rot, exp_k, **TOL[dtype], what=f"k_rot ({where})",
                         hint="rotate k exactly like q (same positions, same cos/sin), per KV head")
+            if dtype == torch.bfloat16:
+                for name, x, x_rot in (("q_rot", q, q_rot), ("k_rot", k, k_rot)):
+                    _check_single_rounding(tag, name, x, x_rot, cos[positions], sin[positions], where)
             if dtype == torch.float32:
                 hf_q, hf_k = hf_apply_rope(positions, q, k, head_dim, max_position, base)
                 check_close(tag, q_rot, hf_q, **TOL[dtype], what=f"q_rot vs Hugging Face ({where})", hint=hint)
@@ -154,6 +160,26 @@ def _rope_hint(positions, q, q_rot, cos, sin) -> str:
                         "do not sit at their index (use cos[positions], sin[positions])")
     return ("with x1, x2 = the first and second half of each head: out = (x1*cos - x2*sin, x2*cos + x1*sin), "
             "cos = cos[positions] broadcast over heads, computed in fp32 and cast back to q.dtype")
+
+
+def _check_single_rounding(tag, name, x, x_rot, cos, sin, where) -> None:
+    """Fail unless bf16 `x_rot` is the exact rotation of `x` rounded once to bf16: |x_rot - exact| <= half a
+    bf16 step of `exact`, plus 1e-6 * (|x1 c| + |x2 s|) for fp32 round-off (which can cancel)."""
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    exact = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    size = torch.cat((x1.abs() * c.abs() + x2.abs() * s.abs(),) * 2, dim=-1)
+    _, exponent = torch.frexp(exact)                       # exact = m * 2**e, 0.5 <= |m| < 1
+    half_step = torch.ldexp(torch.ones_like(exact), exponent - 9)   # bf16: 8 significant bits
+    err = (x_rot.double() - exact).abs()
+    bad = err > half_step + 1e-6 * size + 1e-30
+    if bad.any():
+        steps = (err / (2 * half_step)).max().item()
+        fail(tag, f"{name} ({where}): {int(bad.sum())} of {bad.numel()} values are not the exact rotation rounded "
+                  f"once to bf16 (up to {steps:.1f} bf16 steps away, where one rounding at the end is at most half "
+                  "a step)",
+             "compute in fp32 and cast back once: upcast x with .float() and keep cos/sin in fp32; bf16 "
+             "arithmetic rounds every product and sum")
 
 
 def _interleaved(x, cos, sin):

@@ -13,7 +13,10 @@
 - `check_prefill_logits(prefill_logits, build_model)` (E3.4): build_model(model_dir) must give our
   Qwen3ForCausalLM with the checkpoint's weights (each Attention layer uses the torch back-end by default);
   prefill_logits(model, prompts) the last-token logits of the packed prompts, which must match HF
-  transformers' Qwen3ForCausalLM on the tiny checkpoint (fp32: rtol 1e-4, atol 1e-4).
+  transformers' Qwen3ForCausalLM on the tiny checkpoint (fp32: rtol 1e-4, atol 1e-4). The check also
+  records what prefill_logits hands the model (one forward; input_ids and positions, compared exactly):
+  positions counted across the whole batch give the right logits here (RoPE scores depend on distances
+  only, and each prompt attends to itself alone), but would put keys at wrong positions in a KV cache.
 
 The `reference_*` functions are the reference answers, for later sections of the notebook and for tests.
 
@@ -411,6 +414,52 @@ def _logits_hint(got, model, prompts, tol):
             "(cu_seqlens), run the model, and compute logits of each prompt's last token")
 
 
+def _record_model_inputs(model):
+    """Record (input_ids, positions) of every forward of `model` (through its inner `model.model` when it
+    has one, so calling either is seen). Returns (calls, handle); call handle.remove() when done."""
+    inner = model.model if isinstance(getattr(model, "model", None), torch.nn.Module) else model
+    calls = []
+
+    def hook(module, args, kwargs):
+        ids = args[0] if len(args) > 0 else kwargs.get("input_ids")
+        pos = args[1] if len(args) > 1 else kwargs.get("positions")
+        calls.append((ids, pos))
+    return calls, inner.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _as_list(t):
+    return t.tolist() if isinstance(t, torch.Tensor) else t
+
+
+def _short(values: list, n: int = 12) -> str:
+    return str(values) if len(values) <= n else f"[{', '.join(map(str, values[:n]))}, ...] ({len(values)} values)"
+
+
+def _check_model_inputs(tag, calls, prompts, where) -> None:
+    """What prefill_logits handed the model: one packed forward, tokens in order, positions per prompt."""
+    if not calls:
+        return                                     # the model was not called through forward: logits decide
+    if len(calls) > 1:
+        fail(tag, f"prefill_logits ran the model {len(calls)} times [{where}]",
+             "pack all prompts into one [num_tokens] batch and run the model once")
+    ids, pos = (_as_list(t) for t in calls[0])
+    want_ids = [t for p in prompts for t in p]
+    want_pos = _positions([len(p) for p in prompts]).tolist()
+    if ids != want_ids:
+        fail(tag, f"the input_ids handed to the model are {_short(ids)}, expected {_short(want_ids)} [{where}]",
+             "input_ids = every prompt's tokens, one prompt after the other, as one [num_tokens] int64 tensor")
+    if pos != want_pos:
+        if pos == list(range(len(want_pos))):
+            hint = ("positions restart at 0 for each prompt: token j of a prompt is at position j, whatever "
+                    "its row in the packed batch. (Counted across the batch, the logits come out right here, "
+                    "because RoPE scores depend only on distances inside a prompt; but the keys would be "
+                    "rotated for the wrong positions, and chapter 04 caches them.)")
+        else:
+            hint = "positions = 0, 1, ..., len(prompt) - 1 for each prompt, concatenated like input_ids"
+        fail(tag, f"the positions handed to the model are {_short(pos)}, expected {_short(want_pos)} [{where}]",
+             hint)
+
+
 def check_prefill_logits(prefill_logits, build_model) -> None:
     tag = "E3.4"
     gen = fresh_generator()
@@ -438,9 +487,14 @@ def check_prefill_logits(prefill_logits, build_model) -> None:
     for prompts in batches:
         expected = hf_last_logits(path, prompts)
         lens = [len(p) for p in prompts]
-        with torch.no_grad():
-            got = call_student(tag, prefill_logits, model, [list(p) for p in prompts])
+        calls, handle = _record_model_inputs(model)
+        try:
+            with torch.no_grad():
+                got = call_student(tag, prefill_logits, model, [list(p) for p in prompts])
+        finally:
+            handle.remove()
         where = f"{len(prompts)} prompt(s) of {lens} tokens"
+        _check_model_inputs(tag, calls, prompts, where)
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == expected.dtype \
                 and not torch.allclose(got, expected, **tol):
             bad = ((got - expected).abs() > tol["atol"] + tol["rtol"] * expected.abs()).any(1)

@@ -221,15 +221,16 @@ def _decode_variants(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 # The last E4.2 case: bf16, hundreds of keys, queries drawn with standard deviation LARGE_Q_STD so the
 # scores scale * q.k have about that standard deviation too (|scores| up to ~40; trained models produce logits that large).
-# bf16 keeps 8 significant bits, so a score near 32 rounded to bf16 is off by up to 0.125 and its softmax
-# weight by up to ~13%: an implementation that computes scores and softmax in bf16 misses the tolerance
+# bf16 keeps 8 significant bits: between 16 and 32 its numbers are 0.125 apart, so a score near 30 rounded to
+# bf16 is off by up to 0.0625 (half the spacing) and its softmax weight by up to e^0.0625 - 1 ~ 6.5% (above 32
+# the spacing, and so the error, doubles). Scores, exponentials and sums all round: an implementation that computes scores and softmax in bf16 misses the tolerance
 # by 2x to 12x on every draw, while one that computes in fp32 (and rounds only the output to bf16) stays
 # within a third of it. (Measured over 1000 draws each; the test suite re-checks 200.)
 LARGE_Q_STD = 12.0
 LONG_CONTEXT = (300, 1000)
 FP32_HINT = ("compute in fp32: upcast q, the gathered K and V with .float(), take the scores, softmax and "
              "weighted sum in fp32, and cast only the output back to q's dtype. bf16 keeps about 3 significant "
-             "digits, so bf16 scores around 30 are off by ~0.1 and the softmax weights by ~10%")
+             "digits, so a bf16 score near 30 is off by up to 0.0625 and its softmax weight by up to ~6.5%")
 
 
 def check_paged_decode(fn) -> None:

@@ -2,13 +2,15 @@
 
 - `check_compute_block_hash(fn)` (E5.1): fn(token_ids, prefix_hash=-1) must return exactly
   `nanovllm_ref.engine.block_manager.compute_block_hash(token_ids, prefix_hash)`.
-- `check_block_manager_basics(cls)` (E5.2): a BlockManager class with prefix caching off allocates,
-  appends and frees exactly like the reference and keeps the invariants of
-  `nanovllm_ref.engine.invariants.check_block_manager` (scenarios, then a random request stream).
-- `check_prefix_caching(cls)` (E5.3): the same class with prefix caching on: same block tables and
-  num_cached_tokens (the hit pattern) as the reference on scenarios and on a random request stream under a
-  tight block budget, invariants after every operation.
+- `check_block_manager_basics(cls)` (E5.2): a BlockManager class, run with prefix caching off, allocates,
+  appends and frees exactly like the reference (block tables, num_cached_tokens, the free pool in order,
+  ref counts through a shared table, RuntimeError on a refused allocate) and keeps the invariants of
+  `nanovllm_ref.engine.invariants.check_block_manager` (scenarios, then random request streams).
+- `check_prefix_caching(cls)` (E5.3): a subclass that adds prefix caching, run with caching on: the same
+  comparisons plus block hashes, num_hashed_blocks and the hit pattern, on scenarios (one per caching rule,
+  including a simulated hash collision) and random request streams under a tight block budget.
 
+Hints are chosen from what differs (which field, after which operation), not from the scenario's name.
 Every check draws fresh random inputs on each call and prints `E5.n ok` and nothing else on success.
 `reference_compute_block_hash` and `ReferenceBlockManager` are the reference answers.
 """
@@ -171,18 +173,15 @@ class _Lockstep:
     def fail(self, message, hint=None):
         fail(self.tag, f"{message} [{self._where()}]", hint or self.hint)
 
-    def compare(self):
-        for label in sorted(self.pairs):
-            r, s = self.pairs[label]
-            if list(s.block_table) != r.block_table:
-                self.fail(f"sequence {label}: block_table {list(s.block_table)}, expected {r.block_table}")
-            if s.num_cached_tokens != r.num_cached_tokens:
-                self.fail(f"sequence {label}: num_cached_tokens {s.num_cached_tokens}, expected "
-                          f"{r.num_cached_tokens}")
+    def compare(self, default_hint=None):
+        last = _op_name(self.ops[-1]) if self.ops else ""
+        pairs = [(label, r, s, label in self.live) for label, (r, s) in sorted(self.pairs.items())]
+        found = _seq_diff(self.ref, self.stu, pairs, {last})
+        if found:
+            self.fail(found[0], found[1] or default_hint)
         try:
             check_block_manager(self.stu, [self.pairs[lb][1] for lb in self.live])
         except AssertionError as exc:
-            last = self.ops[-1].split("(")[0] if self.ops else ""
             hint = None
             if "ref_count" in str(exc) and last == "deallocate":
                 hint = ("deallocate decrements the ref count of every block in the table; a block goes back to "
@@ -194,27 +193,10 @@ class _Lockstep:
         except Exception as exc:
             self.fail(f"check_block_manager could not read the manager ({type(exc).__name__}: {exc})",
                       "keep the attributes blocks, free_block_ids, used_block_ids and hash_to_block_id")
-        if sorted(self.stu.free_block_ids) != sorted(self.ref.free_block_ids):
-            self.fail(f"free blocks {sorted(self.stu.free_block_ids)}, expected {sorted(self.ref.free_block_ids)}")
-        for ref_block, block in zip(self.ref.blocks, self.stu.blocks):
-            if block.hash == ref_block.hash:
-                continue
-            hint, last = None, self.ops[-1].split("(")[0] if self.ops else ""
-            if ref_block.hash != -1 and block.hash == ref_hash(ref_block.token_ids, -1):
-                hint = ("chain the hashes: block i's hash covers blocks 0..i, so pass the previous block's hash "
-                        "as prefix_hash (-1 for block 0)")
-            elif ref_block.hash != -1 and block.hash == -1 and last == "deallocate":
-                hint = ("a freed block keeps its hash and token ids (and its hash_to_block_id entry) until the "
-                        "free pool hands it out again")
-            elif ref_block.hash != -1 and block.hash == -1 and last == "hash_blocks":
-                hint = ("hash_blocks registers every full block below num_cached_tokens // block_size that has "
-                        "no hash yet: block.hash, block.token_ids and hash_to_block_id")
-            elif ref_block.hash == -1 and last in ("allocate", "may_append"):
-                hint = ("a block handed out by allocate / may_append has no K/V yet: it must carry no hash "
-                        "(reset an old one, drop its hash_to_block_id entry, register nothing before "
-                        "hash_blocks)")
-            self.fail(f"block {block.block_id} carries hash {_hex(block.hash)}, expected {_hex(ref_block.hash)}",
-                      hint)
+        found = (_pool_diff(self.ref, self.stu, {last}) or _hash_diff(self.ref, self.stu, {last})
+                 or _seq_diff(self.ref, self.stu, pairs, {last}, hashed=True))
+        if found:
+            self.fail(found[0], found[1] or default_hint)
 
     # operations ---------------------------------------------------------------------------------------
     def new(self, label, tokens):
@@ -258,6 +240,159 @@ class _Lockstep:
         self.live.discard(label)
         self.compare()
 
+    def share(self, src, dst):
+        """`dst` (a new sequence with src's tokens) holds src's blocks too, as a forked request would: one
+        more reference on each block, set on both managers. Then ref counts above 1 exist without caching."""
+        self.new(dst, list(self.pairs[src][0].token_ids))
+        for mgr, i in ((self.ref, 0), (self.stu, 1)):
+            a, b = self.pairs[src][i], self.pairs[dst][i]
+            b.block_table = list(a.block_table)
+            b.num_cached_tokens, b.num_hashed_blocks = a.num_cached_tokens, a.num_hashed_blocks
+            for block_id in b.block_table:
+                mgr.blocks[block_id].ref_count += 1
+        self.live.add(dst)
+        self.ops.append(f"<{dst} shares {src}'s blocks>")
+        self.compare()
+
+    def refuse(self, label, why):
+        """allocate(label) must raise RuntimeError (`why` says why) and change nothing."""
+        r, s = self.pairs[label]
+        op = f"allocate({label})"
+        try:
+            self.ref.allocate(r)
+        except RuntimeError:
+            pass
+        else:                                          # pragma: no cover - the scenarios are built to refuse
+            raise RuntimeError(f"reference allocate({label}) did not refuse")
+        try:
+            self.stu.allocate(s)
+        except RuntimeError:
+            self.ops.append(op + " -> RuntimeError")
+        except NotImplementedError as exc:
+            fail(self.tag, f"not implemented yet ({exc}) [in {op}]",
+                 "fill in the BlockManager methods above, run the cell, then this check")
+        except Exception as exc:
+            self.ops.append(op)
+            self.fail(f"{op} raised {type(exc).__name__}: {exc}, expected RuntimeError ({why})", _REFUSE_HINT)
+        else:
+            self.ops.append(op)
+            self.fail(f"{op} returned without raising, but {why}", _REFUSE_HINT)
+        self.compare(default_hint=_REFUSE_HINT)
+
+    def collide(self, holder, newcomer):
+        """Make block 0 of `holder` look as if its hash were that of `newcomer`'s block 0 (different tokens):
+        a 64-bit hash collision, which the token comparison on every hit must catch."""
+        for mgr, i in ((self.ref, 0), (self.stu, 1)):
+            held, new = self.pairs[holder][i], self.pairs[newcomer][i]
+            h = ref_hash(new.block(0), -1)
+            block = mgr.blocks[held.block_table[0]]
+            if mgr.hash_to_block_id.get(block.hash) == block.block_id:
+                del mgr.hash_to_block_id[block.hash]
+            block.hash = h
+            mgr.hash_to_block_id[h] = block.block_id
+        self.ops.append(f"<{holder}'s block 0 now has the hash of {newcomer}'s block 0: a collision>")
+
+
+_REFUSE_HINT = ("allocate raises RuntimeError, and changes nothing, when the sequence already has blocks or when "
+                "can_allocate(seq) is False: the scheduler relies on it never handing out blocks it does not have")
+
+
+def _op_name(op: str) -> str:
+    return "refused allocate" if op.endswith("-> RuntimeError") else op.lstrip("<").split("(")[0]
+
+
+def _covered_blocks(seq, block_size):
+    return len(seq) // block_size
+
+
+def _seq_diff(ref_mgr, stu_mgr, pairs, ops, hashed=False):
+    """First difference in a sequence's block_table or num_cached_tokens (or, with `hashed`, in the
+    num_hashed_blocks of a sequence holding blocks), as (message, hint); the hint is chosen from the field that
+    differs and the operations that just ran (`ops`: a set of method names).
+    pairs: (label, ref seq, student seq, holds blocks)."""
+    bs = ref_mgr.block_size
+    for label, r, s, live in pairs:
+        if hashed:
+            if live and getattr(s, "num_hashed_blocks", None) != r.num_hashed_blocks:
+                msg = f"sequence {label}: num_hashed_blocks {s.num_hashed_blocks}, expected {r.num_hashed_blocks}"
+                hint = None
+                if "hash_blocks" in ops:
+                    hint = ("hash_blocks advances seq.num_hashed_blocks to num_cached_tokens // block_size, so that "
+                            "its next call starts after the blocks already hashed")
+                elif "allocate" in ops:
+                    hint = ("allocate sets num_hashed_blocks to the number of prefix-hit blocks (they carry hashes "
+                            "already)")
+                return msg, hint
+            continue
+        table = list(s.block_table)
+        if table != r.block_table:
+            msg = f"sequence {label}: block_table {table}, expected {r.block_table}"
+            hint = None
+            if not r.block_table and table and "deallocate" in ops:
+                hint = "deallocate empties the sequence's table (seq.block_table = [])"
+            elif len(table) != len(r.block_table) and ops & {"allocate", "may_append"}:
+                hint = (f"a sequence's table covers all its tokens: ceil(len(seq) / block_size) = {r.num_blocks} "
+                        f"blocks for {len(r)} tokens")
+            else:
+                for i, b in enumerate(table[:_covered_blocks(s, bs)]):
+                    if i < len(r.block_table) and r.block_table[i] == b:
+                        continue
+                    tokens = getattr(stu_mgr.blocks[b], "token_ids", None) if 0 <= b < len(stu_mgr.blocks) else None
+                    if tokens and list(tokens) != list(s.block(i)):
+                        hint = (f"block {b} holds other token ids than block {i} of the sequence: on a hash hit, "
+                                "compare the block's token_ids with the sequence's before reusing it (two "
+                                "different prefixes can share a 64-bit hash)")
+                        break
+            return msg, hint
+        if s.num_cached_tokens != r.num_cached_tokens:
+            msg = f"sequence {label}: num_cached_tokens {s.num_cached_tokens}, expected {r.num_cached_tokens}"
+            hint = None
+            if not r.block_table and "deallocate" in ops:
+                hint = ("deallocate resets the sequence: block_table = [] and num_cached_tokens = 0 (a preempted "
+                        "sequence is recomputed from its first token)")
+            elif "allocate" in ops:
+                hint = "allocate sets num_cached_tokens = number of prefix-hit blocks * block_size (0 without hits)"
+            return msg, hint
+    return None
+
+
+def _pool_diff(ref_mgr, stu_mgr, ops):
+    """The free pool: the same blocks, in the same order (least recently freed first)."""
+    mine, want = list(stu_mgr.free_block_ids), list(ref_mgr.free_block_ids)
+    if sorted(mine) != sorted(want):
+        return f"free blocks {sorted(mine)}, expected {sorted(want)}", None
+    if mine != want:
+        if "deallocate" in ops:
+            hint = ("deallocate returns a sequence's blocks to the back of the free pool from its last block to its "
+                    "first: the tail, least likely to be shared, is handed out again first")
+        else:
+            hint = ("the free pool is kept in the order blocks were freed: take from its front (least recently "
+                    "freed), append freed blocks at its back")
+        return f"free pool in the order {mine}, expected {want}", hint
+    return None
+
+
+def _hash_diff(ref_mgr, stu_mgr, ops):
+    for ref_block, block in zip(ref_mgr.blocks, stu_mgr.blocks):
+        if block.hash == ref_block.hash:
+            continue
+        hint = None
+        if ref_block.hash != -1 and block.hash == ref_hash(ref_block.token_ids, -1):
+            hint = ("chain the hashes: block i's hash covers blocks 0..i, so pass the previous block's hash "
+                    "as prefix_hash (-1 for block 0)")
+        elif ref_block.hash != -1 and block.hash == -1 and "deallocate" in ops:
+            hint = ("a freed block keeps its hash and token ids (and its hash_to_block_id entry) until the "
+                    "free pool hands it out again")
+        elif ref_block.hash != -1 and block.hash == -1 and "hash_blocks" in ops:
+            hint = ("hash_blocks registers every full block below num_cached_tokens // block_size that has "
+                    "no hash yet: block.hash, block.token_ids and hash_to_block_id")
+        elif ref_block.hash == -1 and ops & {"allocate", "may_append"}:
+            hint = ("a block handed out by allocate / may_append has no K/V yet: it must carry no hash "
+                    "(reset an old one, drop its hash_to_block_id entry, register nothing before "
+                    "hash_blocks)")
+        return f"block {block.block_id} carries hash {_hex(block.hash)}, expected {_hex(ref_block.hash)}", hint
+    return None
+
 
 def _hex(h):
     return "-1 (none)" if h == -1 else f"{h:#x}"
@@ -277,8 +412,22 @@ def _scenarios_basic(tag, cls, rng, caching):
     t.allocate("A")
     t.new("B", _tokens(rng, bs))
     t.allocate("B")
+    t.refuse("B", "B already has its blocks (and 2 blocks are free)")
     t.free("A")
     t.new("C", _tokens(rng, 1))
+    t.allocate("C")
+    t.free("B")
+    t.free("C")
+
+    t = _Lockstep(tag, cls, "shared blocks", 4, bs, caching,
+                  "a block held by several tables has one reference per table: deallocate decrements the ref "
+                  "count of each of its blocks and frees a block only when its count reaches 0")
+    t.new("A", _tokens(rng, bs + 1))
+    t.allocate("A")
+    t.write("A")
+    t.share("A", "B")
+    t.free("A")
+    t.new("C", _tokens(rng, 2 * bs))                       # takes the 2 free blocks, never B's
     t.allocate("C")
     t.free("B")
     t.free("C")
@@ -289,6 +438,7 @@ def _scenarios_basic(tag, cls, rng, caching):
     t.allocate("A")
     t.new("B", _tokens(rng, bs + 1))
     t.allocate("B")                                    # needs 2, only 1 free: refused
+    t.refuse("B", "can_allocate(B) is False: B needs 2 blocks and only 1 is free")
     t.new("C", _tokens(rng, bs))
     t.allocate("C")
     t.free("A")
@@ -348,6 +498,17 @@ def _scenarios_caching(tag, cls, rng):
     t.write("B")
     t.new("C", x + y + [2])
     t.allocate("C")
+
+    t = _Lockstep(tag, cls, "hash collision", 6, bs, True,
+                  "a hash hit counts only if the block's token_ids equal the sequence's block: hashes can collide")
+    t.new("A", _tokens(rng, bs + 1))
+    t.allocate("A")
+    t.write("A")
+    t.new("B", _tokens(rng, bs + 1))
+    t.collide("A", "B")                                    # A's block 0 now carries the hash of B's block 0
+    t.allocate("B")                                        # same hash, other tokens: no hit
+    t.free("A")
+    t.free("B")
 
     t = _Lockstep(tag, cls, "no hit on a block not yet written", 8, bs, True,
                   "hashes are registered only in hash_blocks, for blocks whose tokens all have K/V "
@@ -459,7 +620,7 @@ def _random_stream(tag, cls, rng, caching):
         prompt = prompt[:capacity - 1]
         prompts.append(prompt)
     pairs, log = [], []
-    step = 0
+    step = preemptions = 0
     while (len(pairs) < len(prompts) or not ref.is_finished()) and step < 3000:
         step += 1
         if len(pairs) < len(prompts) and (ref.is_finished() or rng.random() < 0.4):
@@ -490,14 +651,11 @@ def _random_stream(tag, cls, rng, caching):
                       f"({'prefill' if s_pre else 'decode'}), expected {r_ids} ({kind}); recent steps: "
                       f"{'; '.join(log[-6:])}",
                  "can_allocate / can_append answered differently from the reference")
-        for r, s in zip(r_seqs, s_seqs):
-            if s.block_table != r.block_table or s.num_cached_tokens != r.num_cached_tokens:
-                i = index[id(r)]
-                fail(tag, f"step {step} of a {what}: request {i} got block_table {s.block_table} with "
-                          f"num_cached_tokens {s.num_cached_tokens}, expected {r.block_table} with "
-                          f"{r.num_cached_tokens}; recent steps: {'; '.join(log[-6:])}",
-                     "the scenarios above passed: compare the order the free pool hands out blocks (least "
-                     "recently freed first) and when hashes are registered")
+        preempted = ref.num_preemptions > preemptions
+        preemptions = ref.num_preemptions
+        ops = {"allocate", "may_append"} | ({"deallocate"} if preempted else set())
+        _stream_compare(tag, ref, stu, pairs, ops, f"step {step} of a {what}" + (" (with a preemption)" if
+                                                                                    preempted else ""), log)
         tokens = [rng.randrange(_VOCAB) for _ in r_seqs]
         ref.postprocess(r_seqs, tokens)
         try:
@@ -505,6 +663,8 @@ def _random_stream(tag, cls, rng, caching):
         except Exception as exc:
             fail(tag, f"{type(exc).__name__}: {exc} after step {step} of a {what}",
                  "hash_blocks and deallocate run after each step")
+        _stream_compare(tag, ref, stu, pairs, {"hash_blocks", "deallocate"},
+                        f"the end of step {step} of a {what} (hash_blocks, and deallocate of finished requests)", log)
         try:
             check_block_manager(stu.block_manager, list(stu.running) + list(stu.waiting))
         except AssertionError as exc:
@@ -516,6 +676,21 @@ def _random_stream(tag, cls, rng, caching):
             fail(tag, f"request {i} of a {what} ended with different tokens than on the reference")
     if len(stu.block_manager.free_block_ids) != num_blocks:
         fail(tag, f"after every request of a {what} finished, not all blocks are free", "blocks leaked")
+
+
+def _stream_compare(tag, ref, stu, pairs, ops, when, log):
+    """After a scheduler phase: every request's fields, the free pool (in order) and the block hashes."""
+    live = {id(s) for s in list(ref.running) + list(ref.waiting) if s.block_table}
+    labelled = [(f"request {i}", r, s, id(r) in live) for i, (r, s) in enumerate(pairs)]
+    found = (_seq_diff(ref.block_manager, stu.block_manager, labelled, ops)
+             or _pool_diff(ref.block_manager, stu.block_manager, ops)
+             or _hash_diff(ref.block_manager, stu.block_manager, ops)
+             or _seq_diff(ref.block_manager, stu.block_manager, labelled, ops, hashed=True))
+    if found:
+        message, hint = found
+        fail(tag, f"{message}, at {when}; recent steps: {'; '.join(log[-6:])}",
+             hint or "the scenarios above passed: compare the order the free pool hands out blocks (least "
+                     "recently freed first) and when hashes are registered")
 
 
 def check_block_manager_basics(cls) -> None:

@@ -210,16 +210,42 @@ def test_e2_2_reference_passes(capsys):
     passes(ch02.check_apply_rope, ch02.reference_apply_rope, "E2.2", capsys)
 
 
-def test_e2_2_accepts_hf_style_bf16_arithmetic(capsys):
-    def hf_style(positions, q, k, cos, sin):     # cos/sin cast to the input dtype, rotate_half in bf16
-        c = torch.cat([cos[positions], cos[positions]], -1).to(q.dtype).unsqueeze(1)
-        s = torch.cat([sin[positions], sin[positions]], -1).to(q.dtype).unsqueeze(1)
+def test_e2_2_accepts_fp32_in_another_order(capsys):
+    def other_order(positions, q, k, cos, sin):     # fp32, terms in another order, one cast at the end
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
         def rot(x):
-            x1, x2 = x.chunk(2, -1)
-            return x * c + torch.cat((-x2, x1), -1) * s
+            x1, x2 = x.float().chunk(2, -1)
+            return torch.cat((-(x2 * s) + c * x1, s * x1 + x2 * c), -1).to(x.dtype)
         return rot(q), rot(k)
-    passes(ch02.check_apply_rope, hf_style, "E2.2", capsys)
+    passes(ch02.check_apply_rope, other_order, "E2.2", capsys)
+
+
+def _hf_style_bf16(positions, q, k, cos, sin):     # cos/sin cast to the input dtype, rotate_half in bf16
+    c = torch.cat([cos[positions], cos[positions]], -1).to(q.dtype).unsqueeze(1)
+    s = torch.cat([sin[positions], sin[positions]], -1).to(q.dtype).unsqueeze(1)
+
+    def rot(x):
+        x1, x2 = x.chunk(2, -1)
+        return x * c + torch.cat((-x2, x1), -1) * s
+    return rot(q), rot(k)
+
+
+def _bf16_halves(positions, q, k, cos, sin):       # the reference formula, but in the input dtype
+    c, s = cos[positions].unsqueeze(1).to(q.dtype), sin[positions].unsqueeze(1).to(q.dtype)
+
+    def rot(x):
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    return rot(q), rot(k)
+
+
+@pytest.mark.parametrize("mutant", [_hf_style_bf16, _bf16_halves])
+def test_e2_2_catches_bf16_arithmetic(mutant):
+    """The spec says fp32: bf16 arithmetic stays within the loose bf16 tolerance but is not one rounding."""
+    for _ in range(3):                              # fresh inputs each time: caught on every draw
+        msg = fails(ch02.check_apply_rope, mutant, "E2.2", match="rounded once to bf16")
+        assert "compute in fp32 and cast back once" in msg
 
 
 def _rotate(x, c, s, sign=1.0):
@@ -283,3 +309,53 @@ def test_demos_are_stable():
     assert ch02.relative_position_demo()
     err = ch01.accumulation_error([64, 4096], rows=8)
     assert err["bf16"][1] > 100 * err["fp32"][1] and err["bf16"][1] > err["bf16"][0]
+
+
+# -- facts the chapters' prose states --------------------------------------------------------------------------
+def _markdown(name: str) -> str:
+    import json
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parents[1] / "solutions" / name).read_text())
+    return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+
+
+def test_ch00_decode_step_is_not_weight_bound():
+    """Chapter 00 explains the flat decode step by fixed per-step costs, not by reading the weights: at the
+    H200's ~4.8 TB/s SmolLM2's ~270 MB of bf16 weights take ~0.06 ms, against a measured step of ~3 ms."""
+    from nanovllm_course.figures_ch00 import DECODE_THROUGHPUT
+    h200 = next(v for k, v in DECODE_THROUGHPUT.items() if "H200" in k)
+    step_ms = {b: 1000 * b / tps for b, tps in h200.items()}
+    weights_ms = 135e6 * 2 / 4.8e12 * 1000
+    assert 2.5 < step_ms[1] < 3.5 and 4.5 < step_ms[256] < 5.5 and weights_ms < 0.07
+    assert step_ms[1] > 40 * weights_ms
+    text = _markdown("00_setup_and_tour.ipynb")
+    assert "limited by reading the weights" not in text
+    assert "launch- and host-bound" in text and "0.06 ms" in text
+
+
+def test_ch00_says_the_model_is_dequantized_q4_1():
+    from nanovllm_ref import download
+    assert download.MODELS["smollm2"]["gguf_member"].endswith(".Q4_1.gguf")
+    text = _markdown("00_setup_and_tour.ipynb")
+    assert "Q4_1" in text and "dequantized" in text
+
+
+def test_ch01_points_to_where_fused_rmsnorm_is_taught():
+    """The fused RMSNorm is utils/fusion.py's compiled op (chapter 10), not a Triton kernel of chapter 06."""
+    from nanovllm_ref.layers import layernorm
+    assert hasattr(layernorm.rms_norm, "eager")             # wrapped by utils.fusion.fused
+    text = _markdown("01_rmsnorm.ipynb")
+    assert "Triton kernel of chapter 06" not in text
+    assert "utils/fusion.py" in text and "chapter 10" in text
+
+
+def test_ch02_slowest_pair_periods():
+    """period of the last pair = 2 pi / base^(-(d-2)/d): ~438k tokens for SmolLM2, ~5.1M for Qwen3."""
+    from nanovllm_course.figures_ch02 import MODELS, slowest_period
+    periods = {name: slowest_period(d, base) for name, d, base, _ in MODELS}
+    assert round(periods["SmolLM2-135M"], -3) == 438_000
+    assert round(periods["Qwen3-0.6B"], -5) == 5_100_000
+    cos, sin = ch02.reference_rope_cos_sin(64, 2, 1e5)       # the table's last column turns that slowly
+    assert abs(torch.atan2(sin[1, -1], cos[1, -1]).item() - 2 * 3.141592653589793 / periods["SmolLM2-135M"]) < 1e-9
+    text = _markdown("02_rope.ipynb")
+    assert "tens of thousands" not in text and "438,000" in text and "5.1 million" in text

@@ -141,8 +141,10 @@ def make_build_model(qkv_loader=qkv_ref, gate_up_loader=gate_up_ref, gqa=gqa_ref
     return build_model
 
 
-def make_prefill_logits(global_positions=False, one_sequence=False, first_token=False):
+def make_prefill_logits(global_positions=False, one_sequence=False, first_token=False, per_prompt_forward=False):
     def prefill_logits(model, prompts):
+        if per_prompt_forward and len(prompts) > 1:     # right logits, but one forward per prompt
+            return torch.cat([prefill_logits(model, [p]) for p in prompts])
         ids = torch.tensor([t for p in prompts for t in p])
         pos = torch.arange(len(ids)) if global_positions else torch.tensor([i for p in prompts for i in range(len(p))])
         lens = [len(ids)] if one_sequence else [len(p) for p in prompts]
@@ -225,10 +227,13 @@ def test_e3_4(capsys):
           match="not implemented yet")
     fails(ch03.check_prefill_logits, make_prefill_logits(), make_build_model(qkv_loader=qkv_kv_swapped),
           match="wrong weights in .*qkv_proj")
-    # Positions counted over the whole batch instead of per prompt give the same logits: RoPE only sees
-    # position differences inside a sequence. (A going-further question in the notebook.)
-    passes(ch03.check_prefill_logits, make_prefill_logits(global_positions=True), make_build_model(), tag="E3.4",
-           capsys=capsys)
+    # Positions counted over the whole batch instead of per prompt give the same logits (RoPE only sees
+    # position differences inside a sequence), so the check looks at the positions handed to the model.
+    msg = fails(ch03.check_prefill_logits, make_prefill_logits(global_positions=True), make_build_model(),
+                match="the positions handed to the model")
+    assert "restart at 0 for each prompt" in msg
+    fails(ch03.check_prefill_logits, make_prefill_logits(per_prompt_forward=True), make_build_model(),
+          match="ran the model 3 times")
     # An Attention layer built without a back-end uses the torch one (the engine's default), so this is right.
     passes(ch03.check_prefill_logits, make_prefill_logits(), no_backend_build, tag="E3.4", capsys=capsys)
     fails(ch03.check_prefill_logits, make_prefill_logits(), unloaded_build, match="wrong weights")
@@ -405,6 +410,17 @@ def test_e4_2(capsys):
     passes(ch04.check_paged_decode, decode_bf16_probs, tag="E4.2", capsys=capsys)
     msg = fails(ch04.check_paged_decode, decode_bf16_compute, match="compute in fp32")
     assert "large scores" in msg and "bfloat16" in msg
+    assert "off by up to 0.0625" in msg and "~6.5%" in msg
+
+
+def test_e4_2_fp32_hint_states_the_bf16_rounding_bound():
+    """A score in [16, 32) rounded to bf16 is off by at most half the 0.125 spacing; e^0.0625 - 1 = 6.45%."""
+    import math
+    s = torch.linspace(16, 31.99, 100_001, dtype=torch.float64)
+    err = (s.to(torch.bfloat16).double() - s).abs().max().item()
+    assert err <= 0.0625 and err > 0.062
+    assert abs(100 * (math.exp(0.0625) - 1) - 6.5) < 0.1
+    assert "0.0625" in ch04.FP32_HINT and "6.5%" in ch04.FP32_HINT
     fails(ch04.check_paged_decode, decode_bf16_manual_softmax, match="compute in fp32")
 
 
@@ -601,6 +617,79 @@ class AppendEveryStep(BlockManager):
             seq.block_table.append(self._take_free_block())
 
 
+class FreeFirstToLast(BlockManager):
+    """deallocate frees the table from its first block to its last: the shared head is reused first."""
+    def deallocate(self, seq):
+        for block_id in seq.block_table:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+        seq.num_hashed_blocks = 0
+
+
+class KeepsCachedTokens(BlockManager):
+    """deallocate forgets to reset num_cached_tokens."""
+    def deallocate(self, seq):
+        n = seq.num_cached_tokens
+        super().deallocate(seq)
+        seq.num_cached_tokens = n
+
+
+class AllocateNeverRaises(BlockManager):
+    """allocate trusts the caller: no RuntimeError without room or for a sequence that has blocks."""
+    def allocate(self, seq):
+        hits = self._match_prefix(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+                self.used_block_ids.add(block_id)
+            block.ref_count += 1
+        fresh = [self._take_free_block() for _ in range(seq.num_blocks - len(hits)) if self.free_block_ids]
+        seq.block_table = hits + fresh
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+
+
+class AllocateTwice(BlockManager):
+    """allocate raises when there is no room, but re-allocates a sequence that already has blocks."""
+    def allocate(self, seq):
+        table, seq.block_table = seq.block_table, []
+        try:
+            super().allocate(seq)
+        except RuntimeError:
+            seq.block_table = table
+            raise
+
+
+class NoTokenCompare(BlockManager):
+    """_match_prefix trusts the hash: a hit is never checked against the block's token ids."""
+    def _match_prefix(self, seq):
+        if not self.enable_prefix_caching:
+            return []
+        hits, h = [], -1
+        for i in range(len(seq) // self.block_size):
+            h = compute_block_hash(seq.block(i), h)
+            if h not in self.hash_to_block_id:
+                break
+            hits.append(self.hash_to_block_id[h])
+        if hits and len(hits) * self.block_size == len(seq):
+            hits.pop()
+        return hits
+
+
+class HashBlocksNoAdvance(BlockManager):
+    """hash_blocks registers the new blocks but leaves seq.num_hashed_blocks behind."""
+    def hash_blocks(self, seq):
+        n = seq.num_hashed_blocks
+        super().hash_blocks(seq)
+        seq.num_hashed_blocks = n
+
+
 class StubManager:
     def __init__(self, num_blocks, block_size, enable_prefix_caching=True):
         raise NotImplementedError("Exercise 5.2: fill in this code")
@@ -623,6 +712,28 @@ def test_e5_2(capsys):
     fails(ch05.check_block_manager_basics, AppendEveryStep, match="decode appends")
 
 
+def test_e5_2_hints_come_from_what_differs():
+    """Wrong deallocation order and a stale num_cached_tokens are named as such, not as can_allocate /
+    can_append faults (the hint follows the field that differs and the operation that just ran)."""
+    for check in (ch05.check_block_manager_basics, ch05.check_prefix_caching):
+        hint = fails(check, FreeFirstToLast, match="free pool in the order").split("hint:")[1]
+        assert "from its last block to its first" in hint
+        assert "can_allocate" not in hint and "can_append" not in hint
+        msg = fails(check, KeepsCachedTokens, match="num_cached_tokens")
+        hint = msg.split("hint:")[1]
+        assert "deallocate resets the sequence" in hint and "can_append" not in hint
+
+
+def test_e5_2_checks_ref_counts_without_caching():
+    fails(ch05.check_block_manager_basics, NoDecrement, match="scenario 'shared blocks'")
+
+
+def test_e5_2_allocate_must_raise():
+    msg = fails(ch05.check_block_manager_basics, AllocateNeverRaises, match="allocate\\(B\\) returned without raising")
+    assert "allocate raises RuntimeError" in msg
+    fails(ch05.check_block_manager_basics, AllocateTwice, match="allocate\\(B\\) returned without raising, but B already has")
+
+
 def test_e5_2_stub_methods():
     class Partial(BlockManager):
         def can_append(self, seq):
@@ -640,6 +751,8 @@ def test_e5_3(capsys):
     fails(ch05.check_prefix_caching, NoRevivedCount, match="free pool")
     fails(ch05.check_prefix_caching, NoFullHitPop, match="whole prompt cached")
     fails(ch05.check_prefix_caching, StaleHashOnReuse, match="reset an old one")
+    fails(ch05.check_prefix_caching, NoTokenCompare, match="compare the block's token_ids")
+    fails(ch05.check_prefix_caching, HashBlocksNoAdvance, match="advances seq.num_hashed_blocks")
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -662,3 +775,68 @@ def test_checks_draw_fresh_inputs(monkeypatch):
     seen.clear()
     ch04.check_slot_mapping(spy)
     assert first != seen
+
+
+def _chapter05_classes(e52_from: str, e53_from: str) -> dict:
+    """Run chapter 05's set-up cell and its two BlockManager cells, each from the solution or the released
+    chapter (the stubs), in one namespace."""
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    name = "05_block_manager_prefix_caching.ipynb"
+
+    def cells(folder):
+        nb = json.loads((root / folder / name).read_text())
+        return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    sol, chap = cells("solutions"), cells("chapters")
+    pick = {"solutions": sol, "chapters": chap}
+    e52 = next(i for i, c in enumerate(sol) if "class BlockManager" in c)
+    e53 = next(i for i, c in enumerate(sol) if "class CachingBlockManager" in c)
+    ns: dict = {}
+    exec(sol[0], ns)                                        # imports
+    exec(pick[e52_from][e52], ns)
+    exec(pick[e53_from][e53], ns)
+    return ns
+
+
+@pytest.mark.parametrize("e52_from", ["solutions", "chapters"])
+def test_e5_3_stub_names_exercise_5_3(e52_from):
+    """An unfilled E5.3 is reported as Exercise 5.3, whether or not E5.2 is done; E5.2's stub as 5.2."""
+    ns = _chapter05_classes(e52_from, "chapters")
+    msg = fails(ch05.check_prefix_caching, ns["CachingBlockManager"], match="not implemented yet")
+    assert "Exercise 5.3" in msg and "Exercise 5.2" not in msg
+    if e52_from == "chapters":
+        msg = fails(ch05.check_block_manager_basics, ns["BlockManager"], match="not implemented yet")
+        assert "Exercise 5.2" in msg
+
+
+def test_e5_solution_classes_pass_their_own_checks(capsys):
+    """E5.2's class passes E5.2 (and not E5.3: it does not cache); the E5.3 subclass passes both."""
+    ns = _chapter05_classes("solutions", "solutions")
+    passes(ch05.check_block_manager_basics, ns["BlockManager"], tag="E5.2", capsys=capsys)
+    passes(ch05.check_prefix_caching, ns["CachingBlockManager"], tag="E5.3", capsys=capsys)
+    passes(ch05.check_block_manager_basics, ns["CachingBlockManager"], tag="E5.2", capsys=capsys)
+    fails(ch05.check_prefix_caching, ns["BlockManager"], match="E5.3")
+
+
+@pytest.mark.parametrize("name, exercises", [("03_qwen3_model.ipynb", ("E3.2",)),
+                                             ("05_block_manager_prefix_caching.ipynb", ("E5.2", "E5.3"))])
+def test_spec_is_not_a_transcription_of_the_solution(name, exercises):
+    """The markdown states what to compute: no statement of these exercises' solutions appears in it verbatim."""
+    import json
+    import re
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parents[1] / "solutions" / name).read_text())
+    markdown = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    markdown = re.sub(r"\s+", " ", markdown)
+    copied = []
+    for cell in nb["cells"]:
+        inside = False
+        for line in "".join(cell["source"]).splitlines():
+            if "### BEGIN SOLUTION" in line:
+                inside = any(f"SOLUTION {e}" in line for e in exercises)
+            elif "### END SOLUTION" in line:
+                inside = False
+            elif inside and len(line.strip()) >= 20 and re.sub(r"\s+", " ", line.strip()) in markdown:
+                copied.append(line.strip())
+    assert not copied, copied

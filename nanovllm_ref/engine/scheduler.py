@@ -1,7 +1,11 @@
 """Continuous batching with chunked prefill and preemption (chapter 07).
 
 Every engine step the scheduler picks the batch for one forward pass (upstream nano-vllm
-`engine/scheduler.py`; vLLM's V0 scheduler with chunked prefill):
+`engine/scheduler.py`). The policy is *prefill-first*, and a step is either all prefill or all decode: that
+is vLLM V0's default scheduler (chunked prefill off), plus chunking of long prompts. It is not what vLLM
+does once chunked prefill is on: V0's chunked-prefill scheduler is *decode-first* and mixes decodes and
+prefill chunks in one batch, and V1's scheduler mixes them too, under one token budget per step, with no
+separate prefill and decode phases. Chapter 07 teaches this policy and those alternatives.
 
 1. Prefill first. Sequences still in the middle of a chunked prefill continue, then waiting sequences are
    admitted in arrival order, while the step's token budget (`max_num_batched_tokens`), the sequence limit
@@ -11,7 +15,8 @@ Every engine step the scheduler picks the batch for one forward pass (upstream n
    when none is free preempts the most recently admitted running sequence: that one gives up all its blocks
    and goes back to the front of the queue, to be recomputed later (preemption by recompute).
 
-A step is all-prefill or all-decode, so the model runner has one code path per kind.
+Because a step is all-prefill or all-decode, the model runner has one code path per kind; the price is that
+running sequences wait (no decode) while a long prompt is being prefilled chunk by chunk.
 """
 from collections import deque
 

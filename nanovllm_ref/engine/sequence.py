@@ -32,7 +32,7 @@ class Sequence:
         self.block_size = block_size
         # Tokens whose K/V are in the cache: a prefix-cache hit, then each computed prefill chunk.
         self.num_cached_tokens = 0
-        # How many leading blocks already carry their prefix hash (see BlockManager.commit).
+        # How many leading blocks already carry their prefix hash (see BlockManager.hash_blocks).
         self.num_hashed_blocks = 0
         # Tokens this step computes (set by the scheduler, read by the model runner).
         self.num_scheduled_tokens = 0
