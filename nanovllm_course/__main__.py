@@ -11,6 +11,7 @@
 See nanovllm_course/README.md.
 """
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -72,7 +73,8 @@ def cmd_grade(args) -> int:
     status = 0
     for path in paths:
         grade = rel.grade_path(path, args.solutions, timeout=args.timeout)
-        print(f"== {path}")
+        shown = os.path.relpath(path)
+        print(f"== {shown if not shown.startswith('..') else path}")
         for line in grade.lines():
             print(line)
         status |= not grade.ok
