@@ -388,6 +388,12 @@ def execute_in_place(path: Path, timeout: int = 300) -> list[CellError]:
             cell.outputs, cell.execution_count = [], None
     done, errors = execute_notebook(nb, path.parent, timeout=timeout)
     path.write_text(dumps(normalize(done)), encoding="utf-8")
+    for i, cell in enumerate(done.cells):          # a check cell reports a failure without raising
+        if is_check_cell(cell):
+            for line in _stdout(cell).splitlines():
+                m = VERDICT.match(line.strip())
+                if m and m.group(2) != "ok":
+                    errors.append(CellError(i, "CheckFailed", line.strip(), tags(cell)))
     return [e for e in errors if "raises-exception" not in e.tags]
 
 
