@@ -11,8 +11,13 @@ TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+# JupyterLab serves the repository root (the chapters link their pictures as ../figures/*.png) and opens
+# chapters/; as root (containers) it needs --allow-root. tests/browser_lab.py starts Lab with the same flags.
+IS_ROOT := $(filter 0,$(shell id -u))
+LAB_ARGS := --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/chapters $(if $(IS_ROOT),--allow-root)
+SUDO := $(if $(IS_ROOT),,sudo)
 
-.PHONY: demo test install model lab release bench-cpu clean
+.PHONY: demo test test-browser chromium install model lab release bench-cpu clean
 
 $(STAMP): pyproject.toml
 	@if [ ! -x $(PY) ]; then \
@@ -38,7 +43,18 @@ test: model
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/ solutions/ $(NBVAL)
 
 lab: model
-	$(VENV)/bin/jupyter lab chapters/
+	$(VENV)/bin/jupyter lab $(LAB_ARGS)
+
+# Debian's chromium for the browser test (playwright drives it; it comes with the test extra).
+chromium:
+	@command -v chromium >/dev/null || { echo "installing chromium (apt)"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+
+# The student's JupyterLab in headless Chromium: figures load, maths renders, a check says ok.
+# Screenshots land in artifacts/browser/ (git-ignored).
+test-browser: $(STAMP) chromium
+	LAB_ARGS="$(LAB_ARGS)" CHROMIUM="$$(command -v chromium)" \
+	  $(PY) -m pytest -q -p no:cacheprovider --timeout=300 tests/browser_lab.py
 
 release: $(STAMP)
 	$(PY) -m nanovllm_course release

@@ -3,7 +3,8 @@
     release [NAMES...]      write chapters/NN_slug.ipynb from solutions/NN_slug.ipynb (all, or those named)
     check                   exit 1 if committed chapters/ differ from a fresh release (drift check)
     execute NOTEBOOK...     run solution notebooks top to bottom in this environment, save them normalised
-    verify [NAMES...]       run released chapters unfilled: they must fail exactly at their check cells
+    verify [NAMES...]       run released chapters unfilled: every exercise `not done yet`, no other error
+    grade [NOTEBOOKS...]    run student notebooks and print one verdict line per exercise (exit 1 unless all ok)
     figures [CHAPTERS...]   redraw figures/chNN_*.png (all chapters, or e.g. `figures 01 02`)
     import-py SRC.py DST.ipynb   make a notebook from a percent-format (`# %%`) Python file
     export [CHAPTERS...]    write your exercises from chapters/ into student/chNN.py (importable, picklable
@@ -12,6 +13,7 @@
 See nanovllm_course/README.md.
 """
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -34,21 +36,50 @@ def cmd_execute(args) -> int:
     return status
 
 
+def _chapter_paths(folder, names):
+    paths = []
+    for path in sorted(Path(folder).glob("*.ipynb")):
+        if rel.NOTEBOOK_NAME.match(path.name) and (not names or path.name[:2] in names or path.name in names
+                                                   or path.stem in names):
+            paths.append(path)
+    return paths
+
+
 def cmd_verify(args) -> int:
-    import nbformat
     status = 0
-    for path in sorted(Path(args.chapters).glob("*.ipynb")):
-        if not rel.NOTEBOOK_NAME.match(path.name) or (args.names and path.name[:2] not in args.names
-                                                       and path.name not in args.names):
-            continue
-        nb = nbformat.read(path, as_version=4)
-        _, errors = rel.execute_notebook(nb, path.parent, timeout=args.timeout)
-        problems = rel.stub_failures_ok(nb, errors)
+    for path in _chapter_paths(args.chapters, args.names):
+        grade = rel.grade_path(path, args.solutions, timeout=args.timeout)
+        problems = rel.stub_failures_ok(grade)
         for p in problems:
             print(f"{path.name}: {p}", file=sys.stderr)
         status |= bool(problems)
         if not problems:
-            print(f"{path.name}: fails at its {len(rel.expected_failures(nb))} check cell(s) and nowhere else")
+            print(f"{path.name}: all {len(grade.verdicts)} exercise(s) 'not done yet', no other cell raised "
+                  f"({grade.seconds:.0f} s)")
+    return status
+
+
+def cmd_grade(args) -> int:
+    paths = []
+    for name in args.notebooks or [str(rel.CHAPTERS)]:
+        p = Path(name)
+        if p.is_dir():
+            paths += _chapter_paths(p, None)
+        elif p.is_file():
+            paths.append(p)
+        else:
+            paths += _chapter_paths(rel.CHAPTERS, [name])
+    if not paths:
+        print("error: no notebook to grade", file=sys.stderr)
+        return 2
+    status = 0
+    for path in paths:
+        grade = rel.grade_path(path, args.solutions, timeout=args.timeout)
+        shown = os.path.relpath(path)
+        print(f"== {shown if not shown.startswith('..') else path}")
+        for line in grade.lines():
+            print(line)
+        status |= not grade.ok
     return status
 
 
@@ -103,11 +134,20 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=300, help="seconds per cell")
     p.set_defaults(func=cmd_execute)
 
-    p = sub.add_parser("verify", help="released chapters fail exactly at their check cells")
+    p = sub.add_parser("verify", help="released chapters run unfilled: every exercise 'not done yet'")
     p.add_argument("--chapters", default=str(rel.CHAPTERS))
+    p.add_argument("--solutions", default=str(rel.SOLUTIONS))
     p.add_argument("names", nargs="*")
     p.add_argument("--timeout", type=int, default=300)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("grade", help="one verdict line per exercise of student notebooks")
+    p.add_argument("notebooks", nargs="*",
+                   help="notebook files, folders, or chapter numbers/stems in chapters/ (default: chapters/)")
+    p.add_argument("--solutions", default=str(rel.SOLUTIONS),
+                   help="where the solution notebooks (expected outputs, check cells) are")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per cell")
+    p.set_defaults(func=cmd_grade)
 
     p = sub.add_parser("figures", help="redraw figures/chNN_*.png")
     p.add_argument("chapters", nargs="*", help="2-digit chapter numbers (default: all)")

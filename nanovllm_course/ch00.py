@@ -4,7 +4,8 @@ nanovllm_ref/engine/llm_engine.py).
 E0.1 `complete(llm, prompt, max_tokens) -> str`: the greedy completion of one prompt.
 The check runs the student's function on a tiny random Qwen3 checkpoint (made once per process, no download)
 for several prompts and lengths, and compares the text with `llm.generate` at temperature 0 exactly
-(greedy decoding is deterministic).
+(greedy decoding is deterministic). The spec says "no progress bar": the check also fails when the
+student's call to `llm.generate` leaves `use_tqdm` on (the bar itself is not drawn during the check).
 """
 import contextlib
 import functools
@@ -50,6 +51,21 @@ def reference_complete(llm, prompt: str, max_tokens: int) -> str:
     return out[0]["text"]
 
 
+class _RecordingLLM:
+    """Passes everything through to the real LLM, but records each generate call's `use_tqdm` and runs it
+    without a progress bar (so a left-on bar fails the check instead of drawing over the verdict)."""
+
+    def __init__(self, llm):
+        self._llm, self.tqdm_calls = llm, []
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, **kwargs):
+        self.tqdm_calls.append(bool(use_tqdm))
+        return self._llm.generate(prompts, sampling_params, use_tqdm=False, **kwargs)
+
+
 def check_complete(complete) -> None:
     """E0.1: `complete(llm, prompt, max_tokens)` must return the greedy completion text."""
     tag = "E0.1"
@@ -59,7 +75,8 @@ def check_complete(complete) -> None:
     for prompt, max_tokens in zip(picks, (1, randint(g, 2, 6), randint(g, 7, 16))):
         with quiet():
             expected = reference_complete(llm, prompt, max_tokens)
-        got = call_student(tag, complete, llm, prompt, max_tokens)
+        recorder = _RecordingLLM(llm)
+        got = call_student(tag, complete, recorder, prompt, max_tokens)
         check_type(tag, got, str, f"complete(llm, {prompt!r}, {max_tokens})",
                    hint="return out[0]['text'], the decoded completion, not the dict or the token ids")
         if got != expected:
@@ -72,6 +89,9 @@ def check_complete(complete) -> None:
                         "the default temperature 1.0 samples")
             fail(tag, f"complete(llm, {prompt!r}, max_tokens={max_tokens}) returned {got[:60]!r}, the greedy "
                       f"completion is {expected[:60]!r}", hint)
+        if any(recorder.tqdm_calls):
+            fail(tag, "complete(...) draws a progress bar: llm.generate was called with use_tqdm on (its default)",
+                 "pass use_tqdm=False to llm.generate: the spec asks for no progress bar")
     ok(tag)
 
 

@@ -2,11 +2,24 @@
 
 A check helper compares a student's function with the reference on fresh random inputs. On success it
 prints exactly one fixed line, `E<chapter>.<n> ok`, and nothing else (nbval compares printed output). On
-failure it raises AssertionError with a teaching message: what differed, where, and a hint.
+failure it raises `CheckFailed` (an AssertionError) with a teaching message: what differed, where, and a
+hint; an unfilled exercise raises `NotDone` (a CheckFailed saying "not implemented yet").
+
+Helpers raise, so tests (and anyone calling them directly) see the failure. A notebook's check cell wraps
+the call in `check`, which turns the outcome into one verdict line and never raises:
+
+    with check("E1.1"):
+        ch01.check_rms_norm(rms_norm)
+
+prints `E1.1 ok` (the helper's own line), `E1.1 not done yet`, or `E1.1 failed: <message> (hint: ...)`, so
+Run All goes on and the student sees no traceback of the course's internals. Graders compare that output
+with the solution's (`python -m nanovllm_course grade`).
 """
 import functools
 import os
+import sys
 import tempfile
+import traceback
 import warnings
 
 import torch
@@ -17,12 +30,26 @@ def ok(tag: str) -> None:
     print(f"{tag} ok")
 
 
+NOT_DONE_MESSAGE = "not implemented yet"     # how call_student's failure starts (tests match it)
+
+
+class CheckFailed(AssertionError):
+    """A check's verdict on wrong code. str() is `E4.1: <message>` plus a `  hint: ...` line (what tests
+    match); `tag`, `message` and `hint` are kept for the one-line verdict of `check`."""
+
+    def __init__(self, tag: str, message: str, hint: str | None = None):
+        text = f"{tag}: {message}" + (f"\n  hint: {hint}" if hint else "")
+        super().__init__(text)
+        self.tag, self.message, self.hint = tag, message, hint
+
+
+class NotDone(CheckFailed):
+    """The student's code still raises the stub's NotImplementedError."""
+
+
 def fail(tag: str, message: str, hint: str | None = None):
-    """Raise the AssertionError a student sees: `E4.1: <message>` plus a hint line."""
-    text = f"{tag}: {message}"
-    if hint:
-        text += f"\n  hint: {hint}"
-    raise AssertionError(text)
+    """Raise the CheckFailed (an AssertionError) a student sees: `E4.1: <message>` plus a hint line."""
+    raise CheckFailed(tag, message, hint)
 
 
 def check_close(tag: str, actual, expected, *, rtol: float, atol: float, what: str, hint: str | None = None):
@@ -50,7 +77,82 @@ def call_student(tag: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except NotImplementedError as exc:
-        fail(tag, f"not implemented yet ({exc})", "fill in the exercise cell above, run it, then run this check")
+        raise NotDone(tag, f"{NOT_DONE_MESSAGE} ({exc})",
+                      "fill in the exercise cell above, run it, then run this check") from None
+
+
+# -- the verdict of a check cell -----------------------------------------------------------------------------
+_OURS = tuple(os.path.dirname(os.path.abspath(m)) + os.sep for m in (__file__,))
+_LIBRARIES = tuple(sorted({os.path.abspath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _student_frame(tb):
+    """(function, line) of the innermost traceback frame in the student's own code (a notebook cell or
+    a file outside this package, the reference engine and the installed libraries), else None."""
+    import nanovllm_ref
+    skip = _OURS + (os.path.dirname(os.path.abspath(nanovllm_ref.__file__)) + os.sep,) + _LIBRARIES
+    found = None
+    for frame, line in traceback.walk_tb(tb):
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith(skip):
+            found = (frame.f_code.co_name, line)
+    return found
+
+
+def verdict_line(tag: str, exc: BaseException | None, tb=None) -> str:
+    """The one line a check cell prints for `exc` (None: `<tag> ok`)."""
+    if exc is None:
+        return f"{tag} ok"
+    if isinstance(exc, (NotDone, NotImplementedError)) or \
+            (isinstance(exc, CheckFailed) and exc.message.startswith(NOT_DONE_MESSAGE)):
+        return f"{tag} not done yet"
+    if isinstance(exc, CheckFailed):
+        message, hint = exc.message, exc.hint
+    elif isinstance(exc, AssertionError) and str(exc).startswith(f"{tag}:"):      # a plain assert-style fail
+        message, _, hint = str(exc)[len(tag) + 1:].partition("\n  hint:")
+    elif isinstance(exc, NameError):
+        message, hint = f"NameError: {exc}", "run the cells above this one first, the exercise cell included"
+    else:
+        where = _student_frame(tb)
+        message = f"your code raised {type(exc).__name__}: {exc}"
+        if where and where[0] != "<module>":
+            message += f" (in {where[0]}, line {where[1]})"
+        hint = "run your function on a small input in a new cell to see the full traceback"
+    text = f"{tag} failed: {_one_line(message.split(chr(10))[0] if message else type(exc).__name__)}"
+    if hint and _one_line(hint):
+        text += f" (hint: {_one_line(hint)})"
+    return text
+
+
+class check:
+    """Run a check helper in a notebook cell and print one verdict line instead of raising:
+
+        with check("E1.1"):
+            ch01.check_rms_norm(rms_norm)
+
+    `E1.1 ok` is printed by the helper itself; on a failure this prints `E1.1 not done yet` or
+    `E1.1 failed: <message> (hint: ...)` and swallows the exception, so Run All continues. Only
+    Exceptions are turned into verdicts (a KeyboardInterrupt still stops the cell)."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, etype, exc, tb):
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        sys.stdout.flush()
+        print(verdict_line(self.tag, exc, tb), flush=True)
+        return True
+
+    def __repr__(self):
+        return f"check({self.tag!r})"
 
 
 def fresh_generator(seed: int | None = None) -> torch.Generator:

@@ -30,17 +30,19 @@ def engine_map(path: Path) -> Path:
     ax.set_ylim(0, 6.4)
     ax.axis("off")
     ax.grid(False)
-    _box(ax, 0.3, 5.2, 3.0, 0.9, "LLM", "llm.py: generate(prompts, params)", COLORS["api"], "ch 00")
-    _box(ax, 0.3, 3.6, 3.0, 1.1, "LLMEngine", "engine/llm_engine.py\nadd_request, step() loop", COLORS["engine"],
+    _box(ax, 0.3, 5.2, 2.9, 0.9, "LLM", "llm.py: generate(prompts, params)", COLORS["api"], "ch 00")
+    _box(ax, 0.3, 3.6, 2.9, 1.1, "LLMEngine", "engine/llm_engine.py\nadd_request, step() loop", COLORS["engine"],
          "ch 07")
     _box(ax, 4.0, 3.6, 3.0, 1.1, "Scheduler", "engine/scheduler.py\nwhich sequences run this step", COLORS["engine"],
          "ch 07")
-    _box(ax, 7.7, 3.6, 3.0, 1.1, "BlockManager", "engine/block_manager.py\nKV blocks, prefix cache",
+    _box(ax, 7.8, 3.6, 2.9, 1.1, "BlockManager", "engine/block_manager.py\nKV blocks, prefix cache",
          COLORS["mem"], "ch 05")
-    _box(ax, 0.3, 1.6, 3.0, 1.5, "ModelRunner", "engine/model_runner.py\nbatch -> tensors (ch 04),\n"
+    _box(ax, 0.3, 1.6, 2.9, 1.5, "ModelRunner", "engine/model_runner.py\nbatch -> tensors (ch 04),\n"
          "CUDA graphs (ch 10), TP ranks (ch 09)", COLORS["engine"], "ch 04")
     _box(ax, 4.0, 0.3, 4.4, 2.8, "", "", "#eef5fb", None)
-    ax.text(6.2, 2.95, "Model: N layers (models/qwen3.py, llama.py; ch 03)", ha="center", va="top", fontsize=9.5, weight="bold")
+    ax.text(4.2, 2.88, "Model: N layers", va="center", fontsize=9.5, weight="bold")
+    ax.text(5.9, 2.88, "models/qwen3.py, llama.py", va="center", fontsize=7.5, color="#333")
+    ax.text(8.35, 3.03, "ch 03", ha="right", va="top", fontsize=7.5, color="#7f1d1d", weight="bold")
     layers = [("embedding", "layers/embed_head.py", "ch 09"), ("RMSNorm", "layers/layernorm.py", "ch 01"),
               ("attention", "attention.py; RoPE: ch 02", "ch 04"),
               ("MLP", "linear.py, activation.py", "ch 03"), ("LM head", "logits of last tokens", "ch 09")]
@@ -55,16 +57,21 @@ def engine_map(path: Path) -> Path:
          "attn/torch_backend.py (reference), attn/triton_backend.py + kernels/ (ch 06), flash-attn",
          "#e5e5f7", "ch 06")
 
-    _arrow(ax, (1.8, 5.2), (1.8, 4.7), "prompts")
-    _arrow(ax, (3.3, 4.15), (4.0, 4.15), "")
-    _arrow(ax, (7.0, 4.15), (7.7, 4.15), "")
-    ax.text(3.32, 4.3, "schedule", fontsize=7.5)
-    ax.text(7.05, 4.3, "allocate", fontsize=7.5)
-    _arrow(ax, (1.8, 3.6), (1.8, 3.1), "run(seqs, is_prefill)")
-    _arrow(ax, (3.3, 2.35), (4.0, 2.35), "")
+    _arrow(ax, (1.75, 5.2), (1.75, 4.7), "prompts")
+    _arrow(ax, (3.2, 4.15), (4.0, 4.15), "")
+    _arrow(ax, (7.0, 4.15), (7.8, 4.15), "")
+    ax.text(3.6, 4.2, "schedule", fontsize=6.5, ha="center", va="bottom")
+    ax.text(7.4, 4.2, "allocate", fontsize=6.5, ha="center", va="bottom")
+    _arrow(ax, (1.75, 3.6), (1.75, 3.1), "run(seqs, is_prefill)")
+    _arrow(ax, (3.2, 2.35), (4.0, 2.35), "")
     _arrow(ax, (8.4, 2.2), (8.8, 2.2), "")
     _arrow(ax, (8.4, 0.75), (8.8, 0.75), "")
-    _arrow(ax, (9.75, 2.8), (6.0, 3.6), "next token ids -> postprocess()", rad=0.25, color="#7f1d1d")
+    # sampled tokens go back to the scheduler: up from the Sampler, left through the gap above the model box
+    # (below the BlockManager), then up into the Scheduler
+    red = "#7f1d1d"
+    ax.plot([9.5, 9.5, 6.5], [2.84, 3.33, 3.33], color=red, lw=1.3, solid_capstyle="butt")
+    _arrow(ax, (6.5, 3.33), (6.5, 3.56), color=red)
+    ax.text(6.62, 3.36, "next token ids -> postprocess()", fontsize=7, color=red, va="bottom")
     ax.text(5.5, 6.3, "One engine step: schedule a batch, run the model once, sample one token per sequence, repeat",
             ha="center", fontsize=10.5)
     return save(fig, path)

@@ -12,16 +12,23 @@ the colon is optional). `release` writes `chapters/NN_slug.ipynb` where each mar
     raise NotImplementedError("Exercise 1.1: normalise each row by its RMS")
 
 at the indentation of the BEGIN line; code around the markers (signature, docstring, return) is kept. An
-*exercise cell* is a code cell with at least one marked region: in the release its outputs are cleared and
-its execution count set to None (nbval runs it but does not compare its output). Every other cell is kept
-with its outputs. A *check cell* is a code cell tagged `check`; in the solution it prints one line
-`E1.1 ok` per exercise it checks. A cell tagged `gpu` needs CUDA and is skipped where there is none (see
-tests/conftest.py and `execute_notebook`).
+*exercise cell* is a code cell with at least one marked region. A *check cell* is a code cell tagged
+`check` that runs a check helper inside `with check("E1.1"):` (nanovllm_course.common.check); in the
+solution it prints one line `E1.1 ok` per exercise it checks. In the release both kinds have their outputs
+cleared and their execution count set to None, so a student sees no `E1.1 ok` they did not earn; every
+other cell is kept with its outputs. A cell tagged `gpu` needs CUDA and is skipped where there is none
+(see tests/conftest.py and `execute_notebook`).
 
-Determinism: notebook metadata is reduced to kernelspec `python3` + language_info name, cell metadata to
-`tags`, streams are merged, and execution counts are renumbered 1, 2, ... over the code cells that ran
-(not stripped: nbval only compares the outputs of cells whose stored execution_count is not None, and
-fails a cell that has outputs but no count).
+Grading (`grade`): run a student's notebook (check cells restored from the solution), read the verdict line
+each check cell printed (`E1.1 ok`, `E1.1 not done yet`, `E1.1 failed: ...`) and compare it with the
+solution's stored output: one line per exercise.
+
+Determinism: notebook metadata is reduced to the kernelspec and language_info a python3 kernel writes
+(so opening a chapter in JupyterLab does not modify it), cell metadata to `tags`, streams are merged, and
+execution counts are renumbered 1, 2, ... over the code cells that ran (not stripped: nbval only compares
+the outputs of cells whose stored execution_count is not None, and fails a cell that has outputs but no
+count). The drift check ignores the notebook metadata a kernel or JupyterLab rewrites (language_info, the
+kernelspec's display name, widget state).
 
 Command line: `python -m nanovllm_course --help`.
 """
@@ -48,7 +55,15 @@ EXERCISE_ID = re.compile(r"^E(\d+)\.(\d+)$")
 OK_LINE = re.compile(r"^(E\d+\.\d+) ok$")
 CHECK_TAG, GPU_TAG = "check", "gpu"
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+# What ipykernel reports (kernel_info_reply) and JupyterLab writes into a notebook it opens, for the course's
+# Python (environment.yml: python=3.11). Stored as is, so opening a chapter leaves it unmodified; on another
+# Python only `version` differs, and the drift check ignores language_info.
+LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+                 "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+                 "pygments_lexer": "ipython3", "version": "3.11.7"}
 NOT_IMPLEMENTED = "not implemented yet"      # what common.call_student puts in the AssertionError
+CHECK_CALL = re.compile(r"""\bcheck\(\s*["'](E\d+\.\d+)["']\s*\)""")   # `with check("E1.1"):` in a check cell
+VERDICT = re.compile(r"^(E\d+\.\d+) (ok|not done yet|failed: .*)$")
 
 
 class ReleaseError(ValueError):
@@ -152,11 +167,9 @@ def ok_lines(cell) -> list[str]:
 
 
 def checked_exercises(cell) -> list[str]:
-    """Exercise ids a check cell checks: from its stored `E1.1 ok` lines, else from ids named in its
-    source (so a released chapter, whose check cells keep the solution's outputs, answers the same)."""
-    ids = ok_lines(cell)
-    if not ids:
-        ids = re.findall(r"\bE\d+\.\d+\b", cell.source)
+    """Exercise ids a check cell checks: those its source names in `check("E1.1")` (a released chapter's
+    check cells have no outputs), else its stored `E1.1 ok` lines."""
+    ids = CHECK_CALL.findall(cell.source) or ok_lines(cell)
     return list(dict.fromkeys(ids))
 
 
@@ -177,7 +190,7 @@ def _merge_streams(outputs):
 def normalize(nb):
     """Make a notebook deterministic in place (see module doc) and return it."""
     nb.nbformat, nb.nbformat_minor = 4, 5
-    nb.metadata = nbformat.from_dict({"kernelspec": dict(KERNELSPEC), "language_info": {"name": "python"}})
+    nb.metadata = nbformat.from_dict({"kernelspec": dict(KERNELSPEC), "language_info": copy.deepcopy(LANGUAGE_INFO)})
     count = 0
     for i, cell in enumerate(nb.cells):
         t = tags(cell)
@@ -218,6 +231,10 @@ def validate_solution(nb, name: str) -> dict[str, list[str]]:
             if not ids:
                 raise ReleaseError(f"{where}: check cell has no stored 'Ex.y ok' line; execute the solution "
                                    "notebook top to bottom (python -m nanovllm_course execute ...) first")
+            named = CHECK_CALL.findall(cell.source)
+            if sorted(set(named)) != sorted(set(ids)):
+                raise ReleaseError(f"{where}: a check cell must run its helper inside `with check(\"{ids[0]}\"):` "
+                                   f"naming exactly the exercises it prints ok lines for ({ids}); it names {named}")
             checked.update(ids)
     missing = sorted(set(exercises) - checked)
     if missing:
@@ -236,8 +253,10 @@ def release_notebook(nb, name: str = "notebook"):
     validate_solution(nb, name)
     out = normalize(copy.deepcopy(nb))
     for i, cell in enumerate(out.cells):
-        if is_exercise_cell(cell):
+        exercise = is_exercise_cell(cell)
+        if exercise:
             cell.source = stub_source(cell.source, f"{name} cell {i}")
+        if exercise or is_check_cell(cell):
             cell.outputs = []
             cell.execution_count = None
     return normalize(out)
@@ -245,6 +264,22 @@ def release_notebook(nb, name: str = "notebook"):
 
 def dumps(nb) -> str:
     return nbformat.writes(nb) + "\n"
+
+
+def same_but_kernel_metadata(committed_text: str, fresh_text: str) -> bool:
+    """True if a committed notebook equals a fresh release, ignoring the notebook metadata that a kernel
+    or JupyterLab rewrites on opening (language_info, kernelspec display name, widget state)."""
+    if committed_text == fresh_text:
+        return True
+    try:
+        committed = nbformat.reads(committed_text, as_version=4)
+    except Exception:
+        return False
+    fresh = nbformat.reads(fresh_text, as_version=4)
+    if committed.metadata.get("kernelspec", {}).get("name") != fresh.metadata["kernelspec"]["name"]:
+        return False
+    committed.metadata = fresh.metadata
+    return dumps(committed) == fresh_text
 
 
 def solution_paths(solutions: Path = SOLUTIONS) -> list[Path]:
@@ -264,7 +299,7 @@ def release(solutions: Path = SOLUTIONS, chapters: Path = CHAPTERS, names: list[
         text = dumps(release_notebook(nbformat.read(path, as_version=4), path.name))
         target = chapters / path.name
         if check:
-            if not target.exists() or target.read_text(encoding="utf-8") != text:
+            if not target.exists() or not same_but_kernel_metadata(target.read_text(encoding="utf-8"), text):
                 result.append(path.name)
         else:
             chapters.mkdir(parents=True, exist_ok=True)
@@ -353,28 +388,142 @@ def execute_in_place(path: Path, timeout: int = 300) -> list[CellError]:
             cell.outputs, cell.execution_count = [], None
     done, errors = execute_notebook(nb, path.parent, timeout=timeout)
     path.write_text(dumps(normalize(done)), encoding="utf-8")
+    for i, cell in enumerate(done.cells):          # a check cell reports a failure without raising
+        if is_check_cell(cell):
+            for line in _stdout(cell).splitlines():
+                m = VERDICT.match(line.strip())
+                if m and m.group(2) != "ok":
+                    errors.append(CellError(i, "CheckFailed", line.strip(), tags(cell)))
     return [e for e in errors if "raises-exception" not in e.tags]
 
 
 def expected_failures(chapter_nb) -> list[int]:
-    """Indices of the cells of a released chapter that must fail: its check cells."""
+    """Indices of the check cells of a released chapter: run unfilled, each must say `not done yet`."""
     return [i for i, c in enumerate(chapter_nb.cells) if is_check_cell(c)]
 
 
-def stub_failures_ok(chapter_nb, errors: list[CellError]) -> list[str]:
-    """Problems with how an unfilled released chapter failed (empty list = as designed): it must fail at
-    every check cell, with an AssertionError saying 'not implemented yet', and nowhere else."""
-    problems = []
-    want = set(expected_failures(chapter_nb))
-    got = {e.index: e for e in errors}
-    for i in sorted(want - set(got)):
-        problems.append(f"check cell {i} passed although its exercise is a stub")
-    for i, e in sorted(got.items()):
-        if i not in want:
-            problems.append(f"cell {i} (not a check cell) raised {e.ename}: {e.evalue[:200]}")
-        elif e.ename != "AssertionError" or NOT_IMPLEMENTED not in e.evalue:
-            problems.append(f"check cell {i} raised {e.ename}: {e.evalue[:200]} "
-                            f"(expected AssertionError '... {NOT_IMPLEMENTED} ...')")
+# -- grading ---------------------------------------------------------------------------------------------
+@dataclass
+class Verdict:
+    exercise: str      # "E1.1"
+    line: str          # what its check cell printed: "E1.1 ok", "E1.1 not done yet", "E1.1 failed: ..."
+    expected: str      # the solution's stored line, "E1.1 ok"
+
+    @property
+    def ok(self) -> bool:
+        return self.line == self.expected
+
+    @property
+    def not_done(self) -> bool:
+        return self.line == f"{self.exercise} not done yet"
+
+
+@dataclass
+class Grade:
+    name: str
+    verdicts: list          # [Verdict], in notebook order: one per exercise
+    notes: list             # ["the cell starting '...' raised NameError: ..."]: other cells that raised
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.verdicts) and all(v.ok for v in self.verdicts)
+
+    def lines(self) -> list[str]:
+        done = sum(v.ok for v in self.verdicts)
+        return ([v.line for v in self.verdicts] + [f"note: {n}" for n in self.notes]
+                + [f"{self.name}: {done} of {len(self.verdicts)} exercises ok"])
+
+
+def _first_line(text: str, width: int = 200) -> str:
+    line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
+def _stdout(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+
+
+def _match_check_cells(student_nb, reference_nb) -> list[tuple[object, int | None]]:
+    """[(reference check cell, index of the student's cell or None)]: matched by cell id, else by order
+    among the cells tagged `check`."""
+    ref_cells = [c for c in reference_nb.cells if is_check_cell(c)]
+    by_id = {c.get("id"): i for i, c in enumerate(student_nb.cells) if c.cell_type == "code" and c.get("id")}
+    tagged = [i for i, c in enumerate(student_nb.cells) if is_check_cell(c)]
+    pairs = []
+    for k, ref in enumerate(ref_cells):
+        i = by_id.get(ref.get("id"))
+        if i is None and len(tagged) == len(ref_cells):
+            i = tagged[k]
+        pairs.append((ref, i))
+    return pairs
+
+
+def grade_notebook(student_nb, reference_nb=None, cwd: str | Path = CHAPTERS, *, name: str = "notebook",
+                   timeout: int = 300) -> Grade:
+    """Run a student's notebook top to bottom (fresh kernel, every cell even after an error) and grade each
+    exercise by what its check cell printed, compared with the reference's (the solution's) stored
+    `E1.1 ok`. Check cells run the reference's source, so an edited check cell still checks the same
+    thing. Without a reference the notebook grades itself (ids from its check cells' source)."""
+    import time
+
+    nb = copy.deepcopy(student_nb)
+    reference_nb = reference_nb if reference_nb is not None else student_nb
+    pairs = _match_check_cells(nb, reference_nb)
+    for ref, i in pairs:
+        if i is not None:
+            nb.cells[i].source = ref.source
+            nb.cells[i].metadata["tags"] = list(dict.fromkeys(tags(nb.cells[i]) + [CHECK_TAG]))
+    start = time.perf_counter()
+    done, errors = execute_notebook(nb, cwd, timeout=timeout)
+    seconds = time.perf_counter() - start
+    errors_at = {e.index: e for e in errors}
+    verdicts, check_index = [], set()
+    for ref, i in pairs:
+        for ex in checked_exercises(ref):
+            expected = f"{ex} ok"
+            if i is None:
+                verdicts.append(Verdict(ex, f"{ex} failed: its check cell is missing from the notebook", expected))
+                continue
+            check_index.add(i)
+            if i in errors_at:
+                e = errors_at[i]
+                line = f"{ex} failed: its check cell raised {e.ename}: {_first_line(e.evalue)}"
+            else:
+                said = [l.strip() for l in _stdout(done.cells[i]).splitlines()
+                        if VERDICT.match(l.strip()) and l.strip().split(" ")[0] == ex]
+                wrong = [l for l in said if l != expected]
+                line = wrong[0] if wrong else expected if said else f"{ex} failed: its check cell printed no verdict"
+            verdicts.append(Verdict(ex, line, expected))
+    notes = []
+    for i, e in sorted(errors_at.items()):
+        if i not in check_index:
+            notes.append(f"the cell starting {_first_line(done.cells[i].source, 60)!r} raised "
+                         f"{e.ename}: {_first_line(e.evalue)}")
+    return Grade(name, verdicts, notes, seconds)
+
+
+def reference_for(path: Path, solutions: Path = SOLUTIONS):
+    """The solution notebook a chapter is graded against (None if there is none)."""
+    sol = Path(solutions) / Path(path).name
+    return nbformat.read(sol, as_version=4) if sol.is_file() else None
+
+
+def grade_path(path: Path, solutions: Path = SOLUTIONS, timeout: int = 300) -> Grade:
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    return grade_notebook(nb, reference_for(path, solutions), path.parent, name=path.name, timeout=timeout)
+
+
+def stub_failures_ok(grade: Grade) -> list[str]:
+    """Problems with how an unfilled released chapter graded (empty list = as designed): every exercise
+    `not done yet`, at least one exercise, and no other cell raised."""
+    problems = [f"{v.exercise}: expected '{v.exercise} not done yet', got {v.line!r}"
+                for v in grade.verdicts if not v.not_done]
+    if not grade.verdicts:
+        problems.append("no check cell")
+    problems += [f"not a check cell: {n}" for n in grade.notes]
     return problems
 
 

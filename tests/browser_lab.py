@@ -1,0 +1,215 @@
+"""The student's JupyterLab, in a real browser (`make test-browser`; not collected by `make test`).
+
+Starts JupyterLab the way `make lab` does (the flags come from the Makefile's LAB_ARGS: repository root
+served, chapters/ opened, --allow-root as root) on 127.0.0.1 with a token, over a copy of chapters/ and
+figures/ (so nothing the browser does can touch the checkout), and drives Debian's chromium headless with
+playwright (CHROMIUM = its path). Checks:
+
+* every chapter: every <img> loaded, no 404 in the server log, MathJax rendered with no error, and opening
+  it (kernel started) leaves it unmodified: no dirty tab, and saving it writes the same bytes;
+* chapter 01: Run All on the untouched chapter runs to the end, each check cell printing one line
+  `E1.x not done yet`; then a correct E1.1 typed into its cell and run with its check prints `E1.1 ok`;
+  a tqdm.auto progress bar in a new cell draws as a widget, not as stderr text.
+
+Screenshots go to artifacts/browser/ (git-ignored; CI keeps them).
+"""
+import os
+import re
+import secrets
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "artifacts" / "browser"
+CHAPTERS = sorted(p.name for p in (REPO / "chapters").glob("[0-9][0-9]_*.ipynb"))
+LAB_ARGS = os.environ.get("LAB_ARGS", f"--ServerApp.root_dir={REPO} --LabApp.default_url=/lab/tree/chapters"
+                          + (" --allow-root" if os.geteuid() == 0 else ""))
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+E11 = '''def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x (last dim), scaled by weight. Same shape and dtype as x."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return y.to(x.dtype) * weight'''
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (make test-browser installs it)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """(base url, token, server log path, copy of the repository) of a JupyterLab started like `make lab`:
+    the same flags, its root_dir mapped to the same place in the copy."""
+    copy = tmp_path_factory.mktemp("lab")
+    shutil.copytree(REPO / "chapters", copy / "chapters", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    shutil.copytree(REPO / "figures", copy / "figures")
+    args = shlex.split(LAB_ARGS)
+    roots = [a.split("=", 1)[1] for a in args if a.startswith("--ServerApp.root_dir=")]
+    served = Path(roots[-1]).resolve() if roots else REPO
+    root = copy / served.relative_to(REPO)
+    args = [a for a in args if not a.startswith("--ServerApp.root_dir=")]
+    port, token = _free_port(), secrets.token_hex(16)
+    log = copy.parent / f"{copy.name}-server.log"
+    cmd = [str(Path(sys.executable).parent / "jupyter"), "lab", *args, f"--ServerApp.root_dir={root}",
+           "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+           f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            if proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield base, token, log, copy, root
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-dev-shm-usage"])
+        yield b
+        b.close()
+
+
+def open_chapter(browser, lab, name):
+    base, token, _, copy, root = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    where = (copy / "chapters" / name).relative_to(root).as_posix()
+    page.goto(f"{base}/lab/tree/{where}?reset&token={token}")
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+    # the kernel is up when the execution indicator says idle
+    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=60_000)
+    return page
+
+
+def scroll_through(page):
+    """Bring every cell into view once (lazily rendered cells and images load), back to the top."""
+    n = page.locator(".jp-NotebookPanel .jp-Cell").count()
+    for i in range(n):
+        page.locator(".jp-NotebookPanel .jp-Cell").nth(i).scroll_into_view_if_needed()
+    page.wait_for_timeout(300)
+
+
+def figure_refs(name) -> list[str]:
+    nb = nbformat.read(REPO / "chapters" / name, as_version=4)
+    return re.findall(r"!\[[^\]]*\]\((\.\./figures/[^)]+)\)", "\n".join(c.source for c in nb.cells
+                                                                       if c.cell_type == "markdown"))
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_chapter_renders_and_opening_leaves_it_unmodified(browser, lab, name):
+    _, _, log, copy, _ = lab
+    before = (copy / "chapters" / name).read_bytes()
+    page = open_chapter(browser, lab, name)
+    try:
+        scroll_through(page)
+        want = figure_refs(name)
+        page.wait_for_function(
+            "n => { const im = [...document.querySelectorAll('.jp-NotebookPanel .jp-RenderedMarkdown img')];"
+            " return im.length >= n && im.every(i => i.complete); }", arg=len(want), timeout=30_000)
+        imgs = page.eval_on_selector_all(".jp-NotebookPanel .jp-RenderedMarkdown img",
+                                         "im => im.map(i => [i.getAttribute('src'), i.naturalWidth])")
+        assert len(imgs) == len(want), (imgs, want)
+        assert all(w > 0 for _, w in imgs), f"images that did not load: {[s for s, w in imgs if w == 0]}"
+        has_math = "$" in "".join(c.source for c in nbformat.read(copy / "chapters" / name, as_version=4).cells
+                                  if c.cell_type == "markdown")
+        if has_math:
+            page.wait_for_selector(".jp-NotebookPanel mjx-container", timeout=30_000)
+        assert page.locator(".jp-NotebookPanel mjx-merror, .jp-NotebookPanel .MathJax_Error").count() == 0
+        page.wait_for_timeout(1000)          # kernel_info_reply -> language_info written into the model
+        page.screenshot(path=str(ARTIFACTS / f"{name[:-6]}.png"))
+        dirty = page.locator(".lm-TabBar-tab.jp-mod-dirty").count()
+        assert dirty == 0, f"{name} is marked modified just by opening it"
+        page.keyboard.press("Control+s")
+        page.wait_for_timeout(1500)
+        assert (copy / "chapters" / name).read_bytes() == before, f"saving the untouched {name} changed it"
+    finally:
+        page.close()
+    not_found = [l for l in log.read_text().splitlines() if " 404 " in l]
+    assert not not_found, "\n".join(not_found)
+
+
+def cell_output(page, i) -> str:
+    return page.locator(".jp-NotebookPanel .jp-Cell").nth(i).locator(".jp-OutputArea").text_content()
+
+
+def test_run_all_then_solve_e11(browser, lab):
+    name = "01_rmsnorm.ipynb"
+    nb = nbformat.read(REPO / "chapters" / name, as_version=4)
+    checks = [i for i, c in enumerate(nb.cells) if "check" in c.metadata.get("tags", [])]
+    exercise = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "NotImplementedError" in c.source)
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    page = open_chapter(browser, lab, name)
+    try:
+        page.locator(".jp-NotebookPanel .jp-Cell").first.click()
+        page.keyboard.press("Escape")
+        page.locator("#jp-MainMenu").get_by_text("Run", exact=True).click()
+        page.get_by_text("Run All Cells", exact=True).click()
+        # a fresh kernel numbers the cells 1..n: the last one shows [n] once Run All got there
+        last = page.locator(".jp-NotebookPanel .jp-Cell").nth(code[-1]).locator(".jp-InputPrompt")
+        page.wait_for_function("([el, n]) => el.textContent.includes(`[${n}]`)",
+                               arg=[last.element_handle(), len(code)], timeout=120_000)
+        for i in checks:
+            text = cell_output(page, i).strip()
+            assert re.fullmatch(r"E1\.\d not done yet", text), f"check cell {i} printed {text!r}"
+        page.locator(".jp-NotebookPanel .jp-Cell").nth(checks[0]).scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(ARTIFACTS / "01_run_all.png"))
+
+        editor = page.locator(".jp-NotebookPanel .jp-Cell").nth(exercise).locator(".cm-content")
+        editor.click()
+        page.keyboard.press("Control+a")
+        page.keyboard.press("Delete")
+        page.keyboard.insert_text(E11)
+        page.keyboard.press("Shift+Enter")          # run the exercise cell, move to its check cell
+        page.keyboard.press("Shift+Enter")          # run the check
+        page.wait_for_function(
+            "el => /E1\\.1 ok/.test(el.textContent)",
+            arg=page.locator(".jp-NotebookPanel .jp-Cell").nth(checks[0]).element_handle(), timeout=60_000)
+        assert cell_output(page, checks[0]).strip() == "E1.1 ok"
+        page.locator(".jp-NotebookPanel .jp-Cell").nth(checks[0]).scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(ARTIFACTS / "01_e11_ok.png"))
+
+        # a progress bar is a widget (ipywidgets), not a pink stderr box
+        page.keyboard.press("Escape")
+        page.keyboard.press("b")                    # new cell below the check
+        page.keyboard.press("Enter")
+        page.keyboard.insert_text("from tqdm.auto import tqdm\nfor _ in tqdm(range(3)): pass")
+        page.keyboard.press("Shift+Enter")
+        try:
+            page.wait_for_selector(".jp-NotebookPanel .jp-OutputArea .jupyter-widgets[class*='progress']", timeout=30_000)
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "01_progress_bar.png"))
+        assert page.locator(".jp-NotebookPanel [data-mime-type='application/vnd.jupyter.stderr']").count() == 0
+    except BaseException:
+        page.screenshot(path=str(ARTIFACTS / "01_failure.png"))
+        raise
+    finally:
+        page.close()
