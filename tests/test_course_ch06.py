@@ -251,3 +251,33 @@ def test_a_launcher_whose_kernel_factory_is_a_stub_counts_as_a_stub(tmp_path, mo
     assert used == [] and parts.store_kvcache is None
     parts, used = parts_from_functions(store_kvcache=ch06.reference_triton_store_kvcache)
     assert used == ["store_kvcache"] and parts.store_kvcache is ch06.reference_triton_store_kvcache
+
+
+# == figures and the GPU timing script ======================================================================
+
+def test_tile_walk_figure_matches_the_grid_of_the_notebook():
+    from nanovllm_course import figures_ch06
+    owner = figures_ch06.tile_owner(**figures_ch06.WALK)
+    assert owner[0] == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2] and owner[5] == [3, 3, 3, 3, 4, 4, 4, 4, 5, 5]
+
+
+def test_timing_figure_draws_from_the_bench_json(tmp_path):
+    from nanovllm_course import figures_ch06
+    rows = [dict(batch=b, context=c, student_us=10.0 * b, reference_us=5.0 * b + 3, reference_1split_us=9.0 * b)
+            for c in (1024, 8192) for b in (1, 8, 64)]
+    path = figures_ch06.decode_timing(tmp_path / "t.png", dict(device="test GPU", rows=rows))
+    assert path.is_file() and path.stat().st_size > 10_000
+
+
+def test_the_timing_script_loads_the_solution_kernel_from_the_notebook():
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("ch06_timing", root / "bench" / "ch06_kernel_timing.py")
+    timing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timing)
+    kernel = timing.load_from_notebook(root / "solutions" / "06_triton_kernels.ipynb")
+    gen = torch.Generator().manual_seed(1)
+    args = ch06.make_paged_batch(gen, 4, 2, 16, 4, [1, 4, 5, 9], device=ch06.kernel_device())
+    expected = ch06.reference_torch_paged_decode(*args, 0.25)
+    torch.testing.assert_close(kernel(*args, 0.25), expected, rtol=1e-4, atol=1e-4)
