@@ -50,7 +50,10 @@ EXPORTS: dict[str, list[Export]] = {
     "04": [Export("slot_mapping", "prepare_prefill", "E4.1"), Export("slot_mapping", "prepare_decode", "E4.1"),
            Export("paged_decode", "attention_backend", "E4.2"), Export("store_kvcache", "store_kvcache", "E4.3")],
     "05": [Export("BlockManager", "block_manager", "E5.2-E5.3")],
+    "06": [Export("store_kvcache", "store_kvcache", "E6.1"), Export("paged_decode", "attention_backend", "E6.3")],
 }
+# Several chapters may fill one field (04 in PyTorch, 06 in Triton): the highest chapter whose part is done
+# wins, in parts_from_student, parts_from_functions and part_table alike.
 
 
 # -- adapters: notebook signature -> Parts signature (module-level, so the results pickle) ------------------
@@ -90,7 +93,8 @@ def _adapt(field: str, fn):
 
 def parts_from_functions(**functions) -> tuple[Parts, list[str]]:
     """Parts from notebook-level objects named as in EXPORTS (e.g. rms_norm=..., BlockManager=...).
-    An object that is still the release's stub is skipped. Returns (parts, names of the objects used)."""
+    An object that is still the release's stub (or calls a function of its notebook that still is) is
+    skipped. Returns (parts, names of the objects used)."""
     by_name = {e.name: e for chapter in EXPORTS.values() for e in chapter}
     changes, used = {}, []
     for name, obj in functions.items():
@@ -105,12 +109,25 @@ def parts_from_functions(**functions) -> tuple[Parts, list[str]]:
 
 
 def is_stub(obj) -> bool:
-    """True when `obj` (a function or class) still contains the release's NotImplementedError stub."""
+    """True when `obj` (a function or class) still contains the release's NotImplementedError stub, or calls
+    a function of its own module that does (a launcher whose kernel factory is still a stub: chapter 06)."""
     import inspect
     try:
-        return STUB_MARK in inspect.getsource(obj)
+        if STUB_MARK in inspect.getsource(obj):
+            return True
     except (OSError, TypeError):
         return False
+    code, module_globals = getattr(obj, "__code__", None), getattr(obj, "__globals__", {})
+    for name in code.co_names if code else ():
+        helper = inspect.unwrap(module_globals.get(name)) if callable(module_globals.get(name)) else None
+        if helper is None or helper is obj or getattr(helper, "__module__", None) != obj.__module__:
+            continue
+        try:
+            if STUB_MARK in inspect.getsource(helper):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
 
 
 # -- export -------------------------------------------------------------------------------------------------
@@ -160,9 +177,13 @@ def export_notebook(path: Path, out_dir: Path) -> list[dict]:
     for e in EXPORTS[chapter]:
         status = "missing"
         if e.name in chosen:
-            node = next(n for n in trees[chosen[e.name]].body
-                        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == e.name)
-            status = "stub" if STUB_MARK in ast.get_source_segment(cells[chosen[e.name]], node) else "done"
+            src, tree = cells[chosen[e.name]], trees[chosen[e.name]]
+            defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+            node = defs[e.name]
+            # The part itself, and the functions of its cell that it calls (a kernel factory, chapter 06).
+            called = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & (set(defs) - {e.name})
+            text = "".join(ast.get_source_segment(src, defs[name]) for name in [e.name, *sorted(called)])
+            status = "stub" if STUB_MARK in text else "done"
         rows.append(dict(chapter=chapter, exercise=e.exercise, name=e.name, field=e.field, status=status))
     return rows
 
@@ -182,8 +203,9 @@ def export(notebooks_dir: Path, out_dir: Path, chapters=None) -> list[dict]:
 
 def parts_from_student(out_dir: Path) -> tuple[Parts, list[dict]]:
     """Import the exported package `out_dir` (its parent goes on sys.path) and build Parts from its
-    manifest: a part marked "done" is the student's (adapted), anything else the reference's.
-    Returns (parts, rows) where each row also has "source": "yours" or "reference"."""
+    manifest: a part marked "done" is the student's (adapted), anything else the reference's; where several
+    chapters fill one field (04 and 06), the highest chapter's done part runs.
+    Returns (parts, rows) where each row also has "source": "yours" (done) or "reference"."""
     out_dir = Path(out_dir).resolve()
     rows = json.loads((out_dir / "manifest.json").read_text())
     if str(out_dir.parent) not in sys.path:
@@ -194,26 +216,35 @@ def parts_from_student(out_dir: Path) -> tuple[Parts, list[dict]]:
     importlib.invalidate_caches()
     changes = {}
     for row in rows:
-        row["source"] = "reference"
+        row["source"] = "yours" if row["status"] == "done" else "reference"
+    for field, row in shown_rows(rows).items():     # where chapters share a field, the highest done one runs
         if row["status"] == "done":
             module = importlib.import_module(f"{package}.ch{row['chapter']}")
-            changes[row["field"]] = _adapt(row["field"], getattr(module, row["name"]))
-            row["source"] = "yours"
+            changes[field] = _adapt(field, getattr(module, row["name"]))
     return Parts(**changes), rows
+
+
+def shown_rows(rows: list[dict]) -> dict[str, dict]:
+    """Parts field -> the manifest row that fills it: the highest chapter whose part is done, else the
+    highest chapter that offers it (still a stub)."""
+    best = {}
+    for row in rows:
+        old = best.get(row["field"])
+        key = (row["status"] == "done", row["chapter"])
+        if old is None or key >= (old["status"] == "done", old["chapter"]):
+            best[row["field"]] = row
+    return best
 
 
 def part_table(rows: list[dict]) -> str:
     """One line per Parts field: whose code runs and the exercise it comes from."""
     lines = [f"{'part':<22} {'runs':<10} from"]
-    covered = set()
-    for row in rows:
-        if row["field"] in covered:
-            continue
-        covered.add(row["field"])
+    shown = shown_rows(rows)
+    for field, row in shown.items():
         whose = row.get("source", "yours" if row["status"] == "done" else "reference")
         note = "" if whose == "yours" else f" ({row['status']})"
-        lines.append(f"{row['field']:<22} {whose:<10} ch{row['chapter']} {row['exercise']} {row['name']}{note}")
+        lines.append(f"{field:<22} {whose:<10} ch{row['chapter']} {row['exercise']} {row['name']}{note}")
     for f in dataclasses.fields(Parts):
-        if f.name not in covered:
+        if f.name not in shown:
             lines.append(f"{f.name:<22} {'reference':<10} (no exercise yet)")
     return "\n".join(lines)

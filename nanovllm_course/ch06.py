@@ -1,0 +1,554 @@
+"""Checks for chapter 06: Triton kernels.
+
+- `check_store_kvcache(fn)` (E6.1): fn(key, value, k_cache, v_cache, slot_mapping) writes in place, with
+  the semantics of `nanovllm_ref.attn.torch_backend.store_kvcache`: the caches must equal the reference's
+  bit for bit (a copy has no rounding). Hkv = 3, head_dim = 40 (neither a power of two), a third of the
+  slots -1, block sizes 1, 5 and 16, keys that are strided views (of a fused QKV output, and of rows with a
+  padded head stride), fp32 and bf16. The caches sit between guard rows: writing slot -1 lands there.
+- `check_online_softmax(fn)` (E6.2): fn(scores [R, T] fp32 with -inf for masked keys, values [T, D] fp32,
+  tile) -> [R, D] fp32, compared with `torch.softmax(scores, -1) @ values` at rtol = atol = 1e-5, for tiles
+  of 1, 3 and 64; rows whose maximum rises from tile to tile, rows far below 0, rows whose first (or a
+  middle) tile is fully masked.
+- `check_paged_decode(fn)` (E6.3): fn(q, k_cache, v_cache, block_tables, context_lens, scale) compared with
+  `nanovllm_ref.attn.torch_backend.paged_decode`: fp32 rtol = atol = 1e-4 and a relative error norm
+  ||got - ref|| / ||ref|| <= 1e-5; one bf16 case at 2e-2 and 8e-3. Contexts 1, B and B + 1 (B = block size),
+  block sizes 1, 4, 16 and 17, GQA groups 1 to 8, block tables padded with -1, two sequences sharing a block.
+- `check_split_decode(fn)` (E6.4, optional): the same cases, with fn(q, ..., scale, num_splits) for 1, 2, 3
+  and 5 splits (more splits than tiles: empty splits must merge to nothing).
+
+Under the Triton interpreter (CPU), every kernel launched inside a check runs with a memory watch: a load
+or store of an enabled lane outside every tensor passed to the kernel stops the kernel and the check names
+the tensor it missed. On a GPU such an access is silent (or a crash much later), so the checks there rely on
+the values and the guard rows alone.
+
+Every check draws fresh random inputs on each call and prints `E6.n ok` and nothing else on success.
+"""
+import contextlib
+import math
+import os
+
+import torch
+
+from nanovllm_course.common import call_student, check_close, fail, fresh_generator, ok
+from nanovllm_ref.attn import torch_backend
+
+reference_store_kvcache = torch_backend.store_kvcache
+reference_torch_paged_decode = torch_backend.paged_decode
+
+
+def interpreting() -> bool:
+    """True when Triton kernels defined now run in the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_device() -> str:
+    """Where the checks put their tensors: the GPU when kernels are compiled for it, else the CPU."""
+    return "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+
+
+def reference_triton_store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """The engine's Triton store kernel (nanovllm_ref/kernels/store_kvcache.py)."""
+    from nanovllm_ref.kernels.store_kvcache import store_kvcache
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def reference_triton_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None):
+    """The engine's split-KV Triton decode (nanovllm_ref/kernels/attention.py)."""
+    from nanovllm_ref.kernels.attention import paged_decode
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits)
+
+
+# -- a memory watch for interpreted kernels ---------------------------------------------------------------
+
+class OutOfBounds(Exception):
+    """Raised inside an interpreted kernel by the memory watch, before the access happens."""
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last byte] that a strided tensor view can address."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    span = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + 1
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+class MemoryWatch:
+    """Records the first out-of-bounds access of an interpreted kernel: (kind, tensor name, where, count)."""
+
+    def __init__(self, named: dict):
+        self.named = {name: _extent(t) for name, t in named.items()}
+        self.ranges: list[tuple[int, int]] = []
+        self.violation = None
+
+    def check(self, kind: str, ptrs, mask) -> None:
+        import numpy as np
+        addr = np.asarray(ptrs.data, dtype=np.uint64)
+        on = np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape) if mask is not None else None
+        lanes = addr[on] if on is not None else addr.ravel()
+        if lanes.size == 0 or not self.ranges:
+            return
+        size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        lanes = lanes.astype(np.int64)
+        inside = np.zeros(lanes.shape, dtype=bool)
+        for lo, hi in self.ranges:
+            inside |= (lanes >= lo) & (lanes + size <= hi)
+        if inside.all():
+            return
+        bad = lanes[~inside]
+        first = int(bad[0])
+        # Name the watched tensor nearest to the first bad address.
+        best = None
+        for name, (lo, hi) in self.named.items():
+            dist = lo - first if first < lo else max(0, first + size - hi)
+            if best is None or dist < best[0]:
+                best = (dist, name, "before the start of" if first < lo else "past the end of")
+        _, name, where = best if best else (0, "a tensor", "outside")
+        self.violation = (kind, name, where, int(bad.size))
+        raise OutOfBounds(f"{kind} {where} {name}")
+
+
+@contextlib.contextmanager
+def watch_memory(named: dict):
+    """Inside the block, interpreted kernels may only touch the tensors they were launched with; `named`
+    maps names to the check's tensors, to say which one an access missed. No-op on a GPU."""
+    watch = MemoryWatch(named)
+    if not interpreting():
+        yield watch
+        return
+    from triton.runtime import interpreter as ti
+    builder, executor = ti.interpreter_builder, ti.GridExecutor
+    real_init, real_load, real_store = executor._init_args_hst, builder.create_masked_load, builder.create_masked_store
+
+    def init(self, args_dev, kwargs):
+        args_hst, kwargs_hst = real_init(self, args_dev, kwargs)
+        watch.ranges = [_extent(a) for a in list(args_hst) + list(kwargs_hst.values()) if isinstance(a, torch.Tensor)]
+        return args_hst, kwargs_hst
+
+    def load(ptrs, mask, other, *args):
+        watch.check("read", ptrs, mask)
+        return real_load(ptrs, mask, other, *args)
+
+    def store(ptrs, value, mask, *args):
+        watch.check("wrote", ptrs, mask)
+        return real_store(ptrs, value, mask, *args)
+
+    executor._init_args_hst, builder.create_masked_load, builder.create_masked_store = init, load, store
+    try:
+        yield watch
+    finally:
+        executor._init_args_hst = real_init
+        del builder.create_masked_load, builder.create_masked_store
+
+
+def _run_kernel(tag, fn, args, watch: MemoryWatch, oob_hint) -> object:
+    """Call the student's launcher; turn a memory-watch stop or any other crash into a teaching failure."""
+    try:
+        return call_student(tag, fn, *args)
+    except AssertionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a student's kernel can fail in many ways
+        if watch.violation:
+            kind, name, where, count = watch.violation
+            fail(tag, f"your kernel {kind} {count} element(s) {where} `{name}`", oob_hint(kind, name, where))
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        fail(tag, f"your launcher or kernel raised {type(exc).__name__}: {first}",
+             "run it on a tiny case in a cell of its own to see the full traceback")
+
+
+# == E6.1 the KV-store kernel ===============================================================================
+
+STORE_CASES = [  # (block_size, num_blocks, num_tokens, dtype, key layout)
+    (1, 20, 9, torch.float32, "fused"),
+    (5, 6, 12, torch.float32, "padded_heads"),
+    (16, 3, 13, torch.bfloat16, "fused"),
+    (5, 4, 7, torch.float32, "contiguous"),
+]
+STORE_HKV, STORE_D, STORE_H = 3, 40, 6
+GUARD_ROWS = 2
+
+
+def _store_keys(gen, n, layout, dtype, device):
+    """key, value [n, Hkv, D] as the engine may hand them over: strided views more often than not."""
+    hkv, d = STORE_HKV, STORE_D
+    if layout == "fused":        # views of one [n, (H + 2 Hkv) D] projection output: token stride (H+2Hkv) D
+        qkv = torch.randn(n, (STORE_H + 2 * hkv) * d, generator=gen).to(dtype).to(device)
+        _, k, v = qkv.split([STORE_H * d, hkv * d, hkv * d], dim=-1)
+        return k.view(n, hkv, d), v.view(n, hkv, d)
+    if layout == "padded_heads":  # rows of [n, Hkv, D + 8] cut to D: head stride D + 8
+        k = torch.randn(n, hkv, d + 8, generator=gen).to(dtype).to(device)[..., :d]
+        v = torch.randn(n, hkv, d + 8, generator=gen).to(dtype).to(device)[..., :d]
+        return k, v
+    return (torch.randn(n, hkv, d, generator=gen).to(dtype).to(device),
+            torch.randn(n, hkv, d, generator=gen).to(dtype).to(device))
+
+
+def _guarded_cache(gen, num_blocks, bs, dtype, device):
+    """(buffer, cache): a contiguous [num_blocks, bs, Hkv, D] cache with GUARD_ROWS slot rows of random
+    values on each side inside `buffer`, so a write to slot -1 (or one slot past the end) is caught."""
+    row = STORE_HKV * STORE_D
+    buf = torch.randn((num_blocks * bs + 2 * GUARD_ROWS) * row, generator=gen).to(dtype).to(device)
+    cache = buf[GUARD_ROWS * row:(GUARD_ROWS + num_blocks * bs) * row].view(num_blocks, bs, STORE_HKV, STORE_D)
+    return buf, cache
+
+
+def _as_contiguous_rows(t: torch.Tensor) -> torch.Tensor:
+    """What a kernel that assumes a contiguous [n, Hkv, D] tensor reads from the view `t`."""
+    n, h, d = t.shape
+    return torch.as_strided(t, (n, h, d), (h * d, d, 1))
+
+
+def _store_oob_hint(kind, name, where):
+    if kind == "wrote" and name in ("k_cache", "v_cache") and where.startswith("before"):
+        return ("a slot of -1 means 'do not write' (the padding rows of a CUDA-graph batch): the program of "
+                "such a token must store nothing; slot * row_size with slot = -1 points just before the cache")
+    if name in ("key", "value"):
+        return ("mask the tile: BLOCK_H and BLOCK_D are powers of two >= Hkv and D, so lanes with h >= Hkv or "
+                "d >= D must be masked in the load (and the store)")
+    return "mask every load and store with (h < Hkv) & (d < D), and skip tokens whose slot is -1"
+
+
+def check_store_kvcache(fn) -> None:
+    tag = "E6.1"
+    gen = fresh_generator()
+    device = kernel_device()
+    for bs, num_blocks, n, dtype, layout in STORE_CASES:
+        key, value = _store_keys(gen, n, layout, dtype, device)
+        k_buf, k_cache = _guarded_cache(gen, num_blocks, bs, dtype, device)
+        v_buf, v_cache = _guarded_cache(gen, num_blocks, bs, dtype, device)
+        slots = torch.randperm(num_blocks * bs, generator=gen)[:n]
+        slots[torch.randperm(n, generator=gen)[: max(1, n // 3)]] = -1      # a third: "do not write"
+        slots = slots.to(torch.int32).to(device)
+        k_old, v_old = k_buf.clone(), v_buf.clone()
+        exp_k, exp_v = k_cache.clone(), v_cache.clone()
+        reference_store_kvcache(key, value, exp_k, exp_v, slots)
+        key_in, value_in, slots_in = key.clone(), value.clone(), slots.clone()
+        with watch_memory({"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache,
+                           "slot_mapping": slots}) as watch:
+            _run_kernel(tag, fn, (key, value, k_cache, v_cache, slots), watch, _store_oob_hint)
+        where = (f"block_size {bs}, {n} tokens, Hkv {STORE_HKV}, head_dim {STORE_D}, "
+                 f"{str(dtype).replace('torch.', '')}, key and value "
+                 + {"fused": f"views of a fused QKV output (token stride {key.stride(0)}, head stride {key.stride(1)})",
+                    "padded_heads": f"rows with a padded head stride ({key.stride(1)}, not {STORE_D})",
+                    "contiguous": "contiguous"}[layout])
+        if not (torch.equal(key, key_in) and torch.equal(value, value_in) and torch.equal(slots, slots_in)):
+            fail(tag, f"your store changed key, value or slot_mapping [{where}]", "the store only reads them")
+        row = STORE_HKV * STORE_D
+        for name, buf, old, got, exp, other in (("k_cache", k_buf, k_old, k_cache, exp_k, value),
+                                                ("v_cache", v_buf, v_old, v_cache, exp_v, key)):
+            if not torch.equal(buf[:GUARD_ROWS * row], old[:GUARD_ROWS * row]):
+                fail(tag, f"your store wrote just before {name} (where slot -1 points) [{where}]",
+                     _store_oob_hint("wrote", name, "before the start of"))
+            if not torch.equal(buf[-GUARD_ROWS * row:], old[-GUARD_ROWS * row:]):
+                fail(tag, f"your store wrote past the end of {name} [{where}]", _store_oob_hint("wrote", name, "past"))
+            if torch.equal(got, exp):
+                continue
+            flat_got, flat_exp = got.view(-1, STORE_HKV, STORE_D), exp.view(-1, STORE_HKV, STORE_D)
+            src = key if name == "k_cache" else value
+            mapped = set(slots.tolist())
+            changed = (flat_got != old[GUARD_ROWS * row:-GUARD_ROWS * row].view_as(flat_got)).flatten(1).any(1)
+            stray = [i for i in changed.nonzero().flatten().tolist() if i not in mapped]
+            spill_hint = ("mask the tile with (h < Hkv) & (d < D): BLOCK_H and BLOCK_D are powers of two, and lanes "
+                          "past head_dim (or past the last head) spill into the next slot's row")
+            if stray:
+                fail(tag, f"{name}: slot {stray[0]} changed although no token maps to it [{where}]", spill_hint)
+            bad = int((flat_got != flat_exp).flatten(1).any(1).nonzero()[0])
+            i = (slots == bad).nonzero().flatten().tolist()[0]
+            if torch.equal(flat_got[bad], other[i]):
+                fail(tag, f"{name}: slot {bad} holds token {i}'s {'value' if name == 'k_cache' else 'key'} "
+                          f"[{where}]", "keys go to k_cache and values to v_cache: did you swap them?")
+            if layout != "contiguous" and torch.equal(flat_got[bad], _as_contiguous_rows(src)[i]):
+                fail(tag, f"{name}: slot {bad} holds the wrong numbers for token {i} [{where}]",
+                     "key is a strided view: token t, head h starts at key_ptr + t * key.stride(0) + "
+                     "h * key.stride(1), not t * Hkv * D + h * D; pass the strides to the kernel and use them")
+            if not torch.equal(flat_got[bad][0], flat_exp[bad][0]) and torch.equal(flat_got[bad][-1], flat_exp[bad][-1]) \
+                    and bad - 1 in mapped:
+                fail(tag, f"{name}: the start of slot {bad} (token {i}) was overwritten after it was stored "
+                          f"[{where}]", spill_hint)
+            if torch.equal(flat_got[bad][0], flat_exp[bad][0]):
+                fail(tag, f"{name}: slot {bad}: head 0 is right, a later head is wrong [{where}]",
+                     "head h of a token starts h * key.stride(1) elements after head 0 in key, and h * D "
+                     "elements after it in the cache row")
+            fail(tag, f"{name}: slot {bad} (block {bad // bs}, offset {bad % bs}) holds the wrong values "
+                      f"(token {i}) [{where}]",
+                 "token i's [Hkv, D] row goes to k_cache viewed as [num_blocks * block_size, Hkv, D], row "
+                 "slot_mapping[i], i.e. element slot * Hkv * D + h * D + d")
+    ok(tag)
+
+
+# == E6.2 online softmax ====================================================================================
+
+def reference_online_softmax(scores, values, tile: int, *, rescale_acc=True, rescale_sum=True,
+                             max_init=float("-inf"), guard_empty=True):
+    """softmax(scores, -1) @ values, walking the keys `tile` at a time with a running max m, running sum l
+    and rescaled accumulator acc (the keyword arguments plant the classic mistakes, for the checks)."""
+    rows, num_keys = scores.shape
+    m = torch.full((rows,), max_init, dtype=torch.float32)
+    l = torch.zeros(rows, dtype=torch.float32)
+    acc = torch.zeros(rows, values.shape[1], dtype=torch.float32)
+    for start in range(0, num_keys, tile):
+        s = scores[:, start:start + tile].float()
+        m_new = torch.maximum(m, s.max(dim=1).values)
+        # A row whose tiles so far are all masked has m_new = -inf: exp(-inf - -inf) would be NaN.
+        m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new) if guard_empty else m_new
+        alpha = torch.exp(m - m_use)
+        p = torch.exp(s - m_use[:, None])
+        l = (l * alpha if rescale_sum else l) + p.sum(dim=1)
+        acc = (acc * alpha[:, None] if rescale_acc else acc) + p @ values[start:start + tile].float()
+        m = m_new
+    return acc / l[:, None]
+
+
+def _softmax_cases(gen):
+    """(name, scores [R, T], values [T, D], tile) with every row having at least one visible key."""
+    cases = []
+    for tile in (1, 3, 64):
+        for num_keys in (1, 7, 50) if tile != 64 else (50, 64, 70):
+            rows, d = 4, 5
+            s = torch.randn(rows, num_keys, generator=gen) * 3
+            s[1] += torch.linspace(0, 12, num_keys)              # the max rises tile after tile
+            s[2] -= 1000.0                                        # far below 0: exp(s) underflows
+            if num_keys > 2 * tile:
+                s[3, :2 * tile] = float("-inf")                   # the first two tiles fully masked
+            if num_keys > 3 * tile + 1:
+                s[0, tile:2 * tile] = float("-inf")               # a fully masked middle tile
+            v = torch.randn(num_keys, d, generator=gen)
+            cases.append((f"tile {tile}, {num_keys} keys", s, v, tile))
+    return cases
+
+
+def check_online_softmax(fn) -> None:
+    tag = "E6.2"
+    gen = fresh_generator()
+    for where, scores, values, tile in _softmax_cases(gen):
+        expected = torch.softmax(scores, dim=-1) @ values
+        before = (scores.clone(), values.clone())
+        got = call_student(tag, fn, scores, values, tile)
+        if not (torch.equal(scores, before[0]) and torch.equal(values, before[1])):
+            fail(tag, f"online_softmax changed its inputs [{where}]", "it only reads scores and values")
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != torch.float32:
+            check_close(tag, got, expected, rtol=1e-5, atol=1e-5, what=f"output [{where}]",
+                        hint="return softmax(scores) @ values: [rows, D], fp32")
+        bad = ~torch.isclose(got, expected, rtol=1e-5, atol=1e-5)
+        if not bad.any():
+            continue
+        row = int(bad.nonzero()[0][0])
+        kind = {0: "random scores" + (" with a fully masked middle tile" if torch.isinf(scores[0]).any() else ""),
+                1: "scores whose maximum rises from tile to tile",
+                2: "scores all near -1000", 3: "random scores" + (
+                    ", first two tiles fully masked" if torch.isinf(scores[3]).any() else "")}[row]
+        what = f"row {row} ({kind}) [{where}]"
+        if torch.isnan(got[row]).any():
+            if row == 2:
+                fail(tag, f"NaN in {what}", "start the running max at -inf, not 0: with m = 0, exp(s - m) "
+                     "underflows to 0 for scores near -1000, l stays 0 and acc / l is 0 / 0")
+            fail(tag, f"NaN in {what}", "while every key so far is masked the running max is still -inf, and "
+                 "exp(-inf - (-inf)) is NaN: subtract 0 instead of the max for such rows (their p and alpha "
+                 "are then exactly 0)")
+        variants = [
+            (dict(rescale_acc=False, rescale_sum=False), "when a tile raises the running max from m to m', "
+             "multiply the running sum l and the accumulator acc by exp(m - m') before adding the new tile"),
+            (dict(rescale_acc=False), "the accumulator must be rescaled too: acc = acc * exp(m - m') + p @ v"),
+            (dict(rescale_sum=False), "the running sum must be rescaled too: l = l * exp(m - m') + sum(p)"),
+            (dict(max_init=0.0), "start the running max at -inf, not 0"),
+        ]
+        hint = ("keep, per row, m (max so far), l (sum of exp(s - m)) and acc (sum of exp(s - m) * v); fold "
+                "each tile in, rescaling l and acc by exp(m_old - m_new); return acc / l")
+        for kwargs, why in variants:
+            wrong = reference_online_softmax(scores, values, tile, **kwargs)
+            if torch.allclose(got, wrong, rtol=1e-5, atol=1e-5, equal_nan=True):
+                hint = why
+                break
+        fail(tag, f"output differs from softmax(scores) @ values in {what}: got {got[row, 0].item():.6g}, "
+                  f"expected {expected[row, 0].item():.6g} (first column; tolerance rtol = atol = 1e-5)", hint)
+    ok(tag)
+
+
+# == E6.3 paged decode ======================================================================================
+
+def make_paged_batch(gen, num_heads, num_kv_heads, head_dim, block_size, context_lens, dtype=torch.float32,
+                     share_block=True, device="cpu"):
+    """Decode inputs over a paged cache full of random values (a kernel reading past a context sees junk).
+    Blocks are scattered; tables are padded with -1 to the longest; the longest sequence is the last row
+    and its table has no padding, so reading the table past a context runs off the end of the tensor; the
+    first two sequences share their first block when both have one that is full."""
+    blocks = [(n + block_size - 1) // block_size for n in context_lens]
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for nb in blocks:
+        tables.append(perm[used:used + nb])
+        used += nb
+    if share_block and len(tables) > 1 and context_lens[0] > block_size and context_lens[1] > block_size:
+        tables[1][0] = tables[0][0]
+    width = max(blocks)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return [t.to(device) for t in (q, k_cache, v_cache, block_tables, lens)]
+
+
+def _decode_cases(gen):
+    """(block_size, group, num_kv_heads, head_dim, dtype, context_lens): contexts 1, B, B + 1 in every case."""
+    extra = lambda bs, hi: int(torch.randint(bs + 2, hi + 1, (1,), generator=gen))  # noqa: E731
+    return [
+        (1, 1, 2, 16, torch.float32, [1, 1, 2, extra(1, 15)]),   # last tile runs past the table
+        (4, 2, 2, 24, torch.float32, [1, 4, 5, extra(4, 21)]),
+        (16, 8, 1, 16, torch.float32, [1, 16, 17, extra(16, 40)]),
+        (17, 3, 2, 32, torch.float32, [1, 17, 18, extra(17, 40)]),
+        (4, 4, 2, 16, torch.bfloat16, [1, 4, 5, extra(4, 30)]),
+    ]
+
+
+def _tiled_variant(q, k_cache, v_cache, block_tables, context_lens, scale, block_n, **flags):
+    """A one-pass tiled decode in PyTorch with planted mistakes: flags of reference_online_softmax plus
+    zero_score_padding (keys past the context in the last tile count with score 0 and value 0)."""
+    pad = flags.pop("zero_score_padding", False)
+    B, H, D = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = H // hkv
+    out = torch.empty(B, H, D)
+    for b in range(B):
+        n = int(context_lens[b])
+        pos = torch.arange(n)
+        rows = block_tables[b].long()[pos // bs].cpu() * bs + pos % bs
+        k = k_cache.reshape(-1, hkv, D).cpu().float()[rows]
+        v = v_cache.reshape(-1, hkv, D).cpu().float()[rows]
+        total = -(-n // block_n) * block_n if pad else n
+        for h in range(H):
+            s = (k[:, h // group] @ q[b, h].cpu().float()) * scale
+            vv = v[:, h // group]
+            if total > n:
+                s = torch.cat([s, torch.zeros(total - n)])
+                vv = torch.cat([vv, torch.zeros(total - n, D)])
+            out[b, h] = reference_online_softmax(s[None], vv, block_n, **flags)[0]
+    return out.to(q.dtype)
+
+
+def _decode_hint(got, q, kc, vc, bt, cl, scale, rtol, atol):
+    """The hint of the planted mistake whose output equals `got`, else a generic one."""
+    H, hkv = q.shape[1], kc.shape[2]
+    g = got.float().cpu()
+
+    def same(x):
+        return torch.allclose(g, x.float().cpu(), rtol=rtol, atol=atol)
+    if same(torch_backend.paged_decode(q, vc, kc, bt, cl, scale)):
+        return "keys come from k_cache and values from v_cache: did you swap them?"
+    if same(torch_backend.paged_decode(q, kc, vc, bt, cl, scale * math.log2(math.e))) or same(
+            torch_backend.paged_decode(q, kc, vc, bt, cl, scale / math.log2(math.e))):
+        return "tl.exp2(x) is 2**x: either use tl.exp, or multiply the scores by log2(e) before exp2"
+    if hkv != H:
+        idx = torch.arange(H, device=q.device) % hkv
+        perm = torch.cat([torch.nonzero(idx == j).flatten() for j in range(hkv)])
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(H, device=q.device)
+        if same(torch_backend.paged_decode(q[:, perm], kc, vc, bt, cl, scale)[:, inv]):
+            return (f"program (seq, kv_head) owns query heads kv_head * {H // hkv} ... kv_head * {H // hkv} + "
+                    f"{H // hkv - 1}: query head h uses KV head h // (H / Hkv), not h % Hkv")
+    for block_n in (16, 32, 64):
+        for flags, why in (
+                (dict(zero_score_padding=True), "keys past context_len in the last tile must not count: set their "
+                 "scores to -inf with tl.where (a masked load gives k = 0, a score of 0, which still gets the weight "
+                 "exp(0 - m) in the sum)"),
+                (dict(rescale_acc=False, rescale_sum=False), "when a tile raises the running max from m to m', "
+                 "rescale l and acc by exp(m - m') (see E6.2)"),
+                (dict(rescale_acc=False), "rescale the accumulator too: acc = acc * alpha[:, None] + p @ v"),
+                (dict(rescale_sum=False), "rescale the running sum too: l = l * alpha + sum(p)")):
+            if same(_tiled_variant(q, kc, vc, bt, cl, scale, block_n, **flags)):
+                return why
+    return ("softmax(scale * q . k) @ v over the first context_lens[b] keys of sequence b, found through its "
+            "block table: key t is row block_tables[b, t // block_size] * block_size + t % block_size")
+
+
+def _decode_oob_hint(kind, name, where):
+    if name == "block_tables":
+        return ("positions past context_len have no block (their table entry is -1 padding, or past the end of "
+                "the row): load block_tables[b, pos // block_size] with mask=pos < context_len")
+    if name in ("k_cache", "v_cache"):
+        return ("mask the K/V loads with (pos < context_len) & (d < head_dim): masked-off positions have no "
+                "valid block, so their addresses point anywhere")
+    if name == "q":
+        return "mask the query load with (g < GROUP) & (d < head_dim): BLOCK_G and BLOCK_D are padded"
+    return "mask every load and store: padded lanes (BLOCK_G > GROUP, BLOCK_D > head_dim) must not touch memory"
+
+
+def _compare_decode(tag, got, expected, where, dtype, hint_fn):
+    rtol = atol = 1e-4 if dtype == torch.float32 else 2e-2
+    rel_bound = 1e-5 if dtype == torch.float32 else 8e-3
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
+        check_close(tag, got, expected, rtol=rtol, atol=atol, what=f"output [{where}]",
+                    hint="return a new [num_seqs, num_heads, head_dim] tensor in q's dtype")
+    g, e = got.float().cpu(), expected.float().cpu()
+    if torch.isnan(g).any():
+        b, h = (int(i) for i in torch.isnan(g).nonzero()[0][:2])
+        fail(tag, f"NaN in sequence {b}, query head {h} [{where}]",
+             "a padded query row (g >= GROUP) or a tile with no valid key makes 0 / 0 or -inf - -inf; every "
+             "stored row must have seen at least one key; store only rows g < GROUP")
+    bad = (g - e).abs() > atol + rtol * e.abs()
+    rel = ((g - e).norm() / e.norm().clamp_min(1e-12)).item()
+    if bad.any() or rel > rel_bound:
+        b, h = (int(i) for i in (bad.nonzero()[0][:2] if bad.any() else ((g - e).abs().flatten(1).amax(1).argmax(), 0)))
+        fail(tag, f"output differs from the reference for sequence {b}, query head {h} (relative error norm "
+                  f"{rel:.1e}; tolerance rtol = atol = {rtol:g}, norm <= {rel_bound:g}) [{where}]", hint_fn())
+
+
+def check_paged_decode(fn) -> None:
+    tag = "E6.3"
+    gen = fresh_generator()
+    device = kernel_device()
+    for bs, group, hkv, d, dtype, lens in _decode_cases(gen):
+        H = group * hkv
+        q, kc, vc, bt, cl = make_paged_batch(gen, H, hkv, d, bs, lens, dtype, device=device)
+        scale = d ** -0.5
+        expected = torch_backend.paged_decode(q, kc, vc, bt, cl, scale)
+        saved = [t.clone() for t in (q, kc, vc, bt, cl)]
+        where = (f"block_size {bs}, {H} query heads / {hkv} KV heads, head_dim {d}, context_lens {lens}, "
+                 f"{str(dtype).replace('torch.', '')}")
+        with watch_memory({"q": q, "k_cache": kc, "v_cache": vc, "block_tables": bt, "context_lens": cl}) as watch:
+            got = _run_kernel(tag, fn, (q, kc, vc, bt, cl, scale), watch, _decode_oob_hint)
+        for name, before, after in zip(("q", "k_cache", "v_cache", "block_tables", "context_lens"),
+                                       saved, (q, kc, vc, bt, cl)):
+            if not torch.equal(before, after):
+                fail(tag, f"paged_decode changed its input {name} [{where}]", "decode attention only reads")
+        rtol = atol = 1e-4 if dtype == torch.float32 else 2e-2
+        _compare_decode(tag, got, expected, where, dtype,
+                        lambda: _decode_hint(got, q, kc, vc, bt, cl, scale, rtol, atol))
+    ok(tag)
+
+
+# == E6.4 split-KV decode ===================================================================================
+
+SPLITS = (1, 2, 3, 5)
+
+
+def check_split_decode(fn) -> None:
+    """fn(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits) -> [B, H, D]."""
+    tag = "E6.4"
+    gen = fresh_generator()
+    device = kernel_device()
+    for i, (bs, group, hkv, d, dtype, lens) in enumerate(_decode_cases(gen)[1:4]):
+        splits = SPLITS[i + 1] if i < 2 else SPLITS[3]
+        for num_splits in (1, splits):
+            H = group * hkv
+            q, kc, vc, bt, cl = make_paged_batch(gen, H, hkv, d, bs, lens, dtype, device=device)
+            scale = d ** -0.5
+            expected = torch_backend.paged_decode(q, kc, vc, bt, cl, scale)
+            where = (f"{num_splits} split(s), block_size {bs}, {H} query heads / {hkv} KV heads, head_dim {d}, "
+                     f"context_lens {lens}")
+            with watch_memory({"q": q, "k_cache": kc, "v_cache": vc, "block_tables": bt,
+                               "context_lens": cl}) as watch:
+                got = _run_kernel(tag, fn, (q, kc, vc, bt, cl, scale, num_splits), watch, _decode_oob_hint)
+
+            def hint():
+                g = got.float().cpu()
+                plain = torch.zeros_like(g)
+                if torch.isnan(g).any():
+                    return "an empty split has l = 0: give it lse = -inf (weight 0) instead of dividing by 0"
+                if torch.allclose(g, plain, atol=1e-6):
+                    return "the merge kernel must write the output"
+                return ("merge with the log-sum-exp of each split: out = sum_s exp(lse_s - M) * o_s / "
+                        "sum_s exp(lse_s - M), M = max_s lse_s, where o_s is split s's normalised output")
+            _compare_decode(tag, got, expected, where, dtype, hint)
+    ok(tag)

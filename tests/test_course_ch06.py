@@ -1,0 +1,283 @@
+"""Mutation tests of the chapter 06 check helpers (nanovllm_course/ch06.py).
+
+Each check passes on the reference answers (printing exactly its `E6.n ok` line), fails on a stub with
+"not implemented yet", and fails on planted plausible mistakes with a message pointing at the mistake.
+The Triton mutants are one kernel each with a `BUG` constexpr that switches one mistake on; without CUDA
+they run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before this module
+defines them). The out-of-bounds mutants (slot -1 written, unmasked block-table load) are caught by the
+interpreter's memory watch; on a GPU the slot -1 write is caught by the guard rows.
+"""
+import functools
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm_course import ch06
+from nanovllm_course.export import is_stub, parts_from_functions
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def passes(check, fn, tag, capsys):
+    capsys.readouterr()
+    check(fn)
+    assert capsys.readouterr().out == f"{tag} ok\n"
+
+
+def fails(check, fn, match):
+    with pytest.raises(AssertionError, match=match) as info:
+        check(fn)
+    return str(info.value)
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError("Exercise: fill in this code")
+
+
+# == E6.1 ===================================================================================================
+
+@triton.jit
+def _store_mutant(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
+                  stride_vh, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BUG: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if (slot >= 0) | (BUG == "writes_minus_one"):
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+        if BUG == "no_mask":
+            mask = (h < BLOCK_H) & (d < BLOCK_D)
+        if BUG == "contiguous_key":
+            stride_kt = NUM_KV_HEADS * HEAD_DIM
+            stride_kh = HEAD_DIM
+            stride_vt = NUM_KV_HEADS * HEAD_DIM
+            stride_vh = HEAD_DIM
+        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
+        k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+        v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+        if BUG == "kv_swapped":
+            tl.store(k_cache_ptr + dst, v, mask=mask)
+            tl.store(v_cache_ptr + dst, k, mask=mask)
+        else:
+            tl.store(k_cache_ptr + dst, k, mask=mask)
+            tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def store_with(bug):
+    def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
+        n, hkv, d = key.shape
+        _store_mutant[(n,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1),
+                            value.stride(0), value.stride(1), NUM_KV_HEADS=hkv, HEAD_DIM=d,
+                            BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d), BUG=bug)
+    return store_kvcache
+
+
+def test_e6_1(capsys):
+    passes(ch06.check_store_kvcache, ch06.reference_store_kvcache, "E6.1", capsys)
+    passes(ch06.check_store_kvcache, ch06.reference_triton_store_kvcache, "E6.1", capsys)
+    passes(ch06.check_store_kvcache, store_with("none"), "E6.1", capsys)
+    fails(ch06.check_store_kvcache, stub, "not implemented yet")
+    fails(ch06.check_store_kvcache, store_with("no_mask"), "mask")
+    fails(ch06.check_store_kvcache, store_with("writes_minus_one"), "slot of -1 means 'do not write'")
+    fails(ch06.check_store_kvcache, store_with("contiguous_key"), "key is a strided view")
+    fails(ch06.check_store_kvcache, store_with("kv_swapped"), "did you swap them")
+
+
+# == E6.2 ===================================================================================================
+
+def softmax_with(**flags):
+    return functools.partial(ch06.reference_online_softmax, **flags)
+
+
+def softmax_direct(scores, values, tile):
+    return torch.softmax(scores, dim=-1) @ values
+
+
+def test_e6_2(capsys):
+    passes(ch06.check_online_softmax, ch06.reference_online_softmax, "E6.2", capsys)
+    passes(ch06.check_online_softmax, softmax_direct, "E6.2", capsys)
+    fails(ch06.check_online_softmax, stub, "not implemented yet")
+    fails(ch06.check_online_softmax, softmax_with(rescale_acc=False, rescale_sum=False), "rescale l and acc|multiply")
+    fails(ch06.check_online_softmax, softmax_with(rescale_acc=False), "accumulator must be rescaled")
+    fails(ch06.check_online_softmax, softmax_with(rescale_sum=False), "running sum must be rescaled")
+    fails(ch06.check_online_softmax, softmax_with(max_init=0.0), "start the running max at -inf")
+    fails(ch06.check_online_softmax, softmax_with(guard_empty=False), r"exp\(-inf - \(-inf\)\) is NaN")
+
+
+# == E6.3 ===================================================================================================
+
+@triton.jit
+def _decode_mutant(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, scale,
+                   stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAST_FP32: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, BUG: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    g = tl.arange(0, BLOCK_G)
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    if BUG == "gqa_modulo":
+        heads = g * tl.num_programs(1) + kv_head
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if CAST_FP32:
+        q = q.to(tl.float32)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(0, context_len, BLOCK_N):
+        pos = start + n
+        valid = pos < context_len
+        if BUG == "unmasked_table":
+            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE)
+        else:
+            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
+        rows = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if BUG == "kv_swapped":
+            k, v = v, k
+        if CAST_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if BUG != "no_mask":
+            s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        if BUG == "exp2":
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+        if BUG == "no_rescale":
+            l = l + tl.sum(p, 1)
+            acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=q_mask)
+
+
+def decode_with(bug):
+    def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+        batch, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(q)
+        _decode_mutant[(batch, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=16 if INTERPRET else 64, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAST_FP32=INTERPRET,
+            DOT_PRECISION="ieee" if INTERPRET or q.dtype == torch.float32 else "tf32", BUG=bug)
+        return out
+    return paged_decode
+
+
+def test_e6_3(capsys):
+    passes(ch06.check_paged_decode, ch06.reference_torch_paged_decode, "E6.3", capsys)
+    passes(ch06.check_paged_decode, ch06.reference_triton_paged_decode, "E6.3", capsys)
+    passes(ch06.check_paged_decode, decode_with("none"), "E6.3", capsys)
+    fails(ch06.check_paged_decode, stub, "not implemented yet")
+    fails(ch06.check_paged_decode, decode_with("no_mask"), "keys past context_len in the last tile must not count")
+    fails(ch06.check_paged_decode, decode_with("kv_swapped"), "did you swap them")
+    fails(ch06.check_paged_decode, decode_with("no_rescale"), "rescale l and acc")
+    fails(ch06.check_paged_decode, decode_with("gqa_modulo"), "not h % Hkv")
+    fails(ch06.check_paged_decode, decode_with("exp2"), "log2")
+    if INTERPRET:      # an unmasked table load is silent on a GPU; the interpreter's memory watch sees it
+        msg = fails(ch06.check_paged_decode, decode_with("unmasked_table"), "past the end of `block_tables`")
+        assert "mask=pos < context_len" in msg
+
+
+# == E6.4 ===================================================================================================
+
+def split_reference(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
+    return ch06.reference_triton_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
+
+
+def split_average(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
+    """Splits computed right (tiles of 16, as the interpreter's launcher), merged by a plain average instead
+    of weighting each split by its log-sum-exp."""
+    batch, num_heads, head_dim = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // hkv
+    out = torch.empty_like(q)
+    for b in range(batch):
+        n = int(context_lens[b])
+        pos = torch.arange(n, device=q.device)
+        rows = block_tables[b].long()[pos // bs] * bs + pos % bs
+        k = k_cache.reshape(-1, hkv, head_dim)[rows].float().repeat_interleave(group, 1)
+        v = v_cache.reshape(-1, hkv, head_dim)[rows].float().repeat_interleave(group, 1)
+        per = -(-(-(-n // 16)) // num_splits) * 16
+        parts = []
+        for s in range(num_splits):
+            lo, hi = s * per, min((s + 1) * per, n)
+            if lo < hi:
+                p = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), k[lo:hi]) * scale, dim=-1)
+                parts.append(torch.einsum("ht,thd->hd", p, v[lo:hi]))
+        out[b] = torch.stack(parts).mean(0).to(q.dtype)
+    return out
+
+
+def test_e6_4(capsys):
+    passes(ch06.check_split_decode, split_reference, "E6.4", capsys)
+    fails(ch06.check_split_decode, stub, "not implemented yet")
+    fails(ch06.check_split_decode, split_average, "log-sum-exp")
+
+
+# == the notebook's parts ===================================================================================
+
+def test_a_launcher_whose_kernel_factory_is_a_stub_counts_as_a_stub(tmp_path, monkeypatch):
+    (tmp_path / "released06.py").write_text(
+        "import functools\n\n\n@functools.cache\ndef make_store_kernel():\n"
+        "    raise NotImplementedError(\"Exercise 6.1: write the kernel\")\n\n\n"
+        "def store_kvcache(key, value, k_cache, v_cache, slot_mapping):\n    kernel = make_store_kernel()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import released06
+    assert is_stub(released06.store_kvcache)
+    parts, used = parts_from_functions(store_kvcache=released06.store_kvcache)
+    assert used == [] and parts.store_kvcache is None
+    parts, used = parts_from_functions(store_kvcache=ch06.reference_triton_store_kvcache)
+    assert used == ["store_kvcache"] and parts.store_kvcache is ch06.reference_triton_store_kvcache
+
+
+# == figures and the GPU timing script ======================================================================
+
+def test_tile_walk_figure_matches_the_grid_of_the_notebook():
+    from nanovllm_course import figures_ch06
+    owner = figures_ch06.tile_owner(**figures_ch06.WALK)
+    assert owner[0] == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2] and owner[5] == [3, 3, 3, 3, 4, 4, 4, 4, 5, 5]
+
+
+def test_timing_figure_draws_from_the_bench_json(tmp_path):
+    from nanovllm_course import figures_ch06
+    rows = [dict(batch=b, context=c, student_us=10.0 * b, reference_us=5.0 * b + 3, reference_1split_us=9.0 * b)
+            for c in (1024, 8192) for b in (1, 8, 64)]
+    path = figures_ch06.decode_timing(tmp_path / "t.png", dict(device="test GPU", rows=rows))
+    assert path.is_file() and path.stat().st_size > 10_000
+
+
+def test_the_timing_script_loads_the_solution_kernel_from_the_notebook():
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("ch06_timing", root / "bench" / "ch06_kernel_timing.py")
+    timing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timing)
+    kernel = timing.load_from_notebook(root / "solutions" / "06_triton_kernels.ipynb")
+    gen = torch.Generator().manual_seed(1)
+    args = ch06.make_paged_batch(gen, 4, 2, 16, 4, [1, 4, 5, 9], device=ch06.kernel_device())
+    expected = ch06.reference_torch_paged_decode(*args, 0.25)
+    torch.testing.assert_close(kernel(*args, 0.25), expected, rtol=1e-4, atol=1e-4)
