@@ -191,7 +191,8 @@ def simulate(requests, scheduler_cls=ReferenceScheduler, max_steps: int = 10_000
     engine Config (max_num_seqs, max_num_batched_tokens, num_kvcache_blocks, kvcache_block_size, ...).
 
     Returns one dict per step: {"phase": {request index: "prefill" | "decode"}, "tokens": {index: tokens
-    computed}, "preempted": [indices preempted in this step], "finished": [indices], "waiting": [indices]}."""
+    computed}, "preempted": [indices preempted in this step], "stalled": [running, but not in this step],
+    "finished": [indices], "waiting": [indices queued after the step]}."""
     sched = scheduler_cls(_config(**config), BlockManager)
     bs = sched.block_manager.block_size
     pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
@@ -204,17 +205,20 @@ def simulate(requests, scheduler_cls=ReferenceScheduler, max_steps: int = 10_000
             seq = Sequence(prompt, bs, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
             seqs[i], index[id(seq)] = seq, i
             sched.add(seq)
-        row = {"phase": {}, "tokens": {}, "preempted": [], "finished": [], "waiting": []}
+        row = {"phase": {}, "tokens": {}, "preempted": [], "stalled": [], "finished": [], "waiting": []}
         if not sched.is_finished():
             before = {i for i, s in seqs.items() if s.status == SequenceStatus.RUNNING}
-            batch, _ = sched.schedule()
+            decoding = {i for i in before if not seqs[i].is_prefilling}
+            batch, is_prefill = sched.schedule()
             row["preempted"] = sorted(i for i in before if seqs[i].status == SequenceStatus.WAITING)
             for seq in batch:
                 i = index[id(seq)]
-                decode = seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == len(seq) - 1
+                # a mixed policy returns is_prefill None: a sequence decodes if its prompt was done before
+                decode = (not is_prefill) if is_prefill is not None else i in decoding
                 row["phase"][i] = "decode" if decode else "prefill"
                 row["tokens"][i] = seq.num_scheduled_tokens
             tokens = [2 + (index[id(s)] * 7 + len(s)) % (_VOCAB - 2) for s in batch]
+            row["stalled"] = sorted(index[id(s)] for s in sched.running if index[id(s)] not in row["phase"])
             row["finished"] = sorted(index[id(s)] for s in sched.postprocess(batch, tokens))
             row["waiting"] = sorted(index[id(s)] for s in sched.waiting)
         trace.append(row)
@@ -230,17 +234,22 @@ def simulate_static(requests, batch_size: int) -> list[dict]:
     batch start. A request that finished early keeps its slot ("idle"). Same trace format as `simulate`
     plus "idle": [indices holding a slot without computing]."""
     order = sorted(range(len(requests)), key=lambda i: requests[i][0])
+    plen = lambda i: requests[i][1] if isinstance(requests[i][1], int) else len(requests[i][1])  # noqa: E731
     trace, step = [], 0
+
+    def queued(started):
+        return sorted(i for i in order[started:] if requests[i][0] <= step)
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
         while step < max(requests[i][0] for i in batch):      # wait for the batch's last arrival
-            trace.append({"phase": {}, "tokens": {}, "preempted": [], "finished": [], "idle": [], "waiting": []})
+            trace.append({"phase": {}, "tokens": {}, "preempted": [], "stalled": [], "finished": [], "idle": [],
+                          "waiting": queued(start)})
             step += 1
         left = {i: requests[i][2] for i in batch}
-        plen = lambda i: requests[i][1] if isinstance(requests[i][1], int) else len(requests[i][1])  # noqa: E731
         first = True
         while any(left.values()):
-            row = {"phase": {}, "tokens": {}, "preempted": [], "finished": [], "idle": [], "waiting": []}
+            row = {"phase": {}, "tokens": {}, "preempted": [], "stalled": [], "finished": [], "idle": [],
+                   "waiting": queued(start + batch_size)}
             for i in batch:
                 if left[i] == 0:
                     row["idle"].append(i)
@@ -258,7 +267,8 @@ def simulate_static(requests, batch_size: int) -> list[dict]:
 
 def gantt_text(trace, num_requests: int | None = None) -> str:
     """The trace as text: one row per request, one column per step. P prefill (a whole prompt or a
-    chunk), d decode, X preempted in this step, - waiting (arrived, no slot), . idle slot (static)."""
+    chunk), d decode, X preempted in this step, _ running but left out of this step (a stall), - waiting
+    in the queue, . an idle slot (static batching: finished, but the batch still runs)."""
     n = num_requests if num_requests is not None else 1 + max(
         [i for row in trace for i in list(row["phase"]) + row["preempted"] + row.get("idle", [])] or [0])
     width = len(trace)
@@ -272,6 +282,8 @@ def gantt_text(trace, num_requests: int | None = None) -> str:
                 cells.append("P" if row["phase"][i] == "prefill" else "d")
             elif i in row.get("idle", []):
                 cells.append(".")
+            elif i in row.get("stalled", []):
+                cells.append("_")
             elif i in row.get("waiting", []):
                 cells.append("-")
             else:
