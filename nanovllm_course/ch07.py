@@ -757,7 +757,7 @@ SCENARIOS = {
     "E7.2": [_scenario_decode_all, _scenario_cascade, _scenario_self_preemption],
     "E7.3": [_scenario_three_chunks, _scenario_eos, _scenario_max_model_len, _scenario_hash_then_hit],
 }
-NUM_RANDOM_STREAMS = 6
+NUM_RANDOM_STREAMS = 20
 
 
 def _check(tag, cls, rng=None):
