@@ -50,6 +50,7 @@ EXPORTS: dict[str, list[Export]] = {
     "04": [Export("slot_mapping", "prepare_prefill", "E4.1"), Export("slot_mapping", "prepare_decode", "E4.1"),
            Export("paged_decode", "attention_backend", "E4.2"), Export("store_kvcache", "store_kvcache", "E4.3")],
     "05": [Export("BlockManager", "block_manager", "E5.2-E5.3")],
+    "07": [Export("Scheduler", "scheduler", "E7.1-E7.3")],
 }
 
 
