@@ -556,6 +556,9 @@ class _Lockstep:
             if s.status != r.status:
                 self.fail(f"after postprocess(): request {n} is {s.status.name}, expected {r.status.name}",
                           self._finish_hint(r, s))
+            if id(r) in in_step and s.num_scheduled_tokens != r.num_scheduled_tokens:
+                self.fail(f"after postprocess(): request {n} still has num_scheduled_tokens {s.num_scheduled_tokens}",
+                          "the step is accounted for: set num_scheduled_tokens back to 0")
             if s.num_cached_tokens != r.num_cached_tokens:
                 hint = ("every scheduled token now has its K/V in the cache: num_cached_tokens += "
                         "num_scheduled_tokens (then reset num_scheduled_tokens to 0)")
