@@ -510,7 +510,7 @@ class _Lockstep:
             return f"admit only while len(running) < max_num_seqs ({self.cfg.max_num_seqs})"
         extra = [s for s in stu_batch if self.name(s) not in ref_ids]
         if any(s.num_scheduled_tokens == 0 for s in extra):
-            return ("admit only while budget > 0: once the budget is used up, nobody else is admitted (a "
+            return ("admit only while budget > 0: once the budget is used up nobody else joins the step (a "
                     "sequence with 0 tokens to compute must not run)")
         if extra and self.ref.waiting and self.name(self.ref.waiting[0]) not in stu_ids:
             return ("first come, first served: when the first waiting sequence cannot get its blocks "
@@ -528,14 +528,22 @@ class _Lockstep:
         sw, sr = self._queues(self.stu)
         if (sw, sr) != (rw, rr):
             hint = None
+            finished = {self.name(r) for r, _ in self.pairs if r.status == SequenceStatus.FINISHED}
             if sorted(sw) == sorted(rw) and sw != rw:
                 hint = _HINT_QUEUE_FRONT
+            elif after == "postprocess" and finished & set(sr):
+                hint = "a finished sequence leaves `running` (self.running.remove(seq))"
             self.fail(f"after {after}(): waiting {sw}, running {sr}; expected waiting {rw}, running {rr}", hint)
         for r, s in self.pairs:
             n = self.name(r)
             if list(s.block_table) != list(r.block_table):
+                hint = None
+                if not r.block_table and r.status == SequenceStatus.FINISHED:
+                    hint = "a finished sequence gives its blocks back: block_manager.deallocate(seq)"
+                elif not r.block_table and r.status == SequenceStatus.WAITING:
+                    hint = _HINT_DEALLOCATE
                 self.fail(f"after {after}(): request {n} has block_table {list(s.block_table)}, expected "
-                          f"{r.block_table}")
+                          f"{r.block_table}", hint)
             if s.status != r.status:
                 self.fail(f"after {after}(): request {n} is {s.status.name}, expected {r.status.name}")
 
@@ -562,6 +570,8 @@ class _Lockstep:
             if s.num_cached_tokens != r.num_cached_tokens:
                 hint = ("every scheduled token now has its K/V in the cache: num_cached_tokens += "
                         "num_scheduled_tokens (then reset num_scheduled_tokens to 0)")
+                if r.status == SequenceStatus.FINISHED and s.block_table:
+                    hint = "a finished sequence gives its blocks back: block_manager.deallocate(seq)"
                 self.fail(f"after postprocess(): request {n} has num_cached_tokens {s.num_cached_tokens}, expected "
                           f"{r.num_cached_tokens}", hint)
         if got is None or self.names(got) != self.names(ref_done):

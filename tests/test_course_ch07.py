@@ -32,14 +32,14 @@ def fails(tag, cls, *matches):
     return text
 
 
-def _prefill(self, charge_cached=False, schedule_cached=False):
+def _prefill(self, charge_cached=False, schedule_cached=False, zero_admissions=False):
     scheduled, budget = [], self.max_num_batched_tokens
     for seq in self.running:
         if seq.is_prefilling and budget > 0:
             seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
             budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
-    while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    while self.waiting and (budget > 0 or zero_admissions and budget == 0) and len(self.running) < self.max_num_seqs:
         seq = self.waiting[0]
         if not self.block_manager.can_allocate(seq):
             break
@@ -249,6 +249,33 @@ class NoSelfPreemption(Ref):
         return list(kept)
 
 
+class FinishedStaysRunning(Ref):
+    def postprocess(self, seqs, token_ids):
+        saved, self.running = self.running, deque(self.running)
+        finished = super().postprocess(seqs, token_ids)
+        self.running = saved
+        return finished
+
+
+class FinishedKeepsBlocks(Ref):
+    def postprocess(self, seqs, token_ids):
+        dealloc = self.block_manager.deallocate
+        self.block_manager.deallocate = lambda seq: None
+        try:
+            return super().postprocess(seqs, token_ids)
+        finally:
+            self.block_manager.deallocate = dealloc
+
+
+class AdmitsAtZeroBudget(Ref):
+    """Admits while budget >= 0: a sequence joins the step with 0 tokens to compute."""
+    def schedule(self):
+        scheduled = _prefill(self, zero_admissions=True)
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+
 class Stub(Ref):
     def schedule(self):
         raise NotImplementedError("Exercise 7.1: fill in this code")
@@ -311,6 +338,7 @@ def test_e7_1_mutants():
     fails("E7.1", CachedTokensScheduledAgain, "scenario 'a prefix hit'", "cost no budget")
     fails("E7.1", DecodeBeforePrefill, "ran decode", "expected prefill", "prefill comes first")
     fails("E7.1", NoSeqCap, "scenario 'the max_num_seqs cap'", "max_num_seqs (2)")
+    fails("E7.1", AdmitsAtZeroBudget, "0 tokens to compute")
     fails("E7.1", SkipsBlockedHead, "scenario 'first come, first served'", "first come, first served")
 
 
@@ -329,6 +357,8 @@ def test_e7_3_mutants():
     fails("E7.3", MaxLenOneEarly, "scenario 'max_model_len'", "len(seq) >= max_model_len")
     fails("E7.3", EosAlwaysFinishes, "scenario 'eos vs ignore_eos'", "ignore_eos")
     fails("E7.3", NoHashBlocks, "hash_blocks")
+    fails("E7.3", FinishedStaysRunning, "leaves `running`")
+    fails("E7.3", FinishedKeepsBlocks, "gives its blocks back")
 
 
 def test_scenarios_exercise_what_they_name():
