@@ -410,3 +410,18 @@ def test_simulator_and_mixed_policy():
     assert ch07.summary(mixed, reqs)["max_decode_gap"] < ch07.summary(trace, reqs)["max_decode_gap"]
     static = ch07.simulate_static(reqs, 2)
     assert len(static) > 0 and ch07.gantt_text(static).count("\n") == 4
+
+
+def test_at_most_one_sequence_is_mid_prefill_when_a_step_starts():
+    """The fact behind going-further question 2 (and why no mutant of the `budget > 0` test of the
+    chunk loop can be caught): only the last sequence admitted can be left with its prompt cut."""
+    most = 0
+
+    class Spy(Scheduler):
+        def schedule(self):
+            nonlocal most
+            most = max(most, sum(s.is_prefilling for s in self.running))
+            return super().schedule()
+    for seed in range(60):
+        ch07._random_stream("E7.x", Spy, random.Random(seed))
+    assert most == 1
