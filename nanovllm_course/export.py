@@ -49,11 +49,13 @@ EXPORTS: dict[str, list[Export]] = {
            Export("gate_up_weight_loader", "gate_up_weight_loader", "E3.3")],
     "04": [Export("slot_mapping", "prepare_prefill", "E4.1"), Export("slot_mapping", "prepare_decode", "E4.1"),
            Export("paged_decode", "attention_backend", "E4.2"), Export("store_kvcache", "store_kvcache", "E4.3")],
-    "05": [Export("BlockManager", "block_manager", "E5.2-E5.3")],
+    "05": [Export("BlockManager", "block_manager", "E5.2"), Export("CachingBlockManager", "block_manager", "E5.3")],
     "06": [Export("store_kvcache", "store_kvcache", "E6.1"), Export("paged_decode", "attention_backend", "E6.3")],
+    "07": [Export("Scheduler", "scheduler", "E7.1-E7.3")],
 }
-# Several chapters may fill one field (04 in PyTorch, 06 in Triton): the highest chapter whose part is done
-# wins, in parts_from_student, parts_from_functions and part_table alike.
+# Several exercises may fill one field (04 in PyTorch, 06 in Triton; 05's block manager without and with
+# prefix caching): the highest chapter whose part is done wins, and within a chapter the later exercise, in
+# parts_from_student, parts_from_functions and part_table alike.
 
 
 # -- adapters: notebook signature -> Parts signature (module-level, so the results pickle) ------------------

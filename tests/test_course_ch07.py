@@ -1,0 +1,427 @@
+"""Mutation tests of the chapter 07 check helpers (nanovllm_course/ch07.py).
+
+Each check passes on the reference (printing exactly its one `E7.n ok` line), fails on a stub with 'not
+implemented yet', and fails on each planted plausible mistake with a message and hint that point at it.
+"""
+import random
+from collections import deque
+
+import pytest
+
+from nanovllm_course import ch07
+from nanovllm_ref.engine.scheduler import Scheduler
+from nanovllm_ref.engine.sequence import SequenceStatus
+
+Ref = ch07.ReferenceScheduler
+CHECKS = {"E7.1": ch07.check_schedule_prefill, "E7.2": ch07.check_schedule_decode, "E7.3": ch07.check_postprocess}
+
+
+def passes(tag, cls, capsys):
+    capsys.readouterr()
+    CHECKS[tag](cls)
+    assert capsys.readouterr().out == f"{tag} ok\n"
+
+
+def fails(tag, cls, *matches):
+    with pytest.raises(AssertionError) as info:
+        CHECKS[tag](cls)
+    text = str(info.value)
+    assert text.startswith(f"{tag}: "), text
+    for m in matches:
+        assert m in text, text
+    return text
+
+
+def _prefill(self, charge_cached=False, schedule_cached=False, zero_admissions=False):
+    scheduled, budget = [], self.max_num_batched_tokens
+    for seq in self.running:
+        if seq.is_prefilling and budget > 0:
+            seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+    while self.waiting and (budget > 0 or zero_admissions and budget == 0) and len(self.running) < self.max_num_seqs:
+        seq = self.waiting[0]
+        if not self.block_manager.can_allocate(seq):
+            break
+        self.block_manager.allocate(seq)
+        seq.num_scheduled_tokens = min(len(seq) - (0 if schedule_cached else seq.num_cached_tokens), budget)
+        budget -= seq.num_scheduled_tokens + (seq.num_cached_tokens if charge_cached else 0)
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.popleft()
+        self.running.append(seq)
+        scheduled.append(seq)
+    return scheduled
+
+
+# -- the mutants named in the chapter's issue ----------------------------------------------------------------
+class FirstInVictim(Ref):
+    """Preempts the oldest remaining running sequence instead of the most recently admitted one."""
+    def _schedule_decode(self):
+        kept = deque()
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.popleft())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                kept.append(seq)
+        self.running = kept
+        return list(kept)
+
+
+class RequeueAtBack(Ref):
+    def preempt(self, seq):
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.append(seq)
+
+
+class CachedTokensCostBudget(Ref):
+    def schedule(self):
+        scheduled = _prefill(self, charge_cached=True)
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+
+class CachedTokensScheduledAgain(Ref):
+    """Schedules the whole prompt even after a prefix hit (recomputes the cached tokens)."""
+    def schedule(self):
+        scheduled = _prefill(self, schedule_cached=True)
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+
+class AppendAfterPartialChunk(Ref):
+    def postprocess(self, seqs, token_ids):
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.hash_blocks(seq)
+            seq.append_token(token_id)
+            if ((not seq.ignore_eos and token_id in self.eos) or seq.num_completion_tokens >= seq.max_tokens
+                    or len(seq) >= self.max_model_len):
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+
+class DecodeBeforePrefill(Ref):
+    def schedule(self):
+        if self.running:
+            seqs = self._schedule_decode()
+            if seqs:
+                return seqs, False
+        return _prefill(self), True
+
+
+def _postprocess(self, seqs, token_ids, finish):
+    finished = []
+    for seq, token_id in zip(seqs, token_ids):
+        seq.num_cached_tokens += seq.num_scheduled_tokens
+        seq.num_scheduled_tokens = 0
+        self.block_manager.hash_blocks(seq)
+        if seq.num_cached_tokens < len(seq):
+            continue
+        seq.append_token(token_id)
+        if finish(self, seq, token_id):
+            seq.status = SequenceStatus.FINISHED
+            self.block_manager.deallocate(seq)
+            self.running.remove(seq)
+            finished.append(seq)
+    return finished
+
+
+class MaxLenOneLate(Ref):
+    def postprocess(self, seqs, token_ids):
+        return _postprocess(self, seqs, token_ids, lambda s, q, t: (not q.ignore_eos and t in s.eos)
+                            or q.num_completion_tokens >= q.max_tokens or len(q) > s.max_model_len)
+
+
+class MaxLenOneEarly(Ref):
+    def postprocess(self, seqs, token_ids):
+        return _postprocess(self, seqs, token_ids, lambda s, q, t: (not q.ignore_eos and t in s.eos)
+                            or q.num_completion_tokens >= q.max_tokens or len(q) + 1 >= s.max_model_len)
+
+
+# -- more plausible mistakes -----------------------------------------------------------------------------------
+class EosAlwaysFinishes(Ref):
+    def postprocess(self, seqs, token_ids):
+        return _postprocess(self, seqs, token_ids, lambda s, q, t: t in s.eos
+                            or q.num_completion_tokens >= q.max_tokens or len(q) >= s.max_model_len)
+
+
+class NoHashBlocks(Ref):
+    def postprocess(self, seqs, token_ids):
+        hb = self.block_manager.hash_blocks
+        self.block_manager.hash_blocks = lambda seq: None
+        try:
+            return super().postprocess(seqs, token_ids)
+        finally:
+            self.block_manager.hash_blocks = hb
+
+
+class NoSeqCap(Ref):
+    def schedule(self):
+        saved, self.max_num_seqs = self.max_num_seqs, 10**9
+        try:
+            scheduled = _prefill(self)
+        finally:
+            self.max_num_seqs = saved
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+
+class SkipsBlockedHead(Ref):
+    """Admits a later waiting request when the first one does not fit (not first-come, first-served)."""
+    def schedule(self):
+        scheduled = [s for s in self.running if s.is_prefilling]
+        budget = self.max_num_batched_tokens
+        for seq in scheduled:
+            seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not self.block_manager.can_allocate(seq):
+                continue
+            self.block_manager.allocate(seq)
+            seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            scheduled.append(seq)
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+
+class PreemptKeepsBlocks(Ref):
+    def preempt(self, seq):
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+
+class SelfPreemptNoBreak(Ref):
+    """Forgets the `break` after preempting itself: the freed blocks let it append, and it runs anyway."""
+    def _schedule_decode(self):
+        kept = deque()
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+            self.block_manager.may_append(seq)
+            seq.num_scheduled_tokens = 1
+            kept.append(seq)
+        self.running = kept
+        return list(kept)
+
+
+class NoSelfPreemption(Ref):
+    """Waits for a victim that never comes when nobody is left behind: an endless loop."""
+    def _schedule_decode(self):
+        kept = deque()
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+            self.block_manager.may_append(seq)
+            seq.num_scheduled_tokens = 1
+            kept.append(seq)
+        self.running = kept
+        return list(kept)
+
+
+class FinishedStaysRunning(Ref):
+    def postprocess(self, seqs, token_ids):
+        saved, self.running = self.running, deque(self.running)
+        finished = super().postprocess(seqs, token_ids)
+        self.running = saved
+        return finished
+
+
+class FinishedKeepsBlocks(Ref):
+    def postprocess(self, seqs, token_ids):
+        dealloc = self.block_manager.deallocate
+        self.block_manager.deallocate = lambda seq: None
+        try:
+            return super().postprocess(seqs, token_ids)
+        finally:
+            self.block_manager.deallocate = dealloc
+
+
+class AdmitsAtZeroBudget(Ref):
+    """Admits while budget >= 0: a sequence joins the step with 0 tokens to compute."""
+    def schedule(self):
+        scheduled = _prefill(self, zero_admissions=True)
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+
+class Stub(Ref):
+    def schedule(self):
+        raise NotImplementedError("Exercise 7.1: fill in this code")
+
+    def _schedule_decode(self):
+        raise NotImplementedError("Exercise 7.2: fill in this code")
+
+    def preempt(self, seq):
+        raise NotImplementedError("Exercise 7.2: fill in this code")
+
+    def postprocess(self, seqs, token_ids):
+        raise NotImplementedError("Exercise 7.3: fill in this code")
+
+
+class SelfPreemptSpy(Ref):
+    """The reference decode phase, counting the sequences that preempt themselves."""
+    count = 0
+
+    def _schedule_decode(self):
+        kept = deque()
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    type(self).count += 1
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                kept.append(seq)
+        self.running = kept
+        return list(kept)
+
+
+# -- tests ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tag", sorted(CHECKS))
+def test_reference_passes(tag, capsys):
+    passes(tag, Ref, capsys)
+    passes(tag, Scheduler, capsys)          # the engine's class (other layout: checked whole)
+
+
+@pytest.mark.parametrize("tag", sorted(CHECKS))
+def test_stub_is_not_implemented_yet(tag):
+    fails(tag, Stub, "not implemented yet", f"Exercise {tag[1:]}")
+
+
+def test_each_check_uses_only_its_own_exercise(capsys):
+    """A broken E7.2 or E7.3 does not fail the E7.1 check, and so on (isolation)."""
+    passes("E7.1", type("S", (Stub,), {"schedule": Ref.schedule}), capsys)
+    passes("E7.2", type("S", (Stub,), {"_schedule_decode": Ref._schedule_decode, "preempt": Scheduler.preempt}),
+           capsys)
+    passes("E7.3", type("S", (Stub,), {"postprocess": Scheduler.postprocess}), capsys)
+
+
+def test_e7_1_mutants():
+    fails("E7.1", CachedTokensCostBudget, "scenario 'a prefix hit'", "cost no budget")
+    fails("E7.1", CachedTokensScheduledAgain, "scenario 'a prefix hit'", "cost no budget")
+    fails("E7.1", DecodeBeforePrefill, "ran decode", "expected prefill", "prefill comes first")
+    fails("E7.1", NoSeqCap, "scenario 'the max_num_seqs cap'", "max_num_seqs (2)")
+    fails("E7.1", AdmitsAtZeroBudget, "0 tokens to compute")
+    fails("E7.1", SkipsBlockedHead, "scenario 'first come, first served'", "first come, first served")
+
+
+def test_e7_2_mutants(monkeypatch):
+    fails("E7.2", FirstInVictim, "scenario 'a preemption cascade'", "preempted", "most recently admitted")
+    fails("E7.2", RequeueAtBack, "scenario 'a preemption cascade'", "waiting", "FRONT of `waiting`")
+    fails("E7.2", PreemptKeepsBlocks, "scenario 'a preemption cascade'", "deallocate")
+    monkeypatch.setattr(ch07, "_TIME_LIMIT_S", 1)
+    fails("E7.2", SelfPreemptNoBreak, "scenario 'self-preemption'", "preempted itself is not scheduled")
+    fails("E7.2", NoSelfPreemption, "scenario 'self-preemption'", "did not return", "preempts itself")
+
+
+def test_e7_3_mutants():
+    fails("E7.3", AppendAfterPartialChunk, "scenario 'a 3-chunk prompt'", "meaningless")
+    fails("E7.3", MaxLenOneLate, "scenario 'max_model_len'", "len(seq) >= max_model_len")
+    fails("E7.3", MaxLenOneEarly, "scenario 'max_model_len'", "len(seq) >= max_model_len")
+    fails("E7.3", EosAlwaysFinishes, "scenario 'eos vs ignore_eos'", "ignore_eos")
+    fails("E7.3", NoHashBlocks, "hash_blocks")
+    fails("E7.3", FinishedStaysRunning, "leaves `running`")
+    fails("E7.3", FinishedKeepsBlocks, "gives its blocks back")
+
+
+def test_scenarios_exercise_what_they_name():
+    rng = random.Random(0)
+    three = ch07._scenario_three_chunks("E7.x", Scheduler, rng)
+    assert [e for e in three.log if e.startswith("prefill")][:3] == ["prefill ['A']", "prefill ['A']", "prefill ['A', 'B']"]
+    assert ch07._scenario_budget_used_up("E7.x", Scheduler, rng).log[3] == "prefill ['A', 'B']"
+    cascade = ch07._scenario_cascade("E7.x", Scheduler, rng)
+    assert "decode ['A', 'B', 'C'], preempted ['D', 'E']" in cascade.log     # two victims in one step
+    SelfPreemptSpy.count = 0
+    ch07._scenario_self_preemption("E7.x", SelfPreemptSpy, rng)
+    assert SelfPreemptSpy.count >= 1
+    assert ch07._scenario_prefix_hit("E7.x", Scheduler, rng).hits >= 1
+    assert ch07._scenario_hash_then_hit("E7.x", Scheduler, rng).hits >= 1
+    eos = ch07._scenario_eos("E7.x", Scheduler, rng)
+    assert [len(r.completion_token_ids) for r, _ in eos.pairs] == [2, 5]
+    mml = ch07._scenario_max_model_len("E7.x", Scheduler, rng)
+    assert [len(r) for r, _ in mml.pairs] == [12, 12, 7]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_streams_cover_preemption_and_hits(seed):
+    t = ch07._random_stream("E7.x", Scheduler, random.Random(seed))
+    assert all(s.is_finished for _, s in t.pairs)
+
+
+def test_random_streams_preempt_and_hit_often_enough():
+    runs = [ch07._random_stream("E7.x", Scheduler, random.Random(seed)) for seed in range(ch07.NUM_RANDOM_STREAMS * 5)]
+    assert sum(t.ref.num_preemptions > 0 for t in runs) >= len(runs) // 3
+    assert sum(t.hits > 0 for t in runs) >= len(runs) // 4
+
+
+def test_mixed_policy_under_a_tight_cache_finishes():
+    reqs = [(0, 9, 12), (0, 9, 12), (1, 20, 6), (2, 5, 10), (2, 30, 3)]
+    trace = ch07.simulate(reqs, ch07.MixedScheduler, max_num_batched_tokens=12, kvcache_block_size=4,
+                          num_kvcache_blocks=12)
+    assert sorted(i for row in trace for i in row["finished"]) == list(range(len(reqs)))
+    assert ch07.summary(trace, reqs)["preemptions"] > 0
+
+
+def test_simulator_and_mixed_policy():
+    reqs = [(0, 12, 3), (0, 3, 6), (1, 30, 2), (2, 4, 4)]
+    trace = ch07.simulate(reqs, max_num_batched_tokens=8, kvcache_block_size=4, num_kvcache_blocks=32)
+    assert all(set(row["phase"].values()) <= {"prefill"} or set(row["phase"].values()) == {"decode"} for row in trace)
+    mixed = ch07.simulate(reqs, ch07.MixedScheduler, max_num_batched_tokens=8, kvcache_block_size=4,
+                          num_kvcache_blocks=32)
+    assert any(set(row["phase"].values()) == {"prefill", "decode"} for row in mixed)
+    assert all(sum(row["tokens"].values()) <= 8 for row in mixed)
+    assert ch07.summary(mixed, reqs)["max_decode_gap"] < ch07.summary(trace, reqs)["max_decode_gap"]
+    static = ch07.simulate_static(reqs, 2)
+    assert len(static) > 0 and ch07.gantt_text(static).count("\n") == 4
+
+
+def test_at_most_one_sequence_is_mid_prefill_when_a_step_starts():
+    """The fact behind going-further question 2 (and why no mutant of the `budget > 0` test of the
+    chunk loop can be caught): only the last sequence admitted can be left with its prompt cut."""
+    most = 0
+
+    class Spy(Scheduler):
+        def schedule(self):
+            nonlocal most
+            most = max(most, sum(s.is_prefilling for s in self.running))
+            return super().schedule()
+    for seed in range(60):
+        ch07._random_stream("E7.x", Spy, random.Random(seed))
+    assert most == 1
