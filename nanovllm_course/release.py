@@ -187,10 +187,22 @@ def _merge_streams(outputs):
     return merged
 
 
+def cpu_budget(nb) -> float:
+    """The chapter's stated CPU budget in seconds (notebook metadata `nanovllm.cpu_budget_s`): how long it may
+    take to run top to bottom on the course's 2-core CPU. Raises ReleaseError if it is missing."""
+    try:
+        return float(nb.metadata["nanovllm"]["cpu_budget_s"])
+    except (KeyError, TypeError, ValueError):
+        raise ReleaseError("notebook metadata has no nanovllm.cpu_budget_s (the chapter's CPU budget, seconds)") from None
+
+
 def normalize(nb):
     """Make a notebook deterministic in place (see module doc) and return it."""
     nb.nbformat, nb.nbformat_minor = 4, 5
-    nb.metadata = nbformat.from_dict({"kernelspec": dict(KERNELSPEC), "language_info": copy.deepcopy(LANGUAGE_INFO)})
+    meta = {"kernelspec": dict(KERNELSPEC), "language_info": copy.deepcopy(LANGUAGE_INFO)}
+    if "nanovllm" in nb.metadata:          # the chapter's own settings, e.g. {"cpu_budget_s": 45}
+        meta["nanovllm"] = dict(nb.metadata["nanovllm"])
+    nb.metadata = nbformat.from_dict(meta)
     count = 0
     for i, cell in enumerate(nb.cells):
         t = tags(cell)

@@ -240,6 +240,9 @@ class LLMEngine:
         results = []
         for seq in seqs:
             token_ids = outputs[seq.seq_id]
+            if seq.finish_reason is None:     # a scheduler part that does not set it: say why from the tokens
+                stopped = bool(token_ids) and not seq.ignore_eos and token_ids[-1] in self.config.eos
+                seq.finish_reason = "stop" if stopped else "length"
             # Like vLLM, the text leaves out special tokens such as the EOS; token_ids keep them.
             results.append({"text": self.tokenizer.decode(token_ids, skip_special_tokens=True),
                             "token_ids": token_ids, "prompt_token_ids": seq.prompt_token_ids,
