@@ -8,11 +8,12 @@ Why a file and not the notebook's functions: a tensor-parallel engine starts wor
 the parts pickled, and Python pickles a function by its module and name. A function defined in a notebook
 cell has no importable module, so it cannot reach a worker; the same function in `student/ch01.py` can.
 
-What is exported, per chapter notebook: for every part in EXPORTS, the *last* code cell that defines that
-function or class (so a student who redefines it further down is taken at their latest version), reduced to
+What is exported, per chapter notebook: for every part in EXPORTS (and every helper function it names), the
+*last* code cell that defines that function or class (so a student who redefines it further down is taken at their latest version), reduced to
 its top-level imports, constants, functions and classes (demo code in the cell does not run on import),
 plus every top-level import of the notebook. A part whose body still holds the release's
-`raise NotImplementedError("Exercise ...")` stub counts as not done, and the engine uses the reference.
+`raise NotImplementedError("Exercise ...")` stub (or a helper still a stub) counts as not done, and the engine
+uses the reference.
 
 `parts_from_student(folder)` reads the manifest and returns (Parts, table); `part_table(...)` says, for each
 Parts field, whose code runs: the student's (with its exercise) or the reference's.
@@ -38,6 +39,7 @@ class Export:
     name: str         # the function or class the notebook defines
     field: str        # the Parts field it fills
     exercise: str     # "E1.1"
+    helpers: tuple = ()   # other notebook functions it calls (exported with it; a stub among them = not done)
 
 
 # chapter -> the parts its exercises provide. Each entry's adapter (ADAPTERS) turns the notebook's function
@@ -50,6 +52,7 @@ EXPORTS: dict[str, list[Export]] = {
     "04": [Export("slot_mapping", "prepare_prefill", "E4.1"), Export("slot_mapping", "prepare_decode", "E4.1"),
            Export("paged_decode", "attention_backend", "E4.2"), Export("store_kvcache", "store_kvcache", "E4.3")],
     "05": [Export("BlockManager", "block_manager", "E5.2-E5.3")],
+    "08": [Export("sample", "sampler", "E8.1-E8.4", helpers=("temperature_probs", "top_k_top_p", "exponential_race"))],
 }
 
 
@@ -96,7 +99,7 @@ def parts_from_functions(**functions) -> tuple[Parts, list[str]]:
     for name, obj in functions.items():
         if name not in by_name:
             raise ValueError(f"{name!r} is not an exported exercise; known: {sorted(by_name)}")
-        if is_stub(obj):
+        if is_stub(obj) or any(is_stub(getattr(obj, "__globals__", {}).get(h)) for h in by_name[name].helpers):
             continue
         used.append(name)
         for e in (e for chapter in EXPORTS.values() for e in chapter if e.name == name):
@@ -140,7 +143,7 @@ def export_notebook(path: Path, out_dir: Path) -> list[dict]:
                 if text not in seen:
                     seen.add(text)
                     imports.append(text)
-    wanted = {e.name for e in EXPORTS[chapter]}
+    wanted = {e.name for e in EXPORTS[chapter]} | {h for e in EXPORTS[chapter] for h in e.helpers}
     # The last cell defining each wanted name; keep its defs, classes, imports and constants.
     chosen = {}
     for i, tree in enumerate(trees):
@@ -163,6 +166,14 @@ def export_notebook(path: Path, out_dir: Path) -> list[dict]:
             node = next(n for n in trees[chosen[e.name]].body
                         if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == e.name)
             status = "stub" if STUB_MARK in ast.get_source_segment(cells[chosen[e.name]], node) else "done"
+            for h in e.helpers:
+                if h not in chosen:
+                    status = "missing"
+                    continue
+                helper = next(n for n in trees[chosen[h]].body
+                              if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == h)
+                if status == "done" and STUB_MARK in ast.get_source_segment(cells[chosen[h]], helper):
+                    status = "stub"
         rows.append(dict(chapter=chapter, exercise=e.exercise, name=e.name, field=e.field, status=status))
     return rows
 
