@@ -75,7 +75,8 @@ def metadata(temperatures, top_k=None, top_p=None, device="cpu") -> SamplingMeta
 class HostSyncSpy(TorchDispatchMode):
     """Inside `with HostSyncSpy() as spy:`, records the aten ops that copy a tensor value to the host
     (`.item()`, `int(t)`, `bool(t)`, `.tolist()` all become aten::_local_scalar_dense) or whose output shape
-    depends on values (nonzero, masked_select, unique): on a GPU each one waits for the device."""
+    depends on values (nonzero, masked_select, unique, indexing with a boolean mask): on a GPU each one waits
+    for the device."""
     SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
              "aten._unique", "aten.item")
 
@@ -87,6 +88,9 @@ class HostSyncSpy(TorchDispatchMode):
         name = str(getattr(func, "overloadpacket", func))
         if name.startswith(self.SYNCS):
             self.seen.append(name)
+        elif name in ("aten.index", "aten.index_put", "aten.index_put_") and len(args) > 1 and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()):
+            self.seen.append(f"{name} (boolean mask)")      # x[mask]: the output size depends on the mask
         return func(*args, **(kwargs or {}))
 
 
@@ -95,8 +99,9 @@ def _sync_message(seen: list[str]) -> str:
     what = []
     if "aten._local_scalar_dense" in ops:
         what.append("reads a tensor value on the host (`.item()`, `int(t)`, `float(t)`, `if t:` or `.tolist()`)")
-    if any(op != "aten._local_scalar_dense" for op in ops):
-        what.append("makes a value-dependent shape (`nonzero`, boolean-mask indexing `x[mask]`, `unique`)")
+    if any(op != "aten._local_scalar_dense" for op in ops):   # nonzero, x[mask], unique, masked_select
+        what.append("makes a value-dependent shape (`nonzero`, boolean-mask indexing `x[mask]`, `unique`; "
+                    "masked_fill / torch.where keep the shape)")
     return f"your code {' and '.join(what)}: {len(seen)} host sync(s) per call ({', '.join(ops)})"
 
 
