@@ -8,11 +8,12 @@ Why a file and not the notebook's functions: a tensor-parallel engine starts wor
 the parts pickled, and Python pickles a function by its module and name. A function defined in a notebook
 cell has no importable module, so it cannot reach a worker; the same function in `student/ch01.py` can.
 
-What is exported, per chapter notebook: for every part in EXPORTS, the *last* code cell that defines that
-function or class (so a student who redefines it further down is taken at their latest version), reduced to
+What is exported, per chapter notebook: for every part in EXPORTS (and every helper function it names), the
+*last* code cell that defines that function or class (so a student who redefines it further down is taken at their latest version), reduced to
 its top-level imports, constants, functions and classes (demo code in the cell does not run on import),
 plus every top-level import of the notebook. A part whose body still holds the release's
-`raise NotImplementedError("Exercise ...")` stub counts as not done, and the engine uses the reference.
+`raise NotImplementedError("Exercise ...")` stub (or a helper still a stub) counts as not done, and the engine
+uses the reference.
 
 `parts_from_student(folder)` reads the manifest and returns (Parts, table); `part_table(...)` says, for each
 Parts field, whose code runs: the student's (with its exercise) or the reference's.
@@ -38,6 +39,7 @@ class Export:
     name: str         # the function or class the notebook defines
     field: str        # the Parts field it fills
     exercise: str     # "E1.1"
+    helpers: tuple = ()   # other notebook functions it calls (exported with it; a stub among them = not done)
 
 
 # chapter -> the parts its exercises provide. Each entry's adapter (ADAPTERS) turns the notebook's function
@@ -52,6 +54,7 @@ EXPORTS: dict[str, list[Export]] = {
     "05": [Export("BlockManager", "block_manager", "E5.2"), Export("CachingBlockManager", "block_manager", "E5.3")],
     "06": [Export("store_kvcache", "store_kvcache", "E6.1"), Export("paged_decode", "attention_backend", "E6.3")],
     "07": [Export("Scheduler", "scheduler", "E7.1-E7.3")],
+    "08": [Export("sample", "sampler", "E8.1-E8.4", helpers=("temperature_probs", "top_k_top_p", "exponential_race"))],
 }
 # Several exercises may fill one field (04 in PyTorch, 06 in Triton; 05's block manager without and with
 # prefix caching): the highest chapter whose part is done wins, and within a chapter the later exercise, in
@@ -102,7 +105,7 @@ def parts_from_functions(**functions) -> tuple[Parts, list[str]]:
     for name, obj in functions.items():
         if name not in by_name:
             raise ValueError(f"{name!r} is not an exported exercise; known: {sorted(by_name)}")
-        if is_stub(obj):
+        if is_stub(obj) or any(is_stub(getattr(obj, "__globals__", {}).get(h)) for h in by_name[name].helpers):
             continue
         used.append(name)
         for e in (e for chapter in EXPORTS.values() for e in chapter if e.name == name):
@@ -159,7 +162,7 @@ def export_notebook(path: Path, out_dir: Path) -> list[dict]:
                 if text not in seen:
                     seen.add(text)
                     imports.append(text)
-    wanted = {e.name for e in EXPORTS[chapter]}
+    wanted = {e.name for e in EXPORTS[chapter]} | {h for e in EXPORTS[chapter] for h in e.helpers}
     # The last cell defining each wanted name; keep its defs, classes, imports and constants.
     chosen = {}
     for i, tree in enumerate(trees):
@@ -186,6 +189,14 @@ def export_notebook(path: Path, out_dir: Path) -> list[dict]:
             called = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & (set(defs) - {e.name})
             text = "".join(ast.get_source_segment(src, defs[name]) for name in [e.name, *sorted(called)])
             status = "stub" if STUB_MARK in text else "done"
+            for h in e.helpers:             # functions of other cells the part is built from (chapter 08)
+                if h not in chosen:
+                    status = "missing"
+                    continue
+                helper = next(n for n in trees[chosen[h]].body
+                              if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == h)
+                if status == "done" and STUB_MARK in ast.get_source_segment(cells[chosen[h]], helper):
+                    status = "stub"
         rows.append(dict(chapter=chapter, exercise=e.exercise, name=e.name, field=e.field, status=status))
     return rows
 

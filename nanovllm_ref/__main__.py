@@ -73,7 +73,8 @@ def cmd_generate(args, prompts=None, chat=None, note=None):
     from nanovllm_ref.llm import chat_token_ids
     # Cheap checks first: sampling settings, engine arguments and config.json, then prompt lengths with
     # the tokenizer; only then load the weights (tens of seconds on a CPU).
-    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                        top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0))
     prompts = prompts or args.prompt
     chat = args.chat if chat is None else chat
     path, engine_args = _model_path(args.model), _engine_args(args)
@@ -153,6 +154,9 @@ def main(argv=None):
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="most new tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 or -1 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set with this much "
+                   "probability; 1 = off")
 
     p = sub.add_parser("demo", help="the README demo: SmolLM2 answers a few chat prompts", formatter_class=defaults)
     _add_engine_flags(p)

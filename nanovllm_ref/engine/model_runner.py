@@ -201,9 +201,17 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------------
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingMetadata:
+        """The sampler's view of the batch. top_k / top_p are None unless some sampled (temperature > 0)
+        row uses them, so the common case skips the sort; the choice is made here, on the host."""
         temperatures = [seq.temperature for seq in seqs]
+        sampled = [seq for seq in seqs if seq.temperature > 0]
+        top_k = top_p = None
+        if any(seq.top_k > 0 for seq in sampled):
+            top_k = to_device([seq.top_k for seq in seqs], torch.int64, self.device)
+        if any(seq.top_p < 1 for seq in sampled):
+            top_p = to_device([seq.top_p for seq in seqs], torch.float64, self.device)
         return SamplingMetadata(to_device(temperatures, torch.float32, self.device),
-                                all_greedy=all(t == 0 for t in temperatures))
+                                all_greedy=not sampled, top_k=top_k, top_p=top_p)
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:

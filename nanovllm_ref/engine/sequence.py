@@ -38,6 +38,8 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.block_table: list[int] = []
         self.temperature = sampling_params.temperature
+        self.top_k = sampling_params.top_k            # 0 = off
+        self.top_p = sampling_params.top_p            # 1.0 = off
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
         # Why it finished, as in vLLM: "stop" (an eos / stop id), "length" (max_tokens or max_model_len).

@@ -7,6 +7,16 @@ temperature in fp32: bf16 keeps 7 stored mantissa bits (8 significant bits), too
 probabilities of a sharpened softmax. The noise is floored at fp32's smallest normal number: an Exp(1)
 draw of exactly 0 would make p / noise = 0 / 0 = NaN for a zero-probability token, and argmax would pick it.
 
+Top-k and top-p (nucleus) filtering, per row, after the temperature and in this order (as HF's
+TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper and vLLM do):
+- top-k keeps every logit >= the k-th largest (ties with the k-th are kept); k = 0 means off;
+- top-p sorts the remaining probabilities ascending and drops those whose running sum is <= 1 - top_p,
+  always keeping the most likely token; top_p = 1 means off.
+Both are masks on one ascending sort of the row, with per-row k and p read from tensors (gather, compare,
+scatter): no `.item()`, no `nonzero`, no Python branch on a tensor value, so a batch mixing settings runs as
+one graph. When no sampled row uses them, the metadata carries None and the sort is skipped (decided on
+the host from the requests' settings, not from tensors).
+
 The sampler is one of the engine's swappable parts (`nanovllm_ref.Parts.sampler`): a function
 `(logits, metadata) -> token ids`. The all-greedy shortcut lives here, not in the model runner, so a
 replacement sampler is exercised by greedy runs too.
@@ -26,39 +36,81 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SamplingMetadata:
-    """What the sampler knows about the batch. temperatures: [num_seqs] fp32 on the logits' device, >= 0
-    (0 = greedy). all_greedy: True when every temperature is 0 (known on the host, so checking it costs no
-    device sync)."""
+    """What the sampler knows about the batch, all tensors on the logits' device.
+    temperatures: [num_seqs] fp32, >= 0 (0 = greedy).
+    all_greedy: True when every temperature is 0 (known on the host, so checking it costs no device sync).
+    top_k: [num_seqs] int64, 0 = off for that row; None when no sampled row uses top-k.
+    top_p: [num_seqs] float64 (the request's Python float, exactly, so 1 - top_p rounds as HF's does),
+        1.0 = off for that row; None when no sampled row uses top-p."""
     temperatures: torch.Tensor
     all_greedy: bool
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+
+
+def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """logits: [num_seqs, vocab] fp32 (already divided by the temperature); top_k: [num_seqs] int (0 = off)
+    or None; top_p: [num_seqs] float (1 = off) or None. Returns a new fp32 tensor, the removed logits set to
+    -inf (at least one token per row survives). No host sync."""
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    ascending, order = logits.sort(dim=-1, stable=True)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).long()
+        kth_largest = ascending.gather(-1, (vocab - k).unsqueeze(-1))
+        ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
+    if top_p is not None:
+        running = ascending.softmax(dim=-1).cumsum(dim=-1)
+        # 1 - top_p rounded once from float64 to fp32, as HF's comparison with a Python float does. Rows with
+        # top_p = 1 drop nothing (not even tokens whose probability underflows to 0).
+        threshold = torch.where(top_p < 1, 1 - top_p.double(), -1.0).to(torch.float32).unsqueeze(-1)
+        drop = running <= threshold
+        drop[:, -1] = False                   # the most likely token always stays
+        ascending = ascending.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, ascending)
+
+
+def _rows(logits, temperatures, top_k, top_p):
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    scaled = top_k_top_p_filter(logits / t.unsqueeze(-1), top_k, top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    sampled = exponential_race(probs, torch.empty_like(probs).exponential_(1.0))
+    return torch.where(temperatures > 0, sampled, greedy)
 
 
 @fused
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """logits: [num_seqs, vocab] any float dtype; temperatures: [num_seqs] fp32, >= 0.
     Returns [num_seqs] int64: argmax where the temperature is 0, a draw from softmax(logits / T) elsewhere."""
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1)
-    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    probs = torch.softmax(logits / t.unsqueeze(-1), dim=-1)
-    sampled = exponential_race(probs, torch.empty_like(probs).exponential_(1.0))
-    return torch.where(temperatures > 0, sampled, greedy)
+    return _rows(logits, temperatures, None, None)
 
 
-def _sample(rows, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+@fused
+def sample_rows_filtered(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
+                         top_p: torch.Tensor | None) -> torch.Tensor:
+    """`sample_rows` with top-k / top-p filtering of the sampled rows (see top_k_top_p_filter)."""
+    return _rows(logits, temperatures, top_k, top_p)
+
+
+def _sample(rows, filtered, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.all_greedy:                 # no noise to draw: one argmax
         return logits.argmax(dim=-1)
-    return rows(logits, metadata.temperatures)
+    if metadata.top_k is None and metadata.top_p is None:
+        return rows(logits, metadata.temperatures)
+    return filtered(logits, metadata.temperatures, metadata.top_k, metadata.top_p)
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The reference sampler: [num_seqs, vocab] logits -> [num_seqs] int64 token ids (see module docstring)."""
-    return _sample(sample_rows, logits, metadata)
+    return _sample(sample_rows, sample_rows_filtered, logits, metadata)
 
 
 def sample_compiled(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """`sample` with the row draw compiled by torch.compile (what an engine with fusion on calls)."""
-    return _sample(sample_rows.compiled(), logits, metadata)
+    return _sample(sample_rows.compiled(), sample_rows_filtered.compiled(), logits, metadata)
 
 
 sample.compiled = lambda: sample_compiled

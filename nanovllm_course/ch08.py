@@ -1,0 +1,431 @@
+"""Checks for chapter 08: the sampler (temperature, the exponential race, top-k / top-p).
+
+- `check_temperature_probs(fn)` (E8.1): fn(logits [B, V] fp32 or bf16, temperatures [B] fp32) -> probs
+  [B, V] fp32. Rows with temperature > 0: softmax(logits / T) computed in fp32, to atol 1e-6. Rows with
+  temperature 0: exactly one-hot at argmax(logits) (the first index on ties, as torch.argmax).
+- `check_exponential_race(fn)` (E8.2): fn(probs [B, V] fp32, noise [B, V] fp32 >= 0) -> [B] int64, exactly
+  argmax(probs / max(noise, tiny)) (tiny = fp32's smallest normal); then, with fresh Exp(1) noise, a
+  chi-squared test on 40,000 draws for each T in {0.5, 1, 2}; no host sync.
+- `check_top_k_top_p(fn)` (E8.3): fn(probs [B, V] fp32, top_k [B] int64 or None, top_p [B] float64 or None)
+  -> renormalised probs [B, V] fp32, dropped tokens exactly 0. Same kept tokens as the reference (HF's
+  TopKLogitsWarper / TopPLogitsWarper rules; where top-p's boundary falls inside a run of equal
+  probabilities, any of the tied tokens may go, but the number kept must match), probabilities to atol 1e-6;
+  no host sync.
+- `check_sample(fn)` (E8.4): fn(logits, nanovllm_ref.layers.sampler.SamplingMetadata) -> [B] int64: greedy
+  rows exactly argmax, no host sync (a dispatch spy watches for aten::_local_scalar_dense (`.item()`,
+  `int(t)`, `if t:`), aten::nonzero, masked_select, unique), and chi-squared tests on 40,000 draws each for
+  T in {0.5, 1, 2} and for top-k, top-p and both.
+
+Statistics: each chi-squared test fails when its p-value is below 1e-6, so a correct sampler fails one test
+with probability about 1e-6 (the chi-squared approximation, with bins of expected count < 5 pooled); a
+check runs 3 (E8.2) or 6 (E8.4) tests, so it fails a correct answer about once in 300,000 runs or less.
+
+Every check draws fresh random inputs and prints `E8.n ok` and nothing else on success.
+`reference_temperature_probs`, `reference_exponential_race`, `reference_top_k_top_p`, `reference_sample` are
+the reference answers.
+"""
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanovllm_course.common import call_student, check_close, fail, fresh_generator, ok
+from nanovllm_ref.layers import sampler as ref_sampler
+from nanovllm_ref.layers.sampler import SamplingMetadata
+
+DRAWS = 40_000
+P_FAIL = 1e-6
+TINY = torch.finfo(torch.float32).tiny
+
+
+# -- reference answers ---------------------------------------------------------------------------------------
+def reference_temperature_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    greedy = (temperatures == 0).unsqueeze(-1)
+    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures)).unsqueeze(-1)
+    probs = torch.softmax(logits / t, dim=-1)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs)
+
+
+reference_exponential_race = ref_sampler.exponential_race
+
+
+def reference_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """The engine's filter (nanovllm_ref.layers.sampler.top_k_top_p_filter) applied to log-probabilities."""
+    return torch.softmax(ref_sampler.top_k_top_p_filter(probs.float().log(), top_k, top_p), dim=-1)
+
+
+def reference_sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The chapter's sampler built from the three reference pieces (the engine's `sample` draws the same
+    distribution with a shortcut for all-greedy batches)."""
+    probs = reference_temperature_probs(logits, metadata.temperatures)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        probs = reference_top_k_top_p(probs, metadata.top_k, metadata.top_p)
+    return reference_exponential_race(probs, torch.empty_like(probs).exponential_(1.0))
+
+
+def metadata(temperatures, top_k=None, top_p=None, device="cpu") -> SamplingMetadata:
+    """SamplingMetadata from Python lists (None = not used by any row), as the engine's prepare_sample."""
+    t = torch.tensor(temperatures, dtype=torch.float32, device=device)
+    k = None if top_k is None else torch.tensor(top_k, dtype=torch.int64, device=device)
+    p = None if top_p is None else torch.tensor(top_p, dtype=torch.float64, device=device)
+    return SamplingMetadata(t, all_greedy=all(x == 0 for x in temperatures), top_k=k, top_p=p)
+
+
+# -- the host-sync spy and the chi-squared test ----------------------------------------------------------------
+class HostSyncSpy(TorchDispatchMode):
+    """Inside `with HostSyncSpy() as spy:`, records the aten ops that copy a tensor value to the host
+    (`.item()`, `int(t)`, `bool(t)`, `.tolist()` all become aten::_local_scalar_dense) or whose output shape
+    depends on values (nonzero, masked_select, unique, indexing with a boolean mask): on a GPU each one waits
+    for the device."""
+    SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
+             "aten._unique", "aten.item")
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(getattr(func, "overloadpacket", func))
+        if name.startswith(self.SYNCS):
+            self.seen.append(name)
+        elif name in ("aten.index", "aten.index_put", "aten.index_put_") and len(args) > 1 and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()):
+            self.seen.append(f"{name} (boolean mask)")      # x[mask]: the output size depends on the mask
+        return func(*args, **(kwargs or {}))
+
+
+def _sync_message(seen: list[str]) -> str:
+    ops = sorted(set(seen))
+    what = []
+    if "aten._local_scalar_dense" in ops:
+        what.append("reads a tensor value on the host (`.item()`, `int(t)`, `float(t)`, `if t:` or `.tolist()`)")
+    if any(op != "aten._local_scalar_dense" for op in ops):   # nonzero, x[mask], unique, masked_select
+        what.append("makes a value-dependent shape (`nonzero`, boolean-mask indexing `x[mask]`, `unique`; "
+                    "masked_fill / torch.where keep the shape)")
+    return f"your code {' and '.join(what)}: {len(seen)} host sync(s) per call ({', '.join(ops)})"
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """P-value of Pearson's chi-squared test of the draw `counts` [V] against `probs` [V]. Bins with an
+    expected count below `min_expected` are pooled into one; zero-probability tokens are left out (drawing
+    one is a separate, certain failure: see `impossible_draws`)."""
+    counts, probs = counts.double().cpu(), probs.double().cpu()
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= min_expected
+    small = ~big & (probs > 0)
+    obs = torch.cat([counts[big], counts[small].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[small].sum().reshape(1)])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    if obs.numel() < 2:
+        return 1.0
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+def impossible_draws(counts: torch.Tensor, probs: torch.Tensor) -> int:
+    return int(counts[probs.cpu() == 0].sum())
+
+
+def _draw_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(ids.reshape(-1).long().cpu(), minlength=vocab)[:vocab]
+
+
+def _check_ids(tag: str, ids, batch: int, what: str) -> None:
+    if not isinstance(ids, torch.Tensor):
+        fail(tag, f"{what} should return a torch.Tensor of token ids, got {type(ids).__name__}")
+    if ids.shape != (batch,):
+        fail(tag, f"{what} returned shape {tuple(ids.shape)}, expected ({batch},): one token id per row",
+             "reduce over the vocabulary axis (dim=-1)")
+    if ids.dtype != torch.int64:
+        fail(tag, f"{what} returned dtype {ids.dtype}, expected torch.int64", "argmax returns int64 already")
+
+
+def _logits(g: torch.Generator, rows: int, vocab: int, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=g) * scale
+
+
+# -- E8.1 -----------------------------------------------------------------------------------------------------
+def check_temperature_probs(fn) -> None:
+    tag = "E8.1"
+    g = fresh_generator()
+    cases = [(1, 7, torch.float32), (5, 32, torch.float32), (6, 151, torch.bfloat16), (9, 1000, torch.bfloat16)]
+    for rows, vocab, dtype in cases:
+        logits = _logits(g, rows, vocab, 3.0).to(dtype)
+        temps = torch.rand(rows, generator=g) * 1.9 + 0.1
+        temps[torch.arange(rows) % 3 == 1] = 0.0                        # greedy rows in the same batch
+        temps[torch.arange(rows) % 3 == 2] *= 0.25                      # sharp rows: small probabilities matter
+        before = logits.clone()
+        got = call_student(tag, fn, logits, temps.clone())
+        want = reference_temperature_probs(logits, temps)
+        case = f"{rows} rows x {vocab} tokens, {str(dtype).replace('torch.', '')} logits"
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            check_close(tag, got, want, rtol=0, atol=1e-6, what=f"probs ({case})")
+        if not torch.equal(logits, before):
+            fail(tag, "your function changed `logits` in place", "divide into a new tensor (logits / t)")
+        if got.dtype != torch.float32:
+            fail(tag, f"probs have dtype {got.dtype} ({case}), expected torch.float32",
+                 "call .float() on the logits before dividing and taking the softmax")
+        greedy = temps == 0
+        if greedy.any() and not torch.equal(got[greedy], want[greedy]):
+            row = int(greedy.nonzero()[0])
+            if not torch.isfinite(got[greedy]).all():
+                msg = "rows with temperature 0 contain NaN or inf (dividing by T = 0)"
+            else:
+                msg = "rows with temperature 0 must be exactly one-hot at argmax(logits) (1.0 there, 0.0 elsewhere)"
+            fail(tag, f"{msg}; first wrong row {row} ({case})",
+                 "pick those rows with torch.where(temperatures == 0, one_hot, probs), one_hot built with scatter_")
+        sampled = ~greedy
+        a, e = got[sampled], want[sampled]
+        if (a - e).abs().max() <= 1e-6:
+            continue
+        t = temps[sampled].unsqueeze(-1)
+        lf = logits.float()[sampled]
+        candidates = [
+            (torch.softmax(lf, dim=-1), "the temperature is ignored: these are softmax(logits), not softmax(logits / T)",
+             "divide each row's logits by its own temperature (temperatures.unsqueeze(-1)) before the softmax"),
+            (torch.softmax(lf, dim=-1) / t, "you divided the probabilities by T; the temperature divides the LOGITS",
+             "softmax(logits / T) is not softmax(logits) / T (which does not even sum to 1)"),
+            (torch.softmax(lf * t, dim=-1), "you multiplied the logits by T; divide them by T",
+             "T < 1 must sharpen the distribution and T > 1 flatten it"),
+            (torch.softmax((logits[sampled] / t.to(logits.dtype)).to(torch.bfloat16), dim=-1).float(),
+             "these look like a softmax computed in bf16: small probabilities are off by far more than 1e-6",
+             "convert the logits with .float() first; bf16 keeps only 8 significant bits"),
+            (torch.softmax(lf.to(torch.bfloat16).float() / t, dim=-1).to(torch.bfloat16).float(),
+             "these look like bf16 probabilities (rounded to 8 significant bits)",
+             "return the fp32 softmax; do not cast back to the logits' dtype"),
+        ]
+        for cand, msg, hint in candidates:
+            if cand.shape == a.shape and (a - cand).abs().max() <= 1e-6:
+                fail(tag, f"{msg} ({case})", hint)
+        check_close(tag, got, want, rtol=0, atol=1e-6, what=f"probs ({case})",
+                    hint="softmax(logits.float() / T) per row; one-hot at argmax for T = 0")
+    ok(tag)
+
+
+# -- E8.2 -----------------------------------------------------------------------------------------------------
+def check_exponential_race(fn) -> None:
+    tag = "E8.2"
+    g = fresh_generator()
+    for rows, vocab in [(1, 5), (7, 64), (16, 1001)]:
+        probs = torch.softmax(_logits(g, rows, vocab, 2.5), dim=-1)
+        probs[0, torch.randperm(vocab, generator=g)[: vocab // 3]] = 0.0       # impossible tokens in row 0
+        noise = torch.empty(rows, vocab).exponential_(1.0, generator=g)
+        before = (probs.clone(), noise.clone())
+        got = call_student(tag, fn, probs, noise)
+        _check_ids(tag, got, rows, "exponential_race")
+        if not (torch.equal(probs, before[0]) and torch.equal(noise, before[1])):
+            fail(tag, "your function changed `probs` or `noise` in place", "compute probs / noise into a new tensor")
+        want = reference_exponential_race(probs, noise)
+        if torch.equal(got, want):
+            continue
+        candidates = [
+            ((probs * noise).argmax(-1), "you multiplied by the noise: argmax(p * E) is the race with the noise's "
+             "sign flipped (in Gumbel terms, log p - G instead of log p + G)", "the winner is argmax(p / E)"),
+            ((probs / -noise).argmax(-1), "the noise has the wrong sign: argmax(p / -E) picks the SLOWEST racer",
+             "divide by E itself, E >= 0"),
+            ((probs / noise).argmin(-1), "argmin instead of argmax", "the winner has the largest p / E"),
+            ((probs.log() + noise).argmax(-1), "log p + E is not Gumbel-max: Gumbel noise is -log(E), not E",
+             "use the race directly: argmax(p / E)"),
+        ]
+        for cand, msg, hint in candidates:
+            if torch.equal(got, cand):
+                fail(tag, f"{msg} ({rows} rows x {vocab} tokens)", hint)
+        fail(tag, f"token ids differ from argmax(probs / noise) in {int((got != want).sum())} of {rows} rows "
+                  f"({rows} rows x {vocab} tokens)", "one argmax over the vocabulary of probs / noise")
+    # A zero draw must not let an impossible token win (0 / 0 = NaN, and argmax picks NaN).
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.25, 0.0, 0.75]])
+    got = call_student(tag, fn, probs, torch.zeros(2, 3))
+    if got.tolist() != [1, 0] and got.tolist() != [1, 2]:
+        fail(tag, f"with noise exactly 0 your race picked token(s) {got.tolist()}, one with probability 0 "
+                  "(0 / 0 = NaN, and argmax returns NaN's position)",
+             "floor the noise: noise.clamp_min(torch.finfo(torch.float32).tiny)")
+    with HostSyncSpy() as spy:
+        call_student(tag, fn, probs, torch.ones(2, 3))
+    if spy.seen:
+        fail(tag, _sync_message(spy.seen), "one tensor expression: (probs / noise).argmax(dim=-1)")
+    # Statistics: fresh Exp(1) noise, 40k draws in one call per temperature.
+    vocab = 24
+    logits = _logits(g, 1, vocab, 1.5)
+    for t in (0.5, 1.0, 2.0):
+        probs = reference_temperature_probs(logits, torch.tensor([t])).expand(DRAWS, vocab)
+        ids = call_student(tag, fn, probs, torch.empty(DRAWS, vocab).exponential_(1.0))
+        counts = _draw_counts(ids, vocab)
+        p = chi_square_p(counts, probs[0])
+        if p < P_FAIL:
+            fail(tag, f"at T={t}, {DRAWS} draws do not follow the probabilities (chi-squared p = {p:.1e})",
+                 "argmax(p / E) with E ~ Exp(1) is a sample from p; check what you divide by what")
+    ok(tag)
+
+
+# -- E8.3 -----------------------------------------------------------------------------------------------------
+def _kept_compare(tag, probs, got, want, case):
+    """Compare kept sets (tokens tied at top-p's boundary may swap) and renormalised probabilities."""
+    check_close(tag, got, want, rtol=0, atol=1e6, what=f"filtered probs ({case})")      # type / shape / dtype
+    if not torch.isfinite(got).all():
+        fail(tag, f"filtered probs contain NaN or inf ({case})",
+             "a row whose kept mass you divide by must keep at least one token")
+    kept, kept_ref = got > 0, want > 0
+    n, n_ref = kept.sum(-1), kept_ref.sum(-1)
+    if not torch.equal(n, n_ref):
+        row = int((n != n_ref).nonzero()[0])
+        if (n - n_ref).abs().max() == 1 and (n <= n_ref).all():
+            msg = (f"top-p kept one token too few (row {row}: {int(n[row])} instead of {int(n_ref[row])}): the "
+                   "token whose probability makes the kept mass reach top_p belongs to the nucleus")
+            hint = ("drop a token only if the mass of the LESS likely tokens up to and including it is <= 1 - top_p "
+                    "(HF's rule); equivalently keep a token while the mass of the MORE likely ones before it is < top_p")
+        elif (n - n_ref).abs().max() == 1 and (n >= n_ref).all():
+            msg = f"kept one token too many (row {row}: {int(n[row])} instead of {int(n_ref[row])})"
+            hint = "a token whose ascending running sum is exactly 1 - top_p is dropped (<=, not <)"
+        else:
+            msg = f"row {row} keeps {int(n[row])} tokens, the reference {int(n_ref[row])}"
+            hint = ("top-k keeps every token >= the k-th largest (ties included), k = 0 means off; then top-p on "
+                    "the renormalised top-k distribution; always keep the most likely token")
+        fail(tag, f"{msg} ({case})", hint)
+    differ = kept ^ kept_ref
+    if differ.any():
+        # Allowed only among tokens tied with the smallest kept probability (top-p's boundary inside a tie).
+        boundary = torch.where(kept_ref, probs, torch.full_like(probs, 2.0)).min(-1, keepdim=True).values
+        if not (probs[differ] == boundary.expand_as(probs)[differ]).all():
+            row = int(differ.any(-1).nonzero()[0])
+            fail(tag, f"row {row} keeps a different set of tokens than the reference ({case})",
+                 "keep the largest probabilities: sort each row, mask by rank, scatter the mask back")
+    if (got.sum(-1) - 1).abs().max() > 1e-5:
+        fail(tag, f"the kept probabilities do not sum to 1 ({case})", "renormalise: divide by the kept mass")
+    same = ~differ
+    check_close(tag, got[same], want[same], rtol=0, atol=1e-6, what=f"renormalised probs ({case})",
+                hint="divide the kept probabilities by their sum")
+
+
+def check_top_k_top_p(fn) -> None:
+    tag = "E8.3"
+    g = fresh_generator()
+    # Hand-made boundary cases (exact in fp32): ties at the k-th value, a top-p sum landing exactly on top_p.
+    fixed = [
+        (torch.tensor([[0.1, 0.3, 0.3, 0.3]]), [1], None, "ties at the k-th largest are kept"),
+        (torch.tensor([[0.125, 0.5, 0.125, 0.25]]), None, [0.75], "top_p = 0.75, mass 0.5 + 0.25 lands on it"),
+        (torch.tensor([[0.5, 0.3, 0.2]]), None, [0.6], "top_p = 0.6 needs 0.5 and 0.3"),
+        (torch.tensor([[0.25, 0.5, 0.25]]), [2], [0.99], "top_k = 2 keeps 3 (a tie), then top_p"),
+        (torch.tensor([[0.7, 0.1, 0.1, 0.1]]), [0], [0.05], "a tiny top_p keeps the most likely token"),
+    ]
+    for probs, k, p, what in fixed:
+        top_k = None if k is None else torch.tensor(k)
+        top_p = None if p is None else torch.tensor(p, dtype=torch.float64)
+        got = call_student(tag, fn, probs.clone(), top_k, top_p)
+        _kept_compare(tag, probs, got, reference_top_k_top_p(probs, top_k, top_p), f"the case {what}")
+    for rows, vocab in [(1, 2), (8, 17), (24, 300)]:
+        probs = torch.softmax(_logits(g, rows, vocab, 2.5), dim=-1)
+        ks = torch.tensor([0, 1, 2, 5, vocab, vocab + 7, 3, 0])[torch.arange(rows) % 8]
+        ps = torch.tensor([1.0, 0.9, 0.5, 0.95, 0.3, 1.0, 0.8, 0.01], dtype=torch.float64)[torch.arange(rows) % 8]
+        for top_k, top_p, what in [(ks, None, "top_k only"), (None, ps, "top_p only"), (ks, ps, "both")]:
+            before = probs.clone()
+            got = call_student(tag, fn, probs, top_k, top_p)
+            if not torch.equal(probs, before):
+                fail(tag, "your function changed `probs` in place", "build the result with masked_fill / where")
+            _kept_compare(tag, probs, got, reference_top_k_top_p(probs, top_k, top_p),
+                          f"{rows} rows x {vocab} tokens, {what}")
+    probs = torch.softmax(_logits(g, 4, 50), dim=-1)
+    with HostSyncSpy() as spy:
+        call_student(tag, fn, probs, torch.tensor([0, 3, 7, 1]), torch.tensor([0.5, 1.0, 0.9, 0.2], dtype=torch.float64))
+    if spy.seen:
+        fail(tag, _sync_message(spy.seen) + "; a per-row k or p must stay a tensor",
+             "sort once, gather the k-th value per row, compare; cumsum and compare with 1 - top_p per row")
+    ok(tag)
+
+
+# -- E8.4 -----------------------------------------------------------------------------------------------------
+def check_sample(fn) -> None:
+    tag = "E8.4"
+    g = fresh_generator()
+    # Greedy rows exact, in a mixed batch and in an all-greedy one (bf16 logits, as the engine's).
+    logits = _logits(g, 8, 97, 3.0).bfloat16()
+    temps = [0.0, 1.0, 0.0, 0.7, 0.0, 2.0, 0.0, 0.5]
+    meta = metadata(temps, [3, 5, 0, 0, 1, 2, 0, 0], [0.2, 1.0, 0.5, 0.9, 1.0, 0.5, 1.0, 0.7])
+    greedy = torch.tensor([t == 0 for t in temps])
+    argmax = logits.float().argmax(-1)
+    for _ in range(4):
+        ids = call_student(tag, fn, logits, meta)
+        _check_ids(tag, ids, 8, "sample")
+        if not torch.equal(ids[greedy], argmax[greedy]):
+            fail(tag, "a row with temperature 0 did not get argmax(logits) in a batch that also samples",
+                 "greedy rows are one-hot (E8.1), so the race picks their argmax whatever the noise")
+    ids = call_student(tag, fn, logits, metadata([0.0] * 8))
+    _check_ids(tag, ids, 8, "sample")
+    if not torch.equal(ids, argmax):
+        fail(tag, "an all-greedy batch did not give argmax(logits)", "temperature 0 means argmax, exactly")
+    with HostSyncSpy() as spy:
+        call_student(tag, fn, logits, meta)
+        call_student(tag, fn, logits, metadata([1.0] * 8))
+    if spy.seen:
+        fail(tag, _sync_message(spy.seen) + "; the engine's decode step (a CUDA graph) cannot wait for the host",
+             "no .item(), no `if tensor:`, no Python loop over rows: tensor ops on the whole batch")
+    # Statistics: 40k draws per setting, in one call each.
+    vocab = 40
+    row = _logits(g, 1, vocab, 1.5)[0]
+    settings = [(0.5, 0, 1.0), (1.0, 0, 1.0), (2.0, 0, 1.0), (1.0, 8, 1.0), (1.0, 0, 0.7), (0.8, 12, 0.8)]
+    for t, k, p in settings:
+        meta = metadata([t] * DRAWS, [k] * DRAWS if k else None, [p] * DRAWS if p < 1 else None)
+        want = reference_top_k_top_p(reference_temperature_probs(row[None], meta.temperatures[:1]),
+                                     meta.top_k[:1] if k else None, meta.top_p[:1] if p < 1 else None)[0]
+        ids = call_student(tag, fn, row.expand(DRAWS, vocab), meta)
+        _check_ids(tag, ids, DRAWS, "sample")
+        counts = _draw_counts(ids, vocab)
+        setting = f"T={t}" + (f", top_k={k}" if k else "") + (f", top_p={p}" if p < 1 else "")
+        bad = impossible_draws(counts, want)
+        if bad:
+            fail(tag, f"with {setting}, {bad} of {DRAWS} draws were tokens that top-k / top-p removed",
+                 "sample from the filtered probabilities (E8.3), not from the unfiltered ones")
+        pv = chi_square_p(counts, want)
+        if pv >= P_FAIL:
+            continue
+        plain = reference_temperature_probs(row[None], meta.temperatures[:1])[0]
+        candidates = [
+            (torch.softmax(row, -1), "the frequencies follow softmax(logits): the temperature is not applied",
+             "pass metadata.temperatures to temperature_probs"),
+            (plain, "the frequencies ignore top-k / top-p", "apply top_k_top_p when metadata.top_k or top_p is set"),
+        ]
+        for cand, msg, hint in candidates:
+            if impossible_draws(counts, cand) == 0 and chi_square_p(counts, cand) >= P_FAIL:
+                fail(tag, f"with {setting}, {msg} (chi-squared p = {pv:.1e} against the right distribution)", hint)
+        fail(tag, f"with {setting}, {DRAWS} draws do not follow the filtered distribution (chi-squared p = {pv:.1e})",
+             "temperature_probs -> top_k_top_p -> exponential_race with fresh Exp(1) noise")
+    ok(tag)
+
+
+# -- the engine with the student's sampler -----------------------------------------------------------------
+def your_sampler_in_the_engine(sample) -> None:
+    """Ungraded: greedy ids through the engine with Parts(sampler=sample) (vs HF), then one sampled run.
+    Prints one line per run, or one line if `sample` is still a stub."""
+    import warnings
+
+    from nanovllm_course.common import tiny_model_dir
+    from nanovllm_course.engine_check import your_part_in_the_engine
+    from nanovllm_course.export import is_stub
+    from nanovllm_ref import LLM, Parts, SamplingParams
+    if is_stub(sample) or any(is_stub(sample.__globals__.get(h)) for h in HELPERS if h in sample.__globals__):
+        print("Your sample (or a piece it calls) is still a stub, so the engine would run the reference. "
+              "Fill in E8.1-E8.4, then run this cell again.")
+        return
+    your_part_in_the_engine(sample=sample)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            llm = LLM(tiny_model_dir("qwen3"), parts=Parts(sampler=sample), device="cpu", kvcache_block_size=4,
+                      max_model_len=64)
+            try:
+                sps = [SamplingParams(temperature=1.0, top_k=20, max_tokens=8, ignore_eos=True),
+                       SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8, ignore_eos=True),
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+                outs = llm.generate([[5, 9, 11, 3], [100, 4], [7, 13, 21]], sps, use_tqdm=False)
+            finally:
+                llm.exit()
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"The sampled run with your sample failed: {type(exc).__name__}: {first[:200]}")
+        return
+    n = sum(len(o["token_ids"]) for o in outs)
+    print(f"Sampled run with your sample (top_k=20 / top_p=0.9 / greedy rows in one batch): {n} tokens, "
+          f"all in the vocabulary: {all(0 <= t < 512 for o in outs for t in o['token_ids'])}.")
+
+
+HELPERS = ("temperature_probs", "top_k_top_p", "exponential_race")

@@ -1,0 +1,209 @@
+"""Mutation tests of the chapter 08 check helpers (nanovllm_course/ch08.py): each check passes on the
+reference (printing exactly its `E8.n ok` line), fails on a stub with 'not implemented yet', and fails on
+the plausible mistakes the chapter names with a message chosen from what differs. Also: the host-sync spy
+sees `.item()` / `nonzero`, and the engine's own sampler passes the chapter's checks."""
+import pytest
+import torch
+
+from nanovllm_course import ch08
+from nanovllm_ref.layers.sampler import sample as engine_sample
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def passes(check, fn, tag, capsys):
+    capsys.readouterr()
+    check(fn)
+    assert capsys.readouterr().out == f"{tag} ok\n"
+
+
+def fails(check, fn, match):
+    with pytest.raises(AssertionError, match=match) as info:
+        check(fn)
+    return str(info.value)
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError("Exercise: fill in this code")
+
+
+# -- E8.1 -----------------------------------------------------------------------------------------------------
+def _greedy_fix(logits, temperatures, probs):
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.float().argmax(-1, keepdim=True), 1.0)
+    return torch.where((temperatures == 0).unsqueeze(-1), one_hot, probs)
+
+
+def _t(temperatures):
+    return torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures)).unsqueeze(-1)
+
+
+def temperature_ignored(logits, temperatures):
+    return _greedy_fix(logits, temperatures, torch.softmax(logits.float(), -1))
+
+
+def probs_divided_by_t(logits, temperatures):
+    return _greedy_fix(logits, temperatures, torch.softmax(logits.float(), -1) / _t(temperatures))
+
+
+def bf16_softmax(logits, temperatures):
+    probs = torch.softmax((logits / _t(temperatures).to(logits.dtype)).bfloat16(), -1).float()
+    return _greedy_fix(logits, temperatures, probs)
+
+
+def greedy_by_division(logits, temperatures):
+    return torch.softmax(logits.float() / temperatures.unsqueeze(-1), -1)
+
+
+def returns_logits_dtype(logits, temperatures):
+    return ch08.reference_temperature_probs(logits, temperatures).to(logits.dtype)
+
+
+def test_e8_1(capsys):
+    passes(ch08.check_temperature_probs, ch08.reference_temperature_probs, "E8.1", capsys)
+    fails(ch08.check_temperature_probs, stub, "E8.1: not implemented yet")
+    fails(ch08.check_temperature_probs, temperature_ignored, "temperature is ignored")
+    fails(ch08.check_temperature_probs, probs_divided_by_t, "divided the probabilities by T")
+    fails(ch08.check_temperature_probs, bf16_softmax, "softmax computed in bf16")
+    fails(ch08.check_temperature_probs, greedy_by_division, "temperature 0 contain NaN")
+    fails(ch08.check_temperature_probs, returns_logits_dtype, "expected torch.float32")
+
+
+# -- E8.2 -----------------------------------------------------------------------------------------------------
+def noise_times(probs, noise):
+    return (probs * noise).argmax(-1)
+
+
+def noise_negated(probs, noise):
+    return (probs / -noise.clamp_min(TINY)).argmax(-1)
+
+
+def no_floor(probs, noise):
+    return (probs / noise).argmax(-1)
+
+
+def race_with_item(probs, noise):
+    return torch.tensor([int((probs[b] / noise[b].clamp_min(TINY)).argmax().item()) for b in range(probs.shape[0])])
+
+
+def test_e8_2(capsys):
+    passes(ch08.check_exponential_race, ch08.reference_exponential_race, "E8.2", capsys)
+    fails(ch08.check_exponential_race, stub, "E8.2: not implemented yet")
+    fails(ch08.check_exponential_race, noise_times, "multiplied by the noise")
+    fails(ch08.check_exponential_race, noise_negated, "wrong sign")
+    fails(ch08.check_exponential_race, no_floor, "noise exactly 0")
+    fails(ch08.check_exponential_race, race_with_item, "host sync")
+
+
+# -- E8.3 -----------------------------------------------------------------------------------------------------
+def top_p_one_too_few(probs, top_k, top_p):
+    """Keeps the most likely tokens while their running sum stays <= top_p: drops the token that reaches it."""
+    probs = ch08.reference_top_k_top_p(probs, top_k, None) if top_k is not None else probs
+    if top_p is None:
+        return probs
+    desc, order = probs.sort(dim=-1, descending=True, stable=True)
+    keep = desc.cumsum(-1) <= top_p.float().unsqueeze(-1)
+    keep[:, 0] = True
+    keep |= (top_p >= 1).unsqueeze(-1)
+    kept = torch.zeros_like(probs).scatter(-1, order, desc * keep)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def top_k_drops_ties(probs, top_k, top_p):
+    if top_k is not None:
+        vocab = probs.shape[-1]
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        rank = probs.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        probs = torch.where(rank < k.unsqueeze(-1), probs, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return ch08.reference_top_k_top_p(probs, None, top_p)
+
+
+def not_renormalised(probs, top_k, top_p):
+    out = ch08.reference_top_k_top_p(probs, top_k, top_p)
+    return torch.where(out > 0, probs, 0.0)
+
+
+def top_k_with_item(probs, top_k, top_p):
+    if top_k is not None:
+        rows = []
+        for b in range(probs.shape[0]):
+            k = int(top_k[b].item())
+            rows.append(ch08.reference_top_k_top_p(probs[b:b + 1], torch.tensor([k]), None)[0])
+        probs = torch.stack(rows)
+    return ch08.reference_top_k_top_p(probs, None, top_p)
+
+
+def test_e8_3(capsys):
+    passes(ch08.check_top_k_top_p, ch08.reference_top_k_top_p, "E8.3", capsys)
+    fails(ch08.check_top_k_top_p, stub, "E8.3: not implemented yet")
+    fails(ch08.check_top_k_top_p, top_p_one_too_few, "top-p kept one token too few")
+    fails(ch08.check_top_k_top_p, top_k_drops_ties, "row 0 keeps 1 tokens, the reference 3")
+    fails(ch08.check_top_k_top_p, not_renormalised, "do not sum to 1")
+    fails(ch08.check_top_k_top_p, top_k_with_item, "host sync")
+
+
+# -- E8.4 -----------------------------------------------------------------------------------------------------
+def sample_with_row_item(logits, metadata):
+    """Correct draws, but one `.item()` per row to decide greedy or not."""
+    out = []
+    for b in range(logits.shape[0]):
+        if metadata.temperatures[b].item() == 0:
+            out.append(logits[b].float().argmax())
+        else:
+            sub = type(metadata)(metadata.temperatures[b:b + 1], False,
+                                 None if metadata.top_k is None else metadata.top_k[b:b + 1],
+                                 None if metadata.top_p is None else metadata.top_p[b:b + 1])
+            out.append(ch08.reference_sample(logits[b:b + 1], sub)[0])
+    return torch.stack(out)
+
+
+def sample_ignoring_temperature(logits, metadata):
+    m = type(metadata)(torch.where(metadata.temperatures > 0, 1.0, 0.0), metadata.all_greedy, metadata.top_k,
+                       metadata.top_p)
+    return ch08.reference_sample(logits, m)
+
+
+def sample_ignoring_filters(logits, metadata):
+    return ch08.reference_sample(logits, type(metadata)(metadata.temperatures, metadata.all_greedy))
+
+
+def sample_greedy_as_t1(logits, metadata):
+    m = type(metadata)(torch.where(metadata.temperatures > 0, metadata.temperatures, 1.0), False,
+                       metadata.top_k, metadata.top_p)
+    return ch08.reference_sample(logits, m)
+
+
+def test_e8_4(capsys):
+    passes(ch08.check_sample, ch08.reference_sample, "E8.4", capsys)
+    passes(ch08.check_sample, engine_sample, "E8.4", capsys)            # the engine's sampler passes too
+    fails(ch08.check_sample, stub, "E8.4: not implemented yet")
+    fails(ch08.check_sample, sample_with_row_item, r"host sync.*aten._local_scalar_dense")
+    fails(ch08.check_sample, sample_ignoring_temperature, "temperature is not applied")
+    fails(ch08.check_sample, sample_ignoring_filters, "tokens that top-k / top-p removed")
+    fails(ch08.check_sample, sample_greedy_as_t1, "temperature 0 did not get argmax")
+
+
+# -- the machinery ----------------------------------------------------------------------------------------------
+def test_host_sync_spy_sees_item_and_nonzero_and_not_the_reference():
+    x = torch.randn(3, 5)
+    with ch08.HostSyncSpy() as spy:
+        ch08.reference_sample(x, ch08.metadata([1.0, 0.0, 0.5], [2, 0, 0], [1.0, 1.0, 0.5]))
+        engine_sample(x, ch08.metadata([1.0, 0.0, 0.5], [2, 0, 0], [1.0, 1.0, 0.5]))
+    assert spy.seen == []
+    with ch08.HostSyncSpy() as spy:
+        x[0, 0].item()
+        bool(x[0, 0] > 0)
+        (x > 0).nonzero()
+        x[x > 0]
+        x[x > 0] = 0.0
+    assert spy.seen == ["aten._local_scalar_dense"] * 2 + ["aten.nonzero", "aten.index (boolean mask)",
+                                                           "aten.index_put_ (boolean mask)"]
+
+
+def test_chi_square_p_is_calibrated_enough():
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(30), -1)
+    ps = [ch08.chi_square_p(torch.bincount(torch.multinomial(probs, 40_000, replacement=True), minlength=30), probs)
+          for _ in range(200)]
+    assert sum(p < 0.05 for p in ps) < 25                      # about 10 expected under the null
+    assert ch08.chi_square_p(torch.full((30,), 1000.0), probs) < 1e-6
