@@ -62,6 +62,24 @@ def test_prefix_hit_requires_the_cached_blocks_parent():
     assert hit == 4
 
 
+def test_duplicate_copies_of_a_prefix_still_hit():
+    """Two requests that share a first block and prefill in one step each fill their own copy of it. The hash
+    map keeps the copy hashed last (b's), while the cached second block is a's child. The parent check
+    compares exact prefixes (lineages), not block ids, so a third request still hits both blocks."""
+    bm = BlockManager(16, 4, True)
+    first, second = [5, 6, 7, 8], [9, 10, 11, 12]
+    a, b = Sequence(first + second + [1], 4), Sequence(first + [2], 4)
+    bm.allocate(a)
+    bm.allocate(b)                            # nothing hashed yet: two copies of the first block
+    assert a.block_table[0] != b.block_table[0]
+    for seq in (a, b):                        # the step wrote both; a's blocks are hashed first, then b's
+        seq.num_cached_tokens = len(seq)
+        bm.hash_blocks(seq)
+    assert bm.hash_to_block_id[bm.blocks[b.block_table[0]].hash] == b.block_table[0]
+    _, hit = _run_prefill(bm, first + second + [3])
+    assert hit == 8
+
+
 
 # -- 1. stop ids from generation_config.json ------------------------------------------------------------
 def _hf_generate(path, prompt, max_new_tokens):

@@ -8,11 +8,13 @@ Prefix caching (vLLM's automatic prefix caching; upstream nano-vllm `engine/bloc
 - A *full* block whose K/V has been written gets a hash chained over all tokens up to its end:
   h_i = xxh64(h_{i-1} || token_ids of block i). Equal hashes mean equal prefixes, so a new sequence whose
   first blocks hash the same reuses them instead of recomputing. Hash collisions are possible, so a hit
-  must also pass two exact checks: the cached block holds the same token ids, and its parent (the block
-  it was chained to when hashed) is the block this sequence just matched before it. Each filling of a
-  block gets a fresh serial number (`uid`) and the child records its parent's, so a recycled parent never
-  vouches for an old child. By induction, a hit reuses K/V computed after exactly this sequence's prefix,
-  whatever the hash function.
+  must also pass two exact checks: the cached block holds the same token ids, and it was computed after
+  exactly the prefix this sequence just matched. For the second, every hashed block carries a *lineage*: an
+  id interned from (its parent's lineage, its token ids), so two blocks share a lineage only if their whole
+  token prefixes are equal; a hit needs the cached block's parent lineage to equal the lineage of the block
+  matched before it. Duplicate copies of one prefix (two requests that prefilled it in the same step) share
+  a lineage, so no valid hit is lost; a hash collision after a different prefix never hits, whatever the
+  hash function.
 - Blocks are shared, so each has a ref count: the number of live block tables holding it. A block returns to
   the free pool only at ref count 0.
 - A freed block keeps its hash and contents until the pool hands it out again (least recently freed first),
@@ -45,14 +47,14 @@ class Block:
         self.ref_count = 0
         self.hash = -1          # -1: not a full, written block (or reset after reuse)
         self.token_ids: list[int] = []
-        self.uid = -1           # serial number of this filling of the block (-1: not hashed)
-        self.parent_uid = -1    # uid of the block before it when it was hashed (-1: first block)
+        self.lineage = -1       # id of the exact token prefix this block's K/V was computed under (-1: none)
+        self.parent_lineage = -1    # lineage of the block before it when it was hashed (-1: first block)
 
     def reset(self) -> None:
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
-        self.uid = self.parent_uid = -1
+        self.lineage = self.parent_lineage = -1
 
 
 class BlockManager:
@@ -71,7 +73,13 @@ class BlockManager:
         if not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
         self.hash_fn = hash_fn
-        self._uids = count()
+        # Exact prefix identity, independent of the hash: (parent lineage, block tokens) -> lineage id. Two
+        # blocks share a lineage iff their whole token prefixes are equal, so a hit can demand that the
+        # cached block was computed after *this* prefix without losing hits on duplicate copies of it.
+        self._lineage_ids: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._lineage_keys: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._lineage_users: dict[int, int] = {}
+        self._next_lineage = count()
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -91,6 +99,7 @@ class BlockManager:
         # Re-using the block destroys its old contents, so its prefix-cache entry must go too.
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
+        self._drop_lineage(block.lineage)
         block.reset()
         self.used_block_ids.add(block_id)
         return block_id
@@ -99,7 +108,7 @@ class BlockManager:
         """Block ids of the longest cached prefix of `seq`, in order (full blocks only)."""
         if not self.enable_prefix_caching:
             return []
-        hits, h, parent_uid = [], -1, -1
+        hits, h, parent_lineage = [], -1, -1
         for i in range(len(seq) // self.block_size):
             tokens = seq.block(i)
             h = self.hash_fn(tokens, h)
@@ -107,10 +116,11 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.token_ids != tokens or block.parent_uid != parent_uid:    # a hash collision
+            # A hash collision unless the block holds these tokens and was computed after this exact prefix.
+            if block.token_ids != tokens or block.parent_lineage != parent_lineage:
                 break
             hits.append(block_id)
-            parent_uid = block.uid
+            parent_lineage = block.lineage
         # If the whole sequence is cached there is no token left to compute logits from: recompute the
         # last block (into a fresh block, never into a shared one).
         if hits and len(hits) * self.block_size == len(seq):
@@ -158,6 +168,25 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.num_hashed_blocks = 0
 
+    # -- exact prefix identity ----------------------------------------------------------------------------
+    def _take_lineage(self, parent_lineage: int, tokens) -> int:
+        key = (parent_lineage, tuple(tokens))
+        lineage = self._lineage_ids.get(key)
+        if lineage is None:
+            lineage = next(self._next_lineage)
+            self._lineage_ids[key], self._lineage_keys[lineage] = lineage, key
+        self._lineage_users[lineage] = self._lineage_users.get(lineage, 0) + 1
+        return lineage
+
+    def _drop_lineage(self, lineage: int) -> None:
+        """A block stops holding `lineage`; forget the id when no block holds it (memory stays bounded by
+        the cache size). A child cached under a forgotten parent id then simply misses."""
+        if lineage == -1:
+            return
+        self._lineage_users[lineage] -= 1
+        if self._lineage_users[lineage] == 0:
+            del self._lineage_users[lineage], self._lineage_ids[self._lineage_keys.pop(lineage)]
+
     # -- decode -----------------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
         """True if the next decode step of `seq` can get the block it may need."""
@@ -180,6 +209,8 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             block.hash = self.hash_fn(tokens, parent.hash if parent else -1)
             block.token_ids = list(tokens)
-            block.uid, block.parent_uid = next(self._uids), (parent.uid if parent else -1)
+            self._drop_lineage(block.lineage)
+            block.parent_lineage = parent.lineage if parent else -1
+            block.lineage = self._take_lineage(block.parent_lineage, tokens)
             self.hash_to_block_id[block.hash] = block.block_id
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
