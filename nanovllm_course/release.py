@@ -369,8 +369,11 @@ def execute_notebook(nb, cwd: str | Path, *, timeout: int = 300, skip_gpu: bool 
     nb = copy.deepcopy(nb)
     if skip_gpu is None:
         skip_gpu = not cuda_available()
+    # log_level ERROR: the kernel's start-up warning about its local TCP transport went to our stderr and
+    # landed in the middle of the grade output. Cell errors still arrive as messages, not logs.
     client = NotebookClient(nb, timeout=timeout, km=_kernel_manager(), allow_errors=True,
-                            resources={"metadata": {"path": str(cwd)}})
+                            resources={"metadata": {"path": str(cwd)}},
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"])
     errors = []
     with client.setup_kernel(cwd=str(cwd)):
         for i, cell in enumerate(nb.cells):
