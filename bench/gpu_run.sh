@@ -57,20 +57,25 @@ PY
     timeout 120 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -8
   fi
   if [ "$mode" = check ]; then
-    for cfg in graphs eager; do
+    for cfg in ${CFGS:-graphs eager}; do
       eager=$([ $cfg = eager ] && echo true || echo false)
       step "equivalence + Parts tests on GPU (fp32 vs HF), CUDA graphs: $cfg"
       NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"float32\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
         timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_parts.py \
-          tests/test_engine_faults_r2.py tests/test_triton_engine.py -k "not tensor_parallel and not tp_engine and not exported" \
+          tests/test_engine_faults_r2.py tests/test_triton_engine.py tests/test_sampler_top_k_top_p.py \
+          -k "not tensor_parallel and not tp_engine and not exported" \
           --junitxml="$OUT/pytest_gpu_$cfg.xml" 2>&1 | grep -v DEBUG | tail -15
     done
-    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    if [ -z "${NO_TP:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       step "tensor parallel on two GPUs over NCCL (TP=2 vs HF, exported parts in TP workers)"
       NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32"}' timeout 240 python3 -m pytest -q -p no:cacheprovider \
         tests/test_engine_tp_and_errors.py tests/test_parts.py -k "(tensor_parallel or tp_engine) and not exported" \
         --junitxml="$OUT/pytest_gpu_tp2.xml" 2>&1 | grep -v DEBUG | tail -15
     fi
+  fi
+  if [ "$mode" = check ] && [ -n "${CH06:-}" ]; then
+    step "chapter 06: the solution's decode kernel vs the engine's, timed"
+    timeout 180 python3 bench/ch06_kernel_timing.py "$OUT/ch06_kernels_h200.json" 2>&1 | tail -12
   fi
   if [ "$mode" = final ]; then
     step "equivalence tests on GPU with fused kernels and CUDA graphs (fp32 vs HF)"
