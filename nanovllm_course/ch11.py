@@ -39,7 +39,7 @@ RTOL_FLOOR, RTOL_ROOFLINE = 1e-9, 1e-2
 # nano-vllm's own README (github.com/GeeeekExplorer/nano-vllm), same workload (256 requests, Qwen3-0.6B):
 PUBLISHED = {
     "source": "GeeeekExplorer/nano-vllm README (benchmark section)",
-    "rows": [dict(hardware="RTX 4070 laptop (8 GB)", nano_vllm=1434, vllm=1362),
+    "rows": [dict(hardware="RTX 4070 laptop", nano_vllm=1434, vllm=1362),
              dict(hardware="A100-40GB", nano_vllm=8961, vllm=7484)],
 }
 
