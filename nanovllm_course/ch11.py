@@ -82,27 +82,36 @@ def _floor_mutants(prompts, max_tokens, config, bw, flops) -> list[tuple[str, st
                 "Qwen3 caches num_key_value_heads heads per layer, not num_attention_heads",
                 variant(kv_bytes_per_token=st["kv_bytes_per_token"] * config.num_attention_heads
                         // config.num_key_value_heads)))
-    out.append(("prefill_flops", "prefill_flops counts 1 FLOP per parameter and token: a matmul does a multiply "
-                "and an add", "a linear layer costs 2 x params FLOPs per token",
-                variant(layer_params=st["layer_params"] / 2, lm_head_params=st["lm_head_params"] / 2,
-                        attn_flops_coef=st["attn_flops_coef"] / 2)))
-    half_linear = variant(layer_params=st["layer_params"] / 2, lm_head_params=st["lm_head_params"] / 2)
-    out.append(("prefill_flops", "prefill_flops counts 1 FLOP per parameter and token in the linear layers: a "
-                "matmul does a multiply and an add", "a linear layer costs 2 x params FLOPs per token", half_linear))
-    no_attn = variant(attn_flops_coef=0)
-    out.append(("prefill_flops", "prefill_flops leaves out attention (QK^T and PV over the causal triangle)",
-                "attention adds 4 x layers x heads x head_dim FLOPs per (query, earlier key) pair, n^2/2 pairs "
-                "per prompt", no_attn))
+    # prefill: every combination of the usual mistakes (1 FLOP per weight, LM head on every token, attention
+    # left out / as a full square / at 1 FLOP per multiply-add), named together
     lens = [len(p) for p in prompts]
-    lm_all = dict(physical_floor(prompts, max_tokens, st, bw, flops))
-    lm_all["prefill_flops"] += 2 * st["lm_head_params"] * (sum(lens) - len(lens))
-    out.append(("prefill_flops", "prefill_flops runs the LM head on every prompt token; prefill needs logits only "
-                "at each prompt's last position", "the LM head costs 2 x vocab x hidden FLOPs once per prompt",
-                lm_all))
-    full = dict(physical_floor(prompts, max_tokens, st, bw, flops))
-    full["prefill_flops"] += st["attn_flops_coef"] * sum(n * n / 2 for n in lens)
-    out.append(("prefill_flops", "prefill_flops counts the full n x n attention square: causal attention needs "
-                "only the triangle (n^2/2 pairs)", "a query attends to itself and earlier keys only", full))
+    base = dict(physical_floor(prompts, max_tokens, st, bw, flops))
+    mistakes = {
+        "one": ("prefill_flops counts 1 FLOP per parameter and token: a matmul does a multiply and an add",
+                "a linear layer costs 2 x params FLOPs per token"),
+        "lm": ("prefill_flops runs the LM head on every prompt token; prefill needs logits only at each prompt's "
+               "last position", "the LM head costs 2 x vocab x hidden FLOPs once per prompt"),
+        "noattn": ("prefill_flops leaves out attention (QK^T and PV over the causal triangle)",
+                   "attention adds 4 x layers x heads x head_dim FLOPs per (query, earlier key) pair, n^2/2 pairs "
+                   "per prompt"),
+        "square": ("prefill_flops counts the full n x n attention square: causal attention needs only the triangle "
+                   "(n^2/2 pairs)", "a query attends to itself and earlier keys only"),
+        "halfattn": ("prefill_flops counts attention at 1 FLOP per multiply-add",
+                     "QK^T and PV cost 2 x head_dim FLOPs each per (query, key) pair and head"),
+    }
+    attn = st["attn_flops_coef"] * sum(n * n / 2 for n in lens)
+    for lin in (1, 2):
+        for head in (1, 2):
+            for lm_all in (False, True):
+                for a_name, a_factor in ((None, 1), ("noattn", 0), ("square", 2), ("halfattn", 0.5)):
+                    names = (["one"] if 1 in (lin, head) else []) + (["lm"] if lm_all else []) + \
+                        ([a_name] if a_name else [])
+                    if not names:
+                        continue
+                    f = dict(base)
+                    f["prefill_flops"] = lin * st["layer_params"] * sum(lens) + \
+                        head * st["lm_head_params"] * (sum(lens) if lm_all else len(lens)) + a_factor * attn
+                    out.append(("prefill_flops", "; ".join(mistakes[n][0] for n in names), mistakes[names[0]][1], f))
     for _, _, _, f in out:
         f["kv_read_s"], f["weight_read_s"] = f["kv_bytes"] / bw, f["weight_bytes"] / bw
         f["prefill_s"] = f["prefill_flops"] / flops
@@ -350,18 +359,15 @@ def check_compute_bound_batch(fn) -> None:
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             fail(tag, f"compute_bound_batch should return a float, got {type(got).__name__}",
                  "return the batch size as a float (math.inf when never compute-bound)")
+        if math.isinf(expected) and math.isinf(got) and got > 0 or _close(got, expected, RTOL_ROOFLINE):
+            continue
+        for message, hint, wrong in _roofline_mutants(st, bw, flops, ctx):
+            if (math.isinf(wrong) and math.isinf(got)) or (math.isfinite(wrong) and _close(got, wrong, 1e-3)):
+                fail(tag, f"{message} ({what})", hint)
         if math.isinf(expected):
-            if math.isinf(got) and got > 0:
-                continue
             fail(tag, f"returned {_fmt(got)} where decode never becomes compute-bound ({what})",
                  "each extra sequence adds its K/V reads too; when they take longer than its FLOPs, no batch size "
                  "is compute-bound: return math.inf")
-        if _close(got, expected, RTOL_ROOFLINE):
-            continue
-        for message, hint, wrong in _roofline_mutants(st, bw, flops, ctx):
-            if (math.isinf(wrong) and isinstance(got, float) and math.isinf(got)) or \
-                    (math.isfinite(wrong) and _close(got, wrong, 1e-3)):
-                fail(tag, f"{message} ({what})", hint)
         fail(tag, f"returned {_fmt(got)}, expected {expected:.6g} ({what}; rtol {RTOL_ROOFLINE:g})",
              "solve memory time = compute time for B, both linear in B")
     ok(tag)
