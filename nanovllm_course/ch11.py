@@ -124,7 +124,8 @@ def _fmt(x) -> str:
 
 
 def _close(a, e, rtol):
-    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) and abs(a - e) <= rtol * abs(e)
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) and math.isfinite(e) \
+        and abs(a - e) <= rtol * abs(e)
 
 
 def _random_config(g):

@@ -259,3 +259,10 @@ def test_floor_matches_the_committed_h200_floor():
     fl = physical_floor(prompts, max_tokens, model_stats(ch11.qwen3_06b_config()),
                         h200["machine"]["copy_bandwidth_Bps"], h200["machine"]["matmul_flops"])
     assert fl["floor_s"] == pytest.approx(h200["floor"]["floor_s"], rel=1e-9)
+
+
+def test_roofline_finite_where_never_compute_bound():
+    def wrong(st, bw, fl, c=0):
+        b = ch11.reference_compute_bound_batch(st, bw, fl, c)
+        return 170.0 if math.isinf(b) else b
+    fails("E11.3", wrong, "never becomes compute-bound", "math.inf")
