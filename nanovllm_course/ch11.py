@@ -1,0 +1,461 @@
+"""Checks and tools for chapter 11: benchmarking (the physical floor, throughput, the roofline, peers).
+
+- `check_workload_floor(fn)` (E11.1): the student's `workload_floor(prompts, max_tokens, config, bw_bytes_s,
+  flops_s)` against `nanovllm_ref.bench.physical_floor(prompts, max_tokens, model_stats(config), ...)` on
+  the upstream workload and on fresh random workloads and model shapes, every key within **rtol 1e-9**.
+- `check_throughput(fn)` (E11.2): the student's `throughput(trace)` against `reference_throughput` on fresh
+  random step traces, **exactly** (the traces' seconds are multiples of 1/1024 s, so every sum is exact in
+  float64 whatever the order of the additions).
+- `check_compute_bound_batch(fn)` (E11.3): the student's `compute_bound_batch(stats, bw_bytes_s, flops_s,
+  context)` against `reference_compute_bound_batch` on the H200 and on fresh random machines and contexts,
+  within **rtol 1e-2** (`math.inf` where decode never becomes compute-bound).
+
+Each check prints `E11.n ok` and nothing else on success and draws new inputs on every call. On a wrong
+answer it computes the usual wrong answers and names the one that matches.
+
+Tools: `Step` and `time_steps(llm, ...)` (a step trace of the real engine, the format of E11.2),
+`reference_*` answers, `h200_results()` (the committed H200 JSONs as one table), `PUBLISHED` (the
+nano-vllm vs vLLM numbers of the GeeeekExplorer/nano-vllm README) and `run_vllm(...)`, the vLLM peer on the
+bench workload (`python -m nanovllm_course.ch11 vllm` on a machine where `import vllm` works).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from nanovllm_course.common import call_student, fail, fresh_generator, ok, randint
+from nanovllm_ref.bench import QWEN3_06B, make_workload, model_stats, physical_floor
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+FLOOR_KEYS = ("kv_bytes", "weight_bytes", "prefill_flops", "kv_read_s", "weight_read_s", "prefill_s", "floor_s")
+RTOL_FLOOR, RTOL_ROOFLINE = 1e-9, 1e-2
+
+# nano-vllm's own README (github.com/GeeeekExplorer/nano-vllm), same workload (256 requests, Qwen3-0.6B):
+PUBLISHED = {
+    "source": "GeeeekExplorer/nano-vllm README (benchmark section)",
+    "rows": [dict(hardware="RTX 4070 laptop", nano_vllm=1434, vllm=1362),
+             dict(hardware="A100-40GB", nano_vllm=8961, vllm=7484)],
+}
+
+
+def qwen3_06b_config():
+    """The Qwen3-0.6B shape as a transformers config (what the GPU bench builds, with random weights)."""
+    from nanovllm_ref.tiny import tiny_config
+    return tiny_config("qwen3", **QWEN3_06B)
+
+
+# -- E11.1 the physical floor --------------------------------------------------------------------------------
+def reference_workload_floor(prompts, max_tokens, config, bw_bytes_s, flops_s) -> dict:
+    return physical_floor(prompts, max_tokens, model_stats(config), bw_bytes_s, flops_s)
+
+
+def _floor_mutants(prompts, max_tokens, config, bw, flops) -> list[tuple[str, str, str, dict]]:
+    """(key it shows in, message, hint, wrong floor) for the usual mistakes."""
+    st = model_stats(config)
+    out = []
+
+    def variant(**kw):
+        s = dict(st, **{k: v for k, v in kw.items() if k in st})
+        f = physical_floor(prompts, max_tokens, s, bw, flops)
+        return f
+
+    once = dict(physical_floor(prompts, max_tokens, st, bw, flops))
+    once["weight_bytes"] = st["weight_bytes"]
+    out.append(("weight_bytes", "weight_bytes is one copy of the weights: decode reads them again at every step",
+                "every decode step streams all weights from memory once; there are max(max_tokens) - 1 steps",
+                once))
+    steps_all = dict(physical_floor(prompts, max_tokens, st, bw, flops))
+    steps_all["weight_bytes"] = max(max_tokens) * st["weight_bytes"]
+    out.append(("weight_bytes", "weight_bytes counts max(max_tokens) decode steps, one too many",
+                "the first output token comes out of the prefill, so decode runs max(max_tokens) - 1 steps",
+                steps_all))
+    out.append(("kv_bytes", "kv_bytes is half the reference's: the cache holds a K and a V vector per token, layer "
+                "and KV head", "bytes per cached token = 2 (K and V) x layers x KV heads x head_dim x 2 bytes (bf16)",
+                variant(kv_bytes_per_token=st["kv_bytes_per_token"] // 2)))
+    out.append(("kv_bytes", "kv_bytes uses the query heads, not the KV heads (GQA shares each K/V head)",
+                "Qwen3 caches num_key_value_heads heads per layer, not num_attention_heads",
+                variant(kv_bytes_per_token=st["kv_bytes_per_token"] * config.num_attention_heads
+                        // config.num_key_value_heads)))
+    # prefill: every combination of the usual mistakes (1 FLOP per weight, LM head on every token, attention
+    # left out / as a full square / at 1 FLOP per multiply-add), named together
+    lens = [len(p) for p in prompts]
+    base = dict(physical_floor(prompts, max_tokens, st, bw, flops))
+    mistakes = {
+        "one": ("prefill_flops counts 1 FLOP per parameter and token: a matmul does a multiply and an add",
+                "a linear layer costs 2 x params FLOPs per token"),
+        "lm": ("prefill_flops runs the LM head on every prompt token; prefill needs logits only at each prompt's "
+               "last position", "the LM head costs 2 x vocab x hidden FLOPs once per prompt"),
+        "noattn": ("prefill_flops leaves out attention (QK^T and PV over the causal triangle)",
+                   "attention adds 4 x layers x heads x head_dim FLOPs per (query, earlier key) pair, n^2/2 pairs "
+                   "per prompt"),
+        "square": ("prefill_flops counts the full n x n attention square: causal attention needs only the triangle "
+                   "(n^2/2 pairs)", "a query attends to itself and earlier keys only"),
+        "halfattn": ("prefill_flops counts attention at 1 FLOP per multiply-add",
+                     "QK^T and PV cost 2 x head_dim FLOPs each per (query, key) pair and head"),
+    }
+    attn = st["attn_flops_coef"] * sum(n * n / 2 for n in lens)
+    for lin in (1, 2):
+        for head in (1, 2):
+            for lm_all in (False, True):
+                for a_name, a_factor in ((None, 1), ("noattn", 0), ("square", 2), ("halfattn", 0.5)):
+                    names = (["one"] if 1 in (lin, head) else []) + (["lm"] if lm_all else []) + \
+                        ([a_name] if a_name else [])
+                    if not names:
+                        continue
+                    f = dict(base)
+                    f["prefill_flops"] = lin * st["layer_params"] * sum(lens) + \
+                        head * st["lm_head_params"] * (sum(lens) if lm_all else len(lens)) + a_factor * attn
+                    out.append(("prefill_flops", "; ".join(mistakes[n][0] for n in names), mistakes[names[0]][1], f))
+    for _, _, _, f in out:
+        f["kv_read_s"], f["weight_read_s"] = f["kv_bytes"] / bw, f["weight_bytes"] / bw
+        f["prefill_s"] = f["prefill_flops"] / flops
+        f["floor_s"] = f["kv_read_s"] + f["weight_read_s"] + f["prefill_s"]
+    return out
+
+
+def _fmt(x) -> str:
+    return f"{x:.6g}" if isinstance(x, (int, float)) else f"a {type(x).__name__}"
+
+
+def _close(a, e, rtol):
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) and math.isfinite(e) \
+        and abs(a - e) <= rtol * abs(e)
+
+
+def _random_config(g):
+    from nanovllm_ref.tiny import tiny_config
+    hkv = randint(g, 1, 4)
+    heads = hkv * randint(g, 1, 4)
+    return tiny_config("qwen3", vocab_size=randint(g, 500, 4000), hidden_size=16 * randint(g, 2, 12),
+                       intermediate_size=16 * randint(g, 3, 30), num_hidden_layers=randint(g, 1, 6),
+                       num_attention_heads=heads, num_key_value_heads=hkv, head_dim=8 * randint(g, 1, 8),
+                       tie_word_embeddings=bool(randint(g, 0, 1)))
+
+
+def check_workload_floor(fn) -> None:
+    tag = "E11.1"
+    g = fresh_generator()
+    cases = [("the bench workload (256 requests) on Qwen3-0.6B at 4.25 TB/s, 796 TFLOP/s",
+              *make_workload(256), qwen3_06b_config(), 4.25e12, 796e12)]
+    for _ in range(4):
+        n = randint(g, 1, 12)
+        prompts, max_tokens = make_workload(n, seed=randint(g, 0, 10**6), min_len=1, max_len=300, min_out=1,
+                                            max_out=200)
+        cfg = _random_config(g)
+        cases.append((f"{n} random requests on a random {cfg.num_hidden_layers}-layer model", prompts, max_tokens,
+                      cfg, float(randint(g, 50, 5000)) * 1e9, float(randint(g, 1, 1000)) * 1e12))
+    for what, prompts, max_tokens, cfg, bw, flops in cases:
+        expected = reference_workload_floor(prompts, max_tokens, cfg, bw, flops)
+        got = call_student(tag, fn, [list(p) for p in prompts], list(max_tokens), cfg, bw, flops)
+        if not isinstance(got, dict):
+            fail(tag, f"workload_floor should return a dict, got {type(got).__name__}",
+                 f"return a dict with the keys {', '.join(FLOOR_KEYS)}")
+        missing = [k for k in FLOOR_KEYS if k not in got]
+        if missing:
+            fail(tag, f"the returned dict lacks {', '.join(missing)}", f"return the keys {', '.join(FLOOR_KEYS)}")
+        bad = [k for k in FLOOR_KEYS if not _close(got[k], expected[k], RTOL_FLOOR)]
+        if not bad:
+            continue
+        for key, message, hint, wrong in _floor_mutants(prompts, max_tokens, cfg, bw, flops):
+            if key in bad and _close(got[key], wrong[key], 1e-6):
+                fail(tag, f"{message} ({what})", hint)
+        first = bad[0]
+        if first in ("kv_read_s", "weight_read_s", "prefill_s", "floor_s") and not any(
+                k in bad for k in ("kv_bytes", "weight_bytes", "prefill_flops")):
+            fail(tag, f"{first} is {_fmt(got[first])}, expected {expected[first]:.6g} ({what}), though the byte "
+                      "and FLOP counts are right", "seconds = bytes / bw_bytes_s or FLOPs / flops_s, and floor_s "
+                      "is the sum of the three parts")
+        fail(tag, f"{first} is {_fmt(got[first])}, expected {expected[first]:.6g} ({what}; rtol {RTOL_FLOOR:g})",
+             "count per decode token the K/V it reads, per decode step the weights, per prompt the prefill FLOPs")
+    ok(tag)
+
+
+# -- E11.2 throughput from a step trace ----------------------------------------------------------------------
+class Step(NamedTuple):
+    """One `LLM.step()`: `kind` "prefill" or "decode", `num_tokens` the tokens it computed (prefill: prompt
+    tokens of the chunk; decode: the batch size, one new token per sequence), `seconds` its wall time, and
+    `warmup` True for the steps of the warm-up run (left out of the throughput)."""
+    kind: str
+    num_tokens: int
+    seconds: float
+    warmup: bool = False
+
+
+THROUGHPUT_KEYS = ("prefill_tokens", "prefill_s", "prefill_tok_s", "decode_tokens", "decode_s", "decode_tok_s")
+
+
+def reference_throughput(trace) -> dict:
+    r = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0)
+    for s in trace:
+        if not s.warmup:
+            r[f"{s.kind}_tokens"] += s.num_tokens
+            r[f"{s.kind}_s"] += s.seconds
+    for kind in ("prefill", "decode"):
+        r[f"{kind}_tok_s"] = r[f"{kind}_tokens"] / r[f"{kind}_s"]
+    return r
+
+
+def time_steps(llm, prompts, sampling_params, warmup_prompts=None, warmup_params=None) -> list[Step]:
+    """Run `prompts` through `llm` step by step (after an optional warm-up run, marked warmup=True) and
+    return one Step per `llm.step()`: its kind and tokens from step()'s return value, its wall time."""
+    import torch
+    sync = torch.cuda.synchronize if llm.model_runner.device_type == "cuda" else (lambda: None)
+    trace = []
+    runs = ([(warmup_prompts, warmup_params, True)] if warmup_prompts else []) + [(prompts, sampling_params, False)]
+    for ps, sp, warm in runs:
+        sps = sp if isinstance(sp, list) else [sp] * len(ps)
+        for p, s in zip(ps, sps):
+            llm.add_request(p, s)
+        while not llm.is_finished():
+            sync()
+            t = time.perf_counter()
+            _, n = llm.step()
+            sync()
+            trace.append(Step("prefill" if n > 0 else "decode", abs(n), time.perf_counter() - t, warm))
+    return trace
+
+
+def _random_trace(g) -> list[Step]:
+    trace = []
+    for warm in (True, False):
+        n = randint(g, 2, 40)
+        for _ in range(n):
+            kind = "prefill" if randint(g, 0, 3) == 0 else "decode"
+            tokens = randint(g, 1, 4096) if kind == "prefill" else randint(g, 1, 256)
+            seconds = randint(g, 1, 4000 if kind == "prefill" else 80) / 1024
+            trace.append(Step(kind, tokens, seconds, warm))
+    for kind in ("prefill", "decode"):          # at least one timed step of each kind
+        trace.append(Step(kind, randint(g, 1, 512), randint(g, 1, 60) / 1024, False))
+    order = torch_perm(g, len(trace))
+    warm = [trace[i] for i in order if trace[i].warmup]
+    timed = [trace[i] for i in order if not trace[i].warmup]
+    return warm + timed
+
+
+def torch_perm(g, n):
+    import torch
+    return torch.randperm(n, generator=g).tolist()
+
+
+def _throughput_mutants(trace) -> list[tuple[str, str, dict]]:
+    out = []
+    with_warm = reference_throughput([s._replace(warmup=False) for s in trace])
+    out.append(("the warm-up steps are counted", "skip the steps with warmup=True: they include one-time work "
+                "(compilation, allocation, graph capture)", with_warm))
+    timed = [s for s in trace if not s.warmup]
+    mean = reference_throughput(timed)
+    for kind in ("prefill", "decode"):
+        rates = [s.num_tokens / s.seconds for s in timed if s.kind == kind]
+        mean[f"{kind}_tok_s"] = sum(rates) / len(rates)
+    out.append(("a tok/s is the mean of the per-step rates", "throughput = total tokens / total seconds; a mean of "
+                "rates gives a short step as much weight as a long one", mean))
+    pooled = reference_throughput(timed)
+    tok = pooled["prefill_tokens"] + pooled["decode_tokens"]
+    sec = pooled["prefill_s"] + pooled["decode_s"]
+    for kind in ("prefill", "decode"):
+        pooled[f"{kind}_tok_s"] = tok / sec
+    out.append(("prefill and decode are pooled into one rate", "sum tokens and seconds separately for each kind",
+                pooled))
+    steps = reference_throughput(timed)
+    steps["decode_tokens"] = sum(1 for s in timed if s.kind == "decode")
+    steps["decode_tok_s"] = steps["decode_tokens"] / steps["decode_s"]
+    out.append(("decode_tokens counts steps, not tokens", "a decode step makes one token per sequence in the batch: "
+                "num_tokens of that step", steps))
+    wall = reference_throughput(timed)
+    for kind in ("prefill", "decode"):
+        wall[f"{kind}_tok_s"] = wall[f"{kind}_tokens"] / (wall["prefill_s"] + wall["decode_s"])
+    out.append(("each rate divides by the whole run's seconds", "divide a kind's tokens by that kind's seconds", wall))
+    return out
+
+
+def check_throughput(fn) -> None:
+    tag = "E11.2"
+    g = fresh_generator()
+    for case in range(6):
+        trace = _random_trace(g)
+        expected = reference_throughput(trace)
+        got = call_student(tag, fn, list(trace))
+        if not isinstance(got, dict):
+            fail(tag, f"throughput should return a dict, got {type(got).__name__}",
+                 f"return a dict with the keys {', '.join(THROUGHPUT_KEYS)}")
+        missing = [k for k in THROUGHPUT_KEYS if k not in got]
+        if missing:
+            fail(tag, f"the returned dict lacks {', '.join(missing)}", f"return the keys {', '.join(THROUGHPUT_KEYS)}")
+        bad = [k for k in THROUGHPUT_KEYS if got[k] != expected[k]]
+        if not bad:
+            continue
+        for message, hint, wrong in _throughput_mutants(trace):
+            if all(got[k] == wrong[k] or _close(got[k], wrong[k], 1e-9) for k in bad):
+                fail(tag, f"{message} (random trace of {len(trace)} steps)", hint)
+        k = bad[0]
+        fail(tag, f"{k} is {_fmt(got[k])}, expected {expected[k]:.10g} (random trace of {len(trace)} steps; the check is "
+                  "exact)", "per kind: add up num_tokens and seconds of the timed steps, then divide")
+    ok(tag)
+
+
+# -- E11.3 the roofline --------------------------------------------------------------------------------------
+def reference_compute_bound_batch(stats, bw_bytes_s, flops_s, context=0) -> float:
+    """Smallest decode batch B at which a decode step's FLOPs take as long as its memory traffic.
+
+    Per step at batch B, every sequence with `context` cached tokens: memory = weights + B x context x KV bytes
+    per token; FLOPs = B x (2 x params + attention: attn_flops_coef x context)."""
+    flop_per_seq = 2 * stats["params"] + stats["attn_flops_coef"] * context
+    kv_per_seq = context * stats["kv_bytes_per_token"]
+    slope = flop_per_seq / flops_s - kv_per_seq / bw_bytes_s
+    if slope <= 0:
+        return math.inf
+    return stats["weight_bytes"] / bw_bytes_s / slope
+
+
+def step_time(stats, batch, bw_bytes_s, flops_s, context=0) -> float:
+    """The roofline's seconds for one decode step: max(memory time, compute time)."""
+    mem = (stats["weight_bytes"] + batch * context * stats["kv_bytes_per_token"]) / bw_bytes_s
+    comp = batch * (2 * stats["params"] + stats["attn_flops_coef"] * context) / flops_s
+    return max(mem, comp)
+
+
+def _roofline_mutants(stats, bw, flops, context) -> list[tuple[str, str, float]]:
+    ref = reference_compute_bound_batch
+    no_kv = dict(stats, kv_bytes_per_token=0)
+    return [
+        ("the bandwidth and the FLOP rate are swapped", "compute time = FLOPs / flops_s, memory time = bytes / bw",
+         ref(stats, flops, bw, context)),
+        ("1 FLOP per parameter and token: a matmul does a multiply and an add",
+         "FLOPs per sequence per step = 2 x params (+ attention)",
+         ref(dict(stats, params=stats["params"] / 2, attn_flops_coef=stats["attn_flops_coef"] / 2), bw, flops, context)),
+        ("the weights are counted as 1 byte per parameter: they are bf16, 2 bytes",
+         "memory per step = weight_bytes (= 2 x params) + the K/V the batch reads",
+         ref(dict(stats, weight_bytes=stats["params"]), bw, flops, context)),
+        ("the K/V reads are left out: every sequence also reads its own cached K/V each step, and that grows with "
+         "the batch", "memory per step = weight_bytes + B x context x kv_bytes_per_token", ref(no_kv, bw, flops, context)),
+        ("the attention FLOPs are left out", "FLOPs per sequence = 2 x params + attn_flops_coef x context",
+         ref(dict(stats, attn_flops_coef=0), bw, flops, context)),
+    ]
+
+
+def check_compute_bound_batch(fn) -> None:
+    tag = "E11.3"
+    g = fresh_generator()
+    h200 = model_stats(qwen3_06b_config())
+    cases = [("Qwen3-0.6B on the H200, context 0", h200, 4.25e12, 796e12, 0),
+             ("Qwen3-0.6B on the H200, context 512", h200, 4.25e12, 796e12, 512)]
+    for _ in range(5):
+        st = model_stats(_random_config(g))
+        ctx = [0, 0, randint(g, 1, 64), randint(g, 1, 4000)][randint(g, 0, 3)]
+        bw, flops = randint(g, 100, 5000) * 1e9, randint(g, 10, 2000) * 1e12
+        if ctx and randint(g, 0, 1):            # a case that turns compute-bound: low KV, slow FLOPs
+            st = dict(st, kv_bytes_per_token=max(1, st["kv_bytes_per_token"] // 64))
+            flops = bw * randint(g, 20, 200)
+        cases.append((f"a random model, context {ctx}, {bw / 1e12:.2g} TB/s, {flops / 1e12:.3g} TFLOP/s",
+                      st, bw, flops, ctx))
+    for what, st, bw, flops, ctx in cases:
+        expected = reference_compute_bound_batch(st, bw, flops, ctx)
+        got = call_student(tag, fn, dict(st), bw, flops, ctx)
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            fail(tag, f"compute_bound_batch should return a float, got {type(got).__name__}",
+                 "return the batch size as a float (math.inf when never compute-bound)")
+        if math.isinf(expected) and math.isinf(got) and got > 0 or _close(got, expected, RTOL_ROOFLINE):
+            continue
+        for message, hint, wrong in _roofline_mutants(st, bw, flops, ctx):
+            if (math.isinf(wrong) and math.isinf(got)) or (math.isfinite(wrong) and _close(got, wrong, 1e-3)):
+                fail(tag, f"{message} ({what})", hint)
+        if math.isinf(expected):
+            fail(tag, f"returned {_fmt(got)} where decode never becomes compute-bound ({what})",
+                 "each extra sequence adds its K/V reads too; when they take longer than its FLOPs, no batch size "
+                 "is compute-bound: return math.inf")
+        fail(tag, f"returned {_fmt(got)}, expected {expected:.6g} ({what}; rtol {RTOL_ROOFLINE:g})",
+             "solve memory time = compute time for B, both linear in B")
+    ok(tag)
+
+
+# -- the committed H200 results ------------------------------------------------------------------------------
+def h200_results(folder: Path = RESULTS) -> list[dict]:
+    """Rows (name, tok_s, pct_of_floor, source) from the committed H200 JSONs: each engine run, HF continuous
+    batching, batch-1 decode and TP=2."""
+    rows = []
+    for fname in ("bench_h200.json", "bench_h200_tp1_2026-11-30.json", "bench_h200_tp2_2026-11-30.json"):
+        d = json.loads((Path(folder) / fname).read_text())
+        for r in d["runs"]:
+            if r.get("tok_s"):
+                rows.append(dict(name=r["name"], tok_s=r["tok_s"], pct_of_floor=r["pct_of_floor"],
+                                 source=fname, date=d["date"]))
+        if "decode_batch1" in d:
+            b = d["decode_batch1"]
+            rows.append(dict(name=f"batch-1 decode [{b['backend']},{'cudagraph' if b['cuda_graphs'] else 'eager'}]",
+                             tok_s=b["tok_s"], pct_of_floor=None, source=fname, date=d["date"]))
+    return rows
+
+
+def h200_result(fname="bench_h200.json", folder: Path = RESULTS) -> dict:
+    return json.loads((Path(folder) / fname).read_text())
+
+
+# -- the vLLM peer -------------------------------------------------------------------------------------------
+def run_vllm(model_path, prompts, max_tokens, temperature=0.6, *, vllm_module=None, max_model_len=4096,
+             tensor_parallel_size=1, enforce_eager=False, max_num_seqs=512, max_num_batched_tokens=16384):
+    """vLLM on the bench workload: random ('dummy') weights of the model folder, prompts as token ids,
+    per-request max_tokens with EOS ignored, one warm-up generate first. Returns (output tokens, seconds,
+    info). `vllm_module` replaces `import vllm` (the tests pass a stand-in)."""
+    if vllm_module is None:
+        import vllm as vllm_module
+    llm = vllm_module.LLM(model=str(model_path), load_format="dummy", max_model_len=max_model_len,
+                          tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          skip_tokenizer_init=True)
+    sps = [vllm_module.SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m, detokenize=False)
+           for m in max_tokens]
+    inputs = [dict(prompt_token_ids=list(p)) for p in prompts]
+    llm.generate([dict(prompt_token_ids=[1, 2, 3])],
+                 vllm_module.SamplingParams(temperature=temperature, max_tokens=16, detokenize=False), use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(inputs, sps, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens, seconds, dict(vllm=getattr(vllm_module, "__version__", "?"), enforce_eager=enforce_eager)
+
+
+def main(argv=None) -> int:
+    """`python -m nanovllm_course.ch11 vllm`: the vLLM row on the bench workload (needs CUDA and vLLM)."""
+    ap = argparse.ArgumentParser(prog="python -m nanovllm_course.ch11")
+    ap.add_argument("what", choices=["vllm"])
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--out", default=None, help="write the row as JSON here")
+    args = ap.parse_args(argv)
+    import tempfile
+
+    import torch
+    from nanovllm_ref.bench import make_model_folder, measure_machine
+    if not torch.cuda.is_available():
+        print("vllm: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        import vllm
+    except Exception as exc:
+        print(f"vllm: not importable here ({type(exc).__name__}); pip install vllm, then run this again",
+              file=sys.stderr)
+        return 2
+    prompts, max_tokens = make_workload(args.num_requests)
+    path = make_model_folder("qwen3-0.6b", tempfile.mkdtemp(prefix="nanovllm_vllm_"))
+    tokens, seconds, info = run_vllm(path, prompts, max_tokens, vllm_module=vllm,
+                                     tensor_parallel_size=args.tensor_parallel_size)
+    m = measure_machine("cuda")
+    floor = physical_floor(prompts, max_tokens, model_stats(qwen3_06b_config()), m["copy_bandwidth_Bps"],
+                           m["matmul_flops"])
+    row = dict(name=f"vllm[{info['vllm']}]", output_tokens=tokens, seconds=seconds, tok_s=tokens / seconds,
+               pct_of_floor=100 * floor["floor_s"] / seconds, device_name=torch.cuda.get_device_name(0), **info)
+    print(f"{row['name']:38s} {tokens:>9,} tok {seconds:8.2f} s {row['tok_s']:>10,.0f} tok/s "
+          f"{row['pct_of_floor']:.3g}% of floor")
+    if args.out:
+        Path(args.out).write_text(json.dumps(row, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

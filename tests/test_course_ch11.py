@@ -1,0 +1,268 @@
+"""Mutation tests of the chapter 11 check helpers (nanovllm_course/ch11.py), and the vLLM peer's argument
+plumbing against a stand-in `vllm` module.
+
+Each check passes on the reference (printing exactly its one `E11.n ok` line), fails on a stub with 'not
+implemented yet', and fails on each planted plausible mistake with a message and hint that point at it.
+"""
+import math
+import types
+
+import pytest
+
+from nanovllm_course import ch11
+from nanovllm_ref.bench import model_stats, physical_floor
+
+CHECKS = {"E11.1": ch11.check_workload_floor, "E11.2": ch11.check_throughput, "E11.3": ch11.check_compute_bound_batch}
+
+
+def passes(tag, fn, capsys):
+    capsys.readouterr()
+    CHECKS[tag](fn)
+    assert capsys.readouterr().out == f"{tag} ok\n"
+
+
+def fails(tag, fn, *matches):
+    with pytest.raises(AssertionError) as info:
+        CHECKS[tag](fn)
+    text = str(info.value)
+    assert text.startswith(f"{tag}: "), text
+    for m in matches:
+        assert m in text, text
+    return text
+
+
+REFERENCES = {"E11.1": ch11.reference_workload_floor, "E11.2": ch11.reference_throughput,
+              "E11.3": ch11.reference_compute_bound_batch}
+
+
+@pytest.mark.parametrize("tag", sorted(CHECKS))
+def test_reference_passes(tag, capsys):
+    passes(tag, REFERENCES[tag], capsys)
+
+
+@pytest.mark.parametrize("tag", sorted(CHECKS))
+def test_stub_is_not_done(tag):
+    def stub(*args, **kwargs):
+        raise NotImplementedError("Exercise")
+    fails(tag, stub, "not implemented yet")
+
+
+# -- E11.1 the floor: the mutants named in the issue, and a few more ----------------------------------------------
+def _floor(prompts, max_tokens, config, bw, flops, *, weights_once=False, kv_factor=2, prefill_per_param=2,
+           attention=True, lm_head_all=False):
+    st = model_stats(config)
+    L, Hkv, H, hd = config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads, config.head_dim
+    kv_tok = kv_factor * L * Hkv * hd * 2
+    kv_bytes = sum(kv_tok * ((m - 1) * len(p) + (m - 1) * m // 2) for p, m in zip(prompts, max_tokens))
+    weight_bytes = (1 if weights_once else max(max_tokens) - 1) * 2 * st["params"]
+    lens = [len(p) for p in prompts]
+    prefill = prefill_per_param * st["layer_params"] * sum(lens) \
+        + 2 * st["lm_head_params"] * (sum(lens) if lm_head_all else len(lens)) \
+        + (4 * L * H * hd * sum(n * n / 2 for n in lens) if attention else 0)
+    out = dict(kv_bytes=kv_bytes, weight_bytes=weight_bytes, prefill_flops=prefill, kv_read_s=kv_bytes / bw,
+               weight_read_s=weight_bytes / bw, prefill_s=prefill / flops)
+    out["floor_s"] = out["kv_read_s"] + out["weight_read_s"] + out["prefill_s"]
+    return out
+
+
+def test_hand_written_floor_passes(capsys):
+    passes("E11.1", _floor, capsys)
+
+
+def test_floor_weights_read_once():
+    fails("E11.1", lambda *a: _floor(*a, weights_once=True), "weight_bytes is one copy of the weights",
+          "max(max_tokens) - 1 steps")
+
+
+def test_floor_kv_factor_2_forgotten():
+    fails("E11.1", lambda *a: _floor(*a, kv_factor=1), "kv_bytes is half", "2 (K and V)")
+
+
+def test_floor_prefill_one_flop_per_param():
+    fails("E11.1", lambda *a: _floor(*a, prefill_per_param=1), "1 FLOP per parameter", "2 x params FLOPs")
+
+
+def test_floor_attention_left_out():
+    fails("E11.1", lambda *a: _floor(*a, attention=False), "leaves out attention")
+
+
+def test_floor_lm_head_on_every_prompt_token():
+    fails("E11.1", lambda *a: _floor(*a, lm_head_all=True), "LM head on every prompt token")
+
+
+def test_floor_wrong_seconds():
+    def wrong(*a):
+        out = _floor(*a)
+        out["floor_s"] = out["kv_read_s"] + out["weight_read_s"]
+        return out
+    fails("E11.1", wrong, "floor_s is", "the sum of the three parts")
+
+
+def test_floor_missing_key():
+    fails("E11.1", lambda *a: {k: v for k, v in _floor(*a).items() if k != "prefill_s"}, "lacks prefill_s")
+
+
+# -- E11.2 throughput ---------------------------------------------------------------------------------------
+def _throughput(trace, *, warmup=False, mean_of_rates=False, pooled=False):
+    steps = [s for s in trace if warmup or not s.warmup]
+    out = {}
+    for kind in ("prefill", "decode"):
+        mine = [s for s in steps if s.kind == kind]
+        out[f"{kind}_tokens"] = sum(s.num_tokens for s in mine)
+        out[f"{kind}_s"] = sum(s.seconds for s in mine)
+        out[f"{kind}_tok_s"] = (sum(s.num_tokens / s.seconds for s in mine) / len(mine) if mean_of_rates
+                                else out[f"{kind}_tokens"] / out[f"{kind}_s"])
+    if pooled:
+        rate = (out["prefill_tokens"] + out["decode_tokens"]) / (out["prefill_s"] + out["decode_s"])
+        out["prefill_tok_s"] = out["decode_tok_s"] = rate
+    return out
+
+
+def test_hand_written_throughput_passes(capsys):
+    passes("E11.2", _throughput, capsys)
+
+
+def test_throughput_counts_warmup():
+    fails("E11.2", lambda t: _throughput(t, warmup=True), "warm-up steps are counted", "warmup=True")
+
+
+def test_throughput_mean_of_rates():
+    fails("E11.2", lambda t: _throughput(t, mean_of_rates=True), "mean of the per-step rates")
+
+
+def test_throughput_pooled():
+    fails("E11.2", lambda t: _throughput(t, pooled=True), "pooled into one rate")
+
+
+def test_throughput_decode_counts_steps():
+    def steps(trace):
+        out = _throughput(trace)
+        out["decode_tokens"] = sum(1 for s in trace if s.kind == "decode" and not s.warmup)
+        out["decode_tok_s"] = out["decode_tokens"] / out["decode_s"]
+        return out
+    fails("E11.2", steps, "counts steps, not tokens")
+
+
+def test_throughput_worked_example_of_the_chapter():
+    S = ch11.Step
+    r = ch11.reference_throughput([S("prefill", 100, 1.0, True), S("prefill", 64, 0.5), S("decode", 4, 0.25),
+                                   S("decode", 4, 0.75)])
+    assert (r["prefill_tok_s"], r["decode_tok_s"], r["decode_tokens"]) == (128.0, 8.0, 8)
+
+
+def test_time_steps_on_the_tiny_engine():
+    from nanovllm_course.common import tiny_model_dir
+    from nanovllm_ref import LLM, SamplingParams
+    llm = LLM(tiny_model_dir("qwen3"), device="cpu", attention_backend="torch", max_model_len=64,
+              kvcache_block_size=4, max_num_batched_tokens=8)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        trace = ch11.time_steps(llm, [list(range(10, 23)), [5, 6, 7]], sp, warmup_prompts=[[1, 2]], warmup_params=sp)
+    finally:
+        llm.exit()
+    timed = [s for s in trace if not s.warmup]
+    assert [s.warmup for s in trace] == sorted((s.warmup for s in trace), reverse=True)   # warm-up first
+    assert sum(s.num_tokens for s in timed if s.kind == "prefill") == 16                   # 13 + 3 prompt tokens
+    assert sum(s.num_tokens for s in timed if s.kind == "decode") == 2 * 2                 # max_tokens - 1 each
+    assert all(s.seconds > 0 for s in trace)
+
+
+# -- E11.3 the roofline -------------------------------------------------------------------------------------
+def test_h200_answer():
+    st = model_stats(ch11.qwen3_06b_config())
+    assert ch11.reference_compute_bound_batch(st, 4.25e12, 796e12, 0) == pytest.approx(187.3, rel=1e-3)
+    assert ch11.reference_compute_bound_batch(st, 4.25e12, 796e12, 512) == math.inf
+
+
+def test_roofline_swapped_rates():
+    fails("E11.3", lambda st, bw, fl, c=0: ch11.reference_compute_bound_batch(st, fl, bw, c), "swapped")
+
+
+def test_roofline_one_flop_per_param():
+    def wrong(st, bw, fl, c=0):
+        return ch11.reference_compute_bound_batch(dict(st, params=st["params"] / 2,
+                                                       attn_flops_coef=st["attn_flops_coef"] / 2), bw, fl, c)
+    fails("E11.3", wrong, "1 FLOP per parameter")
+
+
+def test_roofline_one_byte_per_param():
+    fails("E11.3", lambda st, bw, fl, c=0: ch11.reference_compute_bound_batch(
+        dict(st, weight_bytes=st["params"]), bw, fl, c), "1 byte per parameter")
+
+
+def test_roofline_kv_left_out():
+    fails("E11.3", lambda st, bw, fl, c=0: ch11.reference_compute_bound_batch(
+        dict(st, kv_bytes_per_token=0), bw, fl, c), "K/V reads are left out")
+
+
+def test_roofline_rounded_up_is_outside_the_tolerance_on_small_batches():
+    # rtol 1e-2: 187.3 -> 188 passes; the check's random cases include small answers, where ceil() does not
+    st = model_stats(ch11.qwen3_06b_config())
+    b = ch11.reference_compute_bound_batch(st, 4.25e12, 796e12, 0)
+    assert abs(math.ceil(b) - b) <= 1e-2 * b
+
+
+# -- the vLLM peer: argument plumbing against a stand-in module ----------------------------------------------
+def test_run_vllm_plumbing():
+    calls = []
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    class LLM:
+        def __init__(self, **kw):
+            calls.append(("init", kw))
+
+        def generate(self, inputs, params, use_tqdm=True):
+            calls.append(("generate", inputs, params, use_tqdm))
+            ps = params if isinstance(params, list) else [params] * len(inputs)
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=list(range(p.kw["max_tokens"])))])
+                    for p in ps]
+
+    fake = types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, __version__="0.0-standin")
+    prompts, max_tokens = [[5, 6, 7], [8] * 10, [9]], [4, 2, 7]
+    tokens, seconds, info = ch11.run_vllm("/models/qwen3", prompts, max_tokens, 0.6, vllm_module=fake,
+                                          tensor_parallel_size=2)
+    assert tokens == sum(max_tokens) and seconds >= 0 and info["vllm"] == "0.0-standin"
+    (_, init), warm, timed = calls
+    assert init["model"] == "/models/qwen3" and init["load_format"] == "dummy"
+    assert init["tensor_parallel_size"] == 2 and init["enforce_eager"] is False
+    assert warm[0] == "generate" and len(warm[1]) == 1 and warm[3] is False          # warm-up first, one request
+    _, inputs, params, use_tqdm = timed
+    assert [i["prompt_token_ids"] for i in inputs] == prompts                        # token ids, same order
+    assert [p.kw["max_tokens"] for p in params] == max_tokens                        # one per request
+    assert all(p.kw["ignore_eos"] is True and p.kw["temperature"] == 0.6 for p in params)
+    assert use_tqdm is False
+
+
+def test_vllm_command_explains_a_missing_vllm(capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(__import__("sys").modules, "vllm", None)                      # `import vllm` fails
+    assert ch11.main(["vllm"]) == 2
+    assert "not importable here" in capsys.readouterr().err
+
+
+def test_h200_table_reads_the_committed_results():
+    rows = {(r["name"], r["source"]): r["tok_s"] for r in ch11.h200_results()}
+    assert round(rows[("hf_transformers[continuous_batching]", "bench_h200.json")]) == 737
+    assert round(rows[("nanovllm_ref[triton,cudagraph]", "bench_h200_tp1_2026-11-30.json")]) == 16431
+    assert round(rows[("nanovllm_ref[triton,cudagraph,tp2]", "bench_h200_tp2_2026-11-30.json")]) == 8981
+    assert [(r["nano_vllm"], r["vllm"]) for r in ch11.PUBLISHED["rows"]] == [(1434, 1362), (8961, 7484)]
+
+
+def test_floor_matches_the_committed_h200_floor():
+    from nanovllm_ref.bench import make_workload
+    h200 = ch11.h200_result("bench_h200.json")
+    prompts, max_tokens = make_workload(256)
+    fl = physical_floor(prompts, max_tokens, model_stats(ch11.qwen3_06b_config()),
+                        h200["machine"]["copy_bandwidth_Bps"], h200["machine"]["matmul_flops"])
+    assert fl["floor_s"] == pytest.approx(h200["floor"]["floor_s"], rel=1e-9)
+
+
+def test_roofline_finite_where_never_compute_bound():
+    def wrong(st, bw, fl, c=0):
+        b = ch11.reference_compute_bound_batch(st, bw, fl, c)
+        return 170.0 if math.isinf(b) else b
+    fails("E11.3", wrong, "never becomes compute-bound", "math.inf")
