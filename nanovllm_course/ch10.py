@@ -298,6 +298,13 @@ def check_capture_safe_store(fn) -> None:
                           f"writes it (case: {name}); a padding row (slot -1) wrote there",
                      "a -1 index means 'the last row' in PyTorch and clamping sends it to slot 0: padding rows "
                      "must leave every slot as it was")
+            src = key if what == "k_cache" else value
+            pad_rows = [src[i] for i in range(src.shape[0]) if int(slots[i]) < 0]
+            if any(torch.equal(flat_g[s], r) for r in pad_rows) and not torch.equal(flat_g[s], flat_w[s]):
+                fail(tag, f"{what}: slot {s} (block {s // bs}, offset {s % bs}) holds the K/V of a padding row "
+                          f"(slot -1) instead of the real row written there (case: {name}); a padding row wrote there",
+                     "a -1 index means 'the last row' in PyTorch and clamping sends it to slot 0: padding rows "
+                     "must leave every slot as it was")
             if s == 0 and torch.equal(flat_g[0], old_k.view(-1, *old_k.shape[2:])[0] if what == "k_cache" else flat_g[0]):
                 fail(tag, f"{what}: slot 0 kept its old contents although a real row writes it (case: {name}); a "
                           "padding row wrote the old value back over the real row's write",
