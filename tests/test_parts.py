@@ -198,8 +198,8 @@ def test_exported_solutions_run_in_the_engine_with_hf_equal_ids(tmp_path):
         path = tiny_dir(arch)
         # Tight cache, small chunks and a shared prefix: chunked prefill, prefix hits and preemption all run
         # through the student's scheduler, block manager, slot mapping, store and decode attention.
-        # enforce_eager: graphs are captured only on CUDA; chapter 10's capture-safe store (the highest chapter
-        # filling store_kvcache) is the one that runs here.
+        # enforce_eager keeps this test about the parts, not graphs (graph_batch_sizes is exercised on a GPU by
+        # the spies test above). The store that runs is chapter 10's capture-safe one (the highest chapter).
         llm = LLM(path, parts=parts, kvcache_block_size=4, num_kvcache_blocks=12, max_num_batched_tokens=8,
                   max_model_len=64, enforce_eager=True)
         got, _ = run_checked(llm, PROMPTS, greedy(10))
