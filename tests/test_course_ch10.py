@@ -186,3 +186,46 @@ def test_store_mutants_fail_every_time():
     for _ in range(15):
         for wrong in (clamp_only, minus_one_index, old_value_back):
             fails("E10.3", wrong, "E10.3: ")
+
+
+# -- E10.4's check logic on the CPU, with a stand-in for the graph (replay = call run_step again) ---------------
+class _ReplayByCalling:
+    def __init__(self, run_step, batch_size, out, before=None):
+        self.run_step, self.batch_size, self.out, self.before = run_step, batch_size, out, before
+
+    def replay(self):
+        if self.before:
+            self.before(self.run_step)
+        self.out.copy_(self.run_step(self.batch_size))
+
+
+def _stand_in(run_step, batch_size):
+    out = run_step(batch_size).clone()
+    return _ReplayByCalling(run_step, batch_size, out), out
+
+
+def _static_buffers(run_step):
+    return next(c.cell_contents for c in run_step.__closure__
+                if isinstance(c.cell_contents, dict) and "slot_mapping" in c.cell_contents)
+
+
+def test_graph_replay_check_logic_with_a_stand_in(capsys):
+    ch10.check_graph_replay(_stand_in, dtypes=(torch.float32,), device="cpu")
+    assert capsys.readouterr().out == "E10.4 ok\n"
+
+    def returns_a_copy(run_step, batch_size):
+        graph, out = _stand_in(run_step, batch_size)
+        return graph, out.clone()
+    fails_104 = lambda fn: pytest.raises(AssertionError, ch10.check_graph_replay, fn,          # noqa: E731
+                                         dtypes=(torch.float32,), device="cpu")
+    assert "replayed logits differ" in str(fails_104(returns_a_copy).value)
+
+    def padding_to_slot_zero(run_step, batch_size):
+        out = run_step(batch_size).clone()
+
+        def corrupt(step):
+            buf = _static_buffers(step)
+            real = int((buf["slot_mapping"] >= 0).sum())
+            buf["slot_mapping"][real:] = 0
+        return _ReplayByCalling(run_step, batch_size, out, corrupt), out
+    assert "a padding row stored its K/V" in str(fails_104(padding_to_slot_zero).value)
