@@ -15,10 +15,13 @@
   with a boolean mask, `aten.unique*`. (2) The caches must equal the reference store's **bit for bit** on
   fp32 and bf16 cases with slots -1 (padding) anywhere, a real row writing slot 0 next to padding rows, no
   padding, only padding, and non-contiguous key/value.
-- `check_graph_replay(fn)` (E10.4, needs CUDA): the tiny Qwen3 on the GPU; `fn(run_step, batch_size)` must
-  capture one decode step; replaying it with the static buffers refilled for a smaller batch must give the
-  eager logits (fp32: atol = rtol = 1e-5; bf16: 2e-2) and leave every cache slot outside the batch's own slots
-  untouched (the padding rows wrote nothing).
+- `check_graph_replay(fn)` (E10.4): `fn(run_step, batch_size, cuda) -> (graph, output)` captures one decode step
+  of the tiny Qwen3 (`run_step(bs)` runs the model on the first bs rows of static buffers); replaying it with
+  the buffers refilled for a smaller batch (the rest padding) must give the eager logits (fp32: atol = rtol =
+  1e-5; bf16: 2e-2) and leave every cache slot outside the batch's own slots bit for bit untouched. On CUDA
+  `cuda` is `torch.cuda` (fp32 and bf16); on the CPU it is `CPUGraphs`, a stand-in whose graph records the
+  ATen ops of the captured call and replays them on the same tensors (fp32, the engine with the capture-safe
+  reference store), and whose capture fails, as CUDA's does, on an op that reads values on the host.
 
 Every check prints `E10.n ok` and nothing else on success. `reference_*` are the answers; the notebook's later
 sections use them, never the student's functions.
@@ -33,7 +36,7 @@ from nanovllm_ref.engine.cuda_graph import graph_batch_sizes as reference_graph_
 from nanovllm_ref.utils.context import AttentionMetadata
 
 __all__ = ["reference_graph_batch_sizes", "reference_fill_static_inputs", "reference_store_kvcache",
-           "reference_capture_decode_graph", "check_graph_batch_sizes", "check_fill_static_inputs",
+           "reference_capture_decode_graph", "CPUGraphs", "CPUGraph", "CaptureError", "check_graph_batch_sizes", "check_fill_static_inputs",
            "check_capture_safe_store", "check_graph_replay", "SyncSpy", "padding_table", "make_buffers"]
 
 
@@ -185,6 +188,9 @@ def _compare_buffers(tag, got, want, batch, width, case):
 # -- E10.3 ------------------------------------------------------------------------------------------------------
 _SYNC_OPS = {
     "_local_scalar_dense": "reads a tensor's value on the host (.item(), .tolist(), int(t), `if t:`)",
+    "item": "reads a tensor's value on the host (.item())",
+    "is_nonzero": "reads a tensor's value on the host (`if t:`, bool(t))",
+    "equal": "compares tensors on the host (torch.equal returns a Python bool)",
     "nonzero": "computes nonzero(), whose output size depends on the data (a boolean mask `x[mask]` does this)",
     "nonzero_static": None,
     "masked_select": "calls masked_select, whose output size depends on the data",
@@ -206,14 +212,22 @@ class SyncSpy(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         self.ops.append(name)
-        why = _SYNC_OPS.get(name)
+        why = capture_problem(func, args, kwargs)
         if why:
             self.problems.append((name, why))
-        elif name in ("index", "index_put", "index_put_", "_index_put_impl_"):
-            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-            if any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices or ()):
-                self.problems.append((name, "indexes with a boolean mask, whose result size depends on the data"))
         return func(*args, **kwargs)
+
+
+def capture_problem(func, args, kwargs) -> str | None:
+    """Why a CUDA graph cannot capture this ATen op (a host read or a data-dependent shape), or None."""
+    name = func.overloadpacket.__name__
+    if _SYNC_OPS.get(name):
+        return _SYNC_OPS[name]
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices or ()):
+            return "indexes with a boolean mask, whose result size depends on the data"
+    return None
 
 
 def reference_store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -316,23 +330,86 @@ def check_capture_safe_store(fn) -> None:
     ok(tag)
 
 
+# -- a CUDA-graph stand-in for the CPU (E10.4's check without a GPU) ---------------------------------------------
+class CaptureError(RuntimeError):
+    """What capture on the stand-in raises for an op a real CUDA graph cannot capture."""
+
+
+class CPUGraph:
+    """A stand-in for torch.cuda.CUDAGraph on the CPU: capture records every ATen op with its arguments (the
+    tensors themselves, so their memory is fixed), replay runs the recorded ops again and writes each result
+    into the tensor that the op produced at capture. Like a real graph it knows nothing of Python: branches
+    and shapes are those of the capture, and new tensors passed later are invisible to it."""
+
+    def __init__(self):
+        self.ops = []
+
+    def replay(self):
+        from torch.utils._pytree import tree_flatten
+        for func, args, kwargs, out in self.ops:
+            new = func(*args, **kwargs)
+            for dst, src in zip(tree_flatten(out)[0], tree_flatten(new)[0]):
+                if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst is not src:
+                    if dst.shape != src.shape:
+                        raise CaptureError(f"aten.{func.overloadpacket.__name__} gave a different shape at replay")
+                    if dst.data_ptr() != src.data_ptr():
+                        dst.copy_(src)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: CPUGraph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        why = capture_problem(func, args, kwargs)
+        if why:
+            raise CaptureError(f"operation not permitted when stream is capturing: aten.{name} {why}")
+        out = func(*args, **kwargs)
+        self.graph.ops.append((func, args, kwargs, out))
+        return out
+
+
+class CPUGraphs:
+    """The three names of torch.cuda that capture uses (CUDAGraph, graph, synchronize), for the CPU."""
+    CUDAGraph = CPUGraph
+
+    @staticmethod
+    def graph(g: CPUGraph):
+        if not isinstance(g, CPUGraph):
+            raise TypeError("graph() needs the CUDAGraph() of this same namespace")
+        return _Recorder(g)
+
+    @staticmethod
+    def synchronize():
+        return None
+
+
+def graph_ops_recorded(graph) -> bool:
+    """False only for a CPU stand-in graph that recorded no op (a real CUDA graph cannot be inspected)."""
+    return not isinstance(graph, CPUGraph) or bool(graph.ops)
+
+
 # -- E10.4 (CUDA) ------------------------------------------------------------------------------------------------
-def reference_capture_decode_graph(run_step, batch_size: int):
-    """Warm up once eagerly, then capture one call of run_step(batch_size) into a CUDA graph.
-    Returns (graph, output): replaying the graph rewrites `output` in place."""
+def reference_capture_decode_graph(run_step, batch_size: int, cuda=torch.cuda):
+    """Warm up once eagerly, then capture one call of run_step(batch_size) into a graph. `cuda` is torch.cuda
+    (or the CPU stand-in CPUGraphs). Returns (graph, output): replaying the graph rewrites `output` in place."""
     run_step(batch_size)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    cuda.synchronize()
+    graph = cuda.CUDAGraph()
+    with cuda.graph(graph):
         output = run_step(batch_size)
-    torch.cuda.synchronize()
+    cuda.synchronize()
     return graph, output
 
 
-def check_graph_replay(fn, dtypes=(torch.float32, torch.bfloat16), device: str = "cuda") -> None:
-    """E10.4 on CUDA: capture the tiny Qwen3's decode step with fn, replay it for a smaller batch (padding rows),
-    compare logits with the eager step and the cache outside the batch's slots with its state before.
-    (device="cpu" only for the course's own tests, with a stand-in for the graph: it has no CUDAGraph check.)"""
+def check_graph_replay(fn, dtypes=None, device: str | None = None) -> None:
+    """E10.4: capture the tiny Qwen3's decode step with fn(run_step, batch_size, cuda), replay it for a smaller
+    batch (padding rows), compare the logits with the eager step's and the cache outside the batch's slots with
+    its state before. On CUDA (the default when there is one) `cuda` is torch.cuda and both fp32 and bf16 run;
+    on the CPU it is the stand-in CPUGraphs (fp32, with the capture-safe reference store in the engine)."""
     import warnings
 
     from nanovllm_course.common import tiny_model_dir
@@ -342,16 +419,21 @@ def check_graph_replay(fn, dtypes=(torch.float32, torch.bfloat16), device: str =
     from nanovllm_ref.utils.context import attention_metadata
 
     tag = "E10.4"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_cuda = device == "cuda"
     if on_cuda and not torch.cuda.is_available():
         fail(tag, "needs a CUDA GPU", "run this on a machine with CUDA, or look at the committed figure")
+    dtypes = dtypes or ((torch.float32, torch.bfloat16) if on_cuda else (torch.float32,))
+    graphs = torch.cuda if on_cuda else CPUGraphs
+    from nanovllm_ref import Parts
+    parts = Parts() if on_cuda else Parts(store_kvcache=reference_store_kvcache)
     g = fresh_generator()
     for dtype in dtypes:
         atol = 1e-5 if dtype == torch.float32 else 2e-2
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             llm = LLM(tiny_model_dir("qwen3"), device=device, dtype=str(dtype).split(".")[-1], enforce_eager=True,
-                      kvcache_block_size=4, max_model_len=64, num_kvcache_blocks=64)
+                      kvcache_block_size=4, max_model_len=64, num_kvcache_blocks=64, parts=parts)
         try:
             runner = llm.model_runner
             model, dev = runner.model, runner.device
@@ -388,10 +470,16 @@ def check_graph_replay(fn, dtypes=(torch.float32, torch.bfloat16), device: str =
                     return model(buf["input_ids"][:bs], buf["positions"][:bs])
 
             with torch.inference_mode():
-                graph, out = call_student(tag, fn, run_step, graph_bs)
-                if (on_cuda and not isinstance(graph, torch.cuda.CUDAGraph)) or not isinstance(out, torch.Tensor):
-                    fail(tag, "capture should return (torch.cuda.CUDAGraph, output tensor)",
-                         "graph = torch.cuda.CUDAGraph(); with torch.cuda.graph(graph): out = run_step(batch_size)")
+                graph, out = call_student(tag, fn, run_step, graph_bs, graphs)
+                if not isinstance(graph, graphs.CUDAGraph) or not isinstance(out, torch.Tensor):
+                    fail(tag, "capture should return (the graph, the output tensor of the captured call)",
+                         "graph = cuda.CUDAGraph(); with cuda.graph(graph): output = run_step(batch_size)")
+                if out.shape[0] != graph_bs:
+                    fail(tag, f"the captured output has {out.shape[0]} rows; capture run_step(batch_size) for "
+                              f"batch_size={graph_bs}", "the graph's shapes are those of the captured call")
+                if not graph_ops_recorded(graph):
+                    fail(tag, "the graph recorded nothing: run_step must run inside `with cuda.graph(graph):`",
+                         "the warm-up runs eagerly before; the captured call goes inside the with block")
                 for (k, v), (k0, v0) in zip(caches, before):      # the capture's own warm-up wrote padding rows' junk
                     k.copy_(k0)
                     v.copy_(v0)
@@ -417,8 +505,8 @@ def check_graph_replay(fn, dtypes=(torch.float32, torch.bfloat16), device: str =
             if not torch.allclose(replayed, eager, atol=atol, rtol=atol):
                 fail(tag, f"replayed logits differ from the eager step by {err:.3g} ({dtype}, batch {batch} in a "
                           f"graph of {graph_bs}; tolerance {atol})",
-                     "capture must read the static buffers (run_step does) and the output must be the tensor the "
-                     "graph writes; warm up once before capturing")
+                     "return the very tensor the captured call returned (replay rewrites it; a copy stays stale), "
+                     "and warm up once before capturing")
         finally:
             llm.exit()
     ok(tag)
