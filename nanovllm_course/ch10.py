@@ -160,7 +160,7 @@ def _compare_buffers(tag, got, want, batch, width, case):
     if not torch.equal(got["block_tables"][:batch, :width], want["block_tables"][:batch, :width]):
         fail(tag, f"buffers['block_tables'][:{batch}, :{width}] does not hold this step's block tables {case}",
              "copy meta.block_tables into the top-left B x width corner")
-    pad_slots, stale_slots = got["slot_mapping"][batch:], None
+    pad_slots = got["slot_mapping"][batch:]
     if not torch.equal(pad_slots, want["slot_mapping"][batch:]):
         if pad_slots.numel() and (pad_slots == 0).all():
             fail(tag, f"padding rows of slot_mapping are 0, not -1 {case}: each would write its K/V into slot 0 "
