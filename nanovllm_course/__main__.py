@@ -14,6 +14,7 @@ See nanovllm_course/README.md.
 """
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -103,7 +104,9 @@ def cmd_export(args) -> int:
     rows = ex.export(Path(args.notebooks), Path(args.out), args.chapters or None)
     print(f"exported {len({r['chapter'] for r in rows})} chapter(s) from {args.notebooks}/ into {args.out}/")
     print(ex.part_table(rows))
-    missing = sorted({r["exercise"] for r in rows if r["status"] != "done"})
+    # in chapter order (E2.1 before E10.1): sort by the numbers in the id, not the text
+    missing = sorted({r["exercise"] for r in rows if r["status"] != "done"},
+                     key=lambda e: [int(n) for n in re.findall(r"\d+", e)])
     if missing:
         print(f"still the reference's (not done yet): {', '.join(missing)}")
     return 0

@@ -55,9 +55,10 @@ EXPORTS: dict[str, list[Export]] = {
     "06": [Export("store_kvcache", "store_kvcache", "E6.1"), Export("paged_decode", "attention_backend", "E6.3")],
     "07": [Export("Scheduler", "scheduler", "E7.1-E7.3")],
     "08": [Export("sample", "sampler", "E8.1-E8.4", helpers=("temperature_probs", "top_k_top_p", "exponential_race"))],
+    "10": [Export("graph_batch_sizes", "graph_batch_sizes", "E10.1"), Export("store_kvcache", "store_kvcache", "E10.3")],
 }
-# Several exercises may fill one field (04 in PyTorch, 06 in Triton; 05's block manager without and with
-# prefix caching): the highest chapter whose part is done wins, and within a chapter the later exercise, in
+# Several exercises may fill one field (04 in PyTorch, 06 in Triton, 10 capture-safe in PyTorch; 05's block
+# manager without and with prefix caching): the highest chapter whose part is done wins, and within a chapter the later exercise, in
 # parts_from_student, parts_from_functions and part_table alike.
 
 
