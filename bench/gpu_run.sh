@@ -73,6 +73,11 @@ PY
         --junitxml="$OUT/pytest_gpu_tp2.xml" 2>&1 | grep -v DEBUG | tail -15
     fi
   fi
+  if [ "$mode" = check ] && [ -n "${CH10:-}" ]; then
+    step "chapter 10: E10.4 capture and replay on CUDA, the reference answer and two wrong ones"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_course_ch10.py -k "reference_passes or graph_replay or stub_is_not_done" \
+      --junitxml="$OUT/pytest_gpu_ch10.xml" 2>&1 | grep -v DEBUG | tail -12
+  fi
   if [ "$mode" = check ] && [ -n "${CH06:-}" ]; then
     step "chapter 06: the solution's decode kernel vs the engine's, timed"
     timeout 180 python3 bench/ch06_kernel_timing.py "$OUT/ch06_kernels_h200.json" 2>&1 | tail -12
