@@ -201,7 +201,9 @@ def test_graph_replay_mutants():
     fails("E10.4", captures_batch_one, "captured output has 1 rows")
     if not torch.cuda.is_available():       # the stand-in can tell; a real CUDA graph cannot be inspected
         fails("E10.4", runs_outside_the_capture, "the graph recorded nothing")
-    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+    # The stand-in refuses the host read itself; CUDA reports it as an invalidated capture.
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing|failed due to a previous error "
+                                           "during capture"):
         ch10.check_graph_replay(item_inside_capture)
 
 
