@@ -158,3 +158,15 @@ def test_forward_mutants_fail_with_a_message_about_what_differs(swap, expect):
         for _ in range(3):
             ch09.check_simulated_forward(**forward(**swap))
     assert str(err.value).startswith("E9.2:") and expect in str(err.value), str(err.value)
+
+
+def test_chapter_09_loaders_reach_the_engine_unadapted():
+    from nanovllm_course import export as ex
+    from nanovllm_ref.layers import linear
+    parts, used = ex.parts_from_functions(load_qkv_shard=linear.load_qkv_shard,
+                                          load_gate_up_shard=linear.load_gate_up_shard)
+    assert used == ["load_qkv_shard", "load_gate_up_shard"]
+    assert parts.qkv_weight_loader is linear.load_qkv_shard            # Parts signature already: no adapter
+    assert parts.gate_up_weight_loader is linear.load_gate_up_shard
+    assert [(e.name, e.field) for e in ex.EXPORTS["09"]] == [("load_qkv_shard", "qkv_weight_loader"),
+                                                             ("load_gate_up_shard", "gate_up_weight_loader")]
