@@ -55,6 +55,9 @@ EXPORTS: dict[str, list[Export]] = {
     "06": [Export("store_kvcache", "store_kvcache", "E6.1"), Export("paged_decode", "attention_backend", "E6.3")],
     "07": [Export("Scheduler", "scheduler", "E7.1-E7.3")],
     "08": [Export("sample", "sampler", "E8.1-E8.4", helpers=("temperature_probs", "top_k_top_p", "exponential_race"))],
+    # Chapter 09's loaders have the Parts signature (layer, param, loaded_weight, shard_id) and know the rank.
+    "09": [Export("load_qkv_shard", "qkv_weight_loader", "E9.1"),
+           Export("load_gate_up_shard", "gate_up_weight_loader", "E9.1")],
     "10": [Export("graph_batch_sizes", "graph_batch_sizes", "E10.1"), Export("store_kvcache", "store_kvcache", "E10.3")],
 }
 # Several exercises may fill one field (04 in PyTorch, 06 in Triton, 10 capture-safe in PyTorch; 05's block
@@ -81,9 +84,15 @@ def _gate_up_loader(fn, layer, param, loaded_weight, shard_id):
     fn(param, loaded_weight.narrow(0, layer.tp_rank * size, size), shard_id, size)
 
 
-def _adapt(field: str, fn):
+# Exported names that already have their Parts field's signature (chapter 09's rank-aware loaders).
+AS_IS = {"load_qkv_shard", "load_gate_up_shard"}
+
+
+def _adapt(field: str, fn, name: str | None = None):
     from nanovllm_ref.attn import FunctionBackend
     from nanovllm_ref.engine import inputs
+    if name in AS_IS:
+        return fn
     if field == "qkv_weight_loader":
         return functools.partial(_qkv_loader, fn)
     if field == "gate_up_weight_loader":
@@ -110,7 +119,7 @@ def parts_from_functions(**functions) -> tuple[Parts, list[str]]:
             continue
         used.append(name)
         for e in (e for chapter in EXPORTS.values() for e in chapter if e.name == name):
-            changes[e.field] = _adapt(e.field, obj)
+            changes[e.field] = _adapt(e.field, obj, name)
     return Parts(**changes), used
 
 
@@ -234,7 +243,7 @@ def parts_from_student(out_dir: Path) -> tuple[Parts, list[dict]]:
     for field, row in shown_rows(rows).items():     # where chapters share a field, the highest done one runs
         if row["status"] == "done":
             module = importlib.import_module(f"{package}.ch{row['chapter']}")
-            changes[field] = _adapt(field, getattr(module, row["name"]))
+            changes[field] = _adapt(field, getattr(module, row["name"]), row["name"])
     return Parts(**changes), rows
 
 

@@ -194,6 +194,9 @@ def test_exported_solutions_run_in_the_engine_with_hf_equal_ids(tmp_path):
                                      "attention_backend", "store_kvcache", "block_manager", "scheduler",
                                      "sampler", "graph_batch_sizes"}
     assert "not done yet" not in printed
+    # Chapter 09's rank-aware loaders win over chapter 03's (the highest chapter's done part runs).
+    assert "qkv_weight_loader      yours      ch09 E9.1 load_qkv_shard" in printed
+    assert "gate_up_weight_loader  yours      ch09 E9.1 load_gate_up_shard" in printed
     for arch in ("qwen3", "llama"):
         path = tiny_dir(arch)
         # Tight cache, small chunks and a shared prefix: chunked prefill, prefix hits and preemption all run
@@ -232,5 +235,5 @@ def test_exported_unfilled_chapters_fall_back_to_the_reference_and_say_so(tmp_pa
     assert parts == Parts() and parts.replaced() == []
     assert {r["status"] for r in rows} == {"stub"} and {r["source"] for r in rows} == {"reference"}
     assert ("still the reference's (not done yet): E1.1, E1.2, E2.1, E2.2, E3.3, E4.1, E4.2, E4.3, E5.2, E5.3, "
-            "E6.1, E6.3, E7.1-E7.3, E8.1-E8.4, E10.1, E10.3") in printed
+            "E6.1, E6.3, E7.1-E7.3, E8.1-E8.4, E9.1, E10.1, E10.3") in printed
     assert "rms_norm               reference  ch01 E1.1 rms_norm (stub)" in printed

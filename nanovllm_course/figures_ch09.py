@@ -1,0 +1,112 @@
+"""Figures of chapter 09 (tensor parallelism): the shard layout of each parallel layer at tp = 2, and the
+committed H200 measurement of TP=1 vs TP=2 (read from bench/results/, so it redraws without a GPU)."""
+import json
+from pathlib import Path
+
+from matplotlib.patches import Rectangle
+
+from nanovllm_course.figures import figure, save
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK_COLORS = ["#6baed6", "#fd8d3c"]          # rank 0, rank 1
+TP1 = ROOT / "bench/results/bench_h200_tp1_2026-11-30.json"
+TP2 = ROOT / "bench/results/bench_h200_tp2_2026-11-30.json"
+
+# Qwen3-0.6B: hidden 1024, 16 q heads and 8 kv heads of 128, intermediate 3072, vocab 151,936. Drawn not to
+# scale (the vocabulary would be 150 times taller than the hidden size); the labels give the sizes.
+
+
+def _block(ax, x, y, w, h, rank, label=None, hatch=None, fs=8):
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=RANK_COLORS[rank] if rank is not None else "#eeeeee",
+                           edgecolor="black", lw=0.8, hatch=hatch))
+    if label:
+        ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=fs)
+
+
+def _panel(ax, title, note):
+    ax.set_xlim(-0.2, 4.2)
+    ax.set_ylim(-0.9, 6.4)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(title, fontsize=9.5)
+    ax.text(2, -0.6, note, ha="center", va="center", fontsize=8)
+
+
+def layout(path: Path) -> Path:
+    """Top: each checkpoint tensor ([out, in] as stored), colored by the rank that holds each part at tp = 2.
+    Bottom row of each panel: what each rank's parameter looks like after loading."""
+    fig, axes = figure(1, 5, figsize=(17, 5.4))
+    # QKV: rows of q, k, v each split in two; rank r's fused parameter = [q_r; k_r; v_r].
+    ax = axes[0]
+    _panel(ax, "QKV (column-parallel, fused)", "split the OUTPUT rows of each of q, k, v\nby heads; no communication")
+    y = 6.0
+    for name, h, heads in (("q", 2.0, 8), ("k", 1.0, 4), ("v", 1.0, 4)):
+        for r in range(2):
+            y -= h / 2
+            _block(ax, 0, y, 1.9, h / 2, r, f"{name} heads {r * heads}-{(r + 1) * heads - 1}", fs=6.5)
+        y -= 0.1
+    ax.text(0.95, y - 0.25, "checkpoint q, k, v\n[2048 | 1024 | 1024] x 1024", ha="center", va="top", fontsize=6.5)
+    for r in range(2):
+        x, y = 2.3 + r * 0.95, 6.0
+        for name, h in (("q", 1.0), ("k", 0.5), ("v", 0.5)):
+            y -= h
+            _block(ax, x, y, 0.8, h, r, f"{name}{r}", fs=7)
+        ax.text(x + 0.4, 6.15, f"rank {r}", ha="center", fontsize=7)
+    ax.text(3.15, 3.75, "per rank: 8 q + 4 kv heads\n[(1024+512+512) x 1024]", ha="center", va="top", fontsize=6.5)
+    # gate/up: same, two tensors.
+    ax = axes[1]
+    _panel(ax, "gate | up (column-parallel, merged)", "slice gate and up SEPARATELY;\nSiLU(gate)*up stays on the rank")
+    y = 6.0
+    for name in ("gate", "up"):
+        for r in range(2):
+            y -= 0.8
+            _block(ax, 0, y, 1.6, 0.8, r, f"{name} rows\n{r * 1536}-{(r + 1) * 1536 - 1}", fs=6.5)
+        y -= 0.1
+    ax.text(0.8, y - 0.25, "checkpoint gate, up\n[3072 | 3072] x 1024", ha="center", va="top", fontsize=6.5)
+    for r in range(2):
+        x, y = 2.3 + r * 0.95, 6.0
+        for name in ("gate", "up"):
+            y -= 0.8
+            _block(ax, x, y, 0.8, 0.8, r, f"{name}{r}", fs=7)
+        ax.text(x + 0.4, 6.15, f"rank {r}", ha="center", fontsize=7)
+    ax.text(3.15, 4.15, "per rank:\n[(1536+1536) x 1024]", ha="center", va="top", fontsize=6.5)
+    # o_proj and down_proj: split the INPUT columns.
+    for ax, title, cols, inner in ((axes[2], "o_proj (row-parallel)", "2048 = 16 heads x 128", "heads"),
+                                   (axes[3], "down_proj (row-parallel)", "3072", "intermediate")):
+        _panel(ax, title, "split the INPUT columns; each rank's\npartial sum is all-reduced (bias: rank 0)")
+        for r in range(2):
+            _block(ax, 0.2 + r * 1.8, 2.2, 1.8, 2.0, r, f"{inner}\ncolumns\nrank {r}", fs=7)
+        ax.text(2.0, 4.45, f"checkpoint 1024 x {cols}", ha="center", fontsize=7)
+        ax.annotate("", xy=(3.8, 1.4), xytext=(0.2, 1.4), arrowprops=dict(arrowstyle="<->", lw=0.8))
+        ax.text(2.0, 1.0, "y = x0 @ W0.T + x1 @ W1.T  (all-reduce)", ha="center", fontsize=7)
+    # embedding / LM head: split the vocabulary rows.
+    ax = axes[4]
+    _panel(ax, "embedding / LM head (vocab-parallel)", "embedding: masked lookup + all-reduce\nLM head: logits slices gathered on rank 0")
+    for r in range(2):
+        _block(ax, 1.0, 5.8 - (r + 1) * 2.6, 2.0, 2.6, r, f"vocab rows\n{r * 75968:,}..{(r + 1) * 75968 - 1:,}\nrank {r}", fs=7)
+    ax.text(2.0, 6.05, "checkpoint 151,936 x 1024 (not to scale)", ha="center", fontsize=7)
+    handles = [Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black") for c in RANK_COLORS]
+    fig.legend(handles, ["rank 0", "rank 1"], loc="lower center", ncol=2, frameon=False)
+    fig.suptitle("Where each weight lives with tensor_parallel_size = 2 (Qwen3-0.6B sizes)", fontsize=11)
+    return save(fig, path)
+
+
+def throughput(path: Path) -> Path:
+    """Output tok/s of the same 256-request workload on one H200 (TP=1) and on two H200s over NCCL (TP=2),
+    from the committed bench records."""
+    tp1, tp2 = (json.loads(p.read_text()) for p in (TP1, TP2))
+    v1, v2 = tp1["runs"][0]["tok_s"], tp2["runs"][0]["tok_s"]
+    fig, ax = figure(figsize=(6.2, 3.6))
+    bars = ax.bar(["TP=1\n1 x H200", "TP=2\n2 x H200 (NCCL)"], [v1, v2], color=["#6baed6", "#fd8d3c"], width=0.55)
+    for b, v in zip(bars, (v1, v2)):
+        ax.text(b.get_x() + b.get_width() / 2, v, f"{v:,.0f} tok/s", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("output tokens / s")
+    ax.set_ylim(0, v1 * 1.2)
+    ax.set_title(f"Qwen3-0.6B shape, 256 requests, Triton + CUDA graphs: TP=2 is {v2 / v1:.2f}x TP=1",
+                 fontsize=9)
+    return save(fig, path)
+
+
+def draw(out_dir: Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    return [layout(out_dir / "ch09_shard_layout.png"), throughput(out_dir / "ch09_tp_throughput.png")]

@@ -1,0 +1,172 @@
+"""Mutation tests for chapter 09's checks: each passes the reference answers and fails, with a message chosen
+from what differs, on the realistic wrong versions the chapter names."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm_course import ch09
+from nanovllm_course.common import NotDone
+
+LOADERS = dict(load_qkv=ch09.reference_load_qkv_shard, load_gate_up=ch09.reference_load_gate_up_shard,
+               load_row=ch09.reference_load_row_shard, load_vocab=ch09.reference_load_vocab_shard)
+FORWARD = dict(column_forward=ch09.reference_column_forward, row_forward=ch09.reference_row_forward,
+               vocab_embedding=ch09.reference_vocab_embedding, lm_head=ch09.reference_lm_head)
+
+
+def loaders(**swap):
+    return {**LOADERS, **swap}
+
+
+def forward(**swap):
+    return {**FORWARD, **swap}
+
+
+def test_reference_answers_pass(capsys):
+    for _ in range(3):                                     # fresh random sizes each time
+        ch09.check_shard_loaders(**LOADERS)
+        ch09.check_simulated_forward(**FORWARD)
+    assert capsys.readouterr().out == "E9.1 ok\nE9.2 ok\n" * 3
+
+
+def test_sharded_mlp_equals_the_unsharded_one():
+    assert ch09.sharded_mlp_error(2) < 1e-5 and ch09.sharded_mlp_error(4) < 1e-5
+
+
+def test_stubs_are_not_done():
+    def stub(*args):
+        raise NotImplementedError("Exercise 9.1")
+    with pytest.raises(NotDone):
+        ch09.check_shard_loaders(**loaders(load_qkv=stub))
+    with pytest.raises(NotDone):
+        ch09.check_simulated_forward(**forward(row_forward=stub))
+
+
+# -- E9.1 mutants -------------------------------------------------------------------------------------------
+def gate_up_sliced_as_one_block(layer, param, loaded_weight, shard_id):
+    """Treats [gate | up] as one column-parallel weight of 2I rows: rank r takes rows [r * 2I/tp, ...) of the
+    concatenation, so with tp = 2 rank 0 gets all of gate and rank 1 all of up."""
+    tp, rank, inter = layer.tp_size, layer.tp_rank, layer.output_sizes[shard_id]
+    n = param.shape[0]                                      # 2I / tp rows on this rank
+    lo, hi = rank * n, (rank + 1) * n                       # this rank's rows of the concatenation
+    src_lo, src_hi = shard_id * inter, (shard_id + 1) * inter
+    a, b = max(lo, src_lo), min(hi, src_hi)
+    if a < b:
+        param.data[a - lo:b - lo] = loaded_weight[a - src_lo:b - src_lo]
+
+
+def kv_with_q_offsets(layer, param, loaded_weight, shard_id):
+    """k and v sliced from the checkpoint at the rank offset of q (rank * H/tp * d) instead of rank * Hkv/tp * d."""
+    q_size, kv_size = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+    param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, layer.tp_rank * q_size, size))
+
+
+def kv_at_q_rows(layer, param, loaded_weight, shard_id):
+    """k and v written into the fused parameter at q's rows (offset 0) instead of after q."""
+    q_size, kv_size = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    size = q_size if shard_id == "q" else kv_size
+    param.data.narrow(0, 0, size).copy_(loaded_weight.narrow(0, layer.tp_rank * size, size))
+
+
+def vocab_start_from_hidden(layer, param, loaded_weight):
+    """start = rank * hidden (param.shape[1]) instead of rank * V/tp (param.shape[0])."""
+    start = layer.tp_rank * param.shape[1]
+    param.data.copy_(loaded_weight[start:start + param.shape[0]])
+
+
+def row_bias_split(layer, param, loaded_weight):
+    """Slices the bias like the weight, along its last dim at rank * param.shape[-1]."""
+    n = param.shape[-1]
+    param.data.copy_(loaded_weight.narrow(-1, layer.tp_rank * n, n))
+
+
+@pytest.mark.parametrize("swap,expect", [
+    (dict(load_gate_up=gate_up_sliced_as_one_block), ["gate_proj", "up_proj", "rows"]),
+    (dict(load_qkv=kv_with_q_offsets), ["loading k_proj", "kv heads"]),
+    (dict(load_qkv=kv_at_q_rows), ["the k rows", "never written"]),
+    (dict(load_vocab=vocab_start_from_hidden), ["rank", "vocabulary (ids|loading the embedding"]),
+    (dict(load_row=row_bias_split), ["loading the bias", "not split"]),
+])
+def test_loader_mutants_fail_with_a_message_about_what_differs(swap, expect):
+    with pytest.raises(AssertionError) as err:
+        for _ in range(3):               # some sizes hide a mutant on one draw (e.g. vocab == hidden): retry
+            ch09.check_shard_loaders(**loaders(**swap))
+    text = str(err.value)
+    assert text.startswith("E9.1:") and not isinstance(err.value, NotDone)
+    for word in expect:                  # "a|b": either (a start past the end makes the copy raise instead)
+        assert any(w in text for w in word.split("|")), (word, text)
+
+
+def test_gate_up_mutant_names_the_rows_it_took():
+    with pytest.raises(AssertionError, match=r"the up rows .* hold (gate_proj|up_proj) rows"):
+        ch09.check_shard_loaders(**loaders(load_gate_up=gate_up_sliced_as_one_block))
+
+
+# -- E9.2 mutants -------------------------------------------------------------------------------------------
+def row_bias_on_every_rank(x_shards, weight_shards, bias=None):
+    return sum(F.linear(x, w, bias) for x, w in zip(x_shards, weight_shards))
+
+
+def row_concat(x_shards, weight_shards, bias=None):
+    return torch.cat([F.linear(x, w, bias if r == 0 else None) for r, (x, w) in enumerate(zip(x_shards, weight_shards))], -1)
+
+
+def embedding_start_off_by_one_rank(ids, weight_shards):
+    """start = (rank + 1) * V/tp - 1 style slip: here rank * (V/tp - 1)."""
+    out = 0
+    for rank, w in enumerate(weight_shards):
+        start = rank * (w.shape[0] - 1)
+        local = ids - start
+        mine = (local >= 0) & (local < w.shape[0])
+        out = out + F.embedding(local.clamp(0, w.shape[0] - 1), w) * mine.unsqueeze(-1)
+    return out
+
+
+def embedding_start_from_hidden(ids, weight_shards):
+    out = 0
+    for rank, w in enumerate(weight_shards):
+        local = ids - rank * w.shape[1]
+        mine = (local >= 0) & (local < w.shape[0])
+        out = out + F.embedding(local.clamp(0, w.shape[0] - 1), w) * mine.unsqueeze(-1)
+    return out
+
+
+def embedding_unmasked(ids, weight_shards):
+    return sum(F.embedding((ids - r * w.shape[0]).clamp(0, w.shape[0] - 1), w) for r, w in enumerate(weight_shards))
+
+
+def column_sum(x, weight_shards, bias_shards=None):
+    biases = bias_shards if bias_shards is not None else [None] * len(weight_shards)
+    return sum(F.linear(x, w, b) for w, b in zip(weight_shards, biases))
+
+
+def lm_head_reversed(hidden, weight_shards):
+    return torch.cat([F.linear(hidden, w) for w in reversed(weight_shards)], -1)
+
+
+@pytest.mark.parametrize("swap,expect", [
+    (dict(row_forward=row_bias_on_every_rank), "bias was added"),
+    (dict(row_forward=row_concat), "concatenated, not summed"),
+    (dict(vocab_embedding=embedding_start_off_by_one_rank), "rank r owns ids"),
+    (dict(vocab_embedding=embedding_start_from_hidden), "rank r owns ids"),
+    (dict(vocab_embedding=embedding_unmasked), "not masked to zero"),
+    (dict(column_forward=column_sum), "one rank's slice"),
+    (dict(lm_head=lm_head_reversed), "rank 0's) differ"),
+])
+def test_forward_mutants_fail_with_a_message_about_what_differs(swap, expect):
+    with pytest.raises(AssertionError) as err:
+        for _ in range(3):
+            ch09.check_simulated_forward(**forward(**swap))
+    assert str(err.value).startswith("E9.2:") and expect in str(err.value), str(err.value)
+
+
+def test_chapter_09_loaders_reach_the_engine_unadapted():
+    from nanovllm_course import export as ex
+    from nanovllm_ref.layers import linear
+    parts, used = ex.parts_from_functions(load_qkv_shard=linear.load_qkv_shard,
+                                          load_gate_up_shard=linear.load_gate_up_shard)
+    assert used == ["load_qkv_shard", "load_gate_up_shard"]
+    assert parts.qkv_weight_loader is linear.load_qkv_shard            # Parts signature already: no adapter
+    assert parts.gate_up_weight_loader is linear.load_gate_up_shard
+    assert [(e.name, e.field) for e in ex.EXPORTS["09"]] == [("load_qkv_shard", "qkv_weight_loader"),
+                                                             ("load_gate_up_shard", "gate_up_weight_loader")]
