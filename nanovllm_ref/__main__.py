@@ -42,7 +42,7 @@ def _add_engine_flags(p):
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn", "triton", "torch"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn", "triton", "torch", "cpu"])
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--kvcache-block-size", type=int, default=0, help="0 = engine default")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -122,6 +122,8 @@ class ModelRunner:
         if self.device_type == "cuda" or self.backend_name == "triton":
             from nanovllm_ref.kernels.store_kvcache import store_kvcache
             store = store_kvcache
+        elif self.backend_name == "cpu":
+            store = backend.store_kvcache
         for layer in self._attention_layers():
             layer.backend = backend
             if store is not None:
