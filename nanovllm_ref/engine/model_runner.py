@@ -26,7 +26,7 @@ from nanovllm_ref.layers.sampler import Sampler
 from nanovllm_ref.models import get_model_class
 from nanovllm_ref.utils.context import get_context, reset_context, set_context
 from nanovllm_ref.utils.loader import load_model
-from nanovllm_ref.utils import fusion
+from nanovllm_ref.utils import fusion, onednn
 from nanovllm_ref.utils.parallel import set_tp
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -91,6 +91,8 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.model.eval()
+        if self.device_type == "cpu":
+            onednn.pack(self.model)           # oneDNN copies of the linear weights (utils/onednn.py)
         self.sampler = Sampler(compile=self.device_type == "cuda")
         self._setup_attention()
         self.warmup_model()
