@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="2,1", help="--cpu: torch thread counts to measure, e.g. 2,1")
     ap.add_argument("--repeats", type=int, default=3, help="--cpu: runs per cell (median, min and max are kept)")
     ap.add_argument("--workloads", default="chat8,chat32_eos", help="--cpu: comma list of chat8, chat32_eos")
-    ap.add_argument("--max-tokens-eos", type=int, default=128, help="--cpu: max tokens of the eos-on workload")
+    ap.add_argument("--max-tokens-eos", type=int, default=96, help="--cpu: max tokens of the eos-on workload")
     ap.add_argument("--model", default=None, help="--cpu: model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--backends", default="auto", help="comma list of nanovllm_ref back-ends, or 'auto' = all available")

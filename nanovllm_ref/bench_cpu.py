@@ -15,7 +15,6 @@ Workloads:
 Throughput = completion tokens / wall seconds of one generate call (tokenisation excluded for both).
 Greedy ids of each engine run are compared with HF's batch (ids_equal_hf / first_mismatch).
 """
-import copy
 import datetime as dt
 import json
 import os
@@ -80,10 +79,6 @@ class HFPeer:
             self.tok = AutoTokenizer.from_pretrained(path)
         self.tok.padding_side = "left"
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
-        self.config = copy.deepcopy(self.model.generation_config)
-        self.config.do_sample, self.config.pad_token_id = False, self.pad
-        for name in ("temperature", "top_p", "top_k"):         # greedy: no sampling settings to warn about
-            setattr(self.config, name, None)
 
     def generate(self, prompts, max_new_tokens, eos):
         """Returns (completions, seconds). eos: list of ids, or None for ignore_eos."""
@@ -93,9 +88,10 @@ class HFPeer:
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             t = time.perf_counter()
-            cfg = copy.deepcopy(self.config)
-            cfg.max_new_tokens, cfg.eos_token_id = max_new_tokens, eos      # eos None: never stop early
-            out = self.model.generate(ids, attention_mask=mask, generation_config=cfg)
+            # eos_token_id=None as an argument turns stopping off (None inside a GenerationConfig does not:
+            # generate fills it in from the checkpoint's generation_config.json).
+            out = self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                                      eos_token_id=eos, pad_token_id=self.pad)
             seconds = time.perf_counter() - t
         comps = [row[width:].tolist() for row in out]
         return [_trim(c, eos) if eos else c for c in comps], seconds
