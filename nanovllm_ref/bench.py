@@ -325,9 +325,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true",
                     help="CPU run on the real model: SmolLM2-135M fp32 against HF generate (nanovllm_ref/bench_cpu.py)")
     ap.add_argument("--cpu-tiny", action="store_true", help="tiny CPU run: tiny random model, 16 short requests")
-    ap.add_argument("--threads", default="2,1", help="--cpu: torch thread counts to measure, e.g. 2,1")
+    ap.add_argument("--threads", default="1,2", help="--cpu: torch thread counts to measure, e.g. 2,1")
     ap.add_argument("--repeats", type=int, default=3, help="--cpu: runs per cell (median, min and max are kept)")
     ap.add_argument("--workloads", default="chat8,chat32_eos", help="--cpu: comma list of chat8, chat32_eos")
+    ap.add_argument("--budget-s", type=float, default=150,
+                    help="--cpu: stop repeating a cell after this many seconds (busy machine); 0 = never")
     ap.add_argument("--max-tokens-eos", type=int, default=96, help="--cpu: max tokens of the eos-on workload")
     ap.add_argument("--model", default=None, help="--cpu: model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--num-requests", type=int, default=None)

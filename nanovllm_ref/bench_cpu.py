@@ -124,8 +124,12 @@ def _summary(values):
                 runs=[round(v, 2) for v in values])
 
 
-def run_workload(name, engine, hf, prompts, max_new_tokens, eos, threads_list, repeats, log):
-    """Interleaved engine/HF runs at each thread count. Returns the workload's record."""
+def run_workload(name, engine, hf, prompts, max_new_tokens, eos, threads_list, repeats, log, budget_s=None,
+                 on_row=None):
+    """Interleaved engine/HF runs at each thread count. Returns the workload's record.
+
+    budget_s: after a pair of runs, stop repeating a cell that has taken longer than this (a machine busy with
+    other processes can make one run take minutes); the row then says how many runs it has."""
     rec = dict(name=name, num_prompts=len(prompts), prompt_tokens=sum(map(len, prompts)),
                prompt_lens=[min(map(len, prompts)), max(map(len, prompts))], max_new_tokens=max_new_tokens,
                ignore_eos=eos is None, rows=[])
@@ -137,7 +141,12 @@ def run_workload(name, engine, hf, prompts, max_new_tokens, eos, threads_list, r
         torch.set_num_threads(threads)
         load_before = os.getloadavg()
         eng, peer, equal, first_bad, eng_tokens, hf_tokens = [], [], [], None, 0, 0
+        started = time.perf_counter()
         for r in range(repeats):
+            if r > 0 and budget_s is not None and time.perf_counter() - started > budget_s:
+                log(f"  {name} threads={threads}: stopped after {r} runs ({time.perf_counter() - started:.0f} s > "
+                    f"budget {budget_s:.0f} s; machine busy)")
+                break
             comps_e, sec_e = engine.generate(prompts, max_new_tokens, eos)
             comps_h, sec_h = hf.generate(prompts, max_new_tokens, eos)
             eng_tokens, hf_tokens = sum(map(len, comps_e)), sum(map(len, comps_h))
@@ -158,8 +167,11 @@ def run_workload(name, engine, hf, prompts, max_new_tokens, eos, threads_list, r
                    engine_output_tokens=eng_tokens, hf_output_tokens=hf_tokens,
                    completions_equal_hf=f"{min(equal)}/{len(prompts)}", first_mismatch=first_bad,
                    loadavg_before=[round(x, 2) for x in load_before],
-                   loadavg_after=[round(x, 2) for x in os.getloadavg()])
+                   loadavg_after=[round(x, 2) for x in os.getloadavg()], num_runs=len(eng),
+                   cell_seconds=round(time.perf_counter() - started, 1))
         rec["rows"].append(row)
+        if on_row is not None:
+            on_row(rec)
         log(f"{name} threads={threads}: engine {row['engine_tok_s']['median']:.1f} "
             f"[{row['engine_tok_s']['min']:.1f}, {row['engine_tok_s']['max']:.1f}] tok/s, HF "
             f"{row['hf_tok_s']['median']:.1f} [{row['hf_tok_s']['min']:.1f}, {row['hf_tok_s']['max']:.1f}] tok/s, "
@@ -202,25 +214,31 @@ def main(args) -> int:
     chat8 = [p[-limit:] for p in _chat_ids(engine.llm.tokenizer, QUESTIONS)]
     chat32 = [p[-limit:] for p in _chat_ids(engine.llm.tokenizer, chat32_questions())]
     t0 = time.perf_counter()
-    try:
-        if "chat8" in args.workloads:
-            result["workloads"].append(run_workload("chat8", engine, hf, chat8, 64, None, threads_list, repeats, log))
-        if "chat32_eos" in args.workloads:
-            result["workloads"].append(run_workload("chat32_eos", engine, hf, chat32, args.max_tokens_eos, eos,
-                                                    threads_list, repeats, log))
-    finally:
-        engine.exit()
-    result["bench_seconds"] = round(time.perf_counter() - t0, 1)
-    result["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     result["targets"] = {"chat8": 1.2, "chat32_eos": 1.5}
-    for w in result["workloads"]:
-        for row in w["rows"]:
-            row["target_ratio"] = result["targets"][w["name"]]
-            row["target_met"] = row["ratio"] >= row["target_ratio"]
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"{result['tag']}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+
+    def save(partial):
+        """Write the record as it stands (after every cell, so a run cut short still leaves its numbers)."""
+        for w in result["workloads"] + ([partial] if partial is not None else []):
+            for row in w["rows"]:
+                row["target_ratio"] = result["targets"][w["name"]]
+                row["target_met"] = row["ratio"] >= row["target_ratio"]
+        rec = dict(result, workloads=result["workloads"] + ([partial] if partial is not None else []))
+        rec["bench_seconds"] = round(time.perf_counter() - t0, 1)
+        rec["machine"] = dict(result["machine"], loadavg_end=[round(x, 2) for x in os.getloadavg()])
+        with open(out, "w") as f:
+            json.dump(rec, f, indent=2)
+        return rec
+
+    try:
+        for name, prompts, n, stop in (("chat8", chat8, 64, None), ("chat32_eos", chat32, args.max_tokens_eos, eos)):
+            if name in args.workloads:
+                result["workloads"].append(run_workload(name, engine, hf, prompts, n, stop, threads_list, repeats,
+                                                        log, budget_s=args.budget_s or None, on_row=save))
+    finally:
+        engine.exit()
+    result = save(None)
     log(f"wrote {out}")
     log(markdown_table(result))
     return 0
