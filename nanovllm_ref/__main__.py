@@ -45,7 +45,7 @@ def _add_engine_flags(p):
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="auto: the checkpoint's dtype on GPU, float32 on CPU")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn", "triton", "torch"],
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn", "triton", "torch", "cpu"],
                    help="attention kernels")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU ranks) per layer")
     p.add_argument("--kvcache-block-size", type=int, default=0, help="0 = engine default")

@@ -15,7 +15,9 @@ weights once, and prefill does 2 * params FLOPs per token plus attention. With t
 matmul rate measured on this machine, floor = KV bytes / bw + steps * weight bytes / bw + prefill FLOPs /
 rate. Each result is reported as a % of that floor.
 
-`--cpu` runs a tiny version (tiny random model, 16 short requests) in well under a minute.
+`--cpu` runs the CPU benchmark on the real model instead (SmolLM2-135M against HF `generate`, in one process;
+see nanovllm_ref/bench_cpu.py). `--cpu-tiny` runs a tiny version of this one (tiny random model, 16 short
+requests) in well under a minute.
 Results go to bench/results/*.json and *.csv; `--figures` draws figures/bench_*.png.
 """
 import argparse
@@ -320,7 +322,16 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser(prog="python -m nanovllm_ref bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu", action="store_true", help="tiny CPU run: tiny model, 16 short requests")
+    ap.add_argument("--cpu", action="store_true",
+                    help="CPU run on the real model: SmolLM2-135M fp32 against HF generate (nanovllm_ref/bench_cpu.py)")
+    ap.add_argument("--cpu-tiny", action="store_true", help="tiny CPU run: tiny random model, 16 short requests")
+    ap.add_argument("--threads", default="1,2", help="--cpu: torch thread counts to measure, e.g. 2,1")
+    ap.add_argument("--repeats", type=int, default=3, help="--cpu: runs per cell (median, min and max are kept)")
+    ap.add_argument("--workloads", default="chat8,chat32_eos", help="--cpu: comma list of chat8, chat32_eos")
+    ap.add_argument("--budget-s", type=float, default=150,
+                    help="--cpu: stop repeating a cell after this many seconds (busy machine); 0 = never")
+    ap.add_argument("--max-tokens-eos", type=int, default=96, help="--cpu: max tokens of the eos-on workload")
+    ap.add_argument("--model", default=None, help="--cpu: model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--backends", default="auto", help="comma list of nanovllm_ref back-ends, or 'auto' = all available")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (no CUDA graph) runs")
@@ -333,14 +344,17 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-sweep", action="store_true", help="also measure CUDA-graph speedup per batch size")
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--kvcache-block-size", type=int, default=256)
+    ap.add_argument("--kvcache-block-size", type=int, default=None, help="default: 256 on GPU, the engine's on CPU")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU ranks) per engine")
     ap.add_argument("--out", default="bench/results", help="folder for JSON/CSV (CPU runs are git-ignored there)")
     ap.add_argument("--figures", default=None, help="folder for PNG figures (default: none)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
+    if args.cpu:
+        from nanovllm_ref import bench_cpu
+        return bench_cpu.main(args)
 
-    cuda = torch.cuda.is_available() and not args.cpu
+    cuda = torch.cuda.is_available() and not args.cpu_tiny
     device = "cuda" if cuda else "cpu"
     tmp = tempfile.mkdtemp(prefix="nanovllm_bench_")
     if cuda:
@@ -350,7 +364,7 @@ def main(argv=None) -> int:
         workload = f"upstream bench.py: Qwen3-0.6B shape, random weights, {n} requests"
         engine_args = dict(max_model_len=4096, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
-                           kvcache_block_size=args.kvcache_block_size,
+                           kvcache_block_size=args.kvcache_block_size or 256,
                            tensor_parallel_size=args.tensor_parallel_size)
     else:
         n = args.num_requests or 16

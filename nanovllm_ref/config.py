@@ -36,7 +36,7 @@ class Config:
     num_kvcache_blocks: -1 = size the cache from memory; > 0 = exactly this many blocks.
     device: "auto" (cuda if available), "cuda" or "cpu". dtype: "auto" (the checkpoint's dtype on GPU,
         float32 on CPU), "float32", "float16" or "bfloat16".
-    attention_backend: "auto" | "flash_attn" | "triton" | "torch" (see nanovllm_ref/attn).
+    attention_backend: "auto" | "flash_attn" | "triton" | "torch" | "cpu" (see nanovllm_ref/attn).
     cpu_kvcache_space_gib: KV-cache budget on CPU, in GiB (like vLLM's VLLM_CPU_KVCACHE_SPACE).
     enable_prefix_caching: share full KV blocks between requests with equal prefixes.
     seed: seed of the sampler's random numbers (and of dummy weights). It seeds torch's global generator

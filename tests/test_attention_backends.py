@@ -66,7 +66,7 @@ def test_flash_backend_wrappers_pass_arguments_through(fake_flash):
     (True, "cuda", 256, "flash_attn"),
     (True, "cuda", 16, "triton"),          # flash-attn's paged KV needs blocks of a multiple of 256
     (False, "cuda", 256, "triton"),
-    (True, "cpu", 256, "torch"),
+    (True, "cpu", 256, "cpu"),             # the CPU back-end (issue 15); "torch" only when asked for
 ])
 def test_auto_backend_choice(monkeypatch, flash, device, block_size, expected):
     monkeypatch.setattr(attn, "flash_attn_available", lambda: flash)

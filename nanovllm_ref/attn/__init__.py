@@ -13,10 +13,12 @@ Every back-end implements the same three functions on the same paged KV-cache la
 - `paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)`: one query per sequence.
   q: [num_seqs, num_heads, head_dim]; returns the same shape.
 
-`get_backend(name)` returns a module with those functions: "torch" (the readable reference), "triton"
-(our kernels, chapter 06) or "flash_attn" (when the package imports). `AttentionBackend` is that interface
-as a typing.Protocol; `FunctionBackend` bundles three functions into an object that pickles (a module does
-not), so a back-end of your own can travel to tensor-parallel workers inside `nanovllm_ref.Parts`:
+`get_backend(name)` returns a module with those functions: "torch" (the readable reference), "cpu" (the
+same maths arranged for a CPU: gathers only real tokens, SDPA calls; `auto` on a CPU), "triton" (our kernels,
+chapter 06) or "flash_attn" (when the package imports). A back-end module may also export `store_kvcache`;
+the model runner then uses it to write K/V. `AttentionBackend` is the interface as a typing.Protocol;
+`FunctionBackend` bundles three functions into an object that pickles (a module does not), so a back-end of
+your own can travel to tensor-parallel workers inside `nanovllm_ref.Parts`:
 
     from dataclasses import replace
     mine = replace(FunctionBackend.of("torch"), paged_decode=my_paged_decode)
@@ -75,14 +77,14 @@ def triton_available() -> bool:
         return False
 
 
-BACKENDS = ("auto", "flash_attn", "triton", "torch")
+BACKENDS = ("auto", "flash_attn", "triton", "torch", "cpu")
 
 
 def resolve_backend(name: str, device_type: str, block_size: int = 256) -> str:
     """Pick the concrete back-end for `name` on `device_type` ("cuda" or "cpu").
 
     auto: flash_attn if it imports, we are on CUDA and the block size is a multiple of 256 (flash-attn's
-    paged KV needs that), else triton on CUDA, else torch.
+    paged KV needs that), else triton on CUDA (torch without triton); on CPU, cpu.
     Raises ValueError for an unknown name or one that cannot run here.
     """
     flash_ok = block_size % 256 == 0
@@ -93,7 +95,7 @@ def resolve_backend(name: str, device_type: str, block_size: int = 256) -> str:
             if flash_ok and flash_attn_available():
                 return "flash_attn"
             return "triton" if triton_available() else "torch"
-        return "torch"
+        return "cpu"
     if name == "flash_attn" and (device_type != "cuda" or not flash_attn_available()):
         raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package "
                          "(pip install flash-attn); use 'triton' or 'torch' instead")
@@ -113,6 +115,7 @@ def resolve_backend(name: str, device_type: str, block_size: int = 256) -> str:
 
 
 def get_backend(name: str):
-    """Return the back-end module for a concrete name ("torch", "triton" or "flash_attn")."""
-    module = {"torch": "torch_backend", "triton": "triton_backend", "flash_attn": "flash_backend"}[name]
+    """Return the back-end module for a concrete name ("torch", "cpu", "triton" or "flash_attn")."""
+    module = {"torch": "torch_backend", "cpu": "cpu_backend", "triton": "triton_backend",
+              "flash_attn": "flash_backend"}[name]
     return importlib.import_module(f"nanovllm_ref.attn.{module}")

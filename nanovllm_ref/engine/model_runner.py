@@ -34,6 +34,7 @@ from nanovllm_ref.parts import Parts
 from nanovllm_ref.utils.context import attention_metadata
 from nanovllm_ref.utils.fusion import choose
 from nanovllm_ref.utils.loader import load_model
+from nanovllm_ref.utils import onednn
 from nanovllm_ref.utils.parallel import tensor_parallel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -98,6 +99,8 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.model.eval()
+        if self.device_type == "cpu":
+            onednn.pack(self.model)           # oneDNN copies of the linear weights (utils/onednn.py)
         self.sampler = choose(self.parts.sampler, Parts().sampler, self.fuse)
         self.graph_runner = None
         self.warmup_model()
@@ -108,7 +111,8 @@ class ModelRunner:
     # -- set-up -----------------------------------------------------------------------------------------
     def _resolve_attention(self, parts: Parts) -> Parts:
         """Parts with the attention back-end and KV store filled in: the parts' own, or the engine's choice
-        (config.attention_backend; the Triton store on CUDA or with the triton back-end, else the torch one)."""
+        (config.attention_backend; the Triton store on CUDA or with the triton back-end, else the back-end
+        module's own store_kvcache if it has one, else the torch one)."""
         if parts.attention_backend is not None:
             if self.config.attention_backend != "auto":
                 raise ValueError(f"attention_backend={self.config.attention_backend!r} conflicts with "
@@ -122,6 +126,8 @@ class ModelRunner:
         if store is None and (self.device_type == "cuda" or self.backend_name == "triton"):
             from nanovllm_ref.kernels.store_kvcache import store_kvcache
             store = store_kvcache
+        elif store is None and parts.attention_backend is None:
+            store = getattr(backend, "store_kvcache", None)      # the "cpu" back-end brings its own
         return dataclasses.replace(parts, attention_backend=backend, store_kvcache=store)
 
     @torch.no_grad()

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm_ref.utils.onednn import linear
 from nanovllm_ref.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 
@@ -40,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """hidden_states: [num_seqs, hidden] -> logits [num_seqs, vocab] on rank 0, None on other ranks."""
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight)          # F.linear (oneDNN on CPU)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -10,9 +10,9 @@ checkpoint tensor into the right rows of the fused parameter (upstream nano-vllm
 Weights are [out_features, in_features] like nn.Linear.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from nanovllm_ref.utils.onednn import linear
 from nanovllm_ref.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 
@@ -40,7 +40,7 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)     # F.linear (oneDNN on CPU: utils/onednn.py)
 
 
 class ReplicatedLinear(LinearBase):
@@ -133,4 +133,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias), self.tp_size)
+        return all_reduce(linear(x, self.weight, bias), self.tp_size)
