@@ -104,3 +104,26 @@ def test_engine_greedy_ids_equal_hf(backend, block_size):
     # Again, now through cached prefixes (paged prefill) for the repeated prompts.
     got, _ = run_checked(llm, prompts, GREEDY)
     assert got == [hf_greedy(path, p, 12) for p in prompts]
+
+
+@pytest.mark.skipif(not __import__("nanovllm_ref.utils.onednn", fromlist=["x"]).available(torch.float32),
+                    reason="no oneDNN in this torch build")
+def test_onednn_linear_equals_f_linear_and_the_engine_packs_on_cpu():
+    import torch.nn.functional as F
+
+    from nanovllm_ref.layers.linear import RowParallelLinear
+    from nanovllm_ref.utils import onednn
+    layer = RowParallelLinear(24, 40, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(5, 24)
+    plain = layer(x)
+    assert onednn.pack(layer) == 1 and hasattr(layer.weight, "onednn")
+    torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(onednn.linear(x[:, ::2].repeat(1, 2), layer.weight), F.linear(x[:, ::2].repeat(1, 2), layer.weight),
+                               rtol=1e-5, atol=1e-5)                      # non-contiguous input source
+    onednn.unpack(layer)
+    assert not hasattr(layer.weight, "onednn") and torch.equal(layer(x), plain)
+    llm = LLM(tiny_dir("llama"), max_model_len=64, device="cpu")
+    packed = [m.weight for m in llm.model_runner.model.modules() if hasattr(m, "weight") and hasattr(m.weight, "onednn")]
+    assert len(packed) == 4 * 2 + 1              # qkv, o, gate_up, down per layer (2 layers) and the LM head
