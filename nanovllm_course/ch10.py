@@ -433,7 +433,9 @@ def check_graph_replay(fn, dtypes=None, device: str | None = None) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             llm = LLM(tiny_model_dir("qwen3"), device=device, dtype=str(dtype).split(".")[-1], enforce_eager=True,
-                      kvcache_block_size=4, max_model_len=64, num_kvcache_blocks=64, parts=parts)
+                      kvcache_block_size=4, max_model_len=64, num_kvcache_blocks=64, parts=parts,
+                      # the torch back-end reads no metadata on the host (the CPU one does), so it captures
+                      attention_backend="auto" if on_cuda else "torch")
         try:
             runner = llm.model_runner
             model, dev = runner.model, runner.device
