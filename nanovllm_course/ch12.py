@@ -200,10 +200,11 @@ def tiny_vs_hf(cap: Capstone) -> bool:
 
 
 def random_stream(g: random.Random, n: int = 6) -> list[list[int]]:
-    """n prompts of 6-16 ids below 512; two pairs share a prefix of two blocks (prefix-cache hits)."""
-    prompts = [[g.randrange(1, 512) for _ in range(g.randint(6, 16))] for _ in range(n)]
+    """n prompts of 6-16 ids below 512; requests 1 and 3 start with the first 8 ids (two blocks of 4) of
+    requests 0 and 2 (prefix-cache hits)."""
+    prompts = [[g.randrange(1, 512) for _ in range(g.randint(9 if i in (0, 2) else 6, 16))] for i in range(n)]
     for a, b in ((0, 1), (2, 3)):
-        prompts[b] = prompts[a][:8] + prompts[b][8:] if len(prompts[b]) > 8 else prompts[a][:8] + [7]
+        prompts[b] = prompts[a][:8] + prompts[b][:max(1, len(prompts[b]) - 8)]
     return prompts
 
 
