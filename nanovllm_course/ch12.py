@@ -169,9 +169,10 @@ TIGHT = dict(kvcache_block_size=4, num_kvcache_blocks=12, max_num_batched_tokens
              enforce_eager=True, device="cpu")
 
 
-def _record(cap: Capstone, section: str, passed: bool, blamed: str | None, message: str) -> bool:
+def _record(cap: Capstone, section: str, passed: bool, blamed: str | None, message: str) -> None:
+    """Keep a section's outcome for the check (cap.results); sections return None, so a notebook cell shows only
+    what they print."""
     cap.results[section] = (passed, blamed, message)
-    return passed
 
 
 def _generate(parts, path, prompts, sp, **engine_args):
@@ -181,7 +182,7 @@ def _generate(parts, path, prompts, sp, **engine_args):
             return [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
-def tiny_vs_hf(cap: Capstone) -> bool:
+def tiny_vs_hf(cap: Capstone) -> None:
     """C.1: the tiny Qwen3 with your parts, greedy, against HF transformers (exact ids)."""
     from nanovllm_ref import SamplingParams
     from nanovllm_course.engine_check import MAX_TOKENS, PROMPTS, _hf_greedy
@@ -265,7 +266,7 @@ def _blame(cap: Capstone, prompts=None) -> str | None:
     return None
 
 
-def stream_vs_reference(cap: Capstone, seed: int | None = None) -> bool:
+def stream_vs_reference(cap: Capstone, seed: int | None = None) -> None:
     """C.1: a random stream under a tight block budget (12 blocks of 4: preemption, prefix hits, 8-token
     chunks) through your engine and the reference engine: ids and schedule exactly equal."""
     from nanovllm_ref import Parts
@@ -287,7 +288,7 @@ def stream_vs_reference(cap: Capstone, seed: int | None = None) -> bool:
     return _record(cap, "C.1 stream", False, _blame(cap, prompts), problem)
 
 
-def tensor_parallel_2(cap: Capstone) -> bool:
+def tensor_parallel_2(cap: Capstone) -> None:
     """C.1: your parts in two worker processes (tp=2 over gloo): greedy ids equal HF's."""
     from nanovllm_ref import SamplingParams
     from nanovllm_course.engine_check import MAX_TOKENS, PROMPTS, _hf_greedy
@@ -366,7 +367,7 @@ REFERENCE_SMOLLM2 = [     # reference_smollm2() on 2026-11-30 (CPU fp32): (ids, 
 ]
 
 
-def smollm2_vs_reference(cap: Capstone, max_tokens: int = SMOL_TOKENS) -> bool:
+def smollm2_vs_reference(cap: Capstone, max_tokens: int = SMOL_TOKENS) -> None:
     """C.2: SmolLM2-135M-Instruct fp32, 4 chat prompts: your engine's greedy ids against the reference engine's
     (recorded in REFERENCE_SMOLLM2), compared up to the first step whose reference top-2 logit margin is
     below MARGIN; there the float order of two engines may legitimately pick the other token."""
@@ -415,7 +416,7 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2)), df
 
 
-def first_token_chi2(cap: Capstone, temperatures=(0.6, 1.5), draws: int = 20000) -> bool:
+def first_token_chi2(cap: Capstone, temperatures=(0.6, 1.5), draws: int = 20000) -> None:
     """C.3: your sampler (as it runs in the engine) on the first-step logits of the tiny model, `draws` times
     per temperature; frequencies against the reference probabilities softmax(logits / T)."""
     from nanovllm_ref.layers.sampler import SamplingMetadata

@@ -22,6 +22,16 @@ ALL_FIELDS = ["rms_norm", "add_rms_norm", "rope_cos_sin", "rotary", "qkv_weight_
               "scheduler", "sampler", "graph_batch_sizes"]
 
 
+SECTION = {"tiny_vs_hf": "C.1 HF", "stream_vs_reference": "C.1 stream", "tensor_parallel_2": "C.1 tp=2",
+           "smollm2_vs_reference": "C.2 SmolLM2", "first_token_chi2": "C.3 sampling"}
+
+
+def passes(cap, name, **kwargs) -> bool:
+    """Run section `name` of the capstone on `cap`; True when it recorded a pass."""
+    assert getattr(ch12, name)(cap, **kwargs) is None
+    return cap.results[SECTION[name]][0]
+
+
 def solutions():
     return ch12.SOLUTIONS
 
@@ -42,8 +52,8 @@ def test_round_trip_every_part_is_yours_and_the_check_says_ok(solved, capsys):
     assert set(solved.parts.replaced()) == set(ALL_FIELDS) and solved.missing() == []
     # on a CPU chapter 04's PyTorch decode replaces chapter 06's kernel, and nothing else changes
     assert solved.cpu_parts.attention_backend.paged_decode.__module__.endswith("ch04")
-    assert ch12.tiny_vs_hf(solved) and ch12.stream_vs_reference(solved, seed=1) and ch12.tensor_parallel_2(solved)
-    assert ch12.first_token_chi2(solved) and ch12.smollm2_vs_reference(solved)
+    assert passes(solved, "tiny_vs_hf") and passes(solved, "stream_vs_reference", seed=1) and passes(solved, "tensor_parallel_2")
+    assert passes(solved, "first_token_chi2") and passes(solved, "smollm2_vs_reference")
     with check("E12.1"):
         ch12.check_capstone(solutions, solved)
     out = capsys.readouterr().out
@@ -68,7 +78,7 @@ def test_unfilled_chapters_run_on_reference_parts_and_say_what_is_missing(tmp_pa
         ch12.STUB_FOLDER = old
     assert cap.stub and cap.parts == Parts() and cap.cpu_parts == Parts() and not cap.objects
     assert "sampler (ch08 E8.1-E8.4)" in cap.missing() and len(cap.missing()) == 14
-    assert ch12.tiny_vs_hf(cap) and ch12.stream_vs_reference(cap) and ch12.first_token_chi2(cap)
+    assert passes(cap, "tiny_vs_hf") and passes(cap, "stream_vs_reference") and passes(cap, "first_token_chi2")
     capsys.readouterr()
     with pytest.raises(NotDone):
         ch12.check_capstone(stub, cap)
@@ -110,11 +120,11 @@ def test_a_planted_wrong_part_fails_the_check_and_is_named(solved, field, mutant
 
 def test_the_stream_sees_a_scheduler_that_requeues_at_the_back_and_blames_it(solved, capsys):
     cap = solved.plant("scheduler", ch12_mutants.BackOfQueueScheduler)
-    assert not ch12.stream_vs_reference(cap, seed=3)
+    assert not passes(cap, "stream_vs_reference", seed=3)
     passed, blamed, message = cap.results["C.1 stream"]
     assert blamed == "scheduler (ch07 E7.1-E7.3)" and "waiting queue" in message, (blamed, message)
     # greedy ids alone cannot see it: the tiny HF comparison still passes
-    assert ch12.tiny_vs_hf(cap)
+    assert passes(cap, "tiny_vs_hf")
     # and the check, with the part checks out of the way, reports the section and the part
     ch12_checks = ch12._part_checks
     try:
@@ -127,7 +137,7 @@ def test_the_stream_sees_a_scheduler_that_requeues_at_the_back_and_blames_it(sol
 
 def test_the_chi_squared_sees_a_sampler_ignoring_temperature_and_blames_it(solved, capsys):
     cap = solved.plant("sampler", ch12_mutants.sample_ignoring_temperature)
-    assert not ch12.first_token_chi2(cap)
+    assert not passes(cap, "first_token_chi2")
     assert cap.results["C.3 sampling"][1] == "sampler (ch08 E8.1-E8.4)"
     assert "NOT consistent" in capsys.readouterr().out
 
