@@ -456,7 +456,12 @@ def check_parts(cap: Capstone) -> None:
     does not."""
     checks = _part_checks()
     done = set()
-    for f, (row, obj) in cap.objects.items():
+    todo = list(cap.objects.items())
+    if cap.cpu_parts.attention_backend is not cap.parts.attention_backend and cap.cpu_parts.attention_backend:
+        # on a CPU chapter 04's paged_decode runs in place of chapter 06's kernel: check it too
+        row04 = next(r for r in cap.rows if r["field"] == "attention_backend" and r["chapter"] == "04")
+        todo.append(("attention_backend", (row04, cap.cpu_parts.attention_backend.paged_decode)))
+    for f, (row, obj) in todo:
         key = (row["chapter"], row["name"])
         if key not in checks or key in done:
             continue
