@@ -47,44 +47,13 @@ _TIME_LIMIT_S = 20      # per scenario: a student's endless loop becomes a failu
 def reference_schedule_prefill(sched) -> list[Sequence]:
     """Phase 1 of the reference `schedule()`: continue chunked prefills, then admit waiting sequences
     first-come under the token budget, `max_num_seqs` and `can_allocate`. Returns the scheduled list."""
-    scheduled, budget = [], sched.max_num_batched_tokens
-    for seq in sched.running:
-        if seq.is_prefilling and budget > 0:
-            seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-            budget -= seq.num_scheduled_tokens
-            scheduled.append(seq)
-    while sched.waiting and budget > 0 and len(sched.running) < sched.max_num_seqs:
-        seq = sched.waiting[0]
-        if not sched.block_manager.can_allocate(seq):
-            break
-        sched.block_manager.allocate(seq)
-        seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-        budget -= seq.num_scheduled_tokens
-        seq.status = SequenceStatus.RUNNING
-        sched.waiting.popleft()
-        sched.running.append(seq)
-        scheduled.append(seq)
-    return scheduled
+    return EngineScheduler._schedule_prefill(sched)
 
 
 def reference_schedule_decode(sched) -> list[Sequence]:
     """Phase 2 of the reference `schedule()`: one token for every running sequence, preempting from the
     back of `running` (via `sched.preempt`) when a block is needed and none is free."""
-    kept = deque()
-    while sched.running:
-        seq = sched.running.popleft()
-        while not sched.block_manager.can_append(seq):
-            if sched.running:
-                sched.preempt(sched.running.pop())
-            else:
-                sched.preempt(seq)
-                break
-        else:
-            sched.block_manager.may_append(seq)
-            seq.num_scheduled_tokens = 1
-            kept.append(seq)
-    sched.running = kept
-    return list(kept)
+    return EngineScheduler._schedule_decode(sched)
 
 
 reference_preempt = EngineScheduler.preempt

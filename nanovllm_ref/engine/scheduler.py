@@ -49,6 +49,14 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Return (sequences to run this step, is_prefill). Sets seq.num_scheduled_tokens."""
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        """Phase 1: continue chunked prefills, then admit waiting sequences first-come under the token budget,
+        max_num_seqs and can_allocate. Returns the scheduled sequences (empty: nothing to prefill)."""
         scheduled, budget = [], self.max_num_batched_tokens
         # 1a. Continue chunked prefills (they already hold their blocks).
         for seq in self.running:
@@ -68,10 +76,10 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             scheduled.append(seq)
-        if scheduled:
-            return scheduled, True
+        return scheduled
 
-        # 2. Decode: one token for every running sequence, preempting from the back when blocks run out.
+    def _schedule_decode(self) -> list[Sequence]:
+        """Phase 2: one token for every running sequence, preempting from the back when blocks run out."""
         kept = deque()
         while self.running:
             seq = self.running.popleft()
@@ -86,7 +94,7 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 kept.append(seq)
         self.running = kept
-        return list(kept), False
+        return list(kept)
 
     def abort_all(self) -> None:
         """Forget every waiting and running sequence; their blocks go back to the pool (hashes kept)."""
