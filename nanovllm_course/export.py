@@ -39,7 +39,6 @@ class Export:
     name: str         # the function or class the notebook defines
     field: str        # the Parts field it fills
     exercise: str     # "E1.1"
-    helpers: tuple = ()   # other notebook functions it calls (exported with it; a stub among them = not done)
 
 
 # chapter -> the parts its exercises provide. Each entry's adapter (ADAPTERS) turns the notebook's function
@@ -54,12 +53,14 @@ EXPORTS: dict[str, list[Export]] = {
     "05": [Export("BlockManager", "block_manager", "E5.2"), Export("CachingBlockManager", "block_manager", "E5.3")],
     "06": [Export("store_kvcache", "store_kvcache", "E6.1"), Export("paged_decode", "attention_backend", "E6.3")],
     "07": [Export("Scheduler", "scheduler", "E7.1-E7.3")],
-    "08": [Export("sample", "sampler", "E8.1-E8.4", helpers=("temperature_probs", "top_k_top_p", "exponential_race"))],
+    "08": [Export("sample", "sampler", "E8.1-E8.4")],
     # Chapter 09's loaders have the Parts signature (layer, param, loaded_weight, shard_id) and know the rank.
     "09": [Export("load_qkv_shard", "qkv_weight_loader", "E9.1"),
            Export("load_gate_up_shard", "gate_up_weight_loader", "E9.1")],
     "10": [Export("graph_batch_sizes", "graph_batch_sizes", "E10.1"), Export("store_kvcache", "store_kvcache", "E10.3")],
 }
+# A part counts as done only when it and every notebook function it calls (directly or not: chapter 06's kernel
+# factories, chapter 08's helpers) hold no stub; those functions are exported with it.
 # Several exercises may fill one field (04 in PyTorch, 06 in Triton, 10 capture-safe in PyTorch; 05's block
 # manager without and with prefix caching): the highest chapter whose part is done wins, and within a chapter the later exercise, in
 # parts_from_student, parts_from_functions and part_table alike.
@@ -115,7 +116,7 @@ def parts_from_functions(**functions) -> tuple[Parts, list[str]]:
     for name, obj in functions.items():
         if name not in by_name:
             raise ValueError(f"{name!r} is not an exported exercise; known: {sorted(by_name)}")
-        if is_stub(obj) or any(is_stub(getattr(obj, "__globals__", {}).get(h)) for h in by_name[name].helpers):
+        if is_stub(obj):
             continue
         used.append(name)
         for e in (e for chapter in EXPORTS.values() for e in chapter if e.name == name):
@@ -123,10 +124,13 @@ def parts_from_functions(**functions) -> tuple[Parts, list[str]]:
     return Parts(**changes), used
 
 
-def is_stub(obj) -> bool:
-    """True when `obj` (a function or class) still contains the release's NotImplementedError stub, or calls
-    a function of its own module that does (a launcher whose kernel factory is still a stub: chapter 06)."""
+def is_stub(obj, _seen=None) -> bool:
+    """True when `obj` (a function or class) still contains the release's NotImplementedError stub, or calls,
+    directly or not, a function of its own module that does (a launcher whose kernel factory is still a stub:
+    chapter 06; a sampler built from helper functions: chapter 08)."""
     import inspect
+    seen = _seen if _seen is not None else set()
+    seen.add(id(obj))
     try:
         if STUB_MARK in inspect.getsource(obj):
             return True
@@ -135,13 +139,10 @@ def is_stub(obj) -> bool:
     code, module_globals = getattr(obj, "__code__", None), getattr(obj, "__globals__", {})
     for name in code.co_names if code else ():
         helper = inspect.unwrap(module_globals.get(name)) if callable(module_globals.get(name)) else None
-        if helper is None or helper is obj or getattr(helper, "__module__", None) != obj.__module__:
+        if helper is None or id(helper) in seen or getattr(helper, "__module__", None) != obj.__module__:
             continue
-        try:
-            if STUB_MARK in inspect.getsource(helper):
-                return True
-        except (OSError, TypeError):
-            continue
+        if is_stub(helper, seen):
+            return True
     return False
 
 
@@ -158,6 +159,19 @@ def _defined(tree) -> set[str]:
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
 
+def _with_dependencies(names, defs: dict) -> set[str]:
+    """`names` plus every notebook-defined function or class they reference, transitively.
+    defs: name -> ast node of its last definition in the notebook."""
+    found, todo = set(), [n for n in names if n in defs]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        todo += [n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name) and n.id in defs]
+    return found
+
+
 def export_notebook(path: Path, out_dir: Path) -> list[dict]:
     """Write out_dir/chNN.py from one chapter notebook; return its manifest rows."""
     chapter = path.name[:2]
@@ -172,13 +186,15 @@ def export_notebook(path: Path, out_dir: Path) -> list[dict]:
                 if text not in seen:
                     seen.add(text)
                     imports.append(text)
-    wanted = {e.name for e in EXPORTS[chapter]} | {h for e in EXPORTS[chapter] for h in e.helpers}
-    # The last cell defining each wanted name; keep its defs, classes, imports and constants.
-    chosen = {}
+    # The last definition of each function and class in the notebook (a student may redefine one lower down).
+    last = {}
     for i, tree in enumerate(trees):
-        for name in _defined(tree) if tree else ():
-            if name in wanted:
-                chosen[name] = i
+        for node in tree.body if tree else []:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                last[node.name] = (i, node)
+    defs = {name: node for name, (_, node) in last.items()}
+    # Export the cells of the parts and of what they call; keep their defs, classes and constants.
+    chosen = {name: last[name][0] for name in _with_dependencies({e.name for e in EXPORTS[chapter]}, defs)}
     body = []
     for i in sorted(set(chosen.values())):
         src, tree = cells[i], trees[i]
@@ -192,21 +208,9 @@ def export_notebook(path: Path, out_dir: Path) -> list[dict]:
     for e in EXPORTS[chapter]:
         status = "missing"
         if e.name in chosen:
-            src, tree = cells[chosen[e.name]], trees[chosen[e.name]]
-            defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-            node = defs[e.name]
-            # The part itself, and the functions of its cell that it calls (a kernel factory, chapter 06).
-            called = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & (set(defs) - {e.name})
-            text = "".join(ast.get_source_segment(src, defs[name]) for name in [e.name, *sorted(called)])
+            text = "".join(ast.get_source_segment(cells[chosen[name]], defs[name])
+                           for name in sorted(_with_dependencies({e.name}, defs)))
             status = "stub" if STUB_MARK in text else "done"
-            for h in e.helpers:             # functions of other cells the part is built from (chapter 08)
-                if h not in chosen:
-                    status = "missing"
-                    continue
-                helper = next(n for n in trees[chosen[h]].body
-                              if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == h)
-                if status == "done" and STUB_MARK in ast.get_source_segment(cells[chosen[h]], helper):
-                    status = "stub"
         rows.append(dict(chapter=chapter, exercise=e.exercise, name=e.name, field=e.field, status=status))
     return rows
 
