@@ -67,17 +67,8 @@ def _schedule_with_own_decode(self):
     return self._schedule_decode(), False
 
 
-class ReferenceScheduler(EngineScheduler):
-    """The engine's Scheduler with `schedule()` split into the notebook's two phases (same behaviour)."""
-
-    def schedule(self):
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            return scheduled, True
-        return self._schedule_decode(), False
-
-    _schedule_prefill = reference_schedule_prefill
-    _schedule_decode = reference_schedule_decode
+# The engine's Scheduler already has `schedule()` split into the notebook's two phases.
+ReferenceScheduler = EngineScheduler
 
 
 def _hybrid(cls, exercise: str):
@@ -90,6 +81,7 @@ def _hybrid(cls, exercise: str):
     body = {}
     if exercise != "E7.1":
         body["schedule"] = _schedule_with_own_decode
+        body["_admit_waiting"] = EngineScheduler._admit_waiting      # the reference prefill phase uses it
     if exercise != "E7.2":
         body["_schedule_decode"] = reference_schedule_decode
         body["preempt"] = reference_preempt
@@ -133,18 +125,7 @@ class MixedScheduler(EngineScheduler):
             scheduled.append(seq)
             kept.append(seq)
         self.running = kept
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
-                break
-            self.block_manager.allocate(seq)
-            seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-            budget -= seq.num_scheduled_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
-            scheduled.append(seq)
-        return scheduled, None
+        return scheduled + self._admit_waiting(budget), None
 
 
 def _config(**kw) -> SimpleNamespace:

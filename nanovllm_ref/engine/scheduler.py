@@ -65,6 +65,12 @@ class Scheduler:
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
         # 1b. Admit waiting sequences.
+        return scheduled + self._admit_waiting(budget)
+
+    def _admit_waiting(self, budget: int) -> list[Sequence]:
+        """Admit waiting sequences first-come, while `budget` tokens, max_num_seqs and free blocks allow;
+        a prompt longer than what is left of the budget gets its first chunk. Returns the admitted ones."""
+        admitted = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
@@ -75,8 +81,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
-            scheduled.append(seq)
-        return scheduled
+            admitted.append(seq)
+        return admitted
 
     def _schedule_decode(self) -> list[Sequence]:
         """Phase 2: one token for every running sequence, preempting from the back when blocks run out."""
