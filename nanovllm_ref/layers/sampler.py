@@ -71,7 +71,13 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     return torch.empty_like(logits).scatter_(-1, order, ascending)
 
 
-def _rows(logits, temperatures, top_k, top_p):
+@fused
+def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None = None,
+                top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [num_seqs, vocab] any float dtype; temperatures: [num_seqs] fp32, >= 0; top_k, top_p as in
+    SamplingMetadata (None: off for every row). Returns [num_seqs] int64: argmax where the temperature is 0,
+    a draw from the filtered softmax(logits / T) elsewhere. Compiled, it is one graph per combination of
+    None / tensor arguments."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
@@ -81,36 +87,20 @@ def _rows(logits, temperatures, top_k, top_p):
     return torch.where(temperatures > 0, sampled, greedy)
 
 
-@fused
-def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """logits: [num_seqs, vocab] any float dtype; temperatures: [num_seqs] fp32, >= 0.
-    Returns [num_seqs] int64: argmax where the temperature is 0, a draw from softmax(logits / T) elsewhere."""
-    return _rows(logits, temperatures, None, None)
-
-
-@fused
-def sample_rows_filtered(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
-                         top_p: torch.Tensor | None) -> torch.Tensor:
-    """`sample_rows` with top-k / top-p filtering of the sampled rows (see top_k_top_p_filter)."""
-    return _rows(logits, temperatures, top_k, top_p)
-
-
-def _sample(rows, filtered, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def _sample(rows, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.all_greedy:                 # no noise to draw: one argmax
         return logits.argmax(dim=-1)
-    if metadata.top_k is None and metadata.top_p is None:
-        return rows(logits, metadata.temperatures)
-    return filtered(logits, metadata.temperatures, metadata.top_k, metadata.top_p)
+    return rows(logits, metadata.temperatures, metadata.top_k, metadata.top_p)
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The reference sampler: [num_seqs, vocab] logits -> [num_seqs] int64 token ids (see module docstring)."""
-    return _sample(sample_rows, sample_rows_filtered, logits, metadata)
+    return _sample(sample_rows, logits, metadata)
 
 
 def sample_compiled(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """`sample` with the row draw compiled by torch.compile (what an engine with fusion on calls)."""
-    return _sample(sample_rows.compiled(), sample_rows_filtered.compiled(), logits, metadata)
+    return _sample(sample_rows.compiled(), logits, metadata)
 
 
 sample.compiled = lambda: sample_compiled
