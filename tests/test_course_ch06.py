@@ -10,27 +10,15 @@ interpreter's memory watch; on a GPU the slot -1 write is caught by the guard ro
 import functools
 import os
 
-import pytest
 import torch
 import triton
 import triton.language as tl
 
+from course_checks import fails, passes
 from nanovllm_course import ch06
 from nanovllm_course.export import is_stub, parts_from_functions
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def passes(check, fn, tag, capsys):
-    capsys.readouterr()
-    check(fn)
-    assert capsys.readouterr().out == f"{tag} ok\n"
-
-
-def fails(check, fn, match):
-    with pytest.raises(AssertionError, match=match) as info:
-        check(fn)
-    return str(info.value)
 
 
 def stub(*args, **kwargs):

@@ -3,11 +3,13 @@
 Each check passes on the reference (printing exactly its one `E7.n ok` line), fails on a stub with 'not
 implemented yet', and fails on each planted plausible mistake with a message and hint that point at it.
 """
+import functools
 import random
 from collections import deque
 
 import pytest
 
+import course_checks
 from nanovllm_course import ch07
 from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.engine.sequence import SequenceStatus
@@ -15,21 +17,8 @@ from nanovllm_ref.engine.sequence import SequenceStatus
 Ref = ch07.ReferenceScheduler
 CHECKS = {"E7.1": ch07.check_schedule_prefill, "E7.2": ch07.check_schedule_decode, "E7.3": ch07.check_postprocess}
 
-
-def passes(tag, cls, capsys):
-    capsys.readouterr()
-    CHECKS[tag](cls)
-    assert capsys.readouterr().out == f"{tag} ok\n"
-
-
-def fails(tag, cls, *matches):
-    with pytest.raises(AssertionError) as info:
-        CHECKS[tag](cls)
-    text = str(info.value)
-    assert text.startswith(f"{tag}: "), text
-    for m in matches:
-        assert m in text, text
-    return text
+passes = functools.partial(course_checks.passes_by_tag, CHECKS)
+fails = functools.partial(course_checks.fails_by_tag, CHECKS)
 
 
 def _prefill(self, charge_cached=False, schedule_cached=False, zero_admissions=False):

@@ -2,25 +2,13 @@
 reference (printing exactly its `E8.n ok` line), fails on a stub with 'not implemented yet', and fails on
 the plausible mistakes the chapter names with a message chosen from what differs. Also: the host-sync spy
 sees `.item()` / `nonzero`, and the engine's own sampler passes the chapter's checks."""
-import pytest
 import torch
 
+from course_checks import fails, passes
 from nanovllm_course import ch08
 from nanovllm_ref.layers.sampler import sample as engine_sample
 
 TINY = torch.finfo(torch.float32).tiny
-
-
-def passes(check, fn, tag, capsys):
-    capsys.readouterr()
-    check(fn)
-    assert capsys.readouterr().out == f"{tag} ok\n"
-
-
-def fails(check, fn, match):
-    with pytest.raises(AssertionError, match=match) as info:
-        check(fn)
-    return str(info.value)
 
 
 def stub(*args, **kwargs):

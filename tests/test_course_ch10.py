@@ -4,8 +4,12 @@ Each check passes on the reference (printing exactly its one `E10.n ok` line), f
 implemented yet', and fails on each planted plausible mistake with a message that points at it. E10.4 runs on
 the CPU stand-in graph (ch10.CPUGraphs) here, on the real CUDA graph where there is a GPU.
 """
+import functools
+
 import pytest
 import torch
+
+import course_checks
 
 from nanovllm_course import ch10
 from nanovllm_ref.attn.torch_backend import store_kvcache as masked_store
@@ -15,15 +19,7 @@ CHECKS = {"E10.1": ch10.check_graph_batch_sizes, "E10.2": ch10.check_fill_static
 REFERENCE = {"E10.1": ch10.reference_graph_batch_sizes, "E10.2": ch10.reference_fill_static_inputs,
              "E10.3": ch10.reference_store_kvcache, "E10.4": ch10.reference_capture_decode_graph}
 
-
-def fails(tag, fn, *matches):
-    with pytest.raises(AssertionError) as info:
-        CHECKS[tag](fn)
-    text = str(info.value)
-    assert text.startswith(f"{tag}: "), text
-    for m in matches:
-        assert m in text, text
-    return text
+fails = functools.partial(course_checks.fails_by_tag, CHECKS)
 
 
 @pytest.mark.parametrize("tag", sorted(CHECKS))

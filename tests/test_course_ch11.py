@@ -4,31 +4,20 @@ plumbing against a stand-in `vllm` module.
 Each check passes on the reference (printing exactly its one `E11.n ok` line), fails on a stub with 'not
 implemented yet', and fails on each planted plausible mistake with a message and hint that point at it.
 """
+import functools
 import math
 import types
 
 import pytest
 
+import course_checks
 from nanovllm_course import ch11
 from nanovllm_ref.bench import model_stats, physical_floor
 
 CHECKS = {"E11.1": ch11.check_workload_floor, "E11.2": ch11.check_throughput, "E11.3": ch11.check_compute_bound_batch}
 
-
-def passes(tag, fn, capsys):
-    capsys.readouterr()
-    CHECKS[tag](fn)
-    assert capsys.readouterr().out == f"{tag} ok\n"
-
-
-def fails(tag, fn, *matches):
-    with pytest.raises(AssertionError) as info:
-        CHECKS[tag](fn)
-    text = str(info.value)
-    assert text.startswith(f"{tag}: "), text
-    for m in matches:
-        assert m in text, text
-    return text
+passes = functools.partial(course_checks.passes_by_tag, CHECKS)
+fails = functools.partial(course_checks.fails_by_tag, CHECKS)
 
 
 REFERENCES = {"E11.1": ch11.reference_workload_floor, "E11.2": ch11.reference_throughput,
