@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -124,7 +125,8 @@ def main(argv=None) -> int:
     kernel = load_kernel(args.kernel) if args.kernel else load_from_notebook(Path(args.notebook))
     import triton
     rows = run(kernel, args.batches, args.contexts)
-    data = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    data = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__,
                 python=platform.python_version(), kernel=args.kernel or Path(args.notebook).name,
                 shape={k: str(v) for k, v in SHAPE.items()}, rows=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
