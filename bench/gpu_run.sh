@@ -7,6 +7,9 @@
 #   or:                       bash bench/gpu_run.sh final     # equivalence tests (no SmolLM2) + benchmark
 #   call 3 (optional):        bash bench/gpu_run.sh hf        # the HF continuous-batching peer alone
 #   or:                       bash bench/gpu_run.sh check     # kernel checks + equivalence/Parts tests, graphs and eager
+#   or:                       bash bench/gpu_run.sh round2    # thin-step/warm-up tests, equivalence with graphs,
+#                             then the bench: median of 3, batch-1, step profile (kernels per step), graph sweep
+#   or:                       bash bench/gpu_run.sh hfmerge   # HF continuous batching into $OUT's bench JSON (MERGE=...)
 #
 # .carry/a/part_aa and .carry/b/part_ab are the two halves of SmolLM2-135M-Instruct.Q4_1.gguf (the device
 # takes at most 64 MiB per call); .carry/b also holds the gguf wheel (the device has no PyPI).
@@ -99,6 +102,32 @@ PY
       --out "$OUT" --figures "$OUT" 2>&1 | grep -v DEBUG
   fi
 
+  if [ "$mode" = round2 ] && [ -z "${NO_TESTS:-}" ]; then
+    step "thin step, warm-up (no compile in generate), equivalence, Parts, faults, top-k/top-p on GPU with CUDA graphs"
+    NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32", "enforce_eager": false, "max_num_seqs": 16}' \
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_thin_step.py tests/test_engine_equivalence.py \
+        tests/test_parts.py tests/test_engine_faults_r2.py tests/test_triton_engine.py tests/test_sampler_top_k_top_p.py \
+        -k "not tensor_parallel and not tp_engine and not exported" --junitxml="$OUT/pytest_gpu_round2.xml" 2>&1 | grep -v DEBUG | tail -15
+    if [ -n "${EAGER:-}" ]; then
+      step "equivalence on GPU without graphs"
+      NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32", "enforce_eager": true, "max_num_seqs": 16}' \
+        timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py \
+        --junitxml="$OUT/pytest_gpu_round2_eager.xml" 2>&1 | grep -v DEBUG | tail -5
+    fi
+  fi
+  if [ "$mode" = round2 ] && [ -z "${NO_BENCH:-}" ]; then
+    step "benchmark round 2: triton + CUDA graphs, median of 3 fresh engines, batch-1, step profile, graph sweep"
+    timeout ${BENCH_TIMEOUT:-400} python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats 3 \
+      --batch1 --profile --graph-sweep --out "$OUT" --figures "$OUT" --tag ${TAG:-h200} 2>&1 | grep -v DEBUG
+  fi
+  if [ "$mode" = hfmerge ]; then
+    step "HF transformers continuous batching, merged into ${MERGE}"
+    timeout 400 python3 -m nanovllm_ref bench --peers hf --merge "$MERGE" --out "$OUT" --figures "$OUT" --tag ${TAG:-h200} 2>&1 | tail -8
+  fi
+  if [ -n "${CH12:-}" ]; then
+    step "chapter 12, C.4: the capstone's parts (solutions/ exported) vs the reference on the H200"
+    timeout 300 python3 bench/ch12_gpu.py 2>&1 | grep -v DEBUG | tail -20
+  fi
   if [ "$mode" = hf ]; then
     step "HF transformers continuous batching peer"
     timeout 500 python3 -m nanovllm_ref bench --peers hf --merge bench/results/bench_h200.json --out "$OUT" --figures "$OUT" 2>&1 | tail -20

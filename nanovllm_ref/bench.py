@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -136,26 +137,157 @@ def measure_machine(device: str) -> dict:
     return dict(copy_bandwidth_Bps=bw, matmul_flops=flops)
 
 
-def _engine_run(path, prompts, max_tokens, temperature, engine_args):
+def compile_counts() -> dict:
+    """Compiles so far in this process: torch.compile graphs (Dynamo's unique_graphs) and compiled binaries of
+    our Triton kernels (their per-device caches). A difference across a timed run means it paid a compile."""
+    from torch._dynamo.utils import counters
+    out = dict(dynamo_graphs=int(counters["stats"]["unique_graphs"]), triton_kernels=None)
+    try:
+        from nanovllm_ref.kernels import attention, store_kvcache
+        n = 0
+        for mod in (attention, store_kvcache):
+            for fn in vars(mod).values():
+                caches = getattr(fn, "device_caches", None)
+                if isinstance(caches, dict):
+                    n += sum(len(c[0]) for c in caches.values())
+        out["triton_kernels"] = n
+    except Exception:                                   # another Triton layout: count Dynamo only
+        pass
+    return out
+
+
+def _compiles_between(before: dict, after: dict) -> dict:
+    return {k: (after[k] - before[k]) if after[k] is not None and before[k] is not None else None for k in before}
+
+
+def _engine_run(path, prompts, max_tokens, temperature, engine_args, repeats: int = 1):
+    """`repeats` timed runs, each in a fresh engine (a second run in the same engine would hit its own
+    prefix cache). Returns (output tokens, median seconds, info with every run, start-up seconds and the
+    compiles counted inside each timed run)."""
     from nanovllm_ref import LLM, SamplingParams
-    llm = LLM(path, load_format="dummy", **engine_args)
-    sps = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    llm.generate(["Benchmark: "], SamplingParams(temperature=temperature, max_tokens=16), use_tqdm=False)
-    if llm.model_runner.device_type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, sps, use_tqdm=False)
-    if llm.model_runner.device_type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t
-    out_tokens = sum(len(o["token_ids"]) for o in outs)
-    info = dict(backend=llm.model_runner.backend_name, cuda_graphs=not llm.model_runner.enforce_eager,
-                num_kvcache_blocks=llm.config.num_kvcache_blocks, preemptions=llm.scheduler.num_preemptions)
-    llm.exit()
-    del llm
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    times, startups, compiles, info = [], [], [], {}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm = LLM(path, load_format="dummy", **engine_args)
+        sps = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
+        llm.generate(["Benchmark: "], SamplingParams(temperature=temperature, max_tokens=16), use_tqdm=False)
+        startups.append(time.perf_counter() - t0)
+        if llm.model_runner.device_type == "cuda":
+            torch.cuda.synchronize()
+        before = compile_counts()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        if llm.model_runner.device_type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        compiles.append(_compiles_between(before, compile_counts()))
+        out_tokens = sum(len(o["token_ids"]) for o in outs)
+        info = dict(backend=llm.model_runner.backend_name, cuda_graphs=not llm.model_runner.enforce_eager,
+                    graph_samples=llm.model_runner.graph_samples,
+                    num_kvcache_blocks=llm.config.num_kvcache_blocks, preemptions=llm.scheduler.num_preemptions)
+        llm.exit()
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    seconds = statistics.median(times)
+    info.update(repeats=repeats, run_seconds=times, run_tok_s=[out_tokens / s for s in times],
+                min_tok_s=out_tokens / max(times), max_tok_s=out_tokens / min(times),
+                startup_seconds=startups, compiles_in_timed_run=compiles)
     return out_tokens, seconds, info
+
+
+def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 512), (256, 512))) -> dict:
+    """Where a run's time goes (CUDA): every engine step of the workload timed (prefill vs decode, host time
+    outside the model runner), then per decode step at a few batch sizes: CUDA-graph step wall time, and
+    from torch.profiler over the same step run eagerly the kernel count and GPU kernel time by family."""
+    from collections import defaultdict
+    from torch.profiler import ProfilerActivity, profile
+    from nanovllm_ref import LLM, SamplingParams
+    from nanovllm_ref.engine.sequence import Sequence
+    llm = LLM(path, load_format="dummy", **engine_args)
+    runner = llm.model_runner
+    llm.generate(["warm up"], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)
+    orig_run, run_s = runner.run, [0.0]
+
+    def timed_run(seqs, is_prefill):
+        t = time.perf_counter()
+        r = orig_run(seqs, is_prefill)
+        run_s[0] = time.perf_counter() - t
+        return r
+
+    runner.run = timed_run
+    for p, m in zip(prompts, max_tokens):
+        llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m))
+    torch.cuda.synchronize()
+    rows, t0 = [], time.perf_counter()
+    while not llm.is_finished():
+        t = time.perf_counter()
+        _, n = llm.step()
+        rows.append((n, time.perf_counter() - t, run_s[0]))
+    total = time.perf_counter() - t0
+    runner.run = orig_run
+    pre, dec = [r for r in rows if r[0] > 0], [r for r in rows if r[0] < 0]
+    result = dict(workload=dict(
+        total_s=total, tok_s=sum(max_tokens) / total, prefill_steps=len(pre), prefill_s=sum(r[1] for r in pre),
+        prefill_step_max_s=max((r[1] for r in pre), default=0), decode_steps=len(dec), decode_s=sum(r[1] for r in dec),
+        host_outside_run_s=sum(r[1] - r[2] for r in rows), mean_decode_batch=sum(-r[0] for r in dec) / max(len(dec), 1)))
+
+    def family(name: str) -> str:
+        n = name.lower()
+        for key, fam in (("paged", "attention"), ("attn", "attention"), ("attention", "attention"),
+                         ("merge_splits", "attention"), ("store", "kv_store"), ("gemm", "gemm"), ("cutlass", "gemm"),
+                         ("sm90", "gemm"), ("nvjet", "gemm"), ("matmul", "gemm"), ("splitk", "gemm"),
+                         ("triton_poi", "fused_pointwise"), ("triton_red", "fused_reduction"),
+                         ("triton_per", "fused_reduction"), ("elementwise", "elementwise"), ("copy", "copy"),
+                         ("fill", "fill"), ("reduce", "reduce"), ("argmax", "sampler"), ("nccl", "nccl")):
+            if key in n:
+                return fam
+        return "other"
+
+    bm, bs = llm.scheduler.block_manager, llm.config.kvcache_block_size
+    result["decode_steps"] = {}
+    for n, ctx_len in sizes:
+        seqs = []
+        for i in range(n):
+            seq = Sequence([(7 * i + j) % 1000 for j in range(ctx_len)], bs, SamplingParams(temperature=0.6))
+            bm.allocate(seq)
+            seq.num_cached_tokens = ctx_len - 1
+            seqs.append(seq)
+        for _ in range(3):
+            runner.run(seqs, False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            runner.run(seqs, False)
+        torch.cuda.synchronize()
+        graph_ms = 1000 * (time.perf_counter() - t) / 20
+        saved, runner.graph_runner = runner.graph_runner, None
+        for _ in range(2):
+            runner.run(seqs, False)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.run(seqs, False)
+            torch.cuda.synchronize()
+        runner.graph_runner = saved
+        fam, count = defaultdict(float), defaultdict(float)
+        for ev in prof.key_averages():
+            dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if dt <= 0 or ev.key.startswith("ProfilerStep"):
+                continue
+            fam[family(ev.key)] += dt / 5 / 1000
+            count[family(ev.key)] += ev.count / 5
+        kernel_ms = sum(fam.values())
+        result["decode_steps"][f"bs{n}_ctx{ctx_len}"] = dict(
+            graph_step_ms=graph_ms, kernel_ms=kernel_ms, host_gap_ms=graph_ms - kernel_ms,
+            kernels_per_step=sum(count.values()),
+            kernels_per_layer=sum(count.values()) / llm.config.hf_config.num_hidden_layers,
+            kernel_ms_by_family={k: round(v, 4) for k, v in sorted(fam.items(), key=lambda x: -x[1])},
+            kernels_by_family={k: round(v, 1) for k, v in sorted(count.items(), key=lambda x: -x[1])})
+        for seq in seqs:
+            bm.deallocate(seq)
+    llm.exit()
+    return result
 
 
 def _hf_cb_run(path, prompts, max_tokens, temperature) -> tuple[int, float, dict]:
@@ -326,7 +458,8 @@ def main(argv=None) -> int:
                     help="CPU run on the real model: SmolLM2-135M fp32 against HF generate (nanovllm_ref/bench_cpu.py)")
     ap.add_argument("--cpu-tiny", action="store_true", help="tiny CPU run: tiny random model, 16 short requests")
     ap.add_argument("--threads", default="1,2", help="--cpu: torch thread counts to measure, e.g. 2,1")
-    ap.add_argument("--repeats", type=int, default=3, help="--cpu: runs per cell (median, min and max are kept)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per cell (median, min and max are kept); on a GPU each in a fresh engine")
     ap.add_argument("--workloads", default="chat8,chat32_eos", help="--cpu: comma list of chat8, chat32_eos")
     ap.add_argument("--budget-s", type=float, default=150,
                     help="--cpu: stop repeating a cell after this many seconds (busy machine); 0 = never")
@@ -341,6 +474,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default="nanovllm,hf", help="comma list of peers to run: nanovllm, hf")
     ap.add_argument("--merge", default=None, help="add this run's rows to an earlier result JSON (same workload)")
     ap.add_argument("--batch1", action="store_true", help="also measure batch-1 decode tok/s")
+    ap.add_argument("--profile", action="store_true",
+                    help="also time every step of the workload and count kernels per decode step (CUDA)")
     ap.add_argument("--graph-sweep", action="store_true", help="also measure CUDA-graph speedup per batch size")
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -411,8 +546,12 @@ def main(argv=None) -> int:
             tokens, seconds, info = fn()
             row = dict(name=name, output_tokens=tokens, seconds=seconds, tok_s=tokens / seconds,
                        pct_of_floor=100 * floor["floor_s"] / seconds, **info)
+            spread = (f" (min {info['min_tok_s']:,.0f}, max {info['max_tok_s']:,.0f}, median of {info['repeats']})"
+                      if info.get("repeats", 1) > 1 else "")
             print(f"{name:38s} {tokens:>9,} tok {seconds:8.2f} s {row['tok_s']:>10,.0f} tok/s "
-                  f"{row['pct_of_floor']:.3g}% of floor")
+                  f"{row['pct_of_floor']:.3g}% of floor{spread}")
+            if info.get("compiles_in_timed_run"):
+                print(f"{'':38s} compiles inside each timed run: {info['compiles_in_timed_run']}")
         except Exception as exc:                   # a peer that cannot run is reported, not fatal
             row = dict(name=name, error=f"{type(exc).__name__}: {exc}"[:500])
             print(f"{name:38s} skipped: {row['error']}")
@@ -431,7 +570,8 @@ def main(argv=None) -> int:
         tp = f",tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
         name = f"nanovllm_ref[{backend}{'' if not cuda else (',eager' if eager else ',cudagraph')}{tp}]"
         record(name, lambda b=backend, e=eager: _engine_run(
-            path, prompts, max_tokens, 0.6, dict(engine_args, attention_backend=b, enforce_eager=e)))
+            path, prompts, max_tokens, 0.6, dict(engine_args, attention_backend=b, enforce_eager=e),
+            repeats=args.repeats if cuda else 1))
     try:
         import vllm  # noqa: F401
         vllm_status = "importable, but not run by this script"
@@ -475,6 +615,12 @@ def main(argv=None) -> int:
         result["decode_batch1"] = decode_batch1(path, dict(engine_args, attention_backend=b))
         print(f"batch-1 decode ({b}): {result['decode_batch1']['tok_s']:,.0f} tok/s "
               f"({result['decode_batch1']['ms_per_step']:.2f} ms/step)")
+    if args.profile and cuda:
+        result["step_profile"] = step_profile(path, dict(engine_args, attention_backend=backends[0]), prompts, max_tokens)
+        print("step profile:", json.dumps(result["step_profile"]["workload"]))
+        for k, v in result["step_profile"]["decode_steps"].items():
+            print(f"decode {k}: graph step {v['graph_step_ms']:.3f} ms, kernels {v['kernel_ms']:.3f} ms, "
+                  f"{v['kernels_per_step']:.0f} kernels/step ({v['kernels_per_layer']:.1f}/layer)")
     if args.graph_sweep and cuda:
         result["graph_sweep"] = graph_sweep(path, dict(engine_args, attention_backend=backends[0]))
         for r in result["graph_sweep"]:

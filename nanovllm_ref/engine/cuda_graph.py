@@ -1,12 +1,27 @@
 """CUDA graphs for decode: capture once per batch size, replay every step (chapter 10).
 
 A decode step of a small model is hundreds of tiny kernels; launching them one by one from Python costs
-more than running them. A CUDA graph records the whole forward once and replays it with one launch. The
+more than running them. A CUDA graph records the whole step once and replays it with one launch. The
 graph reads and writes fixed addresses, so each step's inputs are copied into static buffers first, and a
 batch is padded up to the next captured size: padding rows write their K/V to no slot (-1), have context
 length 0 and block tables of -1, so they change nothing. Upstream nano-vllm: `ModelRunner.capture_cudagraph`
 and `run_model`.
+
+What one captured step holds, and why (a "thin" step: the host does as little per step as it can):
+- The static inputs are views of ONE int32 device buffer (ids, positions, slots, context lengths,
+  temperatures as raw fp32 bits, block tables), filled by ONE copy from a pinned host twin
+  (`StaticDecodeInputs`). Six small copies and eight fill kernels per step cost more host time than the
+  copy itself.
+- Block-table rows on the host are rewritten only when a sequence's table changed since the last step
+  (a new block, or another sequence in that row), not rebuilt every step.
+- With `sample=True` (one process, the reference sampler) the graph also runs the LM head and the sampler:
+  the step ends with token ids in a static buffer, and the logits stay in another for samplers that run
+  outside (top-k/top-p, a replaced sampler). Random draws inside a replayed graph are fresh every replay:
+  PyTorch advances the CUDA generator's offset for each replay of a graph captured with it.
+With tensor parallelism the LM head gathers logits across ranks, so there the graph stops at the hidden
+states and the LM head and sampler run after it.
 """
+import numpy as np
 import torch
 
 from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
@@ -35,49 +50,160 @@ def fill_static_inputs(buffers: dict, input_ids: torch.Tensor, positions: torch.
     buffers["block_tables"][:batch, :meta.block_tables.shape[1]] = meta.block_tables
 
 
+class StaticDecodeInputs:
+    """The decode graphs' inputs as one int32 buffer on the device and its pinned twin on the host.
+
+    Layout, for capacity M = max batch and W = max blocks per sequence (each field a slice of length M,
+    the block tables M * W): input_ids, positions, slot_mapping, context_lens, temperatures (fp32 bits),
+    block_tables [M, W]. `views(buf)` names the slices of either buffer. `pack(seqs, block_size, padded)`
+    writes one step into the host buffer and returns it (numpy, what tensor-parallel workers receive);
+    `upload(host)` copies a host buffer to the device in one non-blocking copy."""
+
+    FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "temperatures")
+
+    def __init__(self, max_bs: int, max_blocks: int, device):
+        self.max_bs, self.max_blocks = max_bs, max_blocks
+        size = max_bs * (len(self.FIELDS) + max_blocks)
+        self.device_buf = torch.zeros(size, dtype=torch.int32, device=device)
+        self.host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+        self.host = self.host_buf.numpy()
+        self.device_views = self.views(self.device_buf)
+        self.host_views = self.views(self.host)
+        self.host_views["block_tables"][:] = -1
+        self._rows: list[list[int] | None] = [None] * max_bs      # what each host block-table row holds
+        self._copied = torch.cuda.Event() if self.host_buf.is_pinned() else None   # the last upload's end
+
+    def views(self, buf) -> dict:
+        m, out = self.max_bs, {}
+        for i, name in enumerate(self.FIELDS):
+            out[name] = buf[i * m:(i + 1) * m]
+        start = len(self.FIELDS) * m
+        out["block_tables"] = buf[start:].reshape(m, self.max_blocks)
+        out["temperatures"] = out["temperatures"].view(np.float32 if isinstance(buf, np.ndarray) else torch.float32)
+        return out
+
+    def pack(self, seqs, block_size: int, padded: int) -> np.ndarray:
+        """Write the decode inputs of `seqs` (B of them) into rows 0..B-1 of the host buffer and padding into
+        rows B..padded-1; returns the host buffer. Same values as engine/inputs.prepare_decode."""
+        self._wait_for_last_copy()
+        h, batch = self.host_views, len(seqs)
+        lens = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int64, count=batch)
+        h["input_ids"][:batch] = [seq.last_token for seq in seqs]
+        h["positions"][:batch] = lens - 1
+        h["context_lens"][:batch] = lens
+        h["temperatures"][:batch] = [seq.temperature for seq in seqs]
+        tables, rows = h["block_tables"], self._rows
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            if rows[i] != table:                      # a new block, or another sequence in this row
+                n = len(table)
+                if n > self.max_blocks:
+                    raise ValueError(f"a sequence holds {n} blocks, more than the {self.max_blocks} the "
+                                     "captured graphs were sized for (max_model_len / block_size)")
+                tables[i, :n] = table
+                tables[i, n:] = -1
+                rows[i] = list(table)
+        last = lens - 1
+        h["slot_mapping"][:batch] = tables[np.arange(batch), last // block_size] * block_size + last % block_size
+        if padded > batch:
+            h["input_ids"][batch:padded] = 0
+            h["positions"][batch:padded] = 0
+            h["slot_mapping"][batch:padded] = -1
+            h["context_lens"][batch:padded] = 0
+            h["temperatures"][batch:padded] = 0
+        return self.host
+
+    def upload(self, host: np.ndarray | None = None) -> None:
+        """One host -> device copy of the whole buffer (`host`: one received from rank 0, else our own)."""
+        if host is not None and host is not self.host:
+            self._wait_for_last_copy()
+            self.host[:] = host
+        self.device_buf.copy_(self.host_buf, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _wait_for_last_copy(self) -> None:
+        """The host buffer is the source of a non-blocking copy: do not overwrite it before that copy ran."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+
 class CUDAGraphRunner:
     """Decode graphs of one model, one per size in `sizes` (largest first, sharing one memory pool).
 
-    model: called as model(input_ids, positions) -> hidden [B, hidden]; max_blocks: the widest block table
-    (max_model_len / block_size rounded up). `run` returns None for a batch larger than every graph."""
+    model: called as model(input_ids, positions) -> hidden [B, hidden], with `compute_logits(hidden)`;
+    max_blocks: the widest block table (max_model_len / block_size rounded up); sample_rows: when given, the
+    graph also computes logits and ids = sample_rows(logits, temperatures) (the reference sampler's row
+    function); else it stops at the hidden states. `run` returns None for a batch larger than every graph."""
 
-    def __init__(self, model, sizes: list[int], max_blocks: int, hidden_size: int, dtype, device):
+    def __init__(self, model, sizes: list[int], max_blocks: int, hidden_size: int, dtype, device,
+                 sample_rows=None, vocab_size: int | None = None):
         self.model, self.sizes = model, sorted(sizes)
+        self.sample_rows = sample_rows
         max_bs = self.sizes[-1]
+        self.inputs = StaticDecodeInputs(max_bs, max_blocks, device)
+        v = self.inputs.device_views
         self.buffers = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=device),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
-            block_tables=torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=device),
+            input_ids=v["input_ids"], positions=v["positions"], slot_mapping=v["slot_mapping"],
+            context_lens=v["context_lens"], block_tables=v["block_tables"], temperatures=v["temperatures"],
             outputs=torch.zeros(max_bs, hidden_size, dtype=dtype, device=device))
+        if sample_rows is not None:
+            self.buffers["logits"] = torch.zeros(max_bs, vocab_size, dtype=dtype, device=device)
+            self.buffers["token_ids"] = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.graphs = {}
         self._capture()
 
+    def padded_size(self, batch: int) -> int | None:
+        """The captured size a batch of `batch` runs in (the smallest that fits), or None."""
+        return next((b for b in self.sizes if b >= batch), None)
+
+    def _step(self, bs: int) -> None:
+        g = self.buffers
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=g["slot_mapping"][:bs],
+                                 context_lens=g["context_lens"][:bs], block_tables=g["block_tables"][:bs])
+        with attention_metadata(meta):
+            # int32 in the packed buffer; the model's contract is int64 ids and positions
+            hidden = self.model(g["input_ids"][:bs].long(), g["positions"][:bs].long())
+        g["outputs"][:bs] = hidden
+        if self.sample_rows is not None:
+            logits = self.model.compute_logits(hidden)
+            g["logits"][:bs] = logits
+            # A fresh tensor, not the view into the packed int32 buffer: the compiled sampler then sees the
+            # same kind of input as in a prefill step and needs no variant of its own.
+            temperatures = g["temperatures"][:bs].clone()
+            g["token_ids"][:bs] = self.sample_rows(logits, temperatures)
+
     @torch.inference_mode()
     def _capture(self):
-        g, pool = self.buffers, None
+        pool = None
         for bs in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            meta = AttentionMetadata(is_prefill=False, slot_mapping=g["slot_mapping"][:bs],
-                                     context_lens=g["context_lens"][:bs], block_tables=g["block_tables"][:bs])
-            with attention_metadata(meta):
-                g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])     # warm-up
-                with torch.cuda.graph(graph, pool):
-                    g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+            self.graphs[bs], pool = self._record(bs, pool)
+
+    def _record(self, bs: int, pool):
+        """Capture the step of size `bs`; returns (an object with .replay(), the memory pool to share)."""
+        graph = torch.cuda.CUDAGraph()
+        self._step(bs)                                   # warm-up (compiles, allocator) outside the graph
+        with torch.cuda.graph(graph, pool):
+            self._step(bs)
+        torch.cuda.synchronize()
+        return graph, (graph.pool() if pool is None else pool)
+
+    def replay(self, batch: int) -> int:
+        """Replay the graph for a batch of `batch` whose inputs are already in the static buffers.
+        Returns the padded size that ran."""
+        bs = self.padded_size(batch)
+        self.graphs[bs].replay()
+        return bs
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        """Replay the smallest graph that fits this batch; returns hidden states [B, hidden], or None."""
+        """Generic path (any prepare_decode part): copy this step's device tensors into the static
+        buffers, replay; returns hidden states [B, hidden], or None when no graph fits."""
         batch = input_ids.shape[0]
-        bs = next((b for b in self.sizes if b >= batch), None)
-        if bs is None:
+        if self.padded_size(batch) is None:
             return None
         fill_static_inputs(self.buffers, input_ids, positions, meta)
-        self.graphs[bs].replay()
+        self.buffers["temperatures"].zero_()
+        self.replay(batch)
         return self.buffers["outputs"][:batch]
 
     def release(self):

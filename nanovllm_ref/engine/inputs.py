@@ -98,3 +98,19 @@ def prepare_decode(seqs: list[Sequence], block_size: int, device, slot_fn=slot_m
                              context_lens=to_device(context_lens, torch.int32, device),
                              block_tables=block_tables_tensor(seqs, device))
     return StepInputs(to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device), meta)
+
+
+def step_to_host(step: StepInputs) -> dict:
+    """A StepInputs as plain numpy arrays and ints (picklable in a few kB; what rank 0 sends to
+    tensor-parallel workers instead of the sequences and their whole token lists)."""
+    meta = {f: getattr(step.metadata, f) for f in AttentionMetadata.__dataclass_fields__}
+    host = {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in meta.items()}
+    return dict(input_ids=step.input_ids.cpu().numpy(), positions=step.positions.cpu().numpy(), metadata=host)
+
+
+def step_from_host(host: dict, device) -> StepInputs:
+    """The inverse of step_to_host: tensors on `device` (pinned, non-blocking copies on CUDA)."""
+    def up(a):
+        return to_device(a, torch.from_numpy(a).dtype, device) if a is not None else None
+    meta = {k: up(v) if hasattr(v, "dtype") else v for k, v in host["metadata"].items()}
+    return StepInputs(up(host["input_ids"]), up(host["positions"]), AttentionMetadata(**meta))

@@ -172,7 +172,7 @@ class LLMEngine:
             return [], 0
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
-        token_ids = self.model_runner.call("run", seqs, is_prefill)
+        token_ids = self.model_runner.run(seqs, is_prefill)        # also sends the step to TP workers
         finished = self.scheduler.postprocess(seqs, token_ids)
         return [(s.seq_id, s.completion_token_ids) for s in finished], num_tokens
 

@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from nanovllm_ref.attn import get_backend, resolve_backend
 from nanovllm_ref.config import Config
-from nanovllm_ref.engine import kv_cache
+from nanovllm_ref.engine import kv_cache, warmup
 from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes  # noqa: F401  (tests import it here)
-from nanovllm_ref.engine.inputs import to_device
+from nanovllm_ref.engine.inputs import StepInputs, prepare_decode, step_from_host, step_to_host, to_device
 from nanovllm_ref.engine.sequence import Sequence
-from nanovllm_ref.layers.sampler import SamplingMetadata
+from nanovllm_ref.layers.sampler import SamplingMetadata, sample as reference_sample, sample_rows
 from nanovllm_ref.models import get_model_class
 from nanovllm_ref.parts import Parts
 from nanovllm_ref.utils.context import attention_metadata
@@ -59,6 +59,12 @@ def resolve_dtype(name: str, hf_config, device: str) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def fuse_by_default(device_type: str) -> bool:
+    """Whether an engine on this device compiles its small ops (utils/fusion.py): on CUDA only, where
+    launches dominate; on a CPU compiling costs more start-up time than it saves."""
+    return device_type == "cuda"
+
+
 class ModelRunner:
     """config: the engine's Config; rank: this process's tensor-parallel rank; conns: rank 0's pipes to the
     workers, or a worker's one pipe; port: the process-group rendezvous port (tp > 1); parts: the engine's
@@ -77,7 +83,7 @@ class ModelRunner:
         self.enforce_eager = config.enforce_eager or self.device_type != "cuda"
         # Fuse RMSNorm / RoPE / SiLU-and-mul / the sampler into one compiled kernel each on GPU
         # (utils/fusion.py). The choice is this engine's: the model is built with it.
-        self.fuse = self.device_type == "cuda"
+        self.fuse = fuse_by_default(self.device_type)
         if self.device_type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
@@ -86,6 +92,17 @@ class ModelRunner:
                                     world_size=self.world_size, timeout=timedelta(seconds=120))
         torch.manual_seed(config.seed)
 
+        self.model = self.kv_cache = self.graph_runner = None
+        self.graph_samples = False
+        try:
+            self._build()
+        except BaseException:
+            self._release()            # a failed start-up must not keep the GPU memory it took
+            raise
+
+    def _build(self):
+        """Model, weights, warm-ups, KV cache and CUDA graphs (see the module docstring)."""
+        config, rank, hf = self.config, self.rank, self.config.hf_config
         model_parts = self._resolve_attention(self.parts)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -102,11 +119,13 @@ class ModelRunner:
         if self.device_type == "cpu":
             onednn.pack(self.model)           # oneDNN copies of the linear weights (utils/onednn.py)
         self.sampler = choose(self.parts.sampler, Parts().sampler, self.fuse)
-        self.graph_runner = None
+        self.graph_runner, self.graph_samples = None, False
         self.warmup_model()
         self.allocate_kv_cache()
         if not self.enforce_eager:
             self.capture_cudagraph()
+        if self.fuse or self.device_type == "cuda":
+            warmup.warm_step_variants(self)
 
     # -- set-up -----------------------------------------------------------------------------------------
     def _resolve_attention(self, parts: Parts) -> Parts:
@@ -157,7 +176,7 @@ class ModelRunner:
         seqs = [Sequence([0] * seq_len, self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
-        self.run(seqs, True)
+        self.run_local(seqs, True)
         torch.cuda.empty_cache()
 
     def kv_block_bytes(self) -> int:
@@ -191,33 +210,42 @@ class ModelRunner:
 
     def exit(self):
         """Leave the process group and give the memory (graphs, KV cache, weights) back."""
-        if self.graph_runner is not None:
-            self.graph_runner.release()
-        self.graph_runner, self.kv_cache = None, None
-        for layer in self._attention_layers() if self.model is not None else []:
-            layer.k_cache = layer.v_cache = torch.tensor([])
-        self.model = None
-        if self.device_type == "cuda":
-            import gc
-            gc.collect()
-            torch.cuda.empty_cache()
+        self._release()
         if self.world_size > 1 and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
 
+    def _release(self):
+        """Drop the graphs, the KV cache and the weights, and hand the cached GPU memory back."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+        for layer in self._attention_layers() if self.model is not None else []:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.graph_runner, self.kv_cache, self.model = None, None, None
+        if self.device_type == "cuda":
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+
     # -- one step ---------------------------------------------------------------------------------------
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampler's view of the batch. top_k / top_p are None unless some sampled (temperature > 0)
-        row uses them, so the common case skips the sort; the choice is made here, on the host."""
+        row uses either; then both are tensors (0 and 1.0 mean off for a row), one path for any mix. The
+        choice is made here, on the host."""
         temperatures = [seq.temperature for seq in seqs]
         sampled = [seq for seq in seqs if seq.temperature > 0]
         top_k = top_p = None
-        if any(seq.top_k > 0 for seq in sampled):
+        if any(seq.top_k > 0 or seq.top_p < 1 for seq in sampled):
             top_k = to_device([seq.top_k for seq in seqs], torch.int64, self.device)
-        if any(seq.top_p < 1 for seq in sampled):
             top_p = to_device([seq.top_p for seq in seqs], torch.float64, self.device)
         return SamplingMetadata(to_device(temperatures, torch.float32, self.device),
                                 all_greedy=not sampled, top_k=top_k, top_p=top_p)
+
+    def _samples_in_graph(self, seqs: list[Sequence]) -> bool:
+        """True when the captured graph's own ids are this batch's answer: the reference sampler, and no
+        top-k / top-p on a sampled row (those run after the graph, on its logits)."""
+        return self.graph_samples and not any(
+            seq.temperature > 0 and (seq.top_k > 0 or seq.top_p < 1) for seq in seqs)
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
@@ -232,26 +260,70 @@ class ModelRunner:
                 return hidden
         return self.model(input_ids, positions)
 
+    def _message(self, seqs: list[Sequence], is_prefill: bool, remote: bool):
+        """This step's inputs as one message: ("graph", packed host buffer, batch) for a decode step that
+        replays a graph with the reference input preparation (one copy, no per-step tensors); else
+        ("step", StepInputs, is_prefill), the tensors on this device, or as numpy arrays when `remote`
+        (the message then travels to tensor-parallel workers, a few kB instead of whole sequences)."""
+        if (not is_prefill and self.graph_runner is not None and self.parts.prepare_decode is prepare_decode
+                and self.graph_runner.padded_size(len(seqs)) is not None):
+            padded = self.graph_runner.padded_size(len(seqs))
+            return ("graph", self.graph_runner.inputs.pack(seqs, self.block_size, padded), len(seqs))
+        prepare = self.parts.prepare_prefill if is_prefill else self.parts.prepare_decode
+        if not remote:
+            return ("step", prepare(seqs, self.block_size, self.device), is_prefill)
+        return ("step", step_to_host(prepare(seqs, self.block_size, "cpu")), is_prefill)
+
+    @torch.inference_mode()
+    def run_local(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        """One step on this rank alone (start-up warm-ups, which every rank runs in step on its own)."""
+        return self.execute(self._message(seqs, is_prefill, remote=False), seqs)
+
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """One step for `seqs`. Returns one sampled token id per sequence on rank 0, None elsewhere."""
-        prepare = self.parts.prepare_prefill if is_prefill else self.parts.prepare_decode
-        step = prepare(seqs, self.block_size, self.device)
-        sampling = self.prepare_sample(seqs) if self.rank == 0 else None
-        with attention_metadata(step.metadata):
-            hidden = self.run_model(step.input_ids, step.positions, step.metadata)
-        logits = self.model.compute_logits(hidden)
+        """Rank 0: one step for `seqs`. Sends the step's inputs to the workers (tensor parallel), runs it
+        here, and returns one sampled token id per sequence."""
+        message = self._message(seqs, is_prefill, remote=bool(self.conns) and self.rank == 0)
+        if self.rank == 0:
+            for conn in self.conns:
+                conn.send(("execute", (message,)))
+        return self.execute(message, seqs)
+
+    @torch.inference_mode()
+    def execute(self, message, seqs: list[Sequence] | None = None) -> list[int] | None:
+        """Every rank: run one step from its message (see `_message`). Rank 0 (which has `seqs`) samples
+        and returns the token ids; other ranks return None."""
+        kind, payload, arg = message
+        if kind == "graph":
+            runner, batch = self.graph_runner, arg
+            runner.inputs.upload(payload)
+            if self.rank == 0 and self._samples_in_graph(seqs):
+                runner.replay(batch)
+                return runner.buffers["token_ids"][:batch].tolist()
+            runner.replay(batch)
+            logits = (runner.buffers["logits"][:batch] if self.graph_samples
+                      else self.model.compute_logits(runner.buffers["outputs"][:batch]))
+        else:
+            step = payload if isinstance(payload, StepInputs) else step_from_host(payload, self.device)
+            with attention_metadata(step.metadata):
+                hidden = self.run_model(step.input_ids, step.positions, step.metadata)
+            logits = self.model.compute_logits(hidden)
         if self.rank != 0:
             return None
-        return self.sampler(logits, sampling).tolist()
+        return self.sampler(logits, self.prepare_sample(seqs)).tolist()
 
-    def capture_cudagraph(self):
-        """Capture one decode graph per size in Parts.graph_batch_sizes(max_num_seqs) (engine/cuda_graph.py)."""
+    def capture_cudagraph(self, runner_cls=CUDAGraphRunner):
+        """Capture one decode graph per size in Parts.graph_batch_sizes(max_num_seqs) (engine/cuda_graph.py).
+        With one process and the reference sampler the graphs end in sampled ids (`graph_samples`).
+        runner_cls: CUDAGraphRunner, or (tests on a CPU) a subclass whose `_record` replays eagerly."""
         cfg = self.config
         max_blocks = (cfg.max_model_len + self.block_size - 1) // self.block_size
+        self.graph_samples = self.world_size == 1 and self.parts.sampler is reference_sample
+        rows = choose(sample_rows, sample_rows, self.fuse) if self.graph_samples else None
         try:
-            self.graph_runner = CUDAGraphRunner(self.model, self.parts.graph_batch_sizes(cfg.max_num_seqs), max_blocks,
-                                                cfg.hf_config.hidden_size, self.dtype, self.device)
+            self.graph_runner = runner_cls(self.model, self.parts.graph_batch_sizes(cfg.max_num_seqs), max_blocks,
+                                                cfg.hf_config.hidden_size, self.dtype, self.device,
+                                                sample_rows=rows, vocab_size=cfg.hf_config.vocab_size)
         except Exception as exc:
             mine = self.parts.replaced()
             raise RuntimeError(f"CUDA graph capture of the decode step failed ({type(exc).__name__}: {exc})"

@@ -131,7 +131,9 @@ def _online_softmax_step(q, k, v, acc, m_i, l_i, qk_scale, mask,
 
 # ------------------------------------------------------------------------------------------------ prefill
 
-@triton.jit
+# Block-table width changes from step to step: do not compile a variant for widths of 1 or multiples of 16
+# (Triton specialises integer arguments on those by default), so warm-up covers every width.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
@@ -270,7 +272,7 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 # ------------------------------------------------------------------------------------------------- decode
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
@@ -333,7 +335,7 @@ def _paged_decode_kernel(
         tl.store(part_lse_ptr + part_rows, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,

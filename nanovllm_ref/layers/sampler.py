@@ -76,8 +76,8 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.T
                 top_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [num_seqs, vocab] any float dtype; temperatures: [num_seqs] fp32, >= 0; top_k, top_p as in
     SamplingMetadata (None: off for every row). Returns [num_seqs] int64: argmax where the temperature is 0,
-    a draw from the filtered softmax(logits / T) elsewhere. Compiled, it is one graph per combination of
-    None / tensor arguments."""
+    a draw from the filtered softmax(logits / T) elsewhere. The engine compiles it for the unfiltered case
+    only (top_k = top_p = None)."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
@@ -90,7 +90,11 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.T
 def _sample(rows, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.all_greedy:                 # no noise to draw: one argmax
         return logits.argmax(dim=-1)
-    return rows(logits, metadata.temperatures, metadata.top_k, metadata.top_p)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        # Filters run uncompiled: the sort dominates their cost, and Inductor (torch 2.11) fails to generate
+        # the dynamic-shape cumsum over a 150k vocabulary (measured on the H200).
+        return sample_rows(logits, metadata.temperatures, metadata.top_k, metadata.top_p)
+    return rows(logits, metadata.temperatures)
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""Start-up warm-up: meet every kernel variant and compiled shape before the first request (chapter 11).
+
+Two kinds of one-time work hide in the first steps of an engine that has not been warmed:
+- Triton compiles a kernel the first time it meets a new set of compile-time constants. The prefill
+  kernel has two (with and without a cached prefix in the paged cache); integer arguments that change from
+  step to step are marked `do_not_specialize` in nanovllm_ref/kernels, so sizes alone never recompile.
+- torch.compile (the fused RMSNorm / RoPE / SiLU-and-mul and the sampler's row function, utils/fusion.py)
+  compiles once per variant: with dynamic shapes, a size of 1 is still specialised, so batch 1 and
+  "any other size" are two compiles, and the sampler's row function has one variant without and one with
+  top-k/top-p filters.
+Measured on the H200 before this module: one prefill step of the benchmark took 1.02 s the first time and
+0.06 s the second. A benchmark's timed run should not pay for compiles, and neither should a user's first
+request, so the model runner calls `warm_step_variants` once at start-up, after the KV cache and the CUDA
+graphs exist: a few tiny steps that cover the variants above.
+
+The warm-up steps write K/V into block 0 of the cache. That is harmless: the block manager does not exist
+yet, and every block's K/V is written by its owner's prefill before anything reads it. Every rank runs the
+same steps (the collectives line up); only rank 0 samples. The random generator is re-seeded afterwards, so
+sampled outputs do not depend on how many draws the warm-up made.
+"""
+import torch
+
+from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.6)
+FILTERED = SamplingParams(temperature=0.6, top_k=20, top_p=0.9)
+
+
+def _seq(num_tokens: int, cached: int, block_size: int, sp: SamplingParams) -> Sequence:
+    """A sequence of `num_tokens` tokens, the first `cached` of them already in the cache, every block
+    mapped to block 0; the rest (or, for decode, the last token) scheduled."""
+    seq = Sequence([1 + i % 7 for i in range(num_tokens)], block_size, sp)
+    seq.block_table = [0] * ((num_tokens + block_size - 1) // block_size)
+    seq.num_cached_tokens = cached
+    seq.num_scheduled_tokens = num_tokens - cached
+    return seq
+
+
+def step_variants(block_size: int, decode_eager: bool) -> list[tuple[list[tuple[int, int, SamplingParams]], bool]]:
+    """The warm-up steps as (sequences as (num_tokens, num_cached, sampling), is_prefill) pairs:
+    prefill with no cached prefix and with one (a chunk continuation or a prefix-cache hit), for one
+    sequence and for two, of one token and of several; the sampler's variants (greedy, sampled, sampled
+    with top-k/top-p) at one row and at two; eager decode at batch 1 and 2 when no CUDA graph runs decode."""
+    steps = [
+        ([(1, 0, GREEDY)], True),                              # 1-token prefill: size-1 specialisations
+        ([(3, 0, SAMPLED)], True),
+        ([(3, 0, SAMPLED), (5, 0, SAMPLED)], True),
+        ([(3, 0, FILTERED)], True),
+        ([(4, 0, FILTERED), (2, 0, GREEDY)], True),
+        ([(4, 2, GREEDY)], True),                              # cached prefix: the paged-prefill kernel
+        ([(4, 3, SAMPLED), (6, 2, SAMPLED)], True),
+    ]
+    if decode_eager:
+        steps += [([(5, 4, SAMPLED)], False), ([(5, 4, SAMPLED), (6, 5, GREEDY)], False)]
+    return steps
+
+
+@torch.inference_mode()
+def warm_step_variants(runner) -> int:
+    """Run the steps of `step_variants` on `runner` (a ModelRunner, this rank only). Returns the number
+    of steps run."""
+    steps = step_variants(runner.block_size, decode_eager=runner.graph_runner is None)
+    for specs, is_prefill in steps:
+        seqs = [_seq(n, cached, runner.block_size, sp) for n, cached, sp in specs]
+        runner.run_local(seqs, is_prefill)
+    if runner.device_type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    torch.manual_seed(runner.config.seed)
+    return len(steps)

@@ -1,0 +1,282 @@
+"""The thin decode step and the start-up warm-up (issue: GPU speed round 2), checked on a CPU.
+
+- StaticDecodeInputs.pack (one packed host buffer per step, block-table rows rewritten only when they
+  change) gives exactly engine/inputs.prepare_decode's values, through growth, row reuse and preemption.
+- The graph path of the model runner (packed upload, LM head and sampler inside the step, logits kept for
+  samplers that run outside) is exercised on a CPU by a graph runner whose "graph" replays the captured step
+  eagerly: greedy ids equal the engine without graphs and HF.
+- Tensor-parallel workers receive a compact message per step, not the sequences.
+- After start-up, a varied workload compiles nothing (torch.compile counters); without the warm-up the
+  same workload does, so the test can fail.
+The real CUDA-graph replay, and Triton's compile cache, are checked on the H200 (bench/gpu_run.sh).
+"""
+import pickle
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from nanovllm_ref import SamplingParams
+from nanovllm_ref.engine import model_runner as model_runner_mod
+from nanovllm_ref.engine import warmup
+from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, StaticDecodeInputs
+from nanovllm_ref.engine.inputs import prepare_decode, step_from_host, step_to_host
+from nanovllm_ref.engine.sequence import Sequence
+
+from engine_helpers import LLM, hf_greedy, tiny_dir
+
+
+class EagerReplayRunner(CUDAGraphRunner):
+    """A CUDAGraphRunner whose "graph" runs the captured step again, eagerly: the whole data path of
+    graph decode (packed inputs, views, in-step LM head and sampler) without CUDA."""
+
+    def _record(self, bs, pool):
+        return SimpleNamespace(replay=lambda: self._step(bs)), None
+
+
+def _seq(n, table, block_size=4, temperature=0.0):
+    seq = Sequence(list(range(1, n + 1)), block_size, SamplingParams(temperature=temperature))
+    seq.block_table = list(table)
+    seq.num_cached_tokens = n - 1
+    return seq
+
+
+def _assert_pack_matches(inputs: StaticDecodeInputs, seqs, block_size, padded):
+    host = inputs.pack(seqs, block_size, padded)
+    v = inputs.views(host)
+    want = prepare_decode(seqs, block_size, "cpu")
+    b = len(seqs)
+    assert v["input_ids"][:b].tolist() == want.input_ids.tolist()
+    assert v["positions"][:b].tolist() == want.positions.tolist()
+    assert v["slot_mapping"][:b].tolist() == want.metadata.slot_mapping.tolist()
+    assert v["context_lens"][:b].tolist() == want.metadata.context_lens.tolist()
+    width = want.metadata.block_tables.shape[1]
+    assert v["block_tables"][:b, :width].tolist() == want.metadata.block_tables.tolist()
+    assert (v["block_tables"][:b, width:] == -1).all(), "columns past a table must not keep stale block ids"
+    assert v["temperatures"][:b].tolist() == np.float32([s.temperature for s in seqs]).tolist()
+    assert (v["slot_mapping"][b:padded] == -1).all() and (v["context_lens"][b:padded] == 0).all()
+
+
+def test_pack_equals_prepare_decode_through_growth_reuse_and_preemption():
+    bs = 4
+    inputs = StaticDecodeInputs(max_bs=8, max_blocks=6, device="cpu")
+    a, b, c = _seq(5, [3, 9], temperature=0.6), _seq(4, [7]), _seq(9, [1, 2, 5])
+    _assert_pack_matches(inputs, [a, b, c], bs, 4)
+    # a decodes into a new block; b finishes and c moves into its row
+    a.append_token(11); a.append_token(12); a.append_token(13); a.num_cached_tokens = 7
+    a.block_table.append(4)
+    _assert_pack_matches(inputs, [a, c], bs, 2)
+    # c is preempted and comes back with other blocks, same count: its row must be rewritten
+    c.block_table[:] = [6, 8, 0]
+    _assert_pack_matches(inputs, [a, c], bs, 2)
+    # a different, shorter table in a row that held a longer one
+    d = _seq(2, [5])
+    _assert_pack_matches(inputs, [d, a, c], bs, 4)
+
+
+def test_pack_refuses_a_table_wider_than_the_graphs():
+    inputs = StaticDecodeInputs(max_bs=2, max_blocks=2, device="cpu")
+    with pytest.raises(ValueError, match="more than the 2"):
+        inputs.pack([_seq(9, [0, 1, 2])], 4, 1)
+
+
+def _graph_llm(**kw):
+    llm = LLM(tiny_dir("qwen3"), enforce_eager=True, max_num_seqs=8, kvcache_block_size=16, **kw)
+    runner = llm.model_runner
+    runner.capture_cudagraph(EagerReplayRunner)
+    assert runner.graph_samples
+    return llm
+
+
+def test_graph_decode_path_is_exact_greedy_and_samples_in_the_step():
+    path = tiny_dir("qwen3")
+    g = random.Random(3)
+    prompts = [[g.randrange(1, 200) for _ in range(g.randrange(3, 30))] for _ in range(5)]
+    llm = _graph_llm()
+    runner = llm.model_runner
+    calls = {"in_step": 0, "outside": 0}
+    orig_sampler = runner.sampler
+
+    def outside(logits, meta):
+        calls["outside"] += 1
+        return orig_sampler(logits, meta)
+
+    runner.sampler = outside
+    orig_step = runner.graph_runner._step
+
+    def counted(bs):
+        calls["in_step"] += 1
+        return orig_step(bs)
+
+    runner.graph_runner._step = counted
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o["token_ids"] == hf_greedy(path, p, 12)
+    decode_steps = calls["in_step"]
+    assert decode_steps >= 11, "decode steps must replay the captured step"
+    # Only prefill steps sample outside the step (one per prefill step), decode samples inside it
+    assert calls["outside"] <= 2, f"greedy decode sampled outside the graph step {calls['outside']} times"
+    # top-k on a sampled row: the step's logits go to the sampler outside, ids still valid
+    calls.update(in_step=0, outside=0)
+    mixed = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_k=1, max_tokens=6, ignore_eos=True)]
+    outs = llm.generate(prompts[:2], mixed, use_tqdm=False)
+    assert outs[0]["token_ids"] == hf_greedy(path, prompts[0], 6)
+    assert outs[1]["token_ids"] == hf_greedy(path, prompts[1], 6), "top_k=1 is greedy whatever T"
+    assert calls["outside"] >= 6 and calls["in_step"] >= 5
+    llm.exit()
+
+
+def test_graph_decode_path_sampled_rows_follow_the_temperature():
+    """T > 0 inside the step: rows draw different tokens (noise is not frozen) and the T=0 row stays greedy."""
+    llm = _graph_llm()
+    path = tiny_dir("qwen3")
+    prompt = [5, 6, 7, 8]
+    sps = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] + \
+        [SamplingParams(temperature=5.0, max_tokens=8, ignore_eos=True)] * 6
+    outs = llm.generate([prompt] * 7, sps, use_tqdm=False)
+    assert outs[0]["token_ids"] == hf_greedy(path, prompt, 8)
+    sampled = {tuple(o["token_ids"]) for o in outs[1:]}
+    assert len(sampled) >= 4, "six hot rows drew nearly the same tokens: the noise is shared or frozen"
+    llm.exit()
+
+
+def test_tensor_parallel_step_message_is_compact():
+    """What rank 0 sends each step is the prepared inputs (bytes ~ batch), not whole sequences."""
+    llm = LLM(tiny_dir("qwen3"), enforce_eager=True, kvcache_block_size=16)
+    runner = llm.model_runner
+    seqs = []
+    for i in range(32):
+        seq = Sequence([(i + j) % 300 + 1 for j in range(900)], 16, SamplingParams())
+        seq.block_table = list(range(i * 57, i * 57 + 57))
+        seq.num_cached_tokens = 899
+        seqs.append(seq)
+    message = runner._message(seqs, False, remote=True)
+    sent = len(pickle.dumps(message))
+    whole = len(pickle.dumps(seqs))
+    assert sent < 12_000 < whole, (sent, whole)
+    # and it round-trips to the same tensors
+    kind, host, _ = message
+    back = step_from_host(host, "cpu")
+    want = prepare_decode(seqs, 16, "cpu")
+    assert back.input_ids.dtype == torch.int64 and torch.equal(back.input_ids, want.input_ids)
+    assert torch.equal(back.metadata.block_tables, want.metadata.block_tables)
+    assert np.array_equal(step_to_host(want)["positions"], host["positions"])
+    llm.exit()
+
+
+def _recompile_reasons() -> dict:
+    from torch._dynamo.utils import guard_failures
+    return {getattr(code, "co_name", str(code)): reasons[-2:] for code, reasons in guard_failures.items()}
+
+
+def _count_compiles():
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The engine with its compiled ops on a CPU; torch.compile with the "eager" backend (Dynamo traces and
+    counts graphs, nothing is code-generated), so the test is about when compiles happen, and quick."""
+    from nanovllm_ref.utils import fusion
+    import torch._dynamo
+    real_compile = torch.compile
+    monkeypatch.setattr(model_runner_mod, "fuse_by_default", lambda device_type: True)
+    monkeypatch.setattr(fusion.torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw))
+    compiled_fns = [f for f in _fused_functions()]
+    for f in compiled_fns:
+        f.compiled.cache_clear()
+    torch._dynamo.reset()
+    yield
+    for f in compiled_fns:
+        f.compiled.cache_clear()
+    torch._dynamo.reset()
+
+
+def _fused_functions():
+    from nanovllm_ref.layers import activation, layernorm, rotary_embedding, sampler
+    mods = (activation, layernorm, rotary_embedding, sampler)
+    return {v for m in mods for v in vars(m).values() if callable(getattr(v, "compiled", None))
+            and hasattr(getattr(v, "compiled"), "cache_clear")}
+
+
+def _varied_workload(llm):
+    g = random.Random(0)
+    shared = [g.randrange(1, 200) for _ in range(40)]
+    prompts = [[7], shared + [1, 2], shared + [3], [g.randrange(1, 200) for _ in range(70)]] + \
+        [[g.randrange(1, 200) for _ in range(g.randrange(2, 20))] for _ in range(5)]
+    sps = [SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0.7, max_tokens=9),
+           SamplingParams(temperature=0.7, top_k=5, max_tokens=4), SamplingParams(temperature=1.0, top_p=0.8, max_tokens=7)]
+    llm.generate(prompts[:1], sps[0], use_tqdm=False)                        # batch of one
+    llm.generate(prompts, [sps[i % 4] for i in range(len(prompts))], use_tqdm=False)
+    llm.generate(prompts[1:3], sps[1], use_tqdm=False)                        # prefix-cache hits
+
+
+def test_no_compile_after_start_up(fused_on_cpu):
+    # max_num_batched_tokens=32: the 70-token prompt is prefilled in chunks (paged-prefill continuation)
+    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6)
+    assert llm.model_runner.fuse
+    before = _count_compiles()
+    assert before > 0, "the engine compiled nothing at start-up: the fixture did not switch fusion on"
+    _varied_workload(llm)
+    assert _count_compiles() == before, ("a compile happened inside generate(): the start-up warm-up misses a "
+                                         f"variant; recompile reasons: {_recompile_reasons()}")
+    llm.exit()
+
+
+def test_without_warm_up_the_workload_compiles(fused_on_cpu, monkeypatch):
+    """The check above can fail: the same workload on an engine that skips the warm-up compiles."""
+    monkeypatch.setattr(warmup, "warm_step_variants", lambda runner: 0)
+    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6)
+    before = _count_compiles()
+    _varied_workload(llm)
+    assert _count_compiles() > before
+    llm.exit()
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (bench/gpu_run.sh)")
+
+
+@cuda_only
+def test_cuda_graph_draws_follow_softmax_and_change_every_replay():
+    """Inside a real captured graph, the sampler's noise is fresh at every replay and the draws follow
+    softmax(logits / T): a chi-square test over 40 replays of 64 identical rows."""
+    llm = LLM(tiny_dir("qwen3"), enforce_eager=False, max_num_seqs=64, kvcache_block_size=16)
+    runner = llm.model_runner
+    assert runner.graph_samples
+    first = _seq(6, [1], block_size=16)
+    first.num_cached_tokens, first.num_scheduled_tokens = 0, 6
+    runner.run([first], True)                               # the context's K/V, in block 1
+    seqs = [_seq(7, [1], block_size=16, temperature=1.0) for _ in range(64)]
+    draws = []
+    for _ in range(40):
+        runner.run(seqs, False)
+        draws.append(runner.graph_runner.buffers["token_ids"][:64].clone())
+    draws = torch.stack(draws)
+    assert len({tuple(r.tolist()) for r in draws}) == 40, "two replays drew identical rows: frozen noise"
+    probs = torch.softmax(runner.graph_runner.buffers["logits"][0].float(), -1).cpu()
+    counts = torch.bincount(draws.flatten().cpu(), minlength=probs.numel()).double()
+    expected = probs.double() * counts.sum()
+    big = expected >= 5                                  # pool the bins with < 5 expected draws
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    stat = ((obs - exp) ** 2 / exp.clamp_min(1e-12)).sum()
+    p = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), stat / 2))
+    assert p > 1e-4, f"graph draws do not follow softmax(logits / T): chi-square p = {p:.2g}"
+    llm.exit()
+
+
+@cuda_only
+def test_cuda_no_compile_inside_generate_after_start_up():
+    from nanovllm_ref.bench import compile_counts
+    llm = LLM(tiny_dir("qwen3"), enforce_eager=False, kvcache_block_size=16, max_num_batched_tokens=32,
+              max_num_seqs=6, attention_backend="triton")
+    before = compile_counts()
+    _varied_workload(llm)
+    after = compile_counts()
+    assert after == before, (f"compiles inside generate(): before {before}, after {after}; "
+                             f"recompile reasons: {_recompile_reasons()}")
+    llm.exit()
