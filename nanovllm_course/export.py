@@ -27,8 +27,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import nbformat
-
 from nanovllm_ref.parts import Parts
 
 STUB_MARK = 'raise NotImplementedError("Exercise'
@@ -172,11 +170,18 @@ def _with_dependencies(names, defs: dict) -> set[str]:
     return found
 
 
+def code_cells(path: Path) -> list[str]:
+    """The sources of a notebook's code cells, read with json alone: the export also runs where nbformat is not
+    installed (the lent GPU machine has torch and triton but no Jupyter packages)."""
+    nb = json.loads(Path(path).read_text(encoding="utf-8"))
+    return [c["source"] if isinstance(c["source"], str) else "".join(c["source"])
+            for c in nb["cells"] if c["cell_type"] == "code"]
+
+
 def export_notebook(path: Path, out_dir: Path) -> list[dict]:
     """Write out_dir/chNN.py from one chapter notebook; return its manifest rows."""
     chapter = path.name[:2]
-    nb = nbformat.read(path, as_version=4)
-    cells = [c.source for c in nb.cells if c.cell_type == "code"]
+    cells = code_cells(path)
     trees = [_top_level(src) for src in cells]
     imports, seen = [], set()
     for src, tree in zip(cells, trees):

@@ -64,8 +64,19 @@ def test_the_capstone_table_names_each_part_its_owner_and_chapter(tmp_path, caps
     ch12.assemble(solutions, out=str(tmp_path / "student"))
     out = capsys.readouterr().out
     assert "sampler                yours      ch08 E8.1-E8.4 sample" in out
-    assert "attention_backend      yours      ch06 E6.3 paged_decode" in out
+    # C.1-C.3 run on the CPU: the table names chapter 04's decode, which runs there, and says where 06's does
+    assert "attention_backend      yours      ch04 E4.2 paged_decode" in out and "ch06 E6.3 paged_decode\n" not in out
+    assert "your ch06 E6.3 paged_decode kernel is checked on its own there and runs in the engine in C.4" in out
     assert "14 of 14 exercise parts are yours" in out
+
+
+def test_without_chapter_04s_decode_the_cpu_table_says_the_reference_runs_in_place_of_the_kernel(solved):
+    rows = [dict(r, status="stub", source="reference") if (r["field"], r["chapter"]) == ("attention_backend", "04")
+            else r for r in solved.rows]
+    cap = ch12.Capstone(solved.folder, rows, solved.parts, ch12._cpu_parts(rows, solved.parts), solved.objects)
+    assert cap.cpu_parts.attention_backend is None
+    table = ch12.ex.part_table(ch12.cpu_rows(cap))
+    assert "attention_backend      reference  ch06 E6.3 paged_decode (ch06 kernel: GPU only)" in table
 
 
 def test_unfilled_chapters_run_on_reference_parts_and_say_what_is_missing(tmp_path, capsys):
@@ -151,8 +162,58 @@ def test_the_streams_always_preempt_and_hit_the_prefix_cache():
         assert prompts[0][:8] == prompts[1][:8] and prompts[2][:8] == prompts[3][:8]
 
 
-def test_recorded_smollm2_reference_is_what_the_reference_engine_gives():
-    fresh = ch12.reference_smollm2()
-    assert [ids for ids, _ in fresh] == [ids for ids, _ in ch12.REFERENCE_SMOLLM2]
-    for (_, got), (_, want) in zip(fresh, ch12.REFERENCE_SMOLLM2):
-        assert got == pytest.approx(want, abs=2e-3)
+def test_the_live_smollm2_reference_agrees_with_hf_scoring_its_ids():
+    """C.2's reference side (the reference engine with a margin-recording sampler): 4 chats x 32 tokens, and
+    HF transformers scoring those ids in one forward picks the same argmax wherever the margin is not a
+    near-tie, with margins within 2e-3 of the engine's."""
+    from transformers import AutoModelForCausalLM
+    from nanovllm_ref.download import ensure_model
+    import torch
+    path = str(ensure_model())
+    ref = ch12.reference_smollm2()
+    assert len(ref) == 4 and all(len(ids) == len(m) == ch12.SMOL_TOKENS == 32 for ids, m in ref)
+    assert ref[0][0][:6] == [504, 3575, 282, 4649, 314, 7042]      # "The capital of France is Paris"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for p, (ids, margins) in zip(ch12.smollm2_prompts(path), ref):
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + ids[:-1]])).logits[0, len(p) - 1:]
+        top2 = logits.topk(2, dim=-1)
+        hf_margins = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+        assert margins == pytest.approx(hf_margins, abs=2e-3)
+        sure = [s for s, m in enumerate(margins) if m >= ch12.MARGIN]
+        assert [top2.indices[s, 0].item() for s in sure] == [ids[s] for s in sure]
+
+
+def test_c2_reports_how_far_each_prompt_matched_and_stops_at_a_near_tie(capsys, monkeypatch):
+    """A fake 'your engine' that differs at step 5 of prompt 0 and step 3 of prompt 1; prompt 1's reference
+    margin at step 3 is made a near-tie, so only prompt 0 fails."""
+    ref = [(list(range(100, 132)), [1.0] * 32) for _ in range(4)]
+    ref[1] = (ref[1][0], [1.0, 1.0, 5e-4] + [1.0] * 29)
+    got = [list(ids) for ids, _ in ref]
+    got[0][4] = 7
+    got[1][2] = 7
+    monkeypatch.setattr(ch12, "reference_smollm2", lambda n, path=None: ref)
+    monkeypatch.setattr(ch12, "_generate", lambda *a, **k: got)
+    monkeypatch.setattr(ch12, "smollm2_prompts", lambda path: [[1]] * 4)
+    monkeypatch.setattr(ch12, "_blame", lambda cap, prompts=None: None)
+    cap = ch12.Capstone("x", [], Parts(), Parts(), {})
+    assert not passes(cap, "smollm2_vs_reference")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("C.2 prompt 0: 4/32 ids equal, then step 5 differs from the reference "
+                        "(reference top-2 margin there 1, not a near-tie)")
+    assert lines[1] == ("C.2 prompt 1: 2/32 ids equal; step 3's top-2 margin (0.0005) is below 0.001, "
+                        "so the comparison stops there")
+    assert lines[2] == "C.2 prompt 2: 32/32 ids equal the reference engine's (smallest top-2 margin 1, at step 1)"
+
+
+def test_c3_prints_the_same_p_values_whatever_the_random_state(capsys):
+    import torch
+    cap = ch12.Capstone("x", [], Parts(), Parts(), {})
+    outs = []
+    for k in range(2):
+        torch.manual_seed(100 + k)          # the section seeds its own fork of the generator
+        assert passes(cap, "first_token_chi2")
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+    assert outs[0].splitlines()[0].startswith("C.3 T=0.6: 20000 first tokens, chi-squared over 86 bins, p = 0.")
+    assert [ch12._fmt_p(p) for p in (0.456, 0.004, 1e-9)] == ["p = 0.46", "p < 0.01", "p < 1e-06"]
