@@ -105,8 +105,8 @@ PY
   if [ "$mode" = round2 ] && [ -z "${NO_TESTS:-}" ]; then
     step "thin step, warm-up (no compile in generate), equivalence, Parts, faults, top-k/top-p on GPU with CUDA graphs"
     NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32", "enforce_eager": false, "max_num_seqs": 16}' \
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_thin_step.py tests/test_engine_equivalence.py \
-        tests/test_parts.py tests/test_engine_faults_r2.py tests/test_triton_engine.py tests/test_sampler_top_k_top_p.py \
+      timeout 300 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_thin_step.py tests/test_engine_equivalence.py \
+        tests/test_parts.py tests/test_engine_faults_r2.py tests/test_triton_engine.py tests/test_sampler_top_k_top_p.py} \
         -k "not tensor_parallel and not tp_engine and not exported" --junitxml="$OUT/pytest_gpu_round2.xml" 2>&1 | grep -v DEBUG | tail -15
     if [ -n "${EAGER:-}" ]; then
       step "equivalence on GPU without graphs"
@@ -117,7 +117,7 @@ PY
   fi
   if [ "$mode" = round2 ] && [ -z "${NO_BENCH:-}" ]; then
     step "benchmark round 2: triton + CUDA graphs, median of 3 fresh engines, batch-1, step profile, graph sweep"
-    timeout ${BENCH_TIMEOUT:-400} python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats 3 \
+    timeout ${BENCH_TIMEOUT:-400} python3 -m nanovllm_ref bench --runs triton:graph --peers ${PEERS:-nanovllm} --repeats 3 \
       --batch1 --profile --graph-sweep --out "$OUT" --figures "$OUT" --tag ${TAG:-h200} 2>&1 | grep -v DEBUG
   fi
   if [ "$mode" = hfmerge ]; then
