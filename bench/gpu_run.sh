@@ -91,10 +91,16 @@ PY
       -p no:cacheprovider tests/test_engine_equivalence.py tests/test_triton_engine.py \
       --junitxml="$OUT/pytest_gpu_fused.xml" 2>&1 | grep -v DEBUG | tail -5
   fi
+  if [ -n "${TP_TESTS:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    step "tensor parallel on two GPUs over NCCL (TP=2 vs HF with graphs and eager, compact step messages)"
+    NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32"}' timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_engine_tp_and_errors.py tests/test_parts.py -k "(tensor_parallel or tp_engine) and not exported" \
+      --junitxml="$OUT/pytest_gpu_tp2.xml" 2>&1 | grep -v DEBUG | tail -15
+  fi
   if [ -n "${TP_BENCH:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "benchmark: TP=1 and TP=2 on two H200s (triton, CUDA graphs), batch-1 decode"
-    timeout 200 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --batch1 --out "$OUT" --tag tp1 2>&1 | grep -v DEBUG | tail -12
-    timeout 200 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --tensor-parallel-size 2 --out "$OUT" --tag tp2 2>&1 | grep -v DEBUG | tail -12
+    timeout 200 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats ${TP_REPEATS:-3} --out "$OUT" --tag tp1 2>&1 | grep -v DEBUG | tail -12
+    timeout 260 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats ${TP_REPEATS:-3} --tensor-parallel-size 2 --out "$OUT" --tag tp2 2>&1 | grep -v DEBUG | tail -12
   fi
   if [ "$mode" = all ] || [ "$mode" = bench ] || [ "$mode" = final ]; then
     step "benchmark: nanovllm_ref (triton, graphs and eager), HF continuous batching, batch-1 decode, CUDA-graph sweep"

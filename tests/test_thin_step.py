@@ -216,8 +216,9 @@ def _varied_workload(llm):
 
 
 def test_no_compile_after_start_up(fused_on_cpu):
-    # max_num_batched_tokens=32: the 70-token prompt is prefilled in chunks (paged-prefill continuation)
-    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6)
+    # max_num_batched_tokens=32: the 70-token prompt is prefilled in chunks (paged-prefill continuation).
+    # enforce_eager: decode runs eagerly, so the warm-up alone must cover it (graph capture covers it on a GPU).
+    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6, enforce_eager=True)
     assert llm.model_runner.fuse
     before = _count_compiles()
     assert before > 0, "the engine compiled nothing at start-up: the fixture did not switch fusion on"
@@ -230,7 +231,7 @@ def test_no_compile_after_start_up(fused_on_cpu):
 def test_without_warm_up_the_workload_compiles(fused_on_cpu, monkeypatch):
     """The check above can fail: the same workload on an engine that skips the warm-up compiles."""
     monkeypatch.setattr(warmup, "warm_step_variants", lambda runner: 0)
-    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6)
+    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6, enforce_eager=True)
     before = _count_compiles()
     _varied_workload(llm)
     assert _count_compiles() > before
