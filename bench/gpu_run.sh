@@ -91,16 +91,23 @@ PY
       -p no:cacheprovider tests/test_engine_equivalence.py tests/test_triton_engine.py \
       --junitxml="$OUT/pytest_gpu_fused.xml" 2>&1 | grep -v DEBUG | tail -5
   fi
+  if [ -n "${CH12_FIRST:-}" ]; then
+    step "chapter 12, C.4: the capstone's parts (solutions/ exported) vs the reference on the H200"
+    timeout 200 python3 bench/ch12_gpu.py 2>&1 | grep -v DEBUG | tail -6
+  fi
   if [ -n "${TP_TESTS:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "tensor parallel on two GPUs over NCCL (TP=2 vs HF with graphs and eager, compact step messages)"
-    NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32"}' timeout 240 python3 -m pytest -q -p no:cacheprovider \
-      tests/test_engine_tp_and_errors.py tests/test_parts.py -k "(tensor_parallel or tp_engine) and not exported" \
-      --junitxml="$OUT/pytest_gpu_tp2.xml" 2>&1 | grep -v DEBUG | tail -15
+    mkdir -p /tmp/diag && printf 'import faulthandler, sys\nfaulthandler.dump_traceback_later(%s, exit=False, file=sys.stderr)\n' \
+      "${DIAG_AFTER_S:-100}" > /tmp/diag/sitecustomize.py      # every process (workers too) dumps its stacks if still running
+    PYTHONPATH="/tmp/diag:$PYTHONPATH" NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32"}' timeout ${TP_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
+      tests/test_engine_tp_and_errors.py tests/test_parts.py -k "${TP_TESTS_K:-(tensor_parallel or tp_engine) and not exported}" \
+      --junitxml="$OUT/pytest_gpu_tp2.xml" > "$OUT/pytest_gpu_tp2.log" 2>&1
+    grep -v DEBUG "$OUT/pytest_gpu_tp2.log" | grep -v "^  File \"/opt" | tail -25
   fi
   if [ -n "${TP_BENCH:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "benchmark: TP=1 and TP=2 on two H200s (triton, CUDA graphs), batch-1 decode"
-    timeout 200 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats ${TP_REPEATS:-3} --out "$OUT" --tag tp1 2>&1 | grep -v DEBUG | tail -12
-    timeout 260 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats ${TP_REPEATS:-3} --tensor-parallel-size 2 --out "$OUT" --tag tp2 2>&1 | grep -v DEBUG | tail -12
+    [ -z "${NO_TP1:-}" ] && timeout 200 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats ${TP_REPEATS:-3} --out "$OUT" --tag tp1 2>&1 | grep -v DEBUG | tail -12
+    timeout ${TP2_TIMEOUT:-260} python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats ${TP_REPEATS:-3} --tensor-parallel-size 2 --out "$OUT" --tag tp2 2>&1 | grep -v DEBUG | tail -12
   fi
   if [ "$mode" = all ] || [ "$mode" = bench ] || [ "$mode" = final ]; then
     step "benchmark: nanovllm_ref (triton, graphs and eager), HF continuous batching, batch-1 decode, CUDA-graph sweep"

@@ -23,7 +23,7 @@ EPS = (1e-6, 1e-5)
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The reference answer to E1.1, as a function (weight: [hidden], same dtype as x)."""
-    norm = RMSNorm(x.shape[-1], eps).to(x.dtype)
+    norm = RMSNorm(x.shape[-1], eps).to(device=x.device, dtype=x.dtype)
     with torch.no_grad():
         norm.weight.copy_(weight)
         return norm(x)
@@ -31,7 +31,7 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def reference_fused_add_rms_norm(x, residual, weight, eps):
     """The reference answer to E1.2: (rms_norm(x + residual), x + residual)."""
-    norm = RMSNorm(x.shape[-1], eps).to(x.dtype)
+    norm = RMSNorm(x.shape[-1], eps).to(device=x.device, dtype=x.dtype)
     with torch.no_grad():
         norm.weight.copy_(weight)
         return norm(x, residual)

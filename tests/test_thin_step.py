@@ -281,3 +281,24 @@ def test_cuda_no_compile_inside_generate_after_start_up():
     assert after == before, (f"compiles inside generate(): before {before}, after {after}; "
                              f"recompile reasons: {_recompile_reasons()}")
     llm.exit()
+
+
+def _tp_graph_worker(config, rank, conn, port, parts):
+    """A tensor-parallel worker whose decode runs the graph path (EagerReplayRunner): the CPU stand-in for
+    TP with CUDA graphs, where rank 0 sends packed graph inputs."""
+    from nanovllm_ref.engine.model_runner import ModelRunner
+    runner = ModelRunner(config, rank, [conn], port, parts)
+    runner.capture_cudagraph(EagerReplayRunner)
+    runner.loop()
+
+
+def test_tensor_parallel_graph_path_on_cpu_equals_hf(monkeypatch):
+    from nanovllm_ref.engine import worker
+    monkeypatch.setattr(worker, "run_worker", _tp_graph_worker)
+    path = tiny_dir("qwen3")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 47))]
+    with LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64, enforce_eager=True) as llm:
+        llm.model_runner.capture_cudagraph(EagerReplayRunner)
+        assert not llm.model_runner.graph_samples, "with TP the LM head gathers across ranks: no sampler in the graph"
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [hf_greedy(path, p, 8) for p in prompts]

@@ -38,34 +38,44 @@ def _seq(num_tokens: int, cached: int, block_size: int, sp: SamplingParams) -> S
     return seq
 
 
-def step_variants(block_size: int, decode_eager: bool) -> list[tuple[list[tuple[int, int, SamplingParams]], bool]]:
-    """The warm-up steps as (sequences as (num_tokens, num_cached, sampling), is_prefill) pairs:
-    prefill with no cached prefix and with one (a chunk continuation or a prefix-cache hit), for one
-    sequence and for two, of one token and of several; the sampler's variants (greedy, sampled, sampled
-    with top-k/top-p) at one row and at two; eager decode at batch 1 and 2 when no CUDA graph runs decode."""
+def step_variants(block_size: int, decode_eager: bool) -> list[tuple[list[tuple[int, int]], bool]]:
+    """The model steps of the warm-up as (sequences as (num_tokens, num_cached), is_prefill) pairs: prefill
+    with no cached prefix and with one (a chunk continuation or a prefix-cache hit), for one sequence and
+    for two, of one token and of several; eager decode at batch 1 and 2 when no CUDA graph runs decode."""
     steps = [
-        ([(1, 0, GREEDY)], True),                              # 1-token prefill: size-1 specialisations
-        ([(3, 0, SAMPLED)], True),
-        ([(3, 0, SAMPLED), (5, 0, SAMPLED)], True),
-        ([(3, 0, FILTERED)], True),
-        ([(4, 0, FILTERED), (2, 0, GREEDY)], True),
-        ([(4, 2, GREEDY)], True),                              # cached prefix: the paged-prefill kernel
-        ([(4, 3, SAMPLED), (6, 2, SAMPLED)], True),
+        ([(1, 0)], True),                                      # 1-token prefill: size-1 specialisations
+        ([(3, 0)], True),
+        ([(3, 0), (5, 0)], True),
+        ([(4, 2)], True),                                      # cached prefix: the paged-prefill kernel
+        ([(4, 3), (6, 2)], True),
     ]
     if decode_eager:
-        steps += [([(5, 4, SAMPLED)], False), ([(5, 4, SAMPLED), (6, 5, GREEDY)], False)]
+        steps += [([(5, 4)], False), ([(5, 4), (6, 5)], False)]
     return steps
+
+
+SAMPLER_VARIANTS = [(n, sp) for n in (1, 2) for sp in (SAMPLED, FILTERED)]
 
 
 @torch.inference_mode()
 def warm_step_variants(runner) -> int:
-    """Run the steps of `step_variants` on `runner` (a ModelRunner, this rank only). Returns the number
-    of steps run."""
+    """Run the model steps of `step_variants` on `runner` (a ModelRunner, this rank only), greedy, then, on
+    rank 0, the sampler's variants (`SAMPLER_VARIANTS`: sampled and filtered, one row and two) on random
+    logits. The sampler is warmed apart because only rank 0 samples: a compile there between two model
+    steps would keep the other ranks waiting inside a collective (and NCCL's watchdog aborts after its
+    timeout); after the model steps they wait for rank 0's next message instead. Returns the number of
+    steps run."""
     steps = step_variants(runner.block_size, decode_eager=runner.graph_runner is None)
     for specs, is_prefill in steps:
-        seqs = [_seq(n, cached, runner.block_size, sp) for n, cached, sp in specs]
+        seqs = [_seq(n, cached, runner.block_size, GREEDY) for n, cached in specs]
         runner.run_local(seqs, is_prefill)
+    if runner.rank == 0:
+        vocab = runner.config.hf_config.vocab_size
+        for n, sp in SAMPLER_VARIANTS:
+            seqs = [_seq(2, 1, runner.block_size, sp) for _ in range(n)]
+            logits = torch.randn(n, vocab, device=runner.device).to(runner.dtype)
+            runner.sampler(logits, runner.prepare_sample(seqs)).tolist()
     if runner.device_type == "cuda":
         torch.cuda.synchronize(runner.device)
     torch.manual_seed(runner.config.seed)
-    return len(steps)
+    return len(steps) + (len(SAMPLER_VARIANTS) if runner.rank == 0 else 0)
