@@ -14,7 +14,7 @@ import torch
 
 from nanovllm_course.common import call_student, check_close, check_type, check_unchanged, fail, \
     fresh_generator, ok
-from nanovllm_ref.layers.layernorm import RMSNorm
+from nanovllm_ref.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-5)}
 HIDDEN = (1, 7, 64, 576, 1000)
@@ -22,19 +22,17 @@ EPS = (1e-6, 1e-5)
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference answer to E1.1, as a function (weight: [hidden], same dtype as x)."""
-    norm = RMSNorm(x.shape[-1], eps).to(device=x.device, dtype=x.dtype)
+    """The reference answer to E1.1, as a function (weight: [hidden], cast to x's dtype as the engine's
+    RMSNorm module holds it). Pure tensor maths on x's device: a student's E1.2 may call it inside the
+    engine, also while a CUDA graph is captured (so no module is built and no host tensor is copied)."""
     with torch.no_grad():
-        norm.weight.copy_(weight)
-        return norm(x)
+        return rms_norm(x, weight.to(x.dtype), eps)
 
 
 def reference_fused_add_rms_norm(x, residual, weight, eps):
     """The reference answer to E1.2: (rms_norm(x + residual), x + residual)."""
-    norm = RMSNorm(x.shape[-1], eps).to(device=x.device, dtype=x.dtype)
     with torch.no_grad():
-        norm.weight.copy_(weight)
-        return norm(x, residual)
+        return add_rms_norm(x, residual, weight.to(x.dtype), eps)
 
 
 def _inputs(g: torch.Generator, hidden: int, dtype: torch.dtype, num_tokens: int):

@@ -302,3 +302,14 @@ def test_tensor_parallel_graph_path_on_cpu_equals_hf(monkeypatch):
         assert not llm.model_runner.graph_samples, "with TP the LM head gathers across ranks: no sampler in the graph"
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o["token_ids"] for o in outs] == [hf_greedy(path, p, 8) for p in prompts]
+
+
+def test_to_device_takes_numpy_arrays_as_tp_workers_receive_them():
+    """Workers rebuild a step from numpy arrays; on CUDA those go through pinned memory, which
+    torch.tensor(ndarray, pin_memory=True) refuses (seen on the H200), so to_device converts them itself."""
+    from nanovllm_ref.engine.inputs import to_device
+    a = np.arange(6, dtype=np.int64)[::2]                      # not contiguous, same dtype
+    t = to_device(a, torch.int64, "cpu")
+    assert t.dtype == torch.int64 and t.tolist() == [0, 2, 4]
+    a[0] = 99
+    assert t[0] == 0, "the tensor must not alias the received array"

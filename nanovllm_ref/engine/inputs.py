@@ -12,6 +12,7 @@ Layouts (tokens of all sequences packed one after another, no padding):
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanovllm_ref.engine.sequence import Sequence
@@ -29,9 +30,13 @@ class StepInputs:
 
 
 def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
-    """A host list -> a tensor on `device`; through pinned memory and a non-blocking copy on CUDA."""
+    """A host list or numpy array -> a tensor on `device`; through pinned memory and a non-blocking copy
+    on CUDA. (torch.tensor(..., pin_memory=True) refuses numpy input, hence the two ways in.)"""
     device = torch.device(device)
     cuda = device.type == "cuda"
+    if isinstance(data, np.ndarray):
+        host = torch.from_numpy(np.ascontiguousarray(data)).to(dtype, copy=True)
+        return (host.pin_memory() if cuda else host).to(device, non_blocking=cuda)
     return torch.tensor(data, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
