@@ -154,3 +154,31 @@ def test_tp_engine_killed_mid_run_leaves_no_workers_and_next_engine_starts():
     with LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64) as llm:
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert out[0]["token_ids"] == hf_greedy(path, [5, 6, 7], 8)
+
+
+def rms_norm_refusing_long_steps(x, weight, eps):
+    """A part that fails on every rank for steps of more than 40 tokens (picklable: a module-level function)."""
+    if x.shape[0] > 40:
+        raise ValueError("rms_norm_refusing_long_steps: more than 40 tokens")
+    from nanovllm_ref.layers.layernorm import rms_norm
+    return rms_norm(x, weight, eps)
+
+
+def test_tp_step_that_raises_on_every_rank_reaches_the_caller_and_exit_still_finishes():
+    """The error of a failed step reaches the caller, and the workers stay alive, so exit() does not hang
+    at its barrier (a worker that died on the error used to leave rank 0 waiting there)."""
+    import time
+    from nanovllm_ref import Parts
+    path = tiny_dir("qwen3")
+    llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64,
+              parts=Parts(rms_norm=rms_norm_refusing_long_steps))
+    ok = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert ok[0]["token_ids"] == hf_greedy(path, [5, 6, 7], 8)
+    with pytest.raises(ValueError, match="more than 40 tokens"):
+        llm.generate([list(range(1, 51))], GREEDY, use_tqdm=False)
+    workers = list(llm.workers)
+    assert all(w.is_alive() for w in workers), "a worker died on the step's error"
+    t = time.perf_counter()
+    llm.exit()
+    assert time.perf_counter() - t < 60
+    assert not any(w.is_alive() for w in workers)

@@ -198,9 +198,16 @@ class ModelRunner:
         conn = self.conns[0]
         while True:
             method, args = conn.recv()
-            getattr(self, method)(*args)
             if method == "exit":
+                self.exit()
                 break
+            try:
+                getattr(self, method)(*args)
+            except Exception:
+                # Rank 0 runs the same step and meets the same error, which reaches the caller there. A worker
+                # that died here instead would leave rank 0's exit() waiting forever at its barrier.
+                import traceback
+                traceback.print_exc()
 
     def call(self, method: str, *args):
         """Rank 0: run `method` here and on every worker."""
