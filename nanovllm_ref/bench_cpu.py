@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 
@@ -254,8 +253,3 @@ def markdown_table(result) -> str:
                          f"{h['median']:.1f} ({h['min']:.1f}-{h['max']:.1f}) | {r['ratio']:.2f}x | "
                          f"{r['loadavg_before'][0]:.2f} |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    from nanovllm_ref.bench import main as bench_main
-    sys.exit(bench_main(["--cpu"] + sys.argv[1:]))

@@ -39,6 +39,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    USES_ONEDNN_LINEAR = True          # utils/onednn.pack gives its weight a oneDNN copy on CPU
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """hidden_states: [num_seqs, hidden] -> logits [num_seqs, vocab] on rank 0, None on other ranks."""
         logits = linear(hidden_states, self.weight)          # F.linear (oneDNN on CPU)

@@ -23,6 +23,8 @@ def _expect(loaded: torch.Tensor, dim: int, size: int) -> None:
 
 
 class LinearBase(nn.Module):
+    USES_ONEDNN_LINEAR = True          # utils/onednn.pack gives its weight a oneDNN copy on CPU
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
