@@ -7,14 +7,19 @@ A short orchestrator over modules that each teach one thing:
 - engine/cuda_graph.py: decode CUDA graphs (capture, static inputs, replay);
 - layers/sampler.py: logits -> token ids (`Parts.sampler`).
 
-One ModelRunner lives in each tensor-parallel process. Rank 0 runs in the engine's process and forwards
-every call (method name + arguments) to the other ranks through a pipe; each worker runs `loop()` (called by
-engine/worker.py, not from __init__) and executes the same call, so the collectives inside the layers line
-up (upstream nano-vllm `engine/model_runner.py`).
+One ModelRunner lives in each tensor-parallel process. Rank 0 runs in the engine's process. For each step
+it prepares the inputs once and sends them to the other ranks through a pipe as one compact message: the
+prepared arrays (a few kB), not the sequences with their whole token lists. Each worker runs `loop()`
+(called by engine/worker.py, not from __init__) and executes the same step, so the collectives inside the
+layers line up. Other calls (`exit`) are forwarded by name (upstream nano-vllm `engine/model_runner.py`
+pickles the sequences instead).
 
-At start-up it builds the model with the engine's parts inside `tensor_parallel(rank, size)`, loads the
-weights, runs one warm-up prefill at the largest batch to measure peak activation memory (GPU), sizes the KV
-cache from what is left, and captures the decode CUDA graphs.
+At start-up it:
+- builds the model with the engine's parts inside `tensor_parallel(rank, size)` and loads the weights;
+- runs one prefill at the largest batch, to measure peak activation memory (GPU);
+- sizes the KV cache from what is left;
+- captures the decode CUDA graphs;
+- warms every other kernel and compiled variant (engine/warmup.py), so no request pays for a compile.
 """
 import dataclasses
 from datetime import timedelta
@@ -165,7 +170,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup_model(self):
-        """One prefill at the largest batch, to measure peak activation memory before sizing the cache."""
+        """One prefill at the largest batch, to measure peak activation memory before sizing the cache
+        (engine/warmup.py warms the other variants once the cache exists)."""
         if self.device_type != "cuda":
             return
         torch.cuda.empty_cache()
