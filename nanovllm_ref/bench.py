@@ -204,6 +204,8 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
     from torch.profiler import ProfilerActivity, profile
     from nanovllm_ref import LLM, SamplingParams
     from nanovllm_ref.engine.sequence import Sequence
+    if engine_args.get("tensor_parallel_size", 1) > 1:
+        raise ValueError("step_profile runs one process: its eager re-runs switch graphs off on rank 0 only")
     llm = LLM(path, load_format="dummy", **engine_args)
     runner = llm.model_runner
     llm.generate(["warm up"], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)
@@ -357,6 +359,8 @@ def graph_sweep(path, engine_args, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), con
     """ms per decode step at each batch size, CUDA graph replay vs eager, same engine and inputs."""
     from nanovllm_ref import LLM, SamplingParams
     from nanovllm_ref.engine.sequence import Sequence
+    if engine_args.get("tensor_parallel_size", 1) > 1:
+        raise ValueError("graph_sweep runs one process: it switches graphs off on rank 0 only")
     args = dict(engine_args, max_num_seqs=max(sizes))
     llm = LLM(path, load_format="dummy", **args)
     runner, bm, bs = llm.model_runner, llm.scheduler.block_manager, llm.config.kvcache_block_size
@@ -615,13 +619,15 @@ def main(argv=None) -> int:
         result["decode_batch1"] = decode_batch1(path, dict(engine_args, attention_backend=b))
         print(f"batch-1 decode ({b}): {result['decode_batch1']['tok_s']:,.0f} tok/s "
               f"({result['decode_batch1']['ms_per_step']:.2f} ms/step)")
-    if args.profile and cuda:
+    if (args.profile or args.graph_sweep) and args.tensor_parallel_size > 1:
+        print("--profile / --graph-sweep measure one process; skipped with --tensor-parallel-size > 1")
+    if args.profile and cuda and args.tensor_parallel_size == 1:
         result["step_profile"] = step_profile(path, dict(engine_args, attention_backend=backends[0]), prompts, max_tokens)
         print("step profile:", json.dumps(result["step_profile"]["workload"]))
         for k, v in result["step_profile"]["decode_steps"].items():
             print(f"decode {k}: graph step {v['graph_step_ms']:.3f} ms, kernels {v['kernel_ms']:.3f} ms, "
                   f"{v['kernels_per_step']:.0f} kernels/step ({v['kernels_per_layer']:.1f}/layer)")
-    if args.graph_sweep and cuda:
+    if args.graph_sweep and cuda and args.tensor_parallel_size == 1:
         result["graph_sweep"] = graph_sweep(path, dict(engine_args, attention_backend=backends[0]))
         for r in result["graph_sweep"]:
             print(f"decode bs {r['batch_size']:4d}: eager {r['eager_ms']:7.2f} ms, graph {r['graph_ms']:7.2f} ms, "

@@ -182,3 +182,41 @@ def test_tp_step_that_raises_on_every_rank_reaches_the_caller_and_exit_still_fin
     llm.exit()
     assert time.perf_counter() - t < 60
     assert not any(w.is_alive() for w in workers)
+
+
+_INTERRUPT = {"armed": False}
+
+
+def rms_norm_interrupted_on_rank0(x, weight, eps):
+    """Raises KeyboardInterrupt on rank 0 alone, once, in the first decode step of 3 rows after arming: what a
+    notebook's interrupt does (it reaches only the kernel's process, rank 0)."""
+    import torch.distributed as dist
+    if _INTERRUPT["armed"] and dist.get_rank() == 0 and x.shape[0] == 3:
+        _INTERRUPT["armed"] = False
+        raise KeyboardInterrupt
+    from nanovllm_ref.layers.layernorm import rms_norm
+    return rms_norm(x, weight, eps)
+
+
+def test_tp_step_interrupted_on_rank0_closes_the_engine_with_a_clear_error():
+    """The workers are left inside the interrupted step's collectives: the next step would pair rank 0's
+    collectives with those stale ones. So the engine refuses further steps by name, and exit() stops the
+    workers without waiting for them at a barrier; a new engine then works."""
+    import time
+    from nanovllm_ref import Parts
+    path = tiny_dir("qwen3")
+    llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64,
+              parts=Parts(rms_norm=rms_norm_interrupted_on_rank0))
+    _INTERRUPT["armed"] = True
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2], [3, 4], [5, 6]], GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="interrupted on rank 0"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    workers = list(llm.workers)
+    t = time.perf_counter()
+    llm.exit()
+    assert time.perf_counter() - t < 30
+    assert not any(w.is_alive() for w in workers)
+    with LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64) as again:
+        out = again.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert out[0]["token_ids"] == hf_greedy(path, [5, 6, 7], 8)

@@ -44,8 +44,15 @@ def _seq(n, table, block_size=4, temperature=0.0):
 
 
 def _assert_pack_matches(inputs: StaticDecodeInputs, seqs, block_size, padded):
-    host = inputs.pack(seqs, block_size, padded)
-    v = inputs.views(host)
+    part = inputs.pack(seqs, block_size, padded)
+    # what a step of `padded` rows reads, and no more: five fields of max_bs, then `padded` table rows
+    assert len(part) == 5 * inputs.max_bs + padded * inputs.max_blocks
+    twin = StaticDecodeInputs(inputs.max_bs, inputs.max_blocks, "cpu")     # a TP worker receiving `part`
+    twin.upload(part.copy())
+    inputs.upload(part)
+    assert torch.equal(twin.device_buf[:len(part)], inputs.device_buf[:len(part)])
+    assert inputs.device_buf[:len(part)].tolist() == part.tolist()
+    v = inputs.views(inputs.host)
     want = prepare_decode(seqs, block_size, "cpu")
     b = len(seqs)
     assert v["input_ids"][:b].tolist() == want.input_ids.tolist()
@@ -57,6 +64,7 @@ def _assert_pack_matches(inputs: StaticDecodeInputs, seqs, block_size, padded):
     assert (v["block_tables"][:b, width:] == -1).all(), "columns past a table must not keep stale block ids"
     assert v["temperatures"][:b].tolist() == np.float32([s.temperature for s in seqs]).tolist()
     assert (v["slot_mapping"][b:padded] == -1).all() and (v["context_lens"][b:padded] == 0).all()
+    assert (v["block_tables"][b:padded] == -1).all(), "padding rows own no blocks"
 
 
 def test_pack_equals_prepare_decode_through_growth_reuse_and_preemption():

@@ -54,10 +54,11 @@ class StaticDecodeInputs:
     """The decode graphs' inputs as one int32 buffer on the device and its pinned twin on the host.
 
     Layout, for capacity M = max batch and W = max blocks per sequence (each field a slice of length M,
-    the block tables M * W): input_ids, positions, slot_mapping, context_lens, temperatures (fp32 bits),
-    block_tables [M, W]. `views(buf)` names the slices of either buffer. `pack(seqs, block_size, padded)`
-    writes one step into the host buffer and returns it (numpy, what tensor-parallel workers receive);
-    `upload(host)` copies a host buffer to the device in one non-blocking copy."""
+    the block tables M * W, last): input_ids, positions, slot_mapping, context_lens, temperatures (fp32
+    bits), block_tables [M, W]. `views(buf)` names the slices of either buffer. `pack(seqs, block_size,
+    padded)` writes one step into the host buffer and returns the part a step of `padded` rows reads: the
+    five small fields and the first `padded` block-table rows (numpy; what tensor-parallel workers
+    receive). `upload(part)` copies such a part to the device in one non-blocking copy."""
 
     FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "temperatures")
 
@@ -111,14 +112,18 @@ class StaticDecodeInputs:
             h["slot_mapping"][batch:padded] = -1
             h["context_lens"][batch:padded] = 0
             h["temperatures"][batch:padded] = 0
-        return self.host
+            tables[batch:padded] = -1
+            rows[batch:padded] = [None] * (padded - batch)
+        return self.host[:len(self.FIELDS) * self.max_bs + padded * self.max_blocks]
 
-    def upload(self, host: np.ndarray | None = None) -> None:
-        """One host -> device copy of the whole buffer (`host`: one received from rank 0, else our own)."""
-        if host is not None and host is not self.host:
+    def upload(self, part: np.ndarray) -> None:
+        """One host -> device copy of `part`: what `pack` returned, here or on rank 0 (then it is first
+        written into this buffer's head)."""
+        n = len(part)
+        if not np.may_share_memory(part, self.host):
             self._wait_for_last_copy()
-            self.host[:] = host
-        self.device_buf.copy_(self.host_buf, non_blocking=True)
+            self.host[:n] = part
+        self.device_buf[:n].copy_(self.host_buf[:n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 

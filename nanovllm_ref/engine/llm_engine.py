@@ -103,6 +103,16 @@ class LLMEngine:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if self.model_runner.out_of_step:
+            # The workers are stuck inside an interrupted step's collectives: they would never reach the
+            # exit barrier. Stop them, then leave the process group without one.
+            self._kill_workers()
+            self.model_runner._release()
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            atexit.unregister(self.exit)
+            return
         try:
             self.model_runner.call("exit")
         finally:
@@ -155,6 +165,10 @@ class LLMEngine:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this engine was shut down (exit() was called); create a new LLM")
+        if self.model_runner.out_of_step:
+            raise RuntimeError("a tensor-parallel step was interrupted on rank 0 while the workers were inside it, "
+                               "so they are out of step with rank 0 and this engine cannot run another step; "
+                               "call exit() and create a new LLM")
 
     def add_request(self, prompt, sampling_params: SamplingParams) -> int:
         """Queue one request; returns its sequence id. Raises before queuing if the request is invalid."""

@@ -99,6 +99,7 @@ class ModelRunner:
 
         self.model = self.kv_cache = self.graph_runner = None
         self.graph_samples = False
+        self.out_of_step = False          # rank 0: a tensor-parallel step was interrupted midway (see run)
         try:
             self._build()
         except BaseException:
@@ -297,10 +298,22 @@ class ModelRunner:
         """Rank 0: one step for `seqs`. Sends the step's inputs to the workers (tensor parallel), runs it
         here, and returns one sampled token id per sequence."""
         message = self._message(seqs, is_prefill, remote=bool(self.conns) and self.rank == 0)
-        if self.rank == 0:
+        if not self.conns:
+            return self.execute(message, seqs)
+        # From the first send until this rank's part of the step is over, an interrupt here (Ctrl-C, a
+        # notebook's interrupt: they reach this process only) leaves the workers inside the step's
+        # collectives, out of step with rank 0. `out_of_step` stays True then, and the engine closes.
+        # An Exception is met by every rank running the same step, so it leaves them in step.
+        self.out_of_step = True
+        try:
             for conn in self.conns:
                 conn.send(("execute", (message,)))
-        return self.execute(message, seqs)
+            token_ids = self.execute(message, seqs)
+        except Exception:
+            self.out_of_step = False
+            raise
+        self.out_of_step = False
+        return token_ids
 
     @torch.inference_mode()
     def execute(self, message, seqs: list[Sequence] | None = None) -> list[int] | None:
