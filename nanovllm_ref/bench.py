@@ -411,13 +411,18 @@ def draw_figures(result: dict, outdir: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(8, 4))
         names = [r["name"] for r in runs]
         vals = [r["tok_s"] for r in runs]
-        ax.barh(names, vals, color=["#4c72b0" if r["name"].startswith("nanovllm") else "#dd8452" for r in runs])
+        # A run timed several times shows its median, with min-max as an error bar.
+        err = [[r["tok_s"] - r.get("min_tok_s", r["tok_s"]) for r in runs],
+               [r.get("max_tok_s", r["tok_s"]) - r["tok_s"] for r in runs]]
+        ax.barh(names, vals, xerr=err if any(map(any, err)) else None, capsize=3,
+                color=["#4c72b0" if r["name"].startswith("nanovllm") else "#dd8452" for r in runs])
         floor = result.get("floor", {}).get("floor_tok_s")
         if floor:
             ax.axvline(floor, color="k", ls="--", lw=1)
             ax.text(floor, len(runs) - 0.5, f" floor {floor:,.0f}", va="top", fontsize=8)
-        for i, v in enumerate(vals):
-            ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
+        for i, (v, r) in enumerate(zip(vals, runs)):
+            label = f" {v:,.0f}" + (f" (median of {r['repeats']})" if r.get("repeats", 1) > 1 else "")
+            ax.text(r.get("max_tok_s", v), i + 0.25, label, va="center", fontsize=8)
         ax.set_xlabel("output tokens / s")
         ax.set_title(f"{result['workload']['num_requests']} requests, {result['workload']['output_tokens']:,} output "
                      f"tokens, on {result['machine']['device_name']}", fontsize=10)
