@@ -85,7 +85,9 @@ class StaticDecodeInputs:
 
     def pack(self, seqs, block_size: int, padded: int) -> np.ndarray:
         """Write the decode inputs of `seqs` (B of them) into rows 0..B-1 of the host buffer and padding into
-        rows B..padded-1; returns the host buffer. Same values as engine/inputs.prepare_decode."""
+        rows B..padded-1 (slot -1, context 0, block table -1); returns the part of the buffer a step of
+        `padded` rows reads (a view). Same values as engine/inputs.prepare_decode.
+        Raises ValueError if a block table is wider than the graphs were captured for."""
         self._wait_for_last_copy()
         h, batch = self.host_views, len(seqs)
         lens = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int64, count=batch)
