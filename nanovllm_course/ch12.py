@@ -266,7 +266,9 @@ def _diff(got, want) -> str | None:
     for step, (g, w) in enumerate(zip(gtrace, wtrace)):
         if g != w:
             what = ("preemption count" if g[2] != w[2] else "waiting queue" if g[1] != w[1] else "running batch")
-            return f"after step {step + 1} the {what} differs from the reference engine's ({g} vs {w})"
+            return (f"after step {step + 1} the {what} differs from the reference engine's: yours running "
+                    f"{g[0]}, waiting {g[1]}, {g[2]} preemptions; the reference running {w[0]}, waiting {w[1]}, "
+                    f"{w[2]} preemptions (requests by arrival index)")
     if len(gtrace) != len(wtrace):
         return f"the stream took {len(gtrace)} steps, the reference {len(wtrace)}"
     return None

@@ -15,8 +15,9 @@ at the indentation of the BEGIN line; code around the markers (signature, docstr
 *exercise cell* is a code cell with at least one marked region. A *check cell* is a code cell tagged
 `check` that runs a check helper inside `with check("E1.1"):` (nanovllm_course.common.check); in the
 solution it prints one line `E1.1 ok` per exercise it checks. In the release both kinds have their outputs
-cleared and their execution count set to None, so a student sees no `E1.1 ok` they did not earn; every
-other cell is kept with its outputs. A cell tagged `gpu` needs CUDA and is skipped where there is none
+cleared and their execution count set to None, so a student sees no `E1.1 ok` they did not earn. So does a
+cell tagged `yours`, whose output shows the student's own work (chapter 12's table of which parts are
+theirs). Every other cell is kept with its outputs. A cell tagged `gpu` needs CUDA and is skipped where there is none
 (see tests/conftest.py and `execute_notebook`).
 
 Grading (`grade`): run a student's notebook (check cells restored from the solution), read the verdict line
@@ -53,7 +54,7 @@ END = "### END SOLUTION"
 NOTEBOOK_NAME = re.compile(r"^\d\d_[a-z0-9_]+\.ipynb$")
 EXERCISE_ID = re.compile(r"^E(\d+)\.(\d+)$")
 OK_LINE = re.compile(r"^(E\d+\.\d+) ok$")
-CHECK_TAG, GPU_TAG = "check", "gpu"
+CHECK_TAG, GPU_TAG, YOURS_TAG = "check", "gpu", "yours"
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 # What ipykernel reports (kernel_info_reply) and JupyterLab writes into a notebook it opens, for the course's
 # Python (environment.yml: python=3.11). Stored as is, so opening a chapter leaves it unmodified; on another
@@ -139,6 +140,12 @@ def is_exercise_cell(cell) -> bool:
 
 def is_check_cell(cell) -> bool:
     return cell.cell_type == "code" and CHECK_TAG in tags(cell)
+
+
+def shows_student_work(cell) -> bool:
+    """A code cell tagged `yours`: its output shows the student's own work (their folder, their parts), so
+    the solution's output would mislead in the release and differ in every student's copy."""
+    return cell.cell_type == "code" and YOURS_TAG in tags(cell)
 
 
 def is_gpu_cell(cell) -> bool:
@@ -268,7 +275,7 @@ def release_notebook(nb, name: str = "notebook"):
         exercise = is_exercise_cell(cell)
         if exercise:
             cell.source = stub_source(cell.source, f"{name} cell {i}")
-        if exercise or is_check_cell(cell):
+        if exercise or is_check_cell(cell) or shows_student_work(cell):
             cell.outputs = []
             cell.execution_count = None
     return normalize(out)

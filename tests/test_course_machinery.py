@@ -109,6 +109,21 @@ def test_release_clears_exercise_outputs_and_keeps_the_rest():
     assert "BEGIN SOLUTION" in nb.cells[1].source                                     # input untouched
 
 
+def test_release_clears_the_output_of_a_cell_that_shows_student_work():
+    """Chapter 12's table of which parts are yours: the solution's table would claim every part in the
+    student's copy, and it differs in every student's run, so the release stores none."""
+    ex = nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION E3.1: t\n    return 1\n    ### END SOLUTION")
+    yours = nbformat.v4.new_code_cell("table(f)")
+    yours.metadata["tags"] = ["yours"]
+    yours.outputs = [nbformat.v4.new_output("stream", name="stdout", text="14 of 14 parts are yours\n")]
+    yours.execution_count = 4
+    out = rel.release_notebook(_nb([ex, yours, _check_cell("ch03.check_f(f)", "E3.1 ok\n")]), "03_x.ipynb")
+    assert out.cells[1].outputs == [] and out.cells[1].execution_count is None
+    assert out.cells[1].metadata["tags"] == ["yours"]
+    released = nbformat.read(REPO / "chapters" / "12_capstone.ipynb", as_version=4)
+    assert [c.outputs for c in released.cells if "yours" in c.metadata.get("tags", [])] == [[]]
+
+
 @pytest.mark.parametrize("cells, message", [
     (lambda: [nbformat.v4.new_code_cell("### BEGIN SOLUTION E3.1\n### END SOLUTION")], "no check cell"),
     (lambda: [nbformat.v4.new_code_cell("### BEGIN SOLUTION E4.1\n### END SOLUTION"),
