@@ -168,7 +168,10 @@ def test_e8_4(capsys):
     fails(ch08.check_sample, sample_with_row_item, r"host sync.*aten._local_scalar_dense")
     fails(ch08.check_sample, sample_ignoring_temperature, "temperature is not applied")
     fails(ch08.check_sample, sample_ignoring_filters, "tokens that top-k / top-p removed")
-    fails(ch08.check_sample, sample_greedy_as_t1, "temperature 0 did not get argmax")
+    # Fresh random logits each run: in the mixed batch the T=1 draws of the greedy rows may all land on the
+    # argmax by chance (peaked rows); then the all-greedy batch catches it. Either message names T=0.
+    fails(ch08.check_sample, sample_greedy_as_t1,
+          "temperature 0 did not get argmax|an all-greedy batch did not give argmax")
 
 
 # -- the machinery ----------------------------------------------------------------------------------------------
