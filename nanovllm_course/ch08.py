@@ -105,10 +105,10 @@ def _sync_message(seen: list[str]) -> str:
     return f"your code {' and '.join(what)}: {len(seen)} host sync(s) per call ({', '.join(ops)})"
 
 
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """P-value of Pearson's chi-squared test of the draw `counts` [V] against `probs` [V]. Bins with an
-    expected count below `min_expected` are pooled into one; zero-probability tokens are left out (drawing
-    one is a separate, certain failure: see `impossible_draws`)."""
+def chi_square_test(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's chi-squared test of the draw `counts` [V] against `probs` [V]: (p-value, number of bins).
+    Bins with an expected count below `min_expected` are pooled into one; zero-probability tokens are left
+    out (drawing one is a separate, certain failure: see `impossible_draws`)."""
     counts, probs = counts.double().cpu(), probs.double().cpu()
     n = counts.sum()
     expected = probs * n
@@ -118,9 +118,15 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float 
     exp = torch.cat([expected[big], expected[small].sum().reshape(1)])
     obs, exp = obs[exp > 0], exp[exp > 0]
     if obs.numel() < 2:
-        return 1.0
+        return 1.0, obs.numel()
     stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2, dtype=torch.float64), stat / 2))
+    p = float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2, dtype=torch.float64), stat / 2))
+    return p, obs.numel()
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """The p-value of `chi_square_test`."""
+    return chi_square_test(counts, probs, min_expected)[0]
 
 
 def impossible_draws(counts: torch.Tensor, probs: torch.Tensor) -> int:

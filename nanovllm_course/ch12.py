@@ -459,21 +459,6 @@ def smollm2_vs_reference(cap: Capstone, max_tokens: int = SMOL_TOKENS) -> None:
 
 
 # -- C.3 sampling ---------------------------------------------------------------------------------------------
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson's chi-squared test of `counts` against `probs`: bins with < 5 expected draws are pooled into one.
-    Returns (p-value, degrees of freedom)."""
-    n = counts.sum().item()
-    expected = probs.double() * n
-    big = expected >= 5
-    obs = torch.cat([counts[big].double(), counts[~big].double().sum().reshape(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = int(keep.sum().item()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2)), df
-
-
 def _fmt_p(p: float) -> str:
     """The p-value as the notebook prints it: two decimals, or a bound below 0.01 (the digits of a tiny p-value
     depend on every draw)."""
@@ -491,6 +476,7 @@ def first_token_chi2(cap: Capstone, temperatures=(0.6, 1.5), draws: int = 20000,
     p-values printed are the same on every run."""
     from nanovllm_ref.layers.sampler import SamplingMetadata
     from nanovllm_course.ch03 import hf_model
+    from nanovllm_course.ch08 import chi_square_test
     from nanovllm_course.engine_check import PROMPTS
     path = tiny_model_dir("qwen3")
     with torch.no_grad():
@@ -509,9 +495,9 @@ def first_token_chi2(cap: Capstone, temperatures=(0.6, 1.5), draws: int = 20000,
             except Exception as exc:
                 print(f"C.3 T={t}: the sampler failed: {_first_line(exc)}")
                 return _record(cap, "C.3 sampling", False, _sampler_label(cap), _first_line(exc))
-            p, df = chi2_pvalue(counts, torch.softmax(logits / t, dim=-1))
+            p, bins = chi_square_test(counts, torch.softmax(logits / t, dim=-1))
             verdict = "consistent with" if p > CHI2_P else "NOT consistent with"
-            print(f"C.3 T={t}: {draws} first tokens, chi-squared over {df + 1} bins, {_fmt_p(p)}: {verdict} "
+            print(f"C.3 T={t}: {draws} first tokens, chi-squared over {bins} bins, {_fmt_p(p)}: {verdict} "
                   "softmax(logits / T)")
             passed &= p > CHI2_P
     return _record(cap, "C.3 sampling", passed, None if passed else _sampler_label(cap),

@@ -196,6 +196,20 @@ def _engine_run(path, prompts, max_tokens, temperature, engine_args, repeats: in
     return out_tokens, seconds, info
 
 
+def _decode_batch(block_manager, n: int, context: int, block_size: int, temperature: float) -> list:
+    """`n` sequences of `context` tokens with their blocks allocated and all but the last token cached: one
+    decode step's batch, built without running prefill (for timing decode steps on their own)."""
+    from nanovllm_ref import SamplingParams
+    from nanovllm_ref.engine.sequence import Sequence
+    seqs = []
+    for i in range(n):
+        seq = Sequence([(7 * i + j) % 1000 for j in range(context)], block_size, SamplingParams(temperature=temperature))
+        block_manager.allocate(seq)
+        seq.num_cached_tokens = context - 1
+        seqs.append(seq)
+    return seqs
+
+
 def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 512), (256, 512))) -> dict:
     """Where a run's time goes (CUDA): every engine step of the workload timed (prefill vs decode, host time
     outside the model runner), then per decode step at a few batch sizes: CUDA-graph step wall time, and
@@ -203,7 +217,6 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
     from collections import defaultdict
     from torch.profiler import ProfilerActivity, profile
     from nanovllm_ref import LLM, SamplingParams
-    from nanovllm_ref.engine.sequence import Sequence
     if engine_args.get("tensor_parallel_size", 1) > 1:
         raise ValueError("step_profile runs one process: its eager re-runs switch graphs off on rank 0 only")
     llm = LLM(path, load_format="dummy", **engine_args)
@@ -249,12 +262,7 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
     bm, bs = llm.scheduler.block_manager, llm.config.kvcache_block_size
     result["decode_steps"] = {}
     for n, ctx_len in sizes:
-        seqs = []
-        for i in range(n):
-            seq = Sequence([(7 * i + j) % 1000 for j in range(ctx_len)], bs, SamplingParams(temperature=0.6))
-            bm.allocate(seq)
-            seq.num_cached_tokens = ctx_len - 1
-            seqs.append(seq)
+        seqs = _decode_batch(bm, n, ctx_len, bs, temperature=0.6)
         for _ in range(3):
             runner.run(seqs, False)
         torch.cuda.synchronize()
@@ -357,8 +365,7 @@ def decode_batch1(path, engine_args, prompt_len=128, new_tokens=512) -> dict:
 
 def graph_sweep(path, engine_args, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), context=512, iters=20) -> list[dict]:
     """ms per decode step at each batch size, CUDA graph replay vs eager, same engine and inputs."""
-    from nanovllm_ref import LLM, SamplingParams
-    from nanovllm_ref.engine.sequence import Sequence
+    from nanovllm_ref import LLM
     if engine_args.get("tensor_parallel_size", 1) > 1:
         raise ValueError("graph_sweep runs one process: it switches graphs off on rank 0 only")
     args = dict(engine_args, max_num_seqs=max(sizes))
@@ -366,12 +373,7 @@ def graph_sweep(path, engine_args, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), con
     runner, bm, bs = llm.model_runner, llm.scheduler.block_manager, llm.config.kvcache_block_size
     rows = []
     for n in sizes:
-        seqs = []
-        for i in range(n):
-            seq = Sequence([(7 * i + j) % 1000 for j in range(context)], bs, SamplingParams(temperature=0))
-            bm.allocate(seq)
-            seq.num_cached_tokens = context - 1
-            seqs.append(seq)
+        seqs = _decode_batch(bm, n, context, bs, temperature=0)
         row = dict(batch_size=n, context=context)
         for mode in ("graph", "eager"):
             saved = runner.graph_runner

@@ -267,13 +267,8 @@ def test_cuda_graph_draws_follow_softmax_and_change_every_replay():
     draws = torch.stack(draws)
     assert len({tuple(r.tolist()) for r in draws}) == 40, "two replays drew identical rows: frozen noise"
     probs = torch.softmax(runner.graph_runner.buffers["logits"][0].float(), -1).cpu()
-    counts = torch.bincount(draws.flatten().cpu(), minlength=probs.numel()).double()
-    expected = probs.double() * counts.sum()
-    big = expected >= 5                                  # pool the bins with < 5 expected draws
-    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    stat = ((obs - exp) ** 2 / exp.clamp_min(1e-12)).sum()
-    p = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), stat / 2))
+    from test_sampler_top_k_top_p import chi_square_p
+    p = chi_square_p(torch.bincount(draws.flatten().cpu(), minlength=probs.numel()), probs)
     assert p > 1e-4, f"graph draws do not follow softmax(logits / T): chi-square p = {p:.2g}"
     llm.exit()
 

@@ -279,9 +279,10 @@ class ModelRunner:
         replays a graph with the reference input preparation (one copy, no per-step tensors); else
         ("step", StepInputs, is_prefill), the tensors on this device, or as numpy arrays when `remote`
         (the message then travels to tensor-parallel workers, a few kB instead of whole sequences)."""
-        if (not is_prefill and self.graph_runner is not None and self.parts.prepare_decode is prepare_decode
-                and self.graph_runner.padded_size(len(seqs)) is not None):
-            padded = self.graph_runner.padded_size(len(seqs))
+        padded = (self.graph_runner.padded_size(len(seqs))
+                  if not is_prefill and self.graph_runner is not None and self.parts.prepare_decode is prepare_decode
+                  else None)
+        if padded is not None:
             return ("graph", self.graph_runner.inputs.pack(seqs, self.block_size, padded), len(seqs))
         prepare = self.parts.prepare_prefill if is_prefill else self.parts.prepare_decode
         if not remote:
@@ -323,10 +324,9 @@ class ModelRunner:
         if kind == "graph":
             runner, batch = self.graph_runner, arg
             runner.inputs.upload(payload)
-            if self.rank == 0 and self._samples_in_graph(seqs):
-                runner.replay(batch)
-                return runner.buffers["token_ids"][:batch].tolist()
             runner.replay(batch)
+            if self.rank == 0 and self._samples_in_graph(seqs):
+                return runner.buffers["token_ids"][:batch].tolist()
             logits = (runner.buffers["logits"][:batch] if self.graph_samples
                       else self.model.compute_logits(runner.buffers["outputs"][:batch]))
         else:
