@@ -96,8 +96,15 @@ def check_fused_add_rms_norm(fused_add_rms_norm) -> None:
         check_close(tag, r, expected_r, rtol=0, atol=0, what=f"new_residual ({where})",
                     hint="new_residual is x + residual, added in the input dtype; it is the residual "
                          "stream the next layer adds its output to (not the old residual)")
+        # The hint follows what differs: the unrounded fp32 sum normalised, or something else.
+        unrounded = reference_rms_norm(x.float() + residual.float(), weight.float(), eps).to(dtype)
+        rounding = dtype != torch.float32 and torch.allclose(y.float(), unrounded.float(), **TOL[dtype]) \
+            and not torch.allclose(y.float(), expected_y.float(), **TOL[dtype])
         check_close(tag, y, expected_y, **TOL[dtype], what=f"normed ({where})",
-                    hint="normed is rms_norm(x + residual): normalise the *sum*, not x alone")
+                    hint=("you normalised the fp32 sum before rounding it: round x + residual to the input "
+                          "dtype first (that rounded sum is the new residual), then normalise it, as HF does"
+                          if rounding else
+                          "normed is rms_norm(x + residual): normalise the *sum*, not x alone"))
     ok(tag)
 
 

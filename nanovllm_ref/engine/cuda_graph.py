@@ -10,8 +10,8 @@ and `run_model`.
 What one captured step holds, and why (a "thin" step: the host does as little per step as it can):
 - The static inputs are views of ONE int32 device buffer (ids, positions, slots, context lengths,
   temperatures as raw fp32 bits, block tables), filled by ONE copy from a pinned host twin
-  (`StaticDecodeInputs`). Six small copies and eight fill kernels per step cost more host time than the
-  copy itself.
+  (`StaticDecodeInputs`), instead of six tiny host-to-device copies and the eight small kernels of
+  `fill_static_inputs`, each of which costs more host time than the bytes it moves.
 - Block-table rows on the host are rewritten only when a sequence's table changed since the last step
   (a new block, or another sequence in that row), not rebuilt every step.
 - With `sample=True` (one process, the reference sampler) the graph also runs the LM head and the sampler:
