@@ -367,27 +367,14 @@ def check_online_softmax(fn) -> None:
 
 def make_paged_batch(gen, num_heads, num_kv_heads, head_dim, block_size, context_lens, dtype=torch.float32,
                      share_block=True, device="cpu"):
-    """Decode inputs over a paged cache full of random values (a kernel reading past a context sees junk).
-    Blocks are scattered; tables are padded with -1 to the longest; the longest sequence is the last row
-    and its table has no padding, so reading the table past a context runs off the end of the tensor; the
-    first two sequences share their first block when both have one that is full."""
-    blocks = [(n + block_size - 1) // block_size for n in context_lens]
-    num_blocks = sum(blocks) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for nb in blocks:
-        tables.append(perm[used:used + nb])
-        used += nb
-    if share_block and len(tables) > 1 and context_lens[0] > block_size and context_lens[1] > block_size:
-        tables[1][0] = tables[0][0]
-    width = max(blocks)
-    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(dtype)
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    return [t.to(device) for t in (q, k_cache, v_cache, block_tables, lens)]
+    """Chapter 04's decode inputs (`ch04.make_paged_batch`: a paged cache full of random values, scattered
+    blocks, tables padded with -1; the first two sequences share their first block when both fill one),
+    moved to `device`. Callers put the longest sequence last, so its table has no padding and reading a table
+    past a context runs off the end of the tensor."""
+    from nanovllm_course.ch04 import make_paged_batch as paged_batch
+    tensors = paged_batch(gen, len(context_lens), num_heads, num_kv_heads, head_dim, block_size, context_lens,
+                          dtype, share_prefix=share_block)
+    return [t.to(device) for t in tensors]
 
 
 def _decode_cases(gen):
