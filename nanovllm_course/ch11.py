@@ -138,6 +138,15 @@ def _random_config(g):
                        tie_word_embeddings=bool(randint(g, 0, 1)))
 
 
+def _check_keys(tag: str, got, name: str, keys) -> None:
+    """Fail unless `got` (what `name` returned) is a dict holding every key of `keys`."""
+    if not isinstance(got, dict):
+        fail(tag, f"{name} should return a dict, got {type(got).__name__}", f"return a dict with the keys {', '.join(keys)}")
+    missing = [k for k in keys if k not in got]
+    if missing:
+        fail(tag, f"the returned dict lacks {', '.join(missing)}", f"return the keys {', '.join(keys)}")
+
+
 def check_workload_floor(fn) -> None:
     tag = "E11.1"
     g = fresh_generator()
@@ -153,12 +162,7 @@ def check_workload_floor(fn) -> None:
     for what, prompts, max_tokens, cfg, bw, flops in cases:
         expected = reference_workload_floor(prompts, max_tokens, cfg, bw, flops)
         got = call_student(tag, fn, [list(p) for p in prompts], list(max_tokens), cfg, bw, flops)
-        if not isinstance(got, dict):
-            fail(tag, f"workload_floor should return a dict, got {type(got).__name__}",
-                 f"return a dict with the keys {', '.join(FLOOR_KEYS)}")
-        missing = [k for k in FLOOR_KEYS if k not in got]
-        if missing:
-            fail(tag, f"the returned dict lacks {', '.join(missing)}", f"return the keys {', '.join(FLOOR_KEYS)}")
+        _check_keys(tag, got, "workload_floor", FLOOR_KEYS)
         bad = [k for k in FLOOR_KEYS if not _close(got[k], expected[k], RTOL_FLOOR)]
         if not bad:
             continue
@@ -281,12 +285,7 @@ def check_throughput(fn) -> None:
         trace = _random_trace(g)
         expected = reference_throughput(trace)
         got = call_student(tag, fn, list(trace))
-        if not isinstance(got, dict):
-            fail(tag, f"throughput should return a dict, got {type(got).__name__}",
-                 f"return a dict with the keys {', '.join(THROUGHPUT_KEYS)}")
-        missing = [k for k in THROUGHPUT_KEYS if k not in got]
-        if missing:
-            fail(tag, f"the returned dict lacks {', '.join(missing)}", f"return the keys {', '.join(THROUGHPUT_KEYS)}")
+        _check_keys(tag, got, "throughput", THROUGHPUT_KEYS)
         bad = [k for k in THROUGHPUT_KEYS if got[k] != expected[k]]
         if not bad:
             continue
