@@ -97,12 +97,31 @@ PY
   fi
   if [ -n "${TP_TESTS:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "tensor parallel on two GPUs over NCCL (TP=2 vs HF with graphs and eager, compact step messages)"
-    mkdir -p /tmp/diag && printf 'import faulthandler, sys\nfaulthandler.dump_traceback_later(%s, exit=False, file=sys.stderr)\n' \
-      "${DIAG_AFTER_S:-100}" > /tmp/diag/sitecustomize.py      # every process (workers too) dumps its stacks if still running
+    # Every Python process (engine subprocesses and TP workers too) dumps its stacks every DIAG_AFTER_S seconds
+    # into $OUT/diag/<pid>.txt while it runs; files of processes that ended sooner are removed below.
+    mkdir -p /tmp/diag "$OUT/diag" && cat > /tmp/diag/sitecustomize.py <<PYEOF
+import faulthandler, os, sys
+_f = open(os.path.join("$OUT/diag", "%d.txt" % os.getpid()), "w")
+_f.write(" ".join(sys.argv)[:300] + "\n"); _f.flush()
+faulthandler.dump_traceback_later(${DIAG_AFTER_S:-60}, repeat=True, exit=False, file=_f)
+PYEOF
     PYTHONPATH="/tmp/diag:$PYTHONPATH" NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32"}' timeout ${TP_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
       tests/test_engine_tp_and_errors.py tests/test_parts.py -k "${TP_TESTS_K:-(tensor_parallel or tp_engine) and not exported}" \
       --junitxml="$OUT/pytest_gpu_tp2.xml" > "$OUT/pytest_gpu_tp2.log" 2>&1
     grep -v DEBUG "$OUT/pytest_gpu_tp2.log" | grep -v "^  File \"/opt" | tail -25
+    for f in "$OUT"/diag/*.txt; do [ "$(wc -l < "$f")" -le 1 ] && rm -f "$f"; done
+    echo "stack dumps of processes that ran over ${DIAG_AFTER_S:-60} s: $(ls "$OUT/diag" | wc -l)"
+  fi
+  if [ -n "${TP_COMM:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    step "TP=2 communication per decode step alone (NCCL all-reduces eager and in a CUDA graph, logits gather)"
+    timeout 120 python3 bench/tp_comm.py --out "$OUT" 2>&1 | grep -v DEBUG | tail -6
+  fi
+  if [ -n "${TP_PROFILE:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    step "TP=2 and TP=1 on the same host: one timed run, batch-1 decode, step profile (every step timed; graph step ms)"
+    for tp in 2 1; do
+      timeout 200 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats 1 --batch1 --profile \
+        --tensor-parallel-size $tp --out "$OUT" --tag tp${tp}_profile 2>&1 | grep -v DEBUG | grep -v torch_dtype | tail -9
+    done
   fi
   if [ -n "${TP_BENCH:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "benchmark: TP=1 and TP=2 on two H200s (triton, CUDA graphs), batch-1 decode"

@@ -217,10 +217,10 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
     from collections import defaultdict
     from torch.profiler import ProfilerActivity, profile
     from nanovllm_ref import LLM, SamplingParams
-    if engine_args.get("tensor_parallel_size", 1) > 1:
-        raise ValueError("step_profile runs one process: its eager re-runs switch graphs off on rank 0 only")
+    tp = engine_args.get("tensor_parallel_size", 1)
     llm = LLM(path, load_format="dummy", **engine_args)
     runner = llm.model_runner
+    sync = torch.cuda.synchronize if runner.device_type == "cuda" else (lambda: None)   # CPU: tests of TP > 1
     llm.generate(["warm up"], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)
     orig_run, run_s = runner.run, [0.0]
 
@@ -233,7 +233,7 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
     runner.run = timed_run
     for p, m in zip(prompts, max_tokens):
         llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m))
-    torch.cuda.synchronize()
+    sync()
     rows, t0 = [], time.perf_counter()
     while not llm.is_finished():
         t = time.perf_counter()
@@ -265,12 +265,20 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
         seqs = _decode_batch(bm, n, ctx_len, bs, temperature=0.6)
         for _ in range(3):
             runner.run(seqs, False)
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         for _ in range(20):
             runner.run(seqs, False)
-        torch.cuda.synchronize()
+        sync()
         graph_ms = 1000 * (time.perf_counter() - t) / 20
+        if tp > 1:
+            # Rank 0 returns once its sampled ids are on the host, and they need every rank's all-reduces, so
+            # this times the whole tensor-parallel step. The eager kernel profile below would switch graphs off
+            # on rank 0 alone, so at TP > 1 only the step time is recorded.
+            result["decode_steps"][f"bs{n}_ctx{ctx_len}"] = dict(graph_step_ms=graph_ms, tensor_parallel_size=tp)
+            for seq in seqs:
+                bm.deallocate(seq)
+            continue
         saved, runner.graph_runner = runner.graph_runner, None
         for _ in range(2):
             runner.run(seqs, False)
@@ -626,12 +634,15 @@ def main(argv=None) -> int:
         result["decode_batch1"] = decode_batch1(path, dict(engine_args, attention_backend=b))
         print(f"batch-1 decode ({b}): {result['decode_batch1']['tok_s']:,.0f} tok/s "
               f"({result['decode_batch1']['ms_per_step']:.2f} ms/step)")
-    if (args.profile or args.graph_sweep) and args.tensor_parallel_size > 1:
-        print("--profile / --graph-sweep measure one process; skipped with --tensor-parallel-size > 1")
-    if args.profile and cuda and args.tensor_parallel_size == 1:
+    if args.graph_sweep and args.tensor_parallel_size > 1:
+        print("--graph-sweep measures one process; skipped with --tensor-parallel-size > 1")
+    if args.profile and cuda:
         result["step_profile"] = step_profile(path, dict(engine_args, attention_backend=backends[0]), prompts, max_tokens)
         print("step profile:", json.dumps(result["step_profile"]["workload"]))
         for k, v in result["step_profile"]["decode_steps"].items():
+            if "kernel_ms" not in v:
+                print(f"decode {k}: graph step {v['graph_step_ms']:.3f} ms (TP={v['tensor_parallel_size']}, whole step)")
+                continue
             print(f"decode {k}: graph step {v['graph_step_ms']:.3f} ms, kernels {v['kernel_ms']:.3f} ms, "
                   f"{v['kernels_per_step']:.0f} kernels/step ({v['kernels_per_layer']:.1f}/layer)")
     if args.graph_sweep and cuda and args.tensor_parallel_size == 1:

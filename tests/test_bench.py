@@ -57,3 +57,44 @@ def test_cpu_bench_records_median_min_max_load_and_equality_with_hf(tmp_path):
         assert row["completions_equal_hf"] == f"{w['num_prompts']}/{w['num_prompts']}"
     assert chat8["rows"][0]["engine_output_tokens"] == chat8["rows"][0]["hf_output_tokens"] == 8 * 64
     assert result["engine"]["backend"] == "cpu"
+
+
+def test_tp_comm_cpu_smoke_counts_one_decode_steps_collectives(tmp_path):
+    """bench/tp_comm.py (TP=2 communication per decode step) over gloo: the counts and sizes it reports are
+    those of one decode step of its shape (1 embedding + 2 per layer all-reduces, a vocab/2 logits gather)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "bench" / "tp_comm.py"), "--cpu-smoke", "--out", str(tmp_path)],
+                          cwd=repo, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "tp_comm.json").read_text())
+    shape = data["shape"]
+    assert (data["backend"], data["world_size"]) == ("gloo", 2)
+    assert [r["batch"] for r in data["rows"]] == [1, 4]
+    for r in data["rows"]:
+        assert r["all_reduces_per_step"] == 1 + 2 * shape["layers"]
+        assert r["all_reduce_bytes"] == r["batch"] * shape["hidden"] * 2             # bf16
+        assert r["gather_bytes_per_rank"] == r["batch"] * shape["vocab"] // 2 * 2
+        assert r["all_reduces_eager_ms"] > 0 and r["gather_ms"] > 0
+        assert "all_reduces_graph_ms" not in r                                       # CUDA graphs: GPU only
+
+
+def test_step_profile_at_tensor_parallel_2_times_whole_steps_over_gloo():
+    """--profile at TP=2 (the H200 pair's breakdown): every workload step is timed and each decode batch gets
+    its whole-step time; the eager kernel profile, which would switch graphs off on rank 0 alone, is left out."""
+    from nanovllm_ref.bench import step_profile
+    import tempfile
+    from nanovllm_ref.tiny import make_tiny_model
+    path = make_tiny_model(tempfile.mkdtemp(), "qwen3")
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    res = step_profile(path, dict(tensor_parallel_size=2, device="cpu", enforce_eager=True, max_model_len=64,
+                                  kvcache_block_size=4), prompts, [6, 3], sizes=((1, 16), (3, 16)))
+    w = res["workload"]
+    assert w["prefill_steps"] >= 1 and w["decode_steps"] == 5            # the longer request decodes 5 tokens
+    assert w["mean_decode_batch"] == pytest.approx((2 * 2 + 3 * 1) / 5)  # 2 steps of two rows, 3 of one
+    assert set(res["decode_steps"]) == {"bs1_ctx16", "bs3_ctx16"}
+    for v in res["decode_steps"].values():
+        assert v["tensor_parallel_size"] == 2 and v["graph_step_ms"] > 0 and "kernel_ms" not in v

@@ -139,6 +139,11 @@ def test_tp_engine_killed_mid_run_leaves_no_workers_and_next_engine_starts():
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.Popen([sys.executable, "-c", CRASHING_RUN.format(tests=tests_dir, path=path)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    import select
+    ready, _, _ = select.select([proc.stdout], [], [], 300)   # a start-up that hangs fails here, not forever
+    if not ready:
+        proc.kill()
+        pytest.fail("the TP engine in the child process did not start within 300 s")
     line = proc.stdout.readline()
     assert line.startswith("worker pids"), line
     worker_pids = [int(x) for x in line.split()[2:]]

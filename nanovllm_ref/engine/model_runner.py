@@ -22,6 +22,7 @@ At start-up it:
 - warms every other kernel and compiled variant (engine/warmup.py), so no request pays for a compile.
 """
 import dataclasses
+import os
 from datetime import timedelta
 
 import torch
@@ -204,7 +205,14 @@ class ModelRunner:
         """Worker ranks: execute whatever rank 0 sends until told to exit."""
         conn = self.conns[0]
         while True:
-            method, args = conn.recv()
+            try:
+                method, args = conn.recv()
+            except (EOFError, OSError):
+                # Rank 0 is gone (killed or crashed) without saying "exit". It may have died inside a step,
+                # and then an NCCL all-reduce of ours spins on the GPU waiting for it forever. A normal
+                # interpreter exit frees CUDA memory, which waits for that kernel: it would hang. Leave at
+                # once instead; the driver reclaims the memory of a process that has exited.
+                os._exit(0)
             if method == "exit":
                 self.exit()
                 break
