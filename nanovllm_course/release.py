@@ -311,8 +311,14 @@ def release(solutions: Path = SOLUTIONS, chapters: Path = CHAPTERS, names: list[
     """Release every solution notebook (or those in `names`). With check=True write nothing and return the
     names whose committed chapter differs from a fresh release (or is missing); else return names written."""
     solutions, chapters = Path(solutions), Path(chapters)
+    names = [n.zfill(2) if n.isdigit() else n for n in names or []]      # "9" means chapter 09
+    paths = solution_paths(solutions)
+    unknown = [n for n in names if not any(n in (p.name, p.stem, p.name[:2]) for p in paths)]
+    if unknown:
+        raise ReleaseError(f"release: no solution notebook named {unknown}; give a chapter number (09), a stem "
+                         f"or a file name from {[p.name for p in paths]}")
     result = []
-    for path in solution_paths(solutions):
+    for path in paths:
         if names and path.name not in names and path.stem not in names and path.name[:2] not in names:
             continue
         text = dumps(release_notebook(nbformat.read(path, as_version=4), path.name))

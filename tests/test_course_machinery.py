@@ -200,6 +200,16 @@ def test_check_command_exit_status(tmp_path):
         assert bad.returncode == 1 and "stale" in bad.stderr
 
 
+def test_release_names_a_chapter_by_number_and_refuses_an_unknown_name(tmp_path):
+    """`release 9` is chapter 09 (it used to match nothing and write nothing, silently); a name that is no
+    solution notebook is an error that lists the names there are, before anything is written."""
+    written = rel.release(chapters=tmp_path, names=["9"])
+    assert written == ["09_tensor_parallelism.ipynb"] and [p.name for p in tmp_path.iterdir()] == written
+    with pytest.raises(rel.ReleaseError, match=r"no solution notebook named \['99'\].*12_capstone.ipynb"):
+        rel.release(chapters=tmp_path / "other", names=["09", "99"])
+    assert not (tmp_path / "other").exists()
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_unfilled_chapter_fails_exactly_at_its_checks(name):
     grade = rel.grade_path(REPO / "chapters" / name, REPO / "solutions", timeout=NOTEBOOK_SECONDS)
