@@ -374,20 +374,32 @@ def check_compute_bound_batch(fn) -> None:
 
 
 # -- the committed H200 results ------------------------------------------------------------------------------
+# The committed H200 records, oldest first, with the short name the table gives each.
+H200_RECORDS = (
+    ("bench_h200.json", "round 1"),
+    ("bench_h200_tp1_2026-11-30.json", "TP host, seams"),
+    ("bench_h200_tp2_2026-11-30.json", "TP host, seams"),
+    ("bench_h200_round2_2026-11-30.json", "round 2"),
+    ("bench_h200x2_tp1_round2_2026-11-30_call5.json", "round 2, TP host"),
+    ("bench_h200x2_tp2_round2_2026-11-30_call5.json", "round 2, TP host"),
+)
+
+
 def h200_results(folder: Path = RESULTS) -> list[dict]:
-    """Rows (name, tok_s, pct_of_floor, source) from the committed H200 JSONs: each engine run, HF continuous
-    batching, batch-1 decode and TP=2."""
+    """Rows (name, tok_s, pct_of_floor, source, record, date) from the committed H200 JSONs of H200_RECORDS:
+    each engine run, HF continuous batching, batch-1 decode and TP=2. `record` is the short name of the file
+    (round 1, the seams refactor, round 2; "TP host": measured on the two-H200 machine)."""
     rows = []
-    for fname in ("bench_h200.json", "bench_h200_tp1_2026-11-30.json", "bench_h200_tp2_2026-11-30.json"):
+    for fname, record in H200_RECORDS:
         d = json.loads((Path(folder) / fname).read_text())
         for r in d["runs"]:
             if r.get("tok_s"):
                 rows.append(dict(name=r["name"], tok_s=r["tok_s"], pct_of_floor=r["pct_of_floor"],
-                                 source=fname, date=d["date"]))
+                                 source=fname, record=record, date=d["date"]))
         if "decode_batch1" in d:
             b = d["decode_batch1"]
             rows.append(dict(name=f"batch-1 decode [{b['backend']},{'cudagraph' if b['cuda_graphs'] else 'eager'}]",
-                             tok_s=b["tok_s"], pct_of_floor=None, source=fname, date=d["date"]))
+                             tok_s=b["tok_s"], pct_of_floor=None, source=fname, record=record, date=d["date"]))
     return rows
 
 

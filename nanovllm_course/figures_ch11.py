@@ -76,9 +76,9 @@ def throughput_table(out: Path) -> Path:
     for r in ch11.h200_results():
         if r["name"] in names:
             color = ORANGE if r["name"].startswith("hf") else BLUE
-            rows.append((f"{names[r['name']]} ({r['date']})", r["tok_s"], color))
-        elif r["name"].startswith("batch-1") and r["source"] == "bench_h200.json":
-            rows.append(("batch-1 decode, CUDA graphs (2026-11-29)", r["tok_s"], PURPLE))
+            rows.append((f"{names[r['name']]} ({r['record']})", r["tok_s"], color))
+        elif r["name"].startswith("batch-1") and r["record"] in ("round 1", "round 2"):
+            rows.append((f"batch-1 decode, CUDA graphs ({r['record']})", r["tok_s"], PURPLE))
     fig, (ax1, ax2) = figure(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[1.7, 1]))
     ys = range(len(rows))
     ax1.barh(list(ys), [v for _, v, _ in rows], color=[c for _, _, c in rows])

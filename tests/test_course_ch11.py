@@ -238,6 +238,10 @@ def test_h200_table_reads_the_committed_results():
     assert round(rows[("hf_transformers[continuous_batching]", "bench_h200.json")]) == 737
     assert round(rows[("nanovllm_ref[triton,cudagraph]", "bench_h200_tp1_2026-11-30.json")]) == 16431
     assert round(rows[("nanovllm_ref[triton,cudagraph,tp2]", "bench_h200_tp2_2026-11-30.json")]) == 8981
+    assert round(rows[("nanovllm_ref[triton,cudagraph]", "bench_h200_round2_2026-11-30.json")]) == 19444
+    assert round(rows[("nanovllm_ref[triton,cudagraph]", "bench_h200x2_tp1_round2_2026-11-30_call5.json")]) == 19844
+    assert round(rows[("nanovllm_ref[triton,cudagraph,tp2]", "bench_h200x2_tp2_round2_2026-11-30_call5.json")]) == 21879
+    assert {r["record"] for r in ch11.h200_results()} == {"round 1", "TP host, seams", "round 2", "round 2, TP host"}
     assert [(r["nano_vllm"], r["vllm"]) for r in ch11.PUBLISHED["rows"]] == [(1434, 1362), (8961, 7484)]
 
 
