@@ -37,13 +37,9 @@ def cmd_execute(args) -> int:
     return status
 
 
-def _chapter_paths(folder, names):
-    paths = []
-    for path in sorted(Path(folder).glob("*.ipynb")):
-        if rel.NOTEBOOK_NAME.match(path.name) and (not names or path.name[:2] in names or path.name in names
-                                                   or path.stem in names):
-            paths.append(path)
-    return paths
+def _chapter_paths(folder, names, command="verify"):
+    paths = sorted(p for p in Path(folder).glob("*.ipynb") if rel.NOTEBOOK_NAME.match(p.name))
+    return rel.pick(paths, names, command, f"chapter notebook in {folder}")
 
 
 def cmd_verify(args) -> int:
@@ -69,7 +65,7 @@ def cmd_grade(args) -> int:
         elif p.is_file():
             paths.append(p)
         else:
-            paths += _chapter_paths(rel.CHAPTERS, [name])
+            paths += _chapter_paths(rel.CHAPTERS, [name], "grade")
     if not paths:
         print("error: no notebook to grade", file=sys.stderr)
         return 2
@@ -101,7 +97,12 @@ def cmd_import_py(args) -> int:
 
 def cmd_export(args) -> int:
     from nanovllm_course import export as ex
-    rows = ex.export(Path(args.notebooks), Path(args.out), args.chapters or None)
+    chapters = [c.zfill(2) if c.isdigit() else c for c in args.chapters]        # "9" means chapter 09
+    unknown = [c for c in chapters if c not in ex.EXPORTS]
+    if unknown:
+        raise rel.ReleaseError(f"export: no chapter with exercises to export named {unknown}; give chapter "
+                               f"numbers from {sorted(ex.EXPORTS)}")
+    rows = ex.export(Path(args.notebooks), Path(args.out), chapters or None)
     print(f"exported {len({r['chapter'] for r in rows})} chapter(s) from {args.notebooks}/ into {args.out}/")
     print(ex.part_table(rows))
     # in chapter order (E2.1 before E10.1): sort by the numbers in the id, not the text

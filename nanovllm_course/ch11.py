@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -394,7 +395,11 @@ def h200_results(folder: Path = RESULTS) -> list[dict]:
         d = json.loads((Path(folder) / fname).read_text())
         for r in d["runs"]:
             if r.get("tok_s"):
-                rows.append(dict(name=r["name"], tok_s=r["tok_s"], pct_of_floor=r["pct_of_floor"],
+                # % of the floor of the GPUs the run used: a TP=2 run has two GPUs' bandwidth, so half the
+                # one-GPU floor time (the TP records of 2026-11-30 stored a pct_of_floor against one GPU's floor).
+                gpus = int(m.group(1)) if (m := re.search(r",tp(\d+)\]", r["name"])) else 1
+                rows.append(dict(name=r["name"], tok_s=r["tok_s"],
+                                 pct_of_floor=100 * d["floor"]["floor_s"] / gpus / r["seconds"],
                                  source=fname, record=record, date=d["date"]))
         if "decode_batch1" in d:
             b = d["decode_batch1"]

@@ -306,21 +306,28 @@ def solution_paths(solutions: Path = SOLUTIONS) -> list[Path]:
     return paths
 
 
+def pick(paths: list[Path], names: list[str] | None, command: str, what: str) -> list[Path]:
+    """The notebooks of `paths` that `names` ask for, in order (all of them when `names` is empty). A name is
+    a chapter number ("9" and "09" are the same), a stem or a file name (a path is taken by its file name).
+    Raises ReleaseError naming every name that matches nothing, and the names there are, so that a typo is
+    never a command that silently does nothing."""
+    if not names:
+        return list(paths)
+    names = [n.zfill(2) if n.isdigit() else Path(n).name for n in names]
+    unknown = [n for n in names if not any(n in (p.name, p.stem, p.name[:2]) for p in paths)]
+    if unknown:
+        raise ReleaseError(f"{command}: no {what} named {unknown}; give a chapter number (09), a stem or a file "
+                           f"name from {[p.name for p in paths]}")
+    return [p for p in paths if any(n in (p.name, p.stem, p.name[:2]) for n in names)]
+
+
 def release(solutions: Path = SOLUTIONS, chapters: Path = CHAPTERS, names: list[str] | None = None,
             check: bool = False) -> list[str]:
     """Release every solution notebook (or those in `names`). With check=True write nothing and return the
     names whose committed chapter differs from a fresh release (or is missing); else return names written."""
     solutions, chapters = Path(solutions), Path(chapters)
-    names = [n.zfill(2) if n.isdigit() else n for n in names or []]      # "9" means chapter 09
-    paths = solution_paths(solutions)
-    unknown = [n for n in names if not any(n in (p.name, p.stem, p.name[:2]) for p in paths)]
-    if unknown:
-        raise ReleaseError(f"release: no solution notebook named {unknown}; give a chapter number (09), a stem "
-                         f"or a file name from {[p.name for p in paths]}")
     result = []
-    for path in paths:
-        if names and path.name not in names and path.stem not in names and path.name[:2] not in names:
-            continue
+    for path in pick(solution_paths(solutions), names, "release", "solution notebook"):
         text = dumps(release_notebook(nbformat.read(path, as_version=4), path.name))
         target = chapters / path.name
         if check:

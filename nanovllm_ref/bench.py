@@ -213,7 +213,10 @@ def _decode_batch(block_manager, n: int, context: int, block_size: int, temperat
 def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 512), (256, 512))) -> dict:
     """Where a run's time goes (CUDA): every engine step of the workload timed (prefill vs decode, host time
     outside the model runner), then per decode step at a few batch sizes: CUDA-graph step wall time, and
-    from torch.profiler over the same step run eagerly the kernel count and GPU kernel time by family."""
+    from torch.profiler over the same step run eagerly the kernel count and GPU kernel time by family.
+    With tensor_parallel_size > 1 only the step times are recorded (rank 0's wall time of the whole step,
+    all ranks included); the kernel profile would run rank 0 eagerly and the workers from their graphs.
+    With enforce_eager (or on a CPU) `graph_step_ms` is the eager step's time."""
     from collections import defaultdict
     from torch.profiler import ProfilerActivity, profile
     from nanovllm_ref import LLM, SamplingParams
@@ -563,8 +566,10 @@ def main(argv=None) -> int:
     def record(name, fn):
         try:
             tokens, seconds, info = fn()
+            # The floor is one GPU's; tp GPUs read the weights and K/V in parallel, so theirs is 1/tp of it.
+            gpus = args.tensor_parallel_size if name.startswith("nanovllm") else 1
             row = dict(name=name, output_tokens=tokens, seconds=seconds, tok_s=tokens / seconds,
-                       pct_of_floor=100 * floor["floor_s"] / seconds, **info)
+                       pct_of_floor=100 * floor["floor_s"] / gpus / seconds, floor_gpus=gpus, **info)
             spread = (f" (min {info['min_tok_s']:,.0f}, max {info['max_tok_s']:,.0f}, median of {info['repeats']})"
                       if info.get("repeats", 1) > 1 else "")
             print(f"{name:38s} {tokens:>9,} tok {seconds:8.2f} s {row['tok_s']:>10,.0f} tok/s "

@@ -38,6 +38,16 @@ def test_cpu_tiny_mode_runs_and_writes_results(tmp_path):
     assert (tmp_path / "bench_throughput_cpu.png").stat().st_size > 1000
 
 
+def test_cpu_tiny_mode_at_tensor_parallel_2_measures_against_two_devices_floor(tmp_path):
+    """A TP=2 run reads weights and K/V on two devices at once: its % of floor is against half the one-device
+    floor time (it was against one device's, which made TP=2 look twice as close to the floor as it was)."""
+    assert main(["--cpu-tiny", "--num-requests", "4", "--tensor-parallel-size", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench_cpu.json").read_text())
+    run = result["runs"][0]
+    assert run["floor_gpus"] == 2
+    assert run["pct_of_floor"] == pytest.approx(100 * result["floor"]["floor_s"] / 2 / run["seconds"])
+
+
 def test_cpu_bench_records_median_min_max_load_and_equality_with_hf(tmp_path):
     """`bench --cpu` on a tiny checkpoint (the real run uses SmolLM2): engine and HF generate interleaved."""
     from engine_helpers import tiny_dir

@@ -208,6 +208,19 @@ def test_release_names_a_chapter_by_number_and_refuses_an_unknown_name(tmp_path)
     with pytest.raises(rel.ReleaseError, match=r"no solution notebook named \['99'\].*12_capstone.ipynb"):
         rel.release(chapters=tmp_path / "other", names=["09", "99"])
     assert not (tmp_path / "other").exists()
+    assert rel.release(chapters=tmp_path, names=["solutions/09_tensor_parallelism.ipynb"]) == written  # a path
+
+
+def test_verify_grade_and_export_name_chapters_like_release(tmp_path, capsys):
+    """`verify 9`, `grade 9` and `export 9` mean chapter 09 too, and an unknown name is refused with the names
+    there are (exit 2), where it used to select nothing and exit 0."""
+    from nanovllm_course.__main__ import _chapter_paths, main
+    assert [p.name for p in _chapter_paths(REPO / "chapters", ["9"])] == ["09_tensor_parallelism.ipynb"]
+    for argv in (["verify", "99"], ["grade", "nosuch"], ["export", "11", "--out", str(tmp_path / "s")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{argv[0]}: no " in err and ("09_tensor_parallelism.ipynb" in err or "'10'" in err), err
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)

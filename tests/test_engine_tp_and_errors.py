@@ -140,10 +140,10 @@ def test_tp_engine_killed_mid_run_leaves_no_workers_and_next_engine_starts():
     proc = subprocess.Popen([sys.executable, "-c", CRASHING_RUN.format(tests=tests_dir, path=path)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     import select
-    ready, _, _ = select.select([proc.stdout], [], [], 300)   # a start-up that hangs fails here, not forever
+    ready, _, _ = select.select([proc.stdout], [], [], 200)   # a start-up that hangs fails here, not forever
     if not ready:
         proc.kill()
-        pytest.fail("the TP engine in the child process did not start within 300 s")
+        pytest.fail("the TP engine in the child process did not start within 200 s")
     line = proc.stdout.readline()
     assert line.startswith("worker pids"), line
     worker_pids = [int(x) for x in line.split()[2:]]

@@ -212,7 +212,7 @@ class ModelRunner:
                 # and then an NCCL all-reduce of ours spins on the GPU waiting for it forever. A normal
                 # interpreter exit frees CUDA memory, which waits for that kernel: it would hang. Leave at
                 # once instead; the driver reclaims the memory of a process that has exited.
-                os._exit(0)
+                os._exit(1)
             if method == "exit":
                 self.exit()
                 break
