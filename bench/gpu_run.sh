@@ -106,7 +106,7 @@ _f.write(" ".join(sys.argv)[:300] + "\n"); _f.flush()
 faulthandler.dump_traceback_later(${DIAG_AFTER_S:-60}, repeat=True, exit=False, file=_f)
 PYEOF
     PYTHONPATH="/tmp/diag:$PYTHONPATH" NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32"}' timeout ${TP_TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider \
-      tests/test_engine_tp_and_errors.py tests/test_parts.py -k "${TP_TESTS_K:-(tensor_parallel or tp_engine) and not exported}" \
+      tests/test_engine_tp_and_errors.py tests/test_parts.py -k "${TP_TESTS_K:-(tensor_parallel or tp_engine or tp_step) and not exported}" \
       --junitxml="$OUT/pytest_gpu_tp2.xml" > "$OUT/pytest_gpu_tp2.log" 2>&1
     grep -v DEBUG "$OUT/pytest_gpu_tp2.log" | grep -v "^  File \"/opt" | tail -25
     for f in "$OUT"/diag/*.txt; do [ "$(wc -l < "$f")" -le 1 ] && rm -f "$f"; done

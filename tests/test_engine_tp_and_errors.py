@@ -161,22 +161,32 @@ def test_tp_engine_killed_mid_run_leaves_no_workers_and_next_engine_starts():
     assert out[0]["token_ids"] == hf_greedy(path, [5, 6, 7], 8)
 
 
+ARM_FILE_ENV = "NANOVLLM_TEST_REFUSE_LONG_STEPS_FILE"
+
+
 def rms_norm_refusing_long_steps(x, weight, eps):
-    """A part that fails on every rank for steps of more than 40 tokens (picklable: a module-level function)."""
-    if x.shape[0] > 40:
+    """A part that fails on every rank for steps of more than 40 tokens once armed (picklable: a module-level
+    function). Armed = the file named by $NANOVLLM_TEST_REFUSE_LONG_STEPS_FILE exists: the workers inherit the
+    variable and see the file, and the engine's start-up warm-up (on CUDA it runs long prefill steps) comes
+    before the test creates it."""
+    flag = os.environ.get(ARM_FILE_ENV)
+    if x.shape[0] > 40 and flag and os.path.exists(flag):
         raise ValueError("rms_norm_refusing_long_steps: more than 40 tokens")
     from nanovllm_ref.layers.layernorm import rms_norm
     return rms_norm(x, weight, eps)
 
 
-def test_tp_step_that_raises_on_every_rank_reaches_the_caller_and_exit_still_finishes():
+def test_tp_step_that_raises_on_every_rank_reaches_the_caller_and_exit_still_finishes(tmp_path, monkeypatch):
     """The error of a failed step reaches the caller, and the workers stay alive, so exit() does not hang
     at its barrier (a worker that died on the error used to leave rank 0 waiting there)."""
     import time
     from nanovllm_ref import Parts
     path = tiny_dir("qwen3")
+    arm = tmp_path / "armed"
+    monkeypatch.setenv(ARM_FILE_ENV, str(arm))
     llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64,
               parts=Parts(rms_norm=rms_norm_refusing_long_steps))
+    arm.touch()
     ok = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert ok[0]["token_ids"] == hf_greedy(path, [5, 6, 7], 8)
     with pytest.raises(ValueError, match="more than 40 tokens"):
@@ -210,7 +220,9 @@ def test_tp_step_interrupted_on_rank0_closes_the_engine_with_a_clear_error():
     import time
     from nanovllm_ref import Parts
     path = tiny_dir("qwen3")
-    llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64,
+    # Eager: with CUDA graphs a decode step replays the captured kernels and never calls the part in Python,
+    # so the interrupt must land in an eager step (as it does in a notebook between replays, in host code).
+    llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64, enforce_eager=True,
               parts=Parts(rms_norm=rms_norm_interrupted_on_rank0))
     _INTERRUPT["armed"] = True
     with pytest.raises(KeyboardInterrupt):
