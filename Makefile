@@ -31,9 +31,20 @@ $(STAMP): pyproject.toml
 	@$(PIP) -e '.[course,test]' 2>&1 | $(QUIET_PIP)
 	@touch $(STAMP)
 
+# A .venv copied or moved from another checkout still imports that checkout's code (pip's editable install
+# records the path): install this one into it again.
+HERE_CHECK := $(PY) -I -c 'import pathlib, sys, nanovllm_ref as m; \
+  sys.exit(pathlib.Path(m.__file__).resolve().parent != pathlib.Path("$(CURDIR)/nanovllm_ref").resolve())'
+define ensure_here
+	@$(HERE_CHECK) 2>/dev/null || { echo "$(VENV) imports nanovllm_ref from another checkout: installing this one"; \
+	  $(PIP) -e '.[course,test]' 2>&1 | $(QUIET_PIP); }
+endef
+
 install: $(STAMP)
+	$(ensure_here)
 
 model: $(STAMP)
+	$(ensure_here)
 	@$(PY) -m nanovllm_ref download smollm2 >/dev/null
 
 demo: model

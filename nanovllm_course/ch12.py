@@ -4,7 +4,8 @@
     ch12.tiny_vs_hf(capstone)                   # C.1 greedy ids == HF on the tiny Qwen3
     ch12.stream_vs_reference(capstone)          # C.1 a random stream under a tight block budget == reference
     ch12.tensor_parallel_2(capstone)            # C.1 the same parts with tp=2 over gloo == HF
-    ch12.smollm2_vs_reference(capstone)         # C.2 the real model, fp32, up to the first near-tie
+    ch12.smollm2_vs_reference(capstone)         # C.2 the real model, fp32, up to the first near-tie; both answers
+    ch12.smollm2_throughput(capstone)           # C.2 both engines' output tok/s on this CPU (not graded)
     ch12.first_token_chi2(capstone)             # C.3 a chi-squared test of your sampler at T > 0
     with check("E12.1"):
         ch12.check_capstone(your_notebooks, capstone)
@@ -439,6 +440,8 @@ def smollm2_vs_reference(cap: Capstone, max_tokens: int = SMOL_TOKENS) -> None:
     except Exception as exc:
         print(f"C.2 SmolLM2 with your parts failed: {_first_line(exc)}")
         return _record(cap, "C.2 SmolLM2", False, None, _first_line(exc))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
     passed = True
     for k, (g, (w, margins)) in enumerate(zip(got, reference)):
         stop = next((s for s, m in enumerate(margins) if m < MARGIN), len(w))
@@ -454,8 +457,46 @@ def smollm2_vs_reference(cap: Capstone, max_tokens: int = SMOL_TOKENS) -> None:
             low = min(range(len(margins)), key=margins.__getitem__)
             print(f"C.2 prompt {k}: {len(w)}/{len(w)} ids equal the reference engine's (smallest top-2 margin "
                   f"{_fmt_margin(margins[low])}, at step {low + 1})")
+        print(f"    {CHATS[k]}\n    yours:     {_answer(tok, g)}\n    reference: {_answer(tok, w)}")
     return _record(cap, "C.2 SmolLM2", passed, None if passed else _blame(cap),
                    "SmolLM2 ids differ from the reference engine's before any near-tie")
+
+
+def _answer(tok, ids: list[int]) -> str:
+    """The reply `ids` spell, up to the model's end-of-turn id (C.2 runs with ignore_eos, so the ids go on
+    past it), on one line."""
+    cut = next((i for i, t in enumerate(ids) if t == tok.eos_token_id), len(ids))
+    return " / ".join(line for line in tok.decode(ids[:cut], skip_special_tokens=True).strip().splitlines() if line)
+
+
+def smollm2_throughput(cap: Capstone, max_tokens: int = SMOL_TOKENS, repeats: int = 3) -> None:
+    """C.2's four prompts on this CPU, greedy, max_tokens each with ignore_eos: output tokens per second of your
+    engine and of the reference engine, each the median of `repeats` generate calls in one engine after one
+    warm-up call. Information, not graded: the numbers vary with the machine and its load."""
+    import statistics
+    import time
+    from nanovllm_ref import LLM, Parts, SamplingParams
+    from nanovllm_ref.download import ensure_model
+    path = str(ensure_model())
+    prompts = smollm2_prompts(path)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    rates = {}
+    for who, parts in (("yours", cap.cpu_parts), ("reference", Parts())):
+        try:
+            with _quiet(), LLM(path, parts=parts, **SMOL_ARGS) as llm:
+                llm.generate(prompts, sp, use_tqdm=False)
+                runs = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    llm.generate(prompts, sp, use_tqdm=False)
+                    runs.append(len(prompts) * max_tokens / (time.perf_counter() - t))
+            rates[who] = statistics.median(runs)
+        except Exception as exc:
+            print(f"C.2 throughput, {who}: failed: {_first_line(exc)}")
+    if len(rates) == 2:
+        print(f"C.2 on this CPU ({len(prompts)} prompts x {max_tokens} tokens, median of {repeats}): yours "
+              f"{rates['yours']:,.0f} output tok/s, reference {rates['reference']:,.0f} "
+              f"({rates['yours'] / rates['reference']:.2f}x)")
 
 
 # -- C.3 sampling ---------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def roofline(out: Path) -> Path:
 
 def throughput_table(out: Path) -> Path:
     run = ch11.h200_result("bench_h200.json")
-    rows = [("physical floor (this workload)", run["floor"]["floor_tok_s"], GREY)]
+    rows = [("physical floor (this workload, round 1's machine)", run["floor"]["floor_tok_s"], GREY)]
     names = {"nanovllm_ref[triton,cudagraph]": "nanovllm_ref, CUDA graphs", "nanovllm_ref[triton,eager]":
              "nanovllm_ref, eager", "nanovllm_ref[triton,cudagraph,tp2]": "nanovllm_ref, CUDA graphs, TP=2 (2 GPUs)",
              "hf_transformers[continuous_batching]": "HF transformers continuous batching"}

@@ -60,6 +60,25 @@ def test_round_trip_every_part_is_yours_and_the_check_says_ok(solved, capsys):
     assert out.splitlines()[-1] == "E12.1 ok" and "still the reference's" not in out
 
 
+def test_c2_shows_both_engines_answers_and_their_throughput_on_this_cpu(solved, capsys):
+    """The capstone shows the student's SmolLM2 answers beside the reference's (cut at the end-of-turn id that
+    ignore_eos generates past), and both engines' output tok/s on this CPU."""
+    import re
+    assert passes(solved, "smollm2_vs_reference")
+    out = capsys.readouterr().out.splitlines()
+    i = out.index("    What is the capital of France?")
+    yours, ref = out[i + 1], out[i + 2]
+    assert yours.startswith("    yours:     ") and "Paris" in yours and ref == yours.replace("yours:    ", "reference:")
+    assert "<|im_end|>" not in yours and "\n" not in yours
+    ch12.smollm2_throughput(solved, max_tokens=4, repeats=1)
+    line = capsys.readouterr().out.strip()
+    m = re.fullmatch(r"C\.2 on this CPU \(4 prompts x 4 tokens, median of 1\): yours ([\d,]+) output tok/s, "
+                     r"reference ([\d,]+) \((\d+\.\d\d)x\)", line)
+    assert m, line
+    y, r = (float(m[k].replace(",", "")) for k in (1, 2))
+    assert y > 0 and r > 0 and float(m[3]) == pytest.approx(y / r, abs=0.01 + 0.01 * y / r)
+
+
 def test_the_capstone_table_names_each_part_its_owner_and_chapter(tmp_path, capsys):
     ch12.assemble(solutions, out=str(tmp_path / "student"))
     out = capsys.readouterr().out
@@ -198,7 +217,7 @@ def test_c2_reports_how_far_each_prompt_matched_and_stops_at_a_near_tie(capsys, 
     monkeypatch.setattr(ch12, "_blame", lambda cap, prompts=None: None)
     cap = ch12.Capstone("x", [], Parts(), Parts(), {})
     assert not passes(cap, "smollm2_vs_reference")
-    lines = capsys.readouterr().out.splitlines()
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("C.2")]   # not the answers
     assert lines[0] == ("C.2 prompt 0: 4/32 ids equal, then step 5 differs from the reference "
                         "(reference top-2 margin there 1, not a near-tie)")
     assert lines[1] == ("C.2 prompt 1: 2/32 ids equal; step 3's top-2 margin (0.0005) is below 0.001, "
