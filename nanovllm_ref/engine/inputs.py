@@ -34,9 +34,9 @@ def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
     on CUDA. (torch.tensor(..., pin_memory=True) refuses numpy input, hence the two ways in.)"""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    if isinstance(data, np.ndarray):
-        host = torch.from_numpy(np.ascontiguousarray(data)).to(dtype, copy=True)
-        return (host.pin_memory() if cuda else host).to(device, non_blocking=cuda)
+    if cuda and isinstance(data, np.ndarray):
+        # pin_memory() copies the array once into pinned memory
+        return torch.from_numpy(np.ascontiguousarray(data)).to(dtype).pin_memory().to(device, non_blocking=True)
     return torch.tensor(data, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 

@@ -65,6 +65,11 @@ def resolve_dtype(name: str, hf_config, device: str) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def uses_filters(seq: Sequence) -> bool:
+    """A sampled row with top-k or top-p on: it needs the sampler's filtered (uncompiled) path."""
+    return seq.temperature > 0 and (seq.top_k > 0 or seq.top_p < 1)
+
+
 def fuse_by_default(device_type: str) -> bool:
     """Whether an engine on this device compiles its small ops (utils/fusion.py): on CUDA only, where
     launches dominate; on a CPU compiling costs more start-up time than it saves."""
@@ -255,19 +260,17 @@ class ModelRunner:
         row uses either; then both are tensors (0 and 1.0 mean off for a row), one path for any mix. The
         choice is made here, on the host."""
         temperatures = [seq.temperature for seq in seqs]
-        sampled = [seq for seq in seqs if seq.temperature > 0]
         top_k = top_p = None
-        if any(seq.top_k > 0 or seq.top_p < 1 for seq in sampled):
+        if any(map(uses_filters, seqs)):
             top_k = to_device([seq.top_k for seq in seqs], torch.int64, self.device)
             top_p = to_device([seq.top_p for seq in seqs], torch.float64, self.device)
         return SamplingMetadata(to_device(temperatures, torch.float32, self.device),
-                                all_greedy=not sampled, top_k=top_k, top_p=top_p)
+                                all_greedy=not any(t > 0 for t in temperatures), top_k=top_k, top_p=top_p)
 
     def _samples_in_graph(self, seqs: list[Sequence]) -> bool:
         """True when the captured graph's own ids are this batch's answer: the reference sampler, and no
         top-k / top-p on a sampled row (those run after the graph, on its logits)."""
-        return self.graph_samples and not any(
-            seq.temperature > 0 and (seq.top_k > 0 or seq.top_p < 1) for seq in seqs)
+        return self.graph_samples and not any(map(uses_filters, seqs))
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
