@@ -105,10 +105,8 @@ def main(argv=None) -> int:
     if cuda and torch.cuda.device_count() < 2:
         print("tp_comm: needs two GPUs (or --cpu-smoke)", file=sys.stderr)
         return 2
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from nanovllm_ref.engine.llm_engine import _free_port         # the engine's own rendezvous-port pick
+    port = _free_port()
     shape, batches = (SHAPE, GPU_BATCHES) if cuda else (SMOKE, SMOKE_BATCHES)
     mp.spawn(_rank, args=(2, port, cuda, shape, batches, args.out), nprocs=2, join=True)
     return 0

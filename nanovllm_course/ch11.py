@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from nanovllm_course.common import call_student, fail, fresh_generator, ok, randint
-from nanovllm_ref.bench import QWEN3_06B, make_workload, model_stats, physical_floor
+from nanovllm_ref.bench import QWEN3_06B, make_workload, model_stats, pct_of_floor, physical_floor
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -395,11 +395,12 @@ def h200_results(folder: Path = RESULTS) -> list[dict]:
         d = json.loads((Path(folder) / fname).read_text())
         for r in d["runs"]:
             if r.get("tok_s"):
-                # % of the floor of the GPUs the run used: a TP=2 run has two GPUs' bandwidth, so half the
-                # one-GPU floor time (the TP records of 2026-11-30 stored a pct_of_floor against one GPU's floor).
-                gpus = int(m.group(1)) if (m := re.search(r",tp(\d+)\]", r["name"])) else 1
+                # % of the floor of the GPUs the run used (the TP records of 2026-11-30 predate `floor_gpus`
+                # and stored a pct_of_floor against one GPU's floor: their GPU count is in the run's name).
+                m = re.search(r",tp(\d+)\]", r["name"])
+                gpus = r.get("floor_gpus") or (int(m.group(1)) if m else 1)
                 rows.append(dict(name=r["name"], tok_s=r["tok_s"],
-                                 pct_of_floor=100 * d["floor"]["floor_s"] / gpus / r["seconds"],
+                                 pct_of_floor=pct_of_floor(d["floor"]["floor_s"], r["seconds"], gpus),
                                  source=fname, record=record, date=d["date"]))
         if "decode_batch1" in d:
             b = d["decode_batch1"]
@@ -465,7 +466,8 @@ def main(argv=None) -> int:
     floor = physical_floor(prompts, max_tokens, model_stats(qwen3_06b_config()), m["copy_bandwidth_Bps"],
                            m["matmul_flops"])
     row = dict(name=f"vllm[{info['vllm']}]", output_tokens=tokens, seconds=seconds, tok_s=tokens / seconds,
-               pct_of_floor=100 * floor["floor_s"] / seconds, device_name=torch.cuda.get_device_name(0), **info)
+               pct_of_floor=pct_of_floor(floor["floor_s"], seconds, args.tensor_parallel_size),
+               floor_gpus=args.tensor_parallel_size, device_name=torch.cuda.get_device_name(0), **info)
     print(f"{row['name']:38s} {tokens:>9,} tok {seconds:8.2f} s {row['tok_s']:>10,.0f} tok/s "
           f"{row['pct_of_floor']:.3g}% of floor")
     if args.out:

@@ -160,6 +160,12 @@ def _compiles_between(before: dict, after: dict) -> dict:
     return {k: (after[k] - before[k]) if after[k] is not None and before[k] is not None else None for k in before}
 
 
+def pct_of_floor(floor_s: float, seconds: float, gpus: int = 1) -> float:
+    """A run's time as % of the physical floor of the GPUs it used. `floor_s` is one GPU's floor (seconds);
+    `gpus` GPUs read the weights and K/V in parallel (tensor parallel), so theirs is floor_s / gpus."""
+    return 100 * floor_s / gpus / seconds
+
+
 def _engine_run(path, prompts, max_tokens, temperature, engine_args, repeats: int = 1):
     """`repeats` timed runs, each in a fresh engine (a second run in the same engine would hit its own
     prefix cache). Returns (output tokens, median seconds, info with every run, start-up seconds and the
@@ -210,6 +216,19 @@ def _decode_batch(block_manager, n: int, context: int, block_size: int, temperat
     return seqs
 
 
+def _step_ms(runner, seqs, sync, warmup: int = 3, iters: int = 20) -> float:
+    """Mean wall ms of one decode step of `seqs` through `runner.run` (graphs or eager, whichever the runner
+    has), after `warmup` untimed steps; `sync` waits for the device before each clock read."""
+    for _ in range(warmup):
+        runner.run(seqs, False)
+    sync()
+    t = time.perf_counter()
+    for _ in range(iters):
+        runner.run(seqs, False)
+    sync()
+    return 1000 * (time.perf_counter() - t) / iters
+
+
 def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 512), (256, 512))) -> dict:
     """Where a run's time goes (CUDA): every engine step of the workload timed (prefill vs decode, host time
     outside the model runner), then per decode step at a few batch sizes: CUDA-graph step wall time, and
@@ -217,8 +236,6 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
     With tensor_parallel_size > 1 only the step times are recorded (rank 0's wall time of the whole step,
     all ranks included); the kernel profile would run rank 0 eagerly and the workers from their graphs.
     With enforce_eager (or on a CPU) `graph_step_ms` is the eager step's time."""
-    from collections import defaultdict
-    from torch.profiler import ProfilerActivity, profile
     from nanovllm_ref import LLM, SamplingParams
     tp = engine_args.get("tensor_parallel_size", 1)
     llm = LLM(path, load_format="dummy", **engine_args)
@@ -250,65 +267,64 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
         prefill_step_max_s=max((r[1] for r in pre), default=0), decode_steps=len(dec), decode_s=sum(r[1] for r in dec),
         host_outside_run_s=sum(r[1] - r[2] for r in rows), mean_decode_batch=sum(-r[0] for r in dec) / max(len(dec), 1)))
 
-    def family(name: str) -> str:
-        n = name.lower()
-        for key, fam in (("paged", "attention"), ("attn", "attention"), ("attention", "attention"),
-                         ("merge_splits", "attention"), ("store", "kv_store"), ("gemm", "gemm"), ("cutlass", "gemm"),
-                         ("sm90", "gemm"), ("nvjet", "gemm"), ("matmul", "gemm"), ("splitk", "gemm"),
-                         ("triton_poi", "fused_pointwise"), ("triton_red", "fused_reduction"),
-                         ("triton_per", "fused_reduction"), ("elementwise", "elementwise"), ("copy", "copy"),
-                         ("fill", "fill"), ("reduce", "reduce"), ("argmax", "sampler"), ("nccl", "nccl")):
-            if key in n:
-                return fam
-        return "other"
-
     bm, bs = llm.scheduler.block_manager, llm.config.kvcache_block_size
     result["decode_steps"] = {}
     for n, ctx_len in sizes:
         seqs = _decode_batch(bm, n, ctx_len, bs, temperature=0.6)
-        for _ in range(3):
-            runner.run(seqs, False)
-        sync()
-        t = time.perf_counter()
-        for _ in range(20):
-            runner.run(seqs, False)
-        sync()
-        graph_ms = 1000 * (time.perf_counter() - t) / 20
+        # At TP > 1 rank 0 returns once its sampled ids are on the host, and they need every rank's
+        # all-reduces, so this times the whole tensor-parallel step.
+        entry = result["decode_steps"][f"bs{n}_ctx{ctx_len}"] = dict(graph_step_ms=_step_ms(runner, seqs, sync))
         if tp > 1:
-            # Rank 0 returns once its sampled ids are on the host, and they need every rank's all-reduces, so
-            # this times the whole tensor-parallel step. The eager kernel profile below would switch graphs off
-            # on rank 0 alone, so at TP > 1 only the step time is recorded.
-            result["decode_steps"][f"bs{n}_ctx{ctx_len}"] = dict(graph_step_ms=graph_ms, tensor_parallel_size=tp)
-            for seq in seqs:
-                bm.deallocate(seq)
-            continue
-        saved, runner.graph_runner = runner.graph_runner, None
-        for _ in range(2):
-            runner.run(seqs, False)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                runner.run(seqs, False)
-            torch.cuda.synchronize()
-        runner.graph_runner = saved
-        fam, count = defaultdict(float), defaultdict(float)
-        for ev in prof.key_averages():
-            dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if dt <= 0 or ev.key.startswith("ProfilerStep"):
-                continue
-            fam[family(ev.key)] += dt / 5 / 1000
-            count[family(ev.key)] += ev.count / 5
-        kernel_ms = sum(fam.values())
-        result["decode_steps"][f"bs{n}_ctx{ctx_len}"] = dict(
-            graph_step_ms=graph_ms, kernel_ms=kernel_ms, host_gap_ms=graph_ms - kernel_ms,
-            kernels_per_step=sum(count.values()),
-            kernels_per_layer=sum(count.values()) / llm.config.hf_config.num_hidden_layers,
-            kernel_ms_by_family={k: round(v, 4) for k, v in sorted(fam.items(), key=lambda x: -x[1])},
-            kernels_by_family={k: round(v, 1) for k, v in sorted(count.items(), key=lambda x: -x[1])})
+            # The eager kernel profile below would switch graphs off on rank 0 alone: step time only.
+            entry["tensor_parallel_size"] = tp
+        else:
+            entry.update(_kernel_profile(runner, seqs, llm.config.hf_config.num_hidden_layers,
+                                         entry["graph_step_ms"]))
         for seq in seqs:
             bm.deallocate(seq)
     llm.exit()
     return result
+
+
+def _kernel_family(name: str) -> str:
+    """The family of a CUDA kernel, from its name (the step profile's columns)."""
+    n = name.lower()
+    for key, fam in (("paged", "attention"), ("attn", "attention"), ("attention", "attention"),
+                     ("merge_splits", "attention"), ("store", "kv_store"), ("gemm", "gemm"), ("cutlass", "gemm"),
+                     ("sm90", "gemm"), ("nvjet", "gemm"), ("matmul", "gemm"), ("splitk", "gemm"),
+                     ("triton_poi", "fused_pointwise"), ("triton_red", "fused_reduction"),
+                     ("triton_per", "fused_reduction"), ("elementwise", "elementwise"), ("copy", "copy"),
+                     ("fill", "fill"), ("reduce", "reduce"), ("argmax", "sampler"), ("nccl", "nccl")):
+        if key in n:
+            return fam
+    return "other"
+
+
+def _kernel_profile(runner, seqs, num_layers: int, graph_ms: float) -> dict:
+    """The same decode step run eagerly under torch.profiler: kernel count and GPU kernel time by family."""
+    from collections import defaultdict
+    from torch.profiler import ProfilerActivity, profile
+    saved, runner.graph_runner = runner.graph_runner, None
+    for _ in range(2):
+        runner.run(seqs, False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner.run(seqs, False)
+        torch.cuda.synchronize()
+    runner.graph_runner = saved
+    fam, count = defaultdict(float), defaultdict(float)
+    for ev in prof.key_averages():
+        dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if dt <= 0 or ev.key.startswith("ProfilerStep"):
+            continue
+        fam[_kernel_family(ev.key)] += dt / 5 / 1000
+        count[_kernel_family(ev.key)] += ev.count / 5
+    kernel_ms = sum(fam.values())
+    return dict(kernel_ms=kernel_ms, host_gap_ms=graph_ms - kernel_ms, kernels_per_step=sum(count.values()),
+                kernels_per_layer=sum(count.values()) / num_layers,
+                kernel_ms_by_family={k: round(v, 4) for k, v in sorted(fam.items(), key=lambda x: -x[1])},
+                kernels_by_family={k: round(v, 1) for k, v in sorted(count.items(), key=lambda x: -x[1])})
 
 
 def _hf_cb_run(path, prompts, max_tokens, temperature) -> tuple[int, float, dict]:
@@ -390,14 +406,7 @@ def graph_sweep(path, engine_args, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), con
             saved = runner.graph_runner
             if mode == "eager":
                 runner.graph_runner = None
-            for _ in range(3):
-                runner.run(seqs, False)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(iters):
-                runner.run(seqs, False)
-            torch.cuda.synchronize()
-            row[f"{mode}_ms"] = 1000 * (time.perf_counter() - t) / iters
+            row[f"{mode}_ms"] = _step_ms(runner, seqs, torch.cuda.synchronize, iters=iters)
             runner.graph_runner = saved
         row["speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
@@ -566,10 +575,9 @@ def main(argv=None) -> int:
     def record(name, fn):
         try:
             tokens, seconds, info = fn()
-            # The floor is one GPU's; tp GPUs read the weights and K/V in parallel, so theirs is 1/tp of it.
             gpus = args.tensor_parallel_size if name.startswith("nanovllm") else 1
             row = dict(name=name, output_tokens=tokens, seconds=seconds, tok_s=tokens / seconds,
-                       pct_of_floor=100 * floor["floor_s"] / gpus / seconds, floor_gpus=gpus, **info)
+                       pct_of_floor=pct_of_floor(floor["floor_s"], seconds, gpus), floor_gpus=gpus, **info)
             spread = (f" (min {info['min_tok_s']:,.0f}, max {info['max_tok_s']:,.0f}, median of {info['repeats']})"
                       if info.get("repeats", 1) > 1 else "")
             print(f"{name:38s} {tokens:>9,} tok {seconds:8.2f} s {row['tok_s']:>10,.0f} tok/s "
@@ -617,7 +625,8 @@ def main(argv=None) -> int:
         names = {r["name"] for r in runs}
         for r in runs:
             r["note"] = f"measured in a separate call on {result['date']}, same machine kind"
-            r["pct_of_floor"] = r.get("seconds") and 100 * earlier["floor"]["floor_s"] / r["seconds"]
+            r["pct_of_floor"] = r.get("seconds") and pct_of_floor(earlier["floor"]["floor_s"], r["seconds"],
+                                                                  r.get("floor_gpus", 1))
         earlier["runs"] = [r for r in earlier["runs"] if r["name"] not in names] + runs
         result, runs = earlier, earlier["runs"]
     def save():
