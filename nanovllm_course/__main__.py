@@ -38,8 +38,7 @@ def cmd_execute(args) -> int:
 
 
 def _chapter_paths(folder, names, command="verify"):
-    paths = sorted(p for p in Path(folder).glob("*.ipynb") if rel.NOTEBOOK_NAME.match(p.name))
-    return rel.pick(paths, names, command, f"chapter notebook in {folder}")
+    return rel.pick(rel.solution_paths(folder), names, command, f"chapter notebook in {folder}")
 
 
 def cmd_verify(args) -> int:
@@ -97,7 +96,7 @@ def cmd_import_py(args) -> int:
 
 def cmd_export(args) -> int:
     from nanovllm_course import export as ex
-    chapters = [c.zfill(2) if c.isdigit() else c for c in args.chapters]        # "9" means chapter 09
+    chapters = [rel.chapter_key(c) for c in args.chapters]
     unknown = [c for c in chapters if c not in ex.EXPORTS]
     if unknown:
         raise rel.ReleaseError(f"export: no chapter with exercises to export named {unknown}; give chapter "

@@ -28,6 +28,7 @@ own here and runs inside the engine on a GPU (section C.4).
 """
 import contextlib
 import dataclasses
+import functools
 import io
 import random
 import warnings
@@ -91,6 +92,11 @@ class Capstone:
     def shown(self) -> dict:
         return ex.shown_rows(self.rows)
 
+    @property
+    def cpu_swaps_kernel(self) -> bool:
+        """True when the CPU sections (C.1-C.3) run something else in place of your chapter 06 kernel."""
+        return self.cpu_parts.attention_backend is not self.parts.attention_backend
+
     def missing(self) -> list[str]:
         """Labels of the Parts fields an exercise could fill that still run the reference."""
         return [part_label(r) for f, r in self.shown().items() if r["status"] != "done"]
@@ -127,7 +133,7 @@ _PACKAGE = ["student"]
 def cpu_rows(cap: Capstone) -> list[dict]:
     """The manifest rows as sections C.1-C.3 run them (always on the CPU): where chapter 06's kernel is yours,
     the attention row names what runs in its place, chapter 04's paged_decode or the reference back-end."""
-    if cap.cpu_parts.attention_backend is cap.parts.attention_backend:
+    if not cap.cpu_swaps_kernel:
         return cap.rows
     rows = [r for r in cap.rows if r["field"] != "attention_backend" or r["chapter"] != "06"]
     if cap.cpu_parts.attention_backend is None:        # chapter 04's decode is still a stub
@@ -138,7 +144,7 @@ def cpu_rows(cap: Capstone) -> list[dict]:
 
 def cpu_kernel_note(cap: Capstone) -> str | None:
     """One line saying where chapter 06's kernel runs when the table above does not show it."""
-    if cap.cpu_parts.attention_backend is cap.parts.attention_backend:
+    if not cap.cpu_swaps_kernel:
         return None
     row = ex.shown_rows(cap.rows)["attention_backend"]
     return (f"C.1-C.3 run on the CPU, where Triton only interprets: your ch{row['chapter']} {row['exercise']} "
@@ -350,10 +356,16 @@ SMOL_ARGS = dict(dtype="float32", device="cpu", max_model_len=128, enforce_eager
                  num_kvcache_blocks=24)
 
 
+@functools.lru_cache(maxsize=None)
+def _tokenizer(path: str):
+    """SmolLM2's tokenizer, loaded once per folder (C.2 templates the prompts and decodes both answers)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
 def smollm2_prompts(path: str) -> list[list[int]]:
     """The four CHATS as token ids, through SmolLM2's chat template (which adds its default system prompt)."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = _tokenizer(path)
     out = []
     for c in CHATS:
         ids = tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
@@ -397,22 +409,16 @@ class _MarginRecorder:
 def reference_smollm2(max_tokens: int = SMOL_TOKENS, path: str | None = None) -> list[tuple[list[int], list[float]]]:
     """Per chat prompt: the reference engine's greedy ids and, at each of those steps, the top-2 margin of the
     logits the reference engine itself sampled from (fp32, CPU). About 2 s for 4 x 32 tokens."""
-    from nanovllm_ref import LLM, SamplingParams
+    from nanovllm_ref import SamplingParams
     from nanovllm_ref.download import ensure_model
     path = path or str(ensure_model())
     prompts = smollm2_prompts(path)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rec = _MarginRecorder()
-    with _quiet():
-        with LLM(path, parts=rec.parts(), **SMOL_ARGS) as llm:
-            seq_ids = [llm.add_request(p, sp) for p in prompts]
-            done = {}
-            while not llm.is_finished():
-                finished, _ = llm.step()
-                done.update(finished)
+    got = _generate(rec.parts(), path, prompts, sp, **SMOL_ARGS)
     out = []
-    for sid in seq_ids:
-        ids, margins = done[sid], rec.margins[sid]
+    for ids, sid in zip(got, sorted(rec.margins)[-len(prompts):]):    # sequence ids rise in prompt order
+        margins = rec.margins[sid]
         # every prompt is prefilled in one chunk here, so each sampler row produced one kept token
         assert len(margins) == len(ids) == max_tokens, (len(margins), len(ids))
         out.append((ids, margins))
@@ -440,8 +446,7 @@ def smollm2_vs_reference(cap: Capstone, max_tokens: int = SMOL_TOKENS) -> None:
     except Exception as exc:
         print(f"C.2 SmolLM2 with your parts failed: {_first_line(exc)}")
         return _record(cap, "C.2 SmolLM2", False, None, _first_line(exc))
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = _tokenizer(path)
     passed = True
     for k, (g, (w, margins)) in enumerate(zip(got, reference)):
         stop = next((s for s, m in enumerate(margins) if m < MARGIN), len(w))
@@ -556,7 +561,7 @@ def check_parts(cap: Capstone) -> None:
     checks = _part_checks()
     done = set()
     todo = list(cap.objects.items())
-    if cap.cpu_parts.attention_backend is not cap.parts.attention_backend and cap.cpu_parts.attention_backend:
+    if cap.cpu_swaps_kernel and cap.cpu_parts.attention_backend:
         # on a CPU chapter 04's paged_decode runs in place of chapter 06's kernel: check it too
         row04 = next(r for r in cap.rows if r["field"] == "attention_backend" and r["chapter"] == "04")
         todo.append(("attention_backend", (row04, cap.cpu_parts.attention_backend.paged_decode)))

@@ -153,10 +153,6 @@ def _top_level(source: str):
         return None
 
 
-def _defined(tree) -> set[str]:
-    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-
-
 def _with_dependencies(names, defs: dict) -> set[str]:
     """`names` plus every notebook-defined function or class they reference, transitively.
     defs: name -> ast node of its last definition in the notebook."""

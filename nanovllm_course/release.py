@@ -302,8 +302,15 @@ def same_but_kernel_metadata(committed_text: str, fresh_text: str) -> bool:
 
 
 def solution_paths(solutions: Path = SOLUTIONS) -> list[Path]:
+    """The chapter notebooks (NN_slug.ipynb) in a folder, solutions/ by default, in chapter order."""
     paths = sorted(p for p in Path(solutions).glob("*.ipynb") if NOTEBOOK_NAME.match(p.name))
     return paths
+
+
+def chapter_key(name: str) -> str:
+    """A notebook name as given on the command line, as the notebooks' names spell it: a chapter number is
+    two digits ("9" -> "09"), a path is its file name."""
+    return name.zfill(2) if name.isdigit() else Path(name).name
 
 
 def pick(paths: list[Path], names: list[str] | None, command: str, what: str) -> list[Path]:
@@ -313,7 +320,7 @@ def pick(paths: list[Path], names: list[str] | None, command: str, what: str) ->
     never a command that silently does nothing."""
     if not names:
         return list(paths)
-    names = [n.zfill(2) if n.isdigit() else Path(n).name for n in names]
+    names = [chapter_key(n) for n in names]
     unknown = [n for n in names if not any(n in (p.name, p.stem, p.name[:2]) for p in paths)]
     if unknown:
         raise ReleaseError(f"{command}: no {what} named {unknown}; give a chapter number (09), a stem or a file "
