@@ -19,6 +19,11 @@ SUDO := $(if $(IS_ROOT),,sudo)
 
 .PHONY: demo test test-browser chromium install model lab release bench-cpu clean
 
+# The stamp names the checkout installed into the venv. A .venv copied or moved from another checkout still
+# imports that checkout's code (pip's editable install records its path), so then the stamp is out of date.
+ifneq ($(shell cat $(STAMP) 2>/dev/null),$(CURDIR))
+.PHONY: $(STAMP)
+endif
 $(STAMP): pyproject.toml
 	@if [ ! -x $(PY) ]; then \
 	  if $(PYTHON) -c 'import torch' 2>/dev/null; then \
@@ -29,22 +34,11 @@ $(STAMP): pyproject.toml
 	  echo "installing $(TORCH_SPEC)"; $(PIP) "$(TORCH_SPEC)" 2>&1 | $(QUIET_PIP); fi
 	@echo "installing nanovllm_ref and the course tools into $(VENV)"
 	@$(PIP) -e '.[course,test]' 2>&1 | $(QUIET_PIP)
-	@touch $(STAMP)
-
-# A .venv copied or moved from another checkout still imports that checkout's code (pip's editable install
-# records the path): install this one into it again.
-HERE_CHECK := $(PY) -I -c 'import pathlib, sys, nanovllm_ref as m; \
-  sys.exit(pathlib.Path(m.__file__).resolve().parent != pathlib.Path("$(CURDIR)/nanovllm_ref").resolve())'
-define ensure_here
-	@$(HERE_CHECK) 2>/dev/null || { echo "$(VENV) imports nanovllm_ref from another checkout: installing this one"; \
-	  $(PIP) -e '.[course,test]' 2>&1 | $(QUIET_PIP); }
-endef
+	@echo '$(CURDIR)' > $(STAMP)
 
 install: $(STAMP)
-	$(ensure_here)
 
 model: $(STAMP)
-	$(ensure_here)
 	@$(PY) -m nanovllm_ref download smollm2 >/dev/null
 
 demo: model
