@@ -14,6 +14,10 @@ figures/ch12_capstone_h200.png from it on any machine (nanovllm_course/figures_c
 Workload (C.4 of the notebook): Qwen3-0.6B's shape with dummy weights (nanovllm_ref.bench.make_model_folder),
 make_workload scaled to 64 requests, temperature 0.6, ignore_eos, CUDA graphs on. Each engine: one warm-up
 generate (4 requests), then 3 timed runs of the whole workload; throughput = output tokens / seconds.
+The runs share one engine, as in the notebook's cell, and prefix caching is on: the warm-up's 4 prompts are
+the workload's first 4, and runs 2 and 3 find every prompt cached. Both engines get the same, and it only
+shortens prefill, a small share of this decode-heavy workload; `nanovllm_ref.bench` instead times each run
+in a fresh engine.
 The student's engine uses capstone.parts: on a GPU that is chapter 06's Triton decode kernel, where the CPU
 sections of the notebook run chapter 04's PyTorch decode.
 """
