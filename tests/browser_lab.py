@@ -108,11 +108,25 @@ def open_chapter(browser, lab, name):
     return page
 
 
+def scroll_to_cell(page, i: int, tries: int = 3):
+    """Scroll cell `i` into view. JupyterLab renders a long notebook as a windowed list and may replace a
+    cell's element between finding it and scrolling to it ("Element is not attached to the DOM", seen in
+    CI): then find it again."""
+    from playwright.sync_api import Error
+    for attempt in range(tries):
+        try:
+            return page.locator(".jp-NotebookPanel .jp-Cell").nth(i).scroll_into_view_if_needed()
+        except Error as exc:
+            if "not attached" not in str(exc) or attempt == tries - 1:
+                raise
+            page.wait_for_timeout(200)
+
+
 def scroll_through(page):
     """Bring every cell into view once (lazily rendered cells and images load), back to the top."""
     n = page.locator(".jp-NotebookPanel .jp-Cell").count()
     for i in range(n):
-        page.locator(".jp-NotebookPanel .jp-Cell").nth(i).scroll_into_view_if_needed()
+        scroll_to_cell(page, i)
     page.wait_for_timeout(300)
 
 
@@ -178,7 +192,7 @@ def test_run_all_then_solve_e11(browser, lab):
         for i in checks:
             text = cell_output(page, i).strip()
             assert re.fullmatch(r"E1\.\d not done yet", text), f"check cell {i} printed {text!r}"
-        page.locator(".jp-NotebookPanel .jp-Cell").nth(checks[0]).scroll_into_view_if_needed()
+        scroll_to_cell(page, checks[0])
         page.wait_for_timeout(500)
         page.screenshot(path=str(ARTIFACTS / "01_run_all.png"))
 
@@ -193,7 +207,7 @@ def test_run_all_then_solve_e11(browser, lab):
             "el => /E1\\.1 ok/.test(el.textContent)",
             arg=page.locator(".jp-NotebookPanel .jp-Cell").nth(checks[0]).element_handle(), timeout=60_000)
         assert cell_output(page, checks[0]).strip() == "E1.1 ok"
-        page.locator(".jp-NotebookPanel .jp-Cell").nth(checks[0]).scroll_into_view_if_needed()
+        scroll_to_cell(page, checks[0])
         page.wait_for_timeout(500)
         page.screenshot(path=str(ARTIFACTS / "01_e11_ok.png"))
 
