@@ -304,15 +304,14 @@ def _kernel_profile(runner, seqs, num_layers: int, graph_ms: float) -> dict:
     """The same decode step run eagerly under torch.profiler: kernel count and GPU kernel time by family."""
     from collections import defaultdict
     from torch.profiler import ProfilerActivity, profile
-    saved, runner.graph_runner = runner.graph_runner, None
-    for _ in range(2):
-        runner.run(seqs, False)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+    with runner.eager_steps():
+        for _ in range(2):
             runner.run(seqs, False)
         torch.cuda.synchronize()
-    runner.graph_runner = saved
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.run(seqs, False)
+            torch.cuda.synchronize()
     fam, count = defaultdict(float), defaultdict(float)
     for ev in prof.key_averages():
         dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
@@ -402,12 +401,9 @@ def graph_sweep(path, engine_args, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), con
     for n in sizes:
         seqs = _decode_batch(bm, n, context, bs, temperature=0)
         row = dict(batch_size=n, context=context)
-        for mode in ("graph", "eager"):
-            saved = runner.graph_runner
-            if mode == "eager":
-                runner.graph_runner = None
-            row[f"{mode}_ms"] = _step_ms(runner, seqs, torch.cuda.synchronize, iters=iters)
-            runner.graph_runner = saved
+        row["graph_ms"] = _step_ms(runner, seqs, torch.cuda.synchronize, iters=iters)
+        with runner.eager_steps():
+            row["eager_ms"] = _step_ms(runner, seqs, torch.cuda.synchronize, iters=iters)
         row["speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
         for seq in seqs:

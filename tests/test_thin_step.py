@@ -316,3 +316,23 @@ def test_to_device_takes_numpy_arrays_as_tp_workers_receive_them():
     assert t.dtype == torch.int64 and t.tolist() == [0, 2, 4]
     a[0] = 99
     assert t[0] == 0, "the tensor must not alias the received array"
+
+
+def test_eager_steps_switches_graph_replay_off_inside_the_block_only(tmp_path):
+    """ModelRunner.eager_steps(): the hook benchmarks use to run decode steps eagerly; the captured graphs
+    come back after the block, also when the block raises."""
+    from nanovllm_ref import LLM
+    from nanovllm_ref.tiny import make_tiny_model
+    llm = LLM(make_tiny_model(str(tmp_path / "m")), device="cpu")
+    runner = llm.model_runner
+    marker = object()
+    runner.graph_runner, runner.graph_samples = marker, True
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with runner.eager_steps():
+                assert runner.graph_runner is None and runner.graph_samples is False
+                raise RuntimeError("inside")
+        assert runner.graph_runner is marker and runner.graph_samples is True
+    finally:
+        runner.graph_runner, runner.graph_samples = None, False
+        llm.exit()

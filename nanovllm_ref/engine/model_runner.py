@@ -21,6 +21,7 @@ At start-up it:
 - captures the decode CUDA graphs;
 - warms every other kernel and compiled variant (engine/warmup.py), so no request pays for a compile.
 """
+import contextlib
 import dataclasses
 import os
 from datetime import timedelta
@@ -348,6 +349,18 @@ class ModelRunner:
         if self.rank != 0:
             return None
         return self.sampler(logits, self.prepare_sample(seqs)).tolist()
+
+    @contextlib.contextmanager
+    def eager_steps(self):
+        """Inside the block, this rank runs decode steps eagerly: no CUDA-graph replay, the model's kernels
+        launched one by one (what a profiler needs to see them). The graphs stay captured and replay again
+        after the block. Benchmarks and tests use it; an engine never needs it."""
+        saved, self.graph_runner = self.graph_runner, None
+        saved_samples, self.graph_samples = self.graph_samples, False
+        try:
+            yield self
+        finally:
+            self.graph_runner, self.graph_samples = saved, saved_samples
 
     def capture_cudagraph(self, runner_cls=CUDAGraphRunner):
         """Capture one decode graph per size in Parts.graph_batch_sizes(max_num_seqs) (engine/cuda_graph.py).
