@@ -41,7 +41,8 @@ def _engine_args(args) -> dict:
 
 def _add_engine_flags(p):
     p.add_argument("--model", default="smollm2", help="model folder, or a name from `download`")
-    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion, in tokens")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion, in tokens; None: the model's max_position_embeddings, at most 4096")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="auto: the checkpoint's dtype on GPU, float32 on CPU")

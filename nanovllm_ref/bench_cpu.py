@@ -188,12 +188,12 @@ def main(args) -> int:
     def log(msg):
         print(msg, flush=True)
 
-    engine_args = dict(device="cpu", dtype="float32", max_model_len=2048)
+    import transformers
+    engine_args = dict(device="cpu", dtype="float32", max_model_len=min(2048, transformers.AutoConfig.from_pretrained(path).max_position_embeddings))
     if args.kvcache_block_size:
         engine_args["kvcache_block_size"] = args.kvcache_block_size
     if args.backends not in ("auto", None):
         engine_args["attention_backend"] = args.backends
-    import transformers
     result = dict(tag=args.tag or f"cpu_{os.cpu_count()}core_{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}",
                   date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                   machine=dict(device="cpu", cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),

@@ -2,12 +2,18 @@
 
 Names follow vLLM / upstream nano-vllm `config.py`. Every value is checked here, before anything is
 allocated, so a bad argument fails fast with a ValueError or TypeError that names it.
+
+A Config is plain data: frozen once built. Two fields are read from the model folder, not given
+(`hf_config`, `eos`); what the engine works out at start-up (the KV cache's size, the tokenizer's end id)
+goes into a copy (`Config.derived`), so the object a caller built never changes.
 """
+import copy
+import functools
 import json
 import math
 import numbers
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -22,33 +28,35 @@ def _check_int(name, value, low, high=None):
         raise ValueError(f"{name} must be {rng}, got {value}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     """All engine arguments. `model` is a folder holding config.json, *.safetensors and the tokenizer.
 
     max_num_batched_tokens: token budget of one prefill step; longer prompts are chunked.
     max_num_seqs: most sequences in one batch (also the largest CUDA-graph batch).
-    max_model_len: longest sequence (prompt + completion); capped by the model's max_position_embeddings.
+    max_model_len: longest sequence (prompt + completion). None (the default): the model's
+        max_position_embeddings, at most 4096. A value above max_position_embeddings is refused.
     gpu_memory_utilization: fraction of GPU memory the engine may use in all (weights + activations + KV).
     tensor_parallel_size: number of processes (GPUs, or CPU ranks over gloo) sharing each layer.
     enforce_eager: never use CUDA graphs.
     kvcache_block_size: token slots per KV-cache block (any int >= 1).
-    num_kvcache_blocks: -1 = size the cache from memory; > 0 = exactly this many blocks.
+    num_kvcache_blocks: -1 = size the cache from memory; > 0 = exactly this many blocks. In the engine's
+        derived copy (`llm.config`) it is the size the cache got.
     device: "auto" (cuda if available), "cuda" or "cpu". dtype: "auto" (the checkpoint's dtype on GPU,
         float32 on CPU), "float32", "float16" or "bfloat16".
     attention_backend: "auto" | "flash_attn" | "triton" | "torch" | "cpu" (see nanovllm_ref/attn).
     cpu_kvcache_space_gib: KV-cache budget on CPU, in GiB (like vLLM's VLLM_CPU_KVCACHE_SPACE).
     enable_prefix_caching: share full KV blocks between requests with equal prefixes.
-    seed: seed of the sampler's random numbers (and of dummy weights). It seeds torch's global generator
-        when the engine starts, so, as in vLLM without per-request seeds, samples also depend on what else
-        draws random numbers in the process and on how requests are batched.
+    seed: the engine's own seed: each request without a `SamplingParams.seed` gets one drawn from it, in
+        arrival order, and dummy weights come from it. torch's global generator is never touched, and a
+        request's samples do not depend on the rest of its batch (layers/sampler.py).
     load_format: "auto" reads the safetensors checkpoint (see utils/loader.py); "dummy" fills the weights with random numbers (vLLM's name),
         for benchmarks of a model shape whose weights are not at hand.
     """
     model: str
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
@@ -61,15 +69,17 @@ class Config:
     enable_prefix_caching: bool = True
     seed: int = 0
     load_format: str = "auto"
-    hf_config: object = field(default=None, repr=False)
-    # Stop ids, as HF generate and vLLM use them: config.json's eos_token_id, then generation_config.json's
-    # (real chat checkpoints list their end-of-turn ids there), then the tokenizer's eos (added by LLMEngine).
-    eos: frozenset = frozenset()
+    # Read from the model folder, never passed: the HF config, and the stop ids as HF generate and vLLM use
+    # them (config.json's eos_token_id, then generation_config.json's, where real chat checkpoints list their
+    # end-of-turn ids; the engine's derived copy adds the tokenizer's eos).
+    hf_config: object = field(init=False, repr=False, compare=False)
+    eos: frozenset = field(init=False)
 
     def __post_init__(self):
+        _set = functools.partial(object.__setattr__, self)      # frozen: normalised values are set once, here
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path to a model folder, got {type(self.model).__name__}")
-        self.model = os.fspath(self.model)
+        _set("model", os.fspath(self.model))
         if not os.path.isdir(self.model):
             raise ValueError(f"model folder not found: {self.model!r} (for the real model run "
                              "`python -m nanovllm_ref download smollm2`)")
@@ -78,10 +88,11 @@ class Config:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
                      "kvcache_block_size", "num_kvcache_blocks", "seed"):
             if isinstance(getattr(self, name), numbers.Integral) and not isinstance(getattr(self, name), bool):
-                setattr(self, name, int(getattr(self, name)))      # numpy ints become plain ints
+                _set(name, int(getattr(self, name)))      # numpy ints become plain ints
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_model_len", self.max_model_len, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)
         _check_int("kvcache_block_size", self.kvcache_block_size, 1)
         _check_int("seed", self.seed, 0, 2**63 - 1)
@@ -99,7 +110,7 @@ class Config:
                 raise TypeError(f"{name} must be a number {rng}, got {type(v).__name__}")
             if not math.isfinite(v) or not ok(v):
                 raise ValueError(f"{name} must be a number {rng}, got {v!r}")
-            setattr(self, name, float(v))
+            _set(name, float(v))
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in DEVICES:
@@ -123,9 +134,17 @@ class Config:
             raise ValueError(f"unsupported architecture {archs} in {self.model}/config.json; "
                              f"supported: {SUPPORTED_ARCHITECTURES}")
         from transformers import AutoConfig
-        self.hf_config = AutoConfig.from_pretrained(self.model)
-        hf = self.hf_config
-        self.max_model_len = min(self.max_model_len, hf.max_position_embeddings)
+        try:
+            hf = AutoConfig.from_pretrained(self.model)
+        except Exception as exc:          # transformers' own validation: say which file, as a ValueError
+            raise ValueError(f"{config_path} is not a valid {archs[0]} config: {exc}") from exc
+        _set("hf_config", hf)
+        if self.max_model_len is None:
+            _set("max_model_len", min(4096, hf.max_position_embeddings))
+        elif self.max_model_len > hf.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} is more than the model's "
+                             f"max_position_embeddings={hf.max_position_embeddings} ({config_path}); "
+                             "the model was not trained for longer sequences")
         tp = self.tensor_parallel_size
         kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         if hf.num_attention_heads % tp or kv_heads % tp:
@@ -135,8 +154,23 @@ class Config:
             raise ValueError(f"tensor_parallel_size={tp} must divide vocab_size ({hf.vocab_size}) and "
                              f"intermediate_size ({hf.intermediate_size})")
         check_model_config(hf)
-        self.eos = frozenset(_token_ids("config.json eos_token_id", hf.eos_token_id)
-                             | _token_ids("generation_config.json eos_token_id", _generation_eos(self.model)))
+        _set("eos", frozenset(_token_ids("config.json eos_token_id", hf.eos_token_id)
+                              | _token_ids("generation_config.json eos_token_id", _generation_eos(self.model))))
+
+    @classmethod
+    def argument_names(cls) -> list[str]:
+        """The engine arguments a caller may pass (every field but those read from the model folder)."""
+        return [f.name for f in fields(cls) if f.init]
+
+    def derived(self, *, num_kvcache_blocks: int | None = None, extra_eos=()) -> "Config":
+        """A copy with what the engine works out at start-up: the KV cache's size in blocks, and more stop
+        ids (the tokenizer's eos). This Config is left as it was."""
+        new = copy.copy(self)
+        if num_kvcache_blocks is not None:
+            _check_int("num_kvcache_blocks", num_kvcache_blocks, 1)
+            object.__setattr__(new, "num_kvcache_blocks", int(num_kvcache_blocks))
+        object.__setattr__(new, "eos", self.eos | frozenset(int(t) for t in extra_eos))
+        return new
 
 
 def rope_theta(hf_config) -> float:

@@ -21,6 +21,9 @@ class SamplingParams:
         likely token (HF's TopPLogitsWarper and vLLM do the same).
     max_tokens: int >= 1, the most new tokens to generate.
     ignore_eos: if True, keep generating past the end-of-sequence token (benchmarks use this).
+    seed: None, or an int >= 0: this request's random numbers come from it alone, so its samples are the same
+        whatever else is in the batch (layers/sampler.py, counter-based noise). None: the engine draws a seed
+        for the request from its own `seed` argument, in the order requests arrive.
     Raises TypeError / ValueError, naming the argument, on construction for values outside those ranges.
     """
     temperature: float = 1.0
@@ -28,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     top_k: int = 0
     top_p: float = 1.0
+    seed: int | None = None
 
     def __post_init__(self):
         t = self.temperature
@@ -51,6 +55,12 @@ class SamplingParams:
             raise TypeError(f"top_p must be a number in (0, 1] (1 = off), got {type(p).__name__}")
         if not (0 < p <= 1):                  # also refuses NaN
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+                raise TypeError(f"seed must be None or an int >= 0, got {type(self.seed).__name__}")
+            if self.seed < 0:
+                raise ValueError(f"seed must be None or an int >= 0, got {self.seed}")
+            object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "temperature", 0.0 if t < GREEDY_BELOW else float(t))
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         object.__setattr__(self, "top_k", max(int(k), 0))

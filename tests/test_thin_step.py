@@ -45,8 +45,8 @@ def _seq(n, table, block_size=4, temperature=0.0):
 
 def _assert_pack_matches(inputs: StaticDecodeInputs, seqs, block_size, padded):
     part = inputs.pack(seqs, block_size, padded)
-    # what a step of `padded` rows reads, and no more: five fields of max_bs, then `padded` table rows
-    assert len(part) == 5 * inputs.max_bs + padded * inputs.max_blocks
+    # what a step of `padded` rows reads, and no more: one slice of max_bs per field, then `padded` table rows
+    assert len(part) == len(inputs.FIELDS) * inputs.max_bs + padded * inputs.max_blocks
     twin = StaticDecodeInputs(inputs.max_bs, inputs.max_blocks, "cpu")     # a TP worker receiving `part`
     twin.upload(part.copy())
     inputs.upload(part)
@@ -63,6 +63,7 @@ def _assert_pack_matches(inputs: StaticDecodeInputs, seqs, block_size, padded):
     assert v["block_tables"][:b, :width].tolist() == want.metadata.block_tables.tolist()
     assert (v["block_tables"][:b, width:] == -1).all(), "columns past a table must not keep stale block ids"
     assert v["temperatures"][:b].tolist() == np.float32([s.temperature for s in seqs]).tolist()
+    assert v["seeds"][:b].tolist() == [s.seed for s in seqs]
     assert (v["slot_mapping"][b:padded] == -1).all() and (v["context_lens"][b:padded] == 0).all()
     assert (v["block_tables"][b:padded] == -1).all(), "padding rows own no blocks"
 
@@ -161,12 +162,13 @@ def test_tensor_parallel_step_message_is_compact():
         seq.block_table = list(range(i * 57, i * 57 + 57))
         seq.num_cached_tokens = 899
         seqs.append(seq)
-    message = runner._message(seqs, False, remote=True)
+    message = runner.prepare(seqs, False, remote=True)
     sent = len(pickle.dumps(message))
     whole = len(pickle.dumps(seqs))
     assert sent < 12_000 < whole, (sent, whole)
     # and it round-trips to the same tensors
-    kind, host, _ = message
+    assert isinstance(message, model_runner_mod.ModelStep)
+    host = message.inputs
     back = step_from_host(host, "cpu")
     want = prepare_decode(seqs, 16, "cpu")
     assert back.input_ids.dtype == torch.int64 and torch.equal(back.input_ids, want.input_ids)
@@ -251,17 +253,18 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph
 
 @cuda_only
 def test_cuda_graph_draws_follow_softmax_and_change_every_replay():
-    """Inside a real captured graph, the sampler's noise is fresh at every replay and the draws follow
-    softmax(logits / T): a chi-square test over 40 replays of 64 identical rows."""
+    """Inside a real captured graph, the sampler's counter-based noise differs for every new sequence (a new
+    seed) and the draws follow softmax(logits / T): a chi-square test over 40 replays of 64 rows with the
+    same context and logits."""
     llm = LLM(tiny_dir("qwen3"), enforce_eager=False, max_num_seqs=64, kvcache_block_size=16)
     runner = llm.model_runner
     assert runner.graph_samples
     first = _seq(6, [1], block_size=16)
     first.num_cached_tokens, first.num_scheduled_tokens = 0, 6
     runner.run([first], True)                               # the context's K/V, in block 1
-    seqs = [_seq(7, [1], block_size=16, temperature=1.0) for _ in range(64)]
     draws = []
     for _ in range(40):
+        seqs = [_seq(7, [1], block_size=16, temperature=1.0) for _ in range(64)]     # 64 new seeds
         runner.run(seqs, False)
         draws.append(runner.graph_runner.buffers["token_ids"][:64].clone())
     draws = torch.stack(draws)
@@ -318,21 +321,19 @@ def test_to_device_takes_numpy_arrays_as_tp_workers_receive_them():
     assert t[0] == 0, "the tensor must not alias the received array"
 
 
-def test_eager_steps_switches_graph_replay_off_inside_the_block_only(tmp_path):
+def test_eager_steps_switches_graph_replay_off_inside_the_block_only():
     """ModelRunner.eager_steps(): the hook benchmarks use to run decode steps eagerly; the captured graphs
-    come back after the block, also when the block raises."""
-    from nanovllm_ref import LLM
-    from nanovllm_ref.tiny import make_tiny_model
-    llm = LLM(make_tiny_model(str(tmp_path / "m")), device="cpu")
+    and the plan come back after the block, also when the block raises."""
+    llm = _graph_llm()
     runner = llm.model_runner
-    marker = object()
-    runner.graph_runner, runner.graph_samples = marker, True
-    try:
-        with pytest.raises(RuntimeError, match="inside"):
-            with runner.eager_steps():
-                assert runner.graph_runner is None and runner.graph_samples is False
-                raise RuntimeError("inside")
-        assert runner.graph_runner is marker and runner.graph_samples is True
-    finally:
-        runner.graph_runner, runner.graph_samples = None, False
-        llm.exit()
+    graphs, plan = runner.graph_runner, runner.plan
+    assert plan.use_graphs and plan.sampler_in_graph
+    with pytest.raises(RuntimeError, match="inside"):
+        with runner.eager_steps():
+            assert runner.graph_runner is None and not runner.plan.use_graphs and not runner.graph_samples
+            seqs = [_seq(5, [0], block_size=16)]
+            assert isinstance(runner.prepare(seqs, False), model_runner_mod.ModelStep)
+            raise RuntimeError("inside")
+    assert runner.graph_runner is graphs and runner.plan == plan
+    assert isinstance(runner.prepare([_seq(5, [0], block_size=16)], False), model_runner_mod.PackedDecodeStep)
+    llm.exit()

@@ -16,8 +16,9 @@ What one captured step holds, and why (a "thin" step: the host does as little pe
   (a new block, or another sequence in that row), not rebuilt every step.
 - With `sample=True` (one process, the reference sampler) the graph also runs the LM head and the sampler:
   the step ends with token ids in a static buffer, and the logits stay in another for samplers that run
-  outside (top-k/top-p, a replaced sampler). Random draws inside a replayed graph are fresh every replay:
-  PyTorch advances the CUDA generator's offset for each replay of a graph captured with it.
+  outside (top-k/top-p, a replaced sampler). The sampler's random numbers are counter-based (a hash of
+  each row's seed and token index, layers/sampler.py), so a replay draws fresh noise for every new token
+  with no generator state inside the graph.
 With tensor parallelism the LM head gathers logits across ranks, so there the graph stops at the hidden
 states and the LM head and sampler run after it.
 """
@@ -55,12 +56,12 @@ class StaticDecodeInputs:
 
     Layout, for capacity M = max batch and W = max blocks per sequence (each field a slice of length M,
     the block tables M * W, last): input_ids, positions, slot_mapping, context_lens, temperatures (fp32
-    bits), block_tables [M, W]. `views(buf)` names the slices of either buffer. `pack(seqs, block_size,
+    bits), seeds (uint32 bits: each row's sampling seed), block_tables [M, W]. `views(buf)` names the slices of either buffer. `pack(seqs, block_size,
     padded)` writes one step into the host buffer and returns the part a step of `padded` rows reads: the
     five small fields and the first `padded` block-table rows (numpy; what tensor-parallel workers
     receive). `upload(part)` copies such a part to the device in one non-blocking copy."""
 
-    FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "temperatures")
+    FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "temperatures", "seeds")
 
     def __init__(self, max_bs: int, max_blocks: int, device):
         self.max_bs, self.max_blocks = max_bs, max_blocks
@@ -80,7 +81,10 @@ class StaticDecodeInputs:
             out[name] = buf[i * m:(i + 1) * m]
         start = len(self.FIELDS) * m
         out["block_tables"] = buf[start:].reshape(m, self.max_blocks)
-        out["temperatures"] = out["temperatures"].view(np.float32 if isinstance(buf, np.ndarray) else torch.float32)
+        host = isinstance(buf, np.ndarray)
+        out["temperatures"] = out["temperatures"].view(np.float32 if host else torch.float32)
+        if host:                                  # seeds are in [0, 2**32); the device reads the same bits
+            out["seeds"] = out["seeds"].view(np.uint32)
         return out
 
     def pack(self, seqs, block_size: int, padded: int) -> np.ndarray:
@@ -95,6 +99,7 @@ class StaticDecodeInputs:
         h["positions"][:batch] = lens - 1
         h["context_lens"][:batch] = lens
         h["temperatures"][:batch] = [seq.temperature for seq in seqs]
+        h["seeds"][:batch] = [seq.seed for seq in seqs]
         tables, rows = h["block_tables"], self._rows
         for i, seq in enumerate(seqs):
             table = seq.block_table
@@ -114,6 +119,7 @@ class StaticDecodeInputs:
             h["slot_mapping"][batch:padded] = -1
             h["context_lens"][batch:padded] = 0
             h["temperatures"][batch:padded] = 0
+            h["seeds"][batch:padded] = 0
             tables[batch:padded] = -1
             rows[batch:padded] = [None] * (padded - batch)
         return self.host[:len(self.FIELDS) * self.max_bs + padded * self.max_blocks]
@@ -153,7 +159,7 @@ class CUDAGraphRunner:
         self.buffers = dict(
             input_ids=v["input_ids"], positions=v["positions"], slot_mapping=v["slot_mapping"],
             context_lens=v["context_lens"], block_tables=v["block_tables"], temperatures=v["temperatures"],
-            outputs=torch.zeros(max_bs, hidden_size, dtype=dtype, device=device))
+            seeds=v["seeds"], outputs=torch.zeros(max_bs, hidden_size, dtype=dtype, device=device))
         if sample_rows is not None:
             self.buffers["logits"] = torch.zeros(max_bs, vocab_size, dtype=dtype, device=device)
             self.buffers["token_ids"] = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -178,7 +184,9 @@ class CUDAGraphRunner:
             # A fresh tensor, not the view into the packed int32 buffer: the compiled sampler then sees the
             # same kind of input as in a prefill step and needs no variant of its own.
             temperatures = g["temperatures"][:bs].clone()
-            g["token_ids"][:bs] = self.sample_rows(logits, temperatures)
+            # The token sampled is the sequence's next one: its index is the input's position + 1.
+            g["token_ids"][:bs] = self.sample_rows(logits, temperatures, seeds=g["seeds"][:bs].long() & 0xFFFFFFFF,
+                                                   counters=g["positions"][:bs].long() + 1)
 
     @torch.inference_mode()
     def _capture(self):

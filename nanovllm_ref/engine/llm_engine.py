@@ -12,6 +12,7 @@ engines never clash and nothing named is left in /dev/shm after a crash.
 import atexit
 import multiprocessing as mp
 import numbers
+import random
 import socket
 import time
 import warnings
@@ -42,10 +43,9 @@ class LLMEngine:
             parts = Parts()
         if not isinstance(parts, Parts):
             raise TypeError(f"parts must be a nanovllm_ref.Parts, got {type(parts).__name__}")
-        unknown = set(engine_args) - set(Config.__dataclass_fields__) - {"hf_config", "eos"}
+        unknown = set(engine_args) - set(Config.argument_names())
         if unknown:
-            raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; known: "
-                            f"{sorted(k for k in Config.__dataclass_fields__ if k not in ('hf_config', 'eos'))}")
+            raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; known: {sorted(Config.argument_names())}")
         config = Config(model, **engine_args)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -58,8 +58,9 @@ class LLMEngine:
             raise ValueError(f"model folder {config.model!r} has no usable tokenizer "
                              "(tokenizer.json / tokenizer_config.json); the engine needs one")
         if self.tokenizer.eos_token_id is not None:
-            config.eos = config.eos | {self.tokenizer.eos_token_id}
-        self.config = config
+            config = config.derived(extra_eos=[self.tokenizer.eos_token_id])
+        # Each request without its own SamplingParams.seed gets one from here, in arrival order.
+        self._seeds = random.Random(config.seed)
         self.parts = parts
         self.workers, conns = [], []
         if config.tensor_parallel_size > 1:
@@ -86,7 +87,9 @@ class LLMEngine:
             if config.tensor_parallel_size > 1 and dist.is_initialized():
                 dist.destroy_process_group()
             raise
-        self.scheduler = parts.scheduler(config, parts.block_manager)
+        # The scheduler sees the cache's real size (a derived copy: the Config passed in is never changed).
+        self.config = config.derived(num_kvcache_blocks=self.model_runner.num_kvcache_blocks)
+        self.scheduler = parts.scheduler(self.config, parts.block_manager)
         self._closed = False
         atexit.register(self.exit)
 
@@ -114,7 +117,7 @@ class LLMEngine:
             atexit.unregister(self.exit)
             return
         try:
-            self.model_runner.call("exit")
+            self.model_runner.shutdown_workers()
         finally:
             for proc in self.workers:
                 proc.join(timeout=30)
@@ -174,7 +177,7 @@ class LLMEngine:
         """Queue one request; returns its sequence id. Raises before queuing if the request is invalid."""
         self._check_open()
         token_ids = self._check_request(0, prompt, sampling_params)
-        seq = Sequence(token_ids, self.config.kvcache_block_size, sampling_params)
+        seq = Sequence(token_ids, self.config.kvcache_block_size, sampling_params, seed=self._seeds.getrandbits(64))
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -224,7 +227,7 @@ class LLMEngine:
                                "step() until is_finished(), or call abort_all()")
         seqs = []
         for token_ids, sp in zip(requests, sampling_params):
-            seq = Sequence(token_ids, self.config.kvcache_block_size, sp)
+            seq = Sequence(token_ids, self.config.kvcache_block_size, sp, seed=self._seeds.getrandbits(64))
             self.scheduler.add(seq)
             seqs.append(seq)
         outputs = {}

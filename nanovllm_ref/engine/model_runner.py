@@ -4,28 +4,50 @@ A short orchestrator over modules that each teach one thing:
 - engine/inputs.py: the batch -> input ids, positions and attention metadata (`Parts.prepare_prefill/decode`);
 - utils/context.py: `with attention_metadata(meta):` hands the metadata to the attention layers;
 - engine/kv_cache.py: sizing and allocating the paged KV cache;
-- engine/cuda_graph.py: decode CUDA graphs (capture, static inputs, replay);
+- engine/cuda_graph.py: decode CUDA graphs (capture, the packed static inputs, replay);
 - layers/sampler.py: logits -> token ids (`Parts.sampler`).
 
-One ModelRunner lives in each tensor-parallel process. Rank 0 runs in the engine's process. For each step
-it prepares the inputs once and sends them to the other ranks through a pipe as one compact message: the
-prepared arrays (a few kB), not the sequences with their whole token lists. Each worker runs `loop()`
-(called by engine/worker.py, not from __init__) and executes the same step, so the collectives inside the
-layers line up. Other calls (`exit`) are forwarded by name (upstream nano-vllm `engine/model_runner.py`
-pickles the sequences instead).
+Entry points: rank 0 calls `run(seqs, is_prefill)` once per step; it prepares the step's message, sends it
+to the other tensor-parallel ranks, and every rank runs `execute(message)`; worker ranks sit in `loop()`
+(called by engine/worker.py) until an `Exit` message. Start-up warm-ups call `execute(prepare(...))` on each
+rank alone.
 
-At start-up it:
+Messages (one per step, rank 0 -> every rank; a few kB, never the sequences with their token lists):
+- `ModelStep(inputs)`: what `Parts.prepare_prefill` / `prepare_decode` returned, on this device, or as
+  numpy arrays (`step_to_host`) when it travels to a worker;
+- `PackedDecodeStep(packed, batch, sample_in_graph)`: the decode graphs' packed input buffer (one pinned
+  copy, engine/cuda_graph.py) and the batch size; `sample_in_graph` says whether the graph's own ids are the
+  answer;
+- `Exit()`: leave the process group and free the memory.
+
+Decode step routes. What can be known at start-up is decided once, when the graphs are captured, into a
+`StepPlan`; per step only two facts choose the row: does the batch fit a captured graph, and does a sampled
+row use top-k / top-p (those run after the graph, uncompiled, on its logits).
+
+| inputs                            | forward            | sampler                 | when                                                  |
+|-----------------------------------|--------------------|-------------------------|-------------------------------------------------------|
+| packed buffer, one pinned copy    | CUDA graph replay  | inside the graph        | plan.sampler_in_graph, no top-k/top-p row              |
+| packed buffer, one pinned copy    | CUDA graph replay  | after, on the logits    | plan.packed_inputs otherwise (replaced sampler, TP > 1, a top-k/top-p row) |
+| Parts.prepare_decode, copied in   | CUDA graph replay  | after, on the logits    | plan.use_graphs with a replaced prepare_decode         |
+| Parts.prepare_decode              | eager              | after, on the logits    | no graphs (CPU, enforce_eager), or more rows than the largest graph |
+
+Prefill steps always run eagerly with `Parts.prepare_prefill` and sample after the forward.
+
+At start-up the runner:
 - builds the model with the engine's parts inside `tensor_parallel(rank, size)` and loads the weights;
 - runs one prefill at the largest batch, to measure peak activation memory (GPU);
-- sizes the KV cache from what is left;
-- captures the decode CUDA graphs;
+- sizes the KV cache from what is left (`num_kvcache_blocks`; the engine builds the scheduler with it);
+- captures the decode CUDA graphs and fixes the StepPlan;
 - warms every other kernel and compiled variant (engine/warmup.py), so no request pays for a compile.
+Upstream nano-vllm `engine/model_runner.py` pickles the sequences to the workers and has one decode route.
 """
 import contextlib
 import dataclasses
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -77,10 +99,53 @@ def fuse_by_default(device_type: str) -> bool:
     return device_type == "cuda"
 
 
+# -- the messages of one step (module docstring) ---------------------------------------------------------
+@dataclass(frozen=True)
+class ModelStep:
+    """A step whose inputs came from Parts.prepare_prefill / prepare_decode: a StepInputs on this device,
+    or its numpy form (engine/inputs.step_to_host) when the message goes to a tensor-parallel worker."""
+    inputs: StepInputs | dict
+
+
+@dataclass(frozen=True)
+class PackedDecodeStep:
+    """A decode step that replays a CUDA graph from the packed input buffer.
+    packed: [fields * max_bs + padded * max_blocks] int32, what StaticDecodeInputs.pack returned;
+    batch: the real rows (the rest up to the graph's size are padding); sample_in_graph: the graph's own
+    sampled ids are this step's answer (else the sampler runs after the graph, on its logits)."""
+    packed: np.ndarray
+    batch: int
+    sample_in_graph: bool
+
+
+@dataclass(frozen=True)
+class Exit:
+    """Leave the process group and give the memory back."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The decode routes one runner can take, fixed when its graphs are captured (module docstring).
+    use_graphs: decode replays CUDA graphs; packed_inputs: from the packed buffer (the reference
+    prepare_decode); sampler_in_graph: the graph ends in sampled ids (packed inputs, the reference sampler,
+    one process: with tensor parallelism the LM head gathers logits across ranks after the graph)."""
+    use_graphs: bool = False
+    packed_inputs: bool = False
+    sampler_in_graph: bool = False
+
+    @classmethod
+    def for_parts(cls, parts: Parts, world_size: int) -> "StepPlan":
+        """The plan of a runner that has decode graphs, with these parts and this many ranks."""
+        packed = parts.prepare_decode is prepare_decode
+        return cls(use_graphs=True, packed_inputs=packed,
+                   sampler_in_graph=packed and world_size == 1 and parts.sampler is reference_sample)
+
+
 class ModelRunner:
     """config: the engine's Config; rank: this process's tensor-parallel rank; conns: rank 0's pipes to the
     workers, or a worker's one pipe; port: the process-group rendezvous port (tp > 1); parts: the engine's
-    nanovllm_ref.Parts (None = the reference parts)."""
+    nanovllm_ref.Parts (None = the reference parts). After construction `num_kvcache_blocks` holds the
+    size of the KV cache (the Config is never changed)."""
 
     def __init__(self, config: Config, rank: int = 0, conns=None, port: int | None = None, parts: Parts | None = None):
         self.config = config
@@ -102,16 +167,21 @@ class ModelRunner:
             backend = "nccl" if self.device_type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=120))
-        torch.manual_seed(config.seed)
 
         self.model = self.kv_cache = self.graph_runner = None
-        self.graph_samples = False
+        self.plan = StepPlan()
+        self.num_kvcache_blocks = 0
         self.out_of_step = False          # rank 0: a tensor-parallel step was interrupted midway (see run)
         try:
             self._build()
         except BaseException:
             self._release()            # a failed start-up must not keep the GPU memory it took
             raise
+
+    @property
+    def graph_samples(self) -> bool:
+        """True when decode graphs end in sampled ids (StepPlan.sampler_in_graph)."""
+        return self.plan.sampler_in_graph
 
     def _build(self):
         """Model, weights, warm-ups, KV cache and CUDA graphs (see the module docstring)."""
@@ -132,8 +202,7 @@ class ModelRunner:
         if self.device_type == "cpu":
             onednn.pack(self.model)           # oneDNN copies of the linear weights (utils/onednn.py)
         self.sampler = choose(self.parts.sampler, Parts().sampler, self.fuse)
-        self.graph_runner, self.graph_samples = None, False
-        self.warmup_model()
+        self._profile_peak_memory()
         self.allocate_kv_cache()
         if not self.enforce_eager:
             self.capture_cudagraph()
@@ -177,8 +246,8 @@ class ModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     @torch.inference_mode()
-    def warmup_model(self):
-        """One prefill at the largest batch, to measure peak activation memory before sizing the cache
+    def _profile_peak_memory(self):
+        """GPU: one prefill at the largest batch, to measure peak activation memory before sizing the cache
         (engine/warmup.py warms the other variants once the cache exists)."""
         if self.device_type != "cuda":
             return
@@ -190,51 +259,168 @@ class ModelRunner:
         seqs = [Sequence([0] * seq_len, self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
-        self.run_local(seqs, True)
+        self.execute(self.prepare(seqs, True))
         torch.cuda.empty_cache()
 
     def kv_block_bytes(self) -> int:
         return kv_cache.kv_block_bytes(self._attention_layers(), self.block_size, self.dtype)
 
     def allocate_kv_cache(self):
-        """Size the cache (engine/kv_cache.py), record the block count in the config, allocate it.
+        """Size the cache (engine/kv_cache.py) into `num_kvcache_blocks` and allocate it.
         Raises ValueError if not even one block fits."""
         budget = kv_cache.kv_budget_bytes(self.config, self.device_type)
-        num_blocks = kv_cache.plan_num_blocks(self.config, self.kv_block_bytes(), budget, self.world_size,
-                                              self.device)
-        self.config.num_kvcache_blocks = num_blocks
-        self.kv_cache = kv_cache.allocate_kv_cache(self._attention_layers(), num_blocks, self.block_size,
-                                                   self.dtype, self.device)
+        self.num_kvcache_blocks = kv_cache.plan_num_blocks(self.config, self.kv_block_bytes(), budget,
+                                                           self.world_size, self.device)
+        self.kv_cache = kv_cache.allocate_kv_cache(self._attention_layers(), self.num_kvcache_blocks,
+                                                   self.block_size, self.dtype, self.device)
+
+    def capture_cudagraph(self, runner_cls=CUDAGraphRunner):
+        """Capture one decode graph per size in Parts.graph_batch_sizes(max_num_seqs) (engine/cuda_graph.py)
+        and fix the StepPlan. runner_cls: CUDAGraphRunner, or (tests on a CPU) a subclass whose `_record`
+        replays eagerly."""
+        cfg = self.config
+        max_blocks = (cfg.max_model_len + self.block_size - 1) // self.block_size
+        plan = StepPlan.for_parts(self.parts, self.world_size)
+        rows = choose(sample_rows, sample_rows, self.fuse) if plan.sampler_in_graph else None
+        try:
+            self.graph_runner = runner_cls(self.model, self.parts.graph_batch_sizes(cfg.max_num_seqs), max_blocks,
+                                           cfg.hf_config.hidden_size, self.dtype, self.device,
+                                           sample_rows=rows, vocab_size=cfg.hf_config.vocab_size)
+        except Exception as exc:
+            mine = self.parts.replaced()
+            raise RuntimeError(f"CUDA graph capture of the decode step failed ({type(exc).__name__}: {exc})"
+                               + (f"; a part may not be capture-safe (no host syncs, no boolean-mask indexing): "
+                                  f"Parts fields replaced: {mine}" if mine else "")
+                               + "; enforce_eager=True runs without CUDA graphs") from exc
+        self.plan = plan
+
+    @contextlib.contextmanager
+    def eager_steps(self):
+        """Inside the block, this rank runs decode steps eagerly: no CUDA-graph replay, the model's kernels
+        launched one by one (what a profiler needs to see them). The graphs stay captured and replay again
+        after the block. Benchmarks and tests use it; an engine never needs it."""
+        saved_runner, saved_plan = self.graph_runner, self.plan
+        self.graph_runner, self.plan = None, StepPlan()
+        try:
+            yield self
+        finally:
+            self.graph_runner, self.plan = saved_runner, saved_plan
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def prepare(self, seqs: list[Sequence], is_prefill: bool, remote: bool = False):
+        """This step's message (module docstring): a PackedDecodeStep when the plan has packed inputs and a
+        graph fits the batch, else a ModelStep from the parts' input preparation, its tensors on this device,
+        or as numpy arrays when `remote` (the message then travels to tensor-parallel workers)."""
+        if not is_prefill and self.plan.packed_inputs:
+            padded = self.graph_runner.padded_size(len(seqs))
+            if padded is not None:
+                packed = self.graph_runner.inputs.pack(seqs, self.block_size, padded)
+                in_graph = self.plan.sampler_in_graph and not any(map(uses_filters, seqs))
+                return PackedDecodeStep(packed, len(seqs), in_graph)
+        prepare = self.parts.prepare_prefill if is_prefill else self.parts.prepare_decode
+        if not remote:
+            return ModelStep(prepare(seqs, self.block_size, self.device))
+        return ModelStep(step_to_host(prepare(seqs, self.block_size, "cpu")))
+
+    @torch.inference_mode()
+    def execute(self, message) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every rank: the forward of one step. Returns (logits [num_seqs, vocab], token ids [num_seqs]
+        int64 when the graph sampled them, else None). With tensor parallelism only rank 0's logits are the
+        whole vocabulary (the LM head gathers them there)."""
+        if isinstance(message, PackedDecodeStep):
+            graph = self.graph_runner
+            graph.inputs.upload(message.packed)
+            graph.replay(message.batch)
+            b = message.batch
+            if self.plan.sampler_in_graph:
+                ids = graph.buffers["token_ids"][:b] if message.sample_in_graph else None
+                return graph.buffers["logits"][:b], ids
+            return self.model.compute_logits(graph.buffers["outputs"][:b]), None
+        step = message.inputs if isinstance(message.inputs, StepInputs) else step_from_host(message.inputs, self.device)
+        meta = step.metadata
+        with attention_metadata(meta):
+            if meta.is_prefill:
+                hidden = self.model(step.input_ids, step.positions)[meta.cu_seqlens_q[1:] - 1]
+            else:
+                hidden = self.graph_runner.run(step.input_ids, step.positions, meta) if self.plan.use_graphs else None
+                if hidden is None:                   # eager, or more rows than the largest graph
+                    hidden = self.model(step.input_ids, step.positions)
+        return self.model.compute_logits(hidden), None
+
+    def prepare_sample(self, seqs: list[Sequence]) -> SamplingMetadata:
+        """The sampler's view of the batch. top_k / top_p are None unless some sampled (temperature > 0)
+        row uses either; then both are tensors (0 and 1.0 mean off for a row), one path for any mix. The
+        choice is made here, on the host. Seeds and counters (the index of the token each row samples)
+        make the noise counter-based (layers/sampler.py)."""
+        temperatures = [seq.temperature for seq in seqs]
+        all_greedy = not any(t > 0 for t in temperatures)
+        top_k = top_p = seeds = counters = None
+        if any(map(uses_filters, seqs)):
+            top_k = to_device([seq.top_k for seq in seqs], torch.int64, self.device)
+            top_p = to_device([seq.top_p for seq in seqs], torch.float64, self.device)
+        if not all_greedy:
+            seeds = to_device([seq.seed for seq in seqs], torch.int64, self.device)
+            counters = to_device([len(seq) for seq in seqs], torch.int64, self.device)
+        return SamplingMetadata(to_device(temperatures, torch.float32, self.device), all_greedy=all_greedy,
+                                top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: torch.Tensor | None) -> list[int]:
+        """Rank 0: this step's next token per sequence, from the graph's own ids or from the sampler."""
+        if token_ids is None:
+            token_ids = self.sampler(logits, self.prepare_sample(seqs))
+        return token_ids.tolist()
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """Rank 0: one step for `seqs`. Sends the step's message to the workers (tensor parallel), runs it
+        here, and returns one sampled token id per sequence."""
+        message = self.prepare(seqs, is_prefill, remote=bool(self.conns))
+        if not self.conns:
+            return self.sample(seqs, *self.execute(message))
+        # From the first send until this rank's part of the step is over, an interrupt here (Ctrl-C, a
+        # notebook's interrupt: they reach this process only) leaves the workers inside the step's
+        # collectives, out of step with rank 0. `out_of_step` stays True then, and the engine closes.
+        # An Exception is met by every rank running the same step, so it leaves them in step.
+        self.out_of_step = True
+        try:
+            for conn in self.conns:
+                conn.send(message)
+            token_ids = self.sample(seqs, *self.execute(message))
+        except Exception:
+            self.out_of_step = False
+            raise
+        self.out_of_step = False
+        return token_ids
 
     # -- tensor parallel plumbing -----------------------------------------------------------------------
     def loop(self):
-        """Worker ranks: execute whatever rank 0 sends until told to exit."""
+        """Worker ranks: execute each step rank 0 sends, until an Exit message."""
         conn = self.conns[0]
         while True:
             try:
-                method, args = conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 # Rank 0 is gone (killed or crashed) without saying "exit". It may have died inside a step,
                 # and then an NCCL all-reduce of ours spins on the GPU waiting for it forever. A normal
                 # interpreter exit frees CUDA memory, which waits for that kernel: it would hang. Leave at
                 # once instead; the driver reclaims the memory of a process that has exited.
                 os._exit(1)
-            if method == "exit":
+            if isinstance(message, Exit):
                 self.exit()
                 break
             try:
-                getattr(self, method)(*args)
+                self.execute(message)
             except Exception:
                 # Rank 0 runs the same step and meets the same error, which reaches the caller there. A worker
                 # that died here instead would leave rank 0's exit() waiting forever at its barrier.
                 import traceback
                 traceback.print_exc()
 
-    def call(self, method: str, *args):
-        """Rank 0: run `method` here and on every worker."""
+    def shutdown_workers(self):
+        """Rank 0: send Exit to every worker, then leave the process group here too."""
         for conn in self.conns:
-            conn.send((method, args))
-        return getattr(self, method)(*args)
+            conn.send(Exit())
+        self.exit()
 
     def exit(self):
         """Leave the process group and give the memory (graphs, KV cache, weights) back."""
@@ -250,133 +436,8 @@ class ModelRunner:
         for layer in self._attention_layers() if self.model is not None else []:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.graph_runner, self.kv_cache, self.model = None, None, None
+        self.plan = StepPlan()
         if self.device_type == "cuda":
             import gc
             gc.collect()
             torch.cuda.empty_cache()
-
-    # -- one step ---------------------------------------------------------------------------------------
-    def prepare_sample(self, seqs: list[Sequence]) -> SamplingMetadata:
-        """The sampler's view of the batch. top_k / top_p are None unless some sampled (temperature > 0)
-        row uses either; then both are tensors (0 and 1.0 mean off for a row), one path for any mix. The
-        choice is made here, on the host."""
-        temperatures = [seq.temperature for seq in seqs]
-        top_k = top_p = None
-        if any(map(uses_filters, seqs)):
-            top_k = to_device([seq.top_k for seq in seqs], torch.int64, self.device)
-            top_p = to_device([seq.top_p for seq in seqs], torch.float64, self.device)
-        return SamplingMetadata(to_device(temperatures, torch.float32, self.device),
-                                all_greedy=not any(t > 0 for t in temperatures), top_k=top_k, top_p=top_p)
-
-    def _samples_in_graph(self, seqs: list[Sequence]) -> bool:
-        """True when the captured graph's own ids are this batch's answer: the reference sampler, and no
-        top-k / top-p on a sampled row (those run after the graph, on its logits)."""
-        return self.graph_samples and not any(map(uses_filters, seqs))
-
-    @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """Hidden states of the last token of each sequence: [num_seqs, hidden]. Call inside
-        `attention_metadata(meta)`. Decode replays a CUDA graph when one fits the batch."""
-        if meta.is_prefill:
-            hidden = self.model(input_ids, positions)
-            return hidden[meta.cu_seqlens_q[1:] - 1]
-        if self.graph_runner is not None:
-            hidden = self.graph_runner.run(input_ids, positions, meta)
-            if hidden is not None:
-                return hidden
-        return self.model(input_ids, positions)
-
-    def _message(self, seqs: list[Sequence], is_prefill: bool, remote: bool):
-        """This step's inputs as one message: ("graph", packed host buffer, batch) for a decode step that
-        replays a graph with the reference input preparation (one copy, no per-step tensors); else
-        ("step", StepInputs, is_prefill), the tensors on this device, or as numpy arrays when `remote`
-        (the message then travels to tensor-parallel workers, a few kB instead of whole sequences)."""
-        padded = (self.graph_runner.padded_size(len(seqs))
-                  if not is_prefill and self.graph_runner is not None and self.parts.prepare_decode is prepare_decode
-                  else None)
-        if padded is not None:
-            return ("graph", self.graph_runner.inputs.pack(seqs, self.block_size, padded), len(seqs))
-        prepare = self.parts.prepare_prefill if is_prefill else self.parts.prepare_decode
-        if not remote:
-            return ("step", prepare(seqs, self.block_size, self.device), is_prefill)
-        return ("step", step_to_host(prepare(seqs, self.block_size, "cpu")), is_prefill)
-
-    @torch.inference_mode()
-    def run_local(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """One step on this rank alone (start-up warm-ups, which every rank runs in step on its own)."""
-        return self.execute(self._message(seqs, is_prefill, remote=False), seqs)
-
-    @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """Rank 0: one step for `seqs`. Sends the step's inputs to the workers (tensor parallel), runs it
-        here, and returns one sampled token id per sequence."""
-        message = self._message(seqs, is_prefill, remote=bool(self.conns) and self.rank == 0)
-        if not self.conns:
-            return self.execute(message, seqs)
-        # From the first send until this rank's part of the step is over, an interrupt here (Ctrl-C, a
-        # notebook's interrupt: they reach this process only) leaves the workers inside the step's
-        # collectives, out of step with rank 0. `out_of_step` stays True then, and the engine closes.
-        # An Exception is met by every rank running the same step, so it leaves them in step.
-        self.out_of_step = True
-        try:
-            for conn in self.conns:
-                conn.send(("execute", (message,)))
-            token_ids = self.execute(message, seqs)
-        except Exception:
-            self.out_of_step = False
-            raise
-        self.out_of_step = False
-        return token_ids
-
-    @torch.inference_mode()
-    def execute(self, message, seqs: list[Sequence] | None = None) -> list[int] | None:
-        """Every rank: run one step from its message (see `_message`). Rank 0 (which has `seqs`) samples
-        and returns the token ids; other ranks return None."""
-        kind, payload, arg = message
-        if kind == "graph":
-            runner, batch = self.graph_runner, arg
-            runner.inputs.upload(payload)
-            runner.replay(batch)
-            if self.rank == 0 and self._samples_in_graph(seqs):
-                return runner.buffers["token_ids"][:batch].tolist()
-            logits = (runner.buffers["logits"][:batch] if self.graph_samples
-                      else self.model.compute_logits(runner.buffers["outputs"][:batch]))
-        else:
-            step = payload if isinstance(payload, StepInputs) else step_from_host(payload, self.device)
-            with attention_metadata(step.metadata):
-                hidden = self.run_model(step.input_ids, step.positions, step.metadata)
-            logits = self.model.compute_logits(hidden)
-        if self.rank != 0:
-            return None
-        return self.sampler(logits, self.prepare_sample(seqs)).tolist()
-
-    @contextlib.contextmanager
-    def eager_steps(self):
-        """Inside the block, this rank runs decode steps eagerly: no CUDA-graph replay, the model's kernels
-        launched one by one (what a profiler needs to see them). The graphs stay captured and replay again
-        after the block. Benchmarks and tests use it; an engine never needs it."""
-        saved, self.graph_runner = self.graph_runner, None
-        saved_samples, self.graph_samples = self.graph_samples, False
-        try:
-            yield self
-        finally:
-            self.graph_runner, self.graph_samples = saved, saved_samples
-
-    def capture_cudagraph(self, runner_cls=CUDAGraphRunner):
-        """Capture one decode graph per size in Parts.graph_batch_sizes(max_num_seqs) (engine/cuda_graph.py).
-        With one process and the reference sampler the graphs end in sampled ids (`graph_samples`).
-        runner_cls: CUDAGraphRunner, or (tests on a CPU) a subclass whose `_record` replays eagerly."""
-        cfg = self.config
-        max_blocks = (cfg.max_model_len + self.block_size - 1) // self.block_size
-        self.graph_samples = self.world_size == 1 and self.parts.sampler is reference_sample
-        rows = choose(sample_rows, sample_rows, self.fuse) if self.graph_samples else None
-        try:
-            self.graph_runner = runner_cls(self.model, self.parts.graph_batch_sizes(cfg.max_num_seqs), max_blocks,
-                                                cfg.hf_config.hidden_size, self.dtype, self.device,
-                                                sample_rows=rows, vocab_size=cfg.hf_config.vocab_size)
-        except Exception as exc:
-            mine = self.parts.replaced()
-            raise RuntimeError(f"CUDA graph capture of the decode step failed ({type(exc).__name__}: {exc})"
-                               + (f"; a part may not be capture-safe (no host syncs, no boolean-mask indexing): "
-                                  f"Parts fields replaced: {mine}" if mine else "")
-                               + "; enforce_eager=True runs without CUDA graphs") from exc

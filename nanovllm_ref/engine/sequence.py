@@ -21,9 +21,18 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams | None = None):
+    def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams | None = None,
+                 seed: int | None = None):
         sampling_params = sampling_params or SamplingParams()
         self.seq_id = next(Sequence._ids)
+        # The seed of this request's random numbers, in [0, 2**32) (layers/sampler.py): the request's own,
+        # else the one the engine drew for it, else one made from the sequence id.
+        if sampling_params.seed is not None:
+            seed = sampling_params.seed
+        elif seed is None:
+            seed = self.seq_id * 0x9E3779B1
+        seed = int(seed) % 2**64
+        self.seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
         self.last_token = token_ids[-1]

@@ -15,8 +15,8 @@ graphs exist: a few tiny steps that cover the variants above.
 
 The warm-up steps write K/V into block 0 of the cache. That is harmless: the block manager does not exist
 yet, and every block's K/V is written by its owner's prefill before anything reads it. Every rank runs the
-same steps (the collectives line up); only rank 0 samples. The random generator is re-seeded afterwards, so
-sampled outputs do not depend on how many draws the warm-up made.
+same steps (the collectives line up); only rank 0 samples. The sampler's random numbers are counter-based
+(layers/sampler.py), so the warm-up's draws change nothing that a request later draws.
 """
 import torch
 
@@ -59,7 +59,8 @@ SAMPLER_VARIANTS = [(n, sp) for n in (1, 2) for sp in (SAMPLED, FILTERED)]
 
 @torch.inference_mode()
 def warm_step_variants(runner) -> int:
-    """Run the model steps of `step_variants` on `runner` (a ModelRunner, this rank only), greedy, then, on
+    """Run the model steps of `step_variants` on `runner` (a ModelRunner, this rank only: `execute` of a
+    message it prepared itself), greedy, then, on
     rank 0, the sampler's variants (`SAMPLER_VARIANTS`: sampled and filtered, one row and two) on random
     logits. The sampler is warmed apart because only rank 0 samples: a compile there between two model
     steps would keep the other ranks waiting inside a collective (and NCCL's watchdog aborts after its
@@ -68,7 +69,9 @@ def warm_step_variants(runner) -> int:
     steps = step_variants(runner.block_size, decode_eager=runner.graph_runner is None)
     for specs, is_prefill in steps:
         seqs = [_seq(n, cached, runner.block_size, GREEDY) for n, cached in specs]
-        runner.run_local(seqs, is_prefill)
+        logits, _ = runner.execute(runner.prepare(seqs, is_prefill))
+        if runner.rank == 0:
+            runner.sample(seqs, logits, None)
     if runner.rank == 0:
         vocab = runner.config.hf_config.vocab_size
         for n, sp in SAMPLER_VARIANTS:
@@ -77,5 +80,4 @@ def warm_step_variants(runner) -> int:
             runner.sampler(logits, runner.prepare_sample(seqs)).tolist()
     if runner.device_type == "cuda":
         torch.cuda.synchronize(runner.device)
-    torch.manual_seed(runner.config.seed)
     return len(steps) + (len(SAMPLER_VARIANTS) if runner.rank == 0 else 0)

@@ -17,6 +17,16 @@ scatter): no `.item()`, no `nonzero`, no Python branch on a tensor value, so a b
 one graph. When no sampled row uses them, the metadata carries None and the sort is skipped (decided on
 the host from the requests' settings, not from tensors).
 
+Random numbers, counter-based: the engine passes each row's `seeds` (one per request, from
+`SamplingParams.seed` or drawn by the engine from its own seed) and `counters` (the index of the token being
+sampled), and the Exp(1) noise of row b, token v is a pure function of (seed_b, counter_b, v), computed by an
+integer hash (`exponential_noise`). So a request's samples do not depend on what else is in the batch or on
+any other random draw in the process (torch's global generator is never touched), a CUDA graph replays them
+with no generator state to register, and a preempted request that is recomputed samples the same tokens.
+This is the idea of counter-based generators (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
+SC 2011; JAX's PRNG). Without seeds (the course's checks, a sampler of your own) the noise comes from
+torch's generator, as before.
+
 The sampler is one of the engine's swappable parts (`nanovllm_ref.Parts.sampler`): a function
 `(logits, metadata) -> token ids`. The all-greedy shortcut lives here, not in the model runner, so a
 replacement sampler is exercised by greedy runs too.
@@ -34,6 +44,30 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2**32): every input bit flips
+    each output bit with probability ~1/2. Products overflow int64 and wrap; the low 32 bits are still exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """seeds, counters: [num_seqs] int (a seed in [0, 2**32) and the index of the token being sampled).
+    Returns [num_seqs, vocab] fp32 Exp(1) draws, a pure function of (seed, counter, token id): hash the three
+    to 32 uniform bits u, then -log(1 - u) with u in [2**-33, 1 - 2**-24] (finite, never 0)."""
+    row = _mix32((seeds.long() & _M32) ^ ((counters.long() * 0x9E3779B1) & _M32))
+    col = (torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x27D4EB2F) & _M32
+    bits = _mix32(_mix32(row.unsqueeze(-1) ^ col) ^ row.unsqueeze(-1))
+    u = ((bits.float() + 0.5) * 2.0**-32).clamp(max=1 - 2.0**-24)
+    return -torch.log1p(-u)
+
+
 @dataclass(frozen=True)
 class SamplingMetadata:
     """What the sampler knows about the batch, all tensors on the logits' device.
@@ -41,11 +75,16 @@ class SamplingMetadata:
     all_greedy: True when every temperature is 0 (known on the host, so checking it costs no device sync).
     top_k: [num_seqs] int64, 0 = off for that row; None when no sampled row uses top-k.
     top_p: [num_seqs] float64 (the request's Python float, exactly, so 1 - top_p rounds as HF's does),
-        1.0 = off for that row; None when no sampled row uses top-p."""
+        1.0 = off for that row; None when no sampled row uses top-p.
+    seeds, counters: [num_seqs] int64, each row's request seed in [0, 2**32) and the index of the token it
+        samples (the sequence's length before it): the noise is `exponential_noise(seeds, counters)`.
+        None: the noise comes from torch's global generator."""
     temperatures: torch.Tensor
     all_greedy: bool
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
+    seeds: torch.Tensor | None = None
+    counters: torch.Tensor | None = None
 
 
 def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -73,17 +112,22 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
 
 @fused
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None = None,
-                top_p: torch.Tensor | None = None) -> torch.Tensor:
-    """logits: [num_seqs, vocab] any float dtype; temperatures: [num_seqs] fp32, >= 0; top_k, top_p as in
-    SamplingMetadata (None: off for every row). Returns [num_seqs] int64: argmax where the temperature is 0,
-    a draw from the filtered softmax(logits / T) elsewhere. The engine compiles it for the unfiltered case
-    only (top_k = top_p = None)."""
+                top_p: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [num_seqs, vocab] any float dtype; temperatures: [num_seqs] fp32, >= 0; top_k, top_p, seeds,
+    counters as in SamplingMetadata (None: off for every row / noise from torch's generator). Returns
+    [num_seqs] int64: argmax where the temperature is 0, a draw from the filtered softmax(logits / T)
+    elsewhere. The engine compiles it for the unfiltered case only (top_k = top_p = None)."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     scaled = top_k_top_p_filter(logits / t.unsqueeze(-1), top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
-    sampled = exponential_race(probs, torch.empty_like(probs).exponential_(1.0))
+    if seeds is None:
+        noise = torch.empty_like(probs).exponential_(1.0)
+    else:
+        noise = exponential_noise(seeds, counters, probs.shape[-1])
+    sampled = exponential_race(probs, noise)
     return torch.where(temperatures > 0, sampled, greedy)
 
 
@@ -93,8 +137,9 @@ def _sample(rows, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
     if metadata.top_k is not None or metadata.top_p is not None:
         # Filters run uncompiled: the sort dominates their cost, and Inductor (torch 2.11) fails to generate
         # the dynamic-shape cumsum over a 150k vocabulary (measured on the H200).
-        return sample_rows(logits, metadata.temperatures, metadata.top_k, metadata.top_p)
-    return rows(logits, metadata.temperatures)
+        return sample_rows(logits, metadata.temperatures, metadata.top_k, metadata.top_p, metadata.seeds,
+                           metadata.counters)
+    return rows(logits, metadata.temperatures, seeds=metadata.seeds, counters=metadata.counters)
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
