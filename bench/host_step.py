@@ -26,8 +26,8 @@ from nanovllm_ref.sampling_params import SamplingParams
 
 
 def one_run(path: str, batch: int, steps: int, seed: int) -> dict:
-    cfg = Config(path, max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=256, max_model_len=4096)
-    cfg.num_kvcache_blocks = 4000
+    cfg = Config(path, max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=256,
+                 max_model_len=4096).derived(num_kvcache_blocks=4000)
     sched, g = Scheduler(cfg), random.Random(seed)
     for _ in range(batch):      # prompts as in the bench workload (100-1024 tokens)
         sched.add(Sequence([g.randrange(10000) for _ in range(g.randrange(100, 1025))], 256,
