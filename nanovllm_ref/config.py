@@ -39,6 +39,9 @@ class Config:
     gpu_memory_utilization: fraction of GPU memory the engine may use in all (weights + activations + KV).
     tensor_parallel_size: number of processes (GPUs, or CPU ranks over gloo) sharing each layer.
     enforce_eager: never use CUDA graphs.
+    async_scheduling: schedule and launch step n+1 while the device still runs step n, the sampled ids staying
+        on the device (engine/llm_engine.py). None (default): on with CUDA when the engine can (one process,
+        the reference scheduler), else off; True: on (refused by name where it cannot run); False: off.
     kvcache_block_size: token slots per KV-cache block (any int >= 1).
     num_kvcache_blocks: -1 = size the cache from memory; > 0 = exactly this many blocks. In the engine's
         derived copy (`llm.config`) it is the size the cache got.
@@ -60,6 +63,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
     device: str = "auto"
@@ -99,6 +103,11 @@ class Config:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be None (auto) or a bool, got {type(self.async_scheduling).__name__}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling=True needs tensor_parallel_size=1 (the workers' inputs come from "
+                             "rank 0's host); leave it None or False")
         if isinstance(self.num_kvcache_blocks, bool) or not isinstance(self.num_kvcache_blocks, int):
             raise TypeError(f"num_kvcache_blocks must be an int, got {type(self.num_kvcache_blocks).__name__}")
         if self.num_kvcache_blocks < 1 and self.num_kvcache_blocks != -1:

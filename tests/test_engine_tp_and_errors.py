@@ -112,6 +112,10 @@ def test_too_little_memory_for_one_block_raises_value_error():
     (dict(max_num_seqs="8"), TypeError, "max_num_seqs"),
     (dict(num_kvcache_blocks=0), ValueError, "num_kvcache_blocks"),
     (dict(not_an_arg=1), TypeError, "unknown engine argument"),
+    # read from the model folder, never passed (they used to be accepted and then overwritten)
+    (dict(eos=frozenset({5})), TypeError, r"unknown engine argument\(s\) \['eos'\]"),
+    (dict(hf_config=object()), TypeError, r"unknown engine argument\(s\) \['hf_config'\]"),
+    (dict(max_model_len=10**6), ValueError, "max_model_len=1000000 is more than the model's max_position_embeddings"),
 ])
 def test_bad_engine_arguments_raise_clear_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -237,3 +241,18 @@ def test_tp_step_interrupted_on_rank0_closes_the_engine_with_a_clear_error():
     with LLM(path, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64) as again:
         out = again.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert out[0]["token_ids"] == hf_greedy(path, [5, 6, 7], 8)
+
+
+def test_config_is_plain_data_the_engine_keeps_a_derived_copy():
+    """The Config a caller builds never changes: the engine's own (llm.config) is a copy with the cache size
+    and the tokenizer's eos added."""
+    import dataclasses
+    from nanovllm_ref.config import Config
+    cfg = Config(tiny_dir("qwen3"), kvcache_block_size=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_kvcache_blocks = 3
+    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=64)
+    assert cfg.num_kvcache_blocks == -1 and llm.config.num_kvcache_blocks == llm.model_runner.num_kvcache_blocks > 0
+    assert llm.tokenizer.eos_token_id in llm.config.eos
+    assert llm.config.max_model_len == 64 and cfg.max_model_len == 512    # default: the model's limit (tiny: 512)
+    llm.exit()

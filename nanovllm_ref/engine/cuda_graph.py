@@ -35,6 +35,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+def resolve_pending(input_ids: torch.Tensor, prev_rows: torch.Tensor, last_ids: torch.Tensor) -> torch.Tensor:
+    """input_ids [B] int64, prev_rows [B] int (-1 = input_ids holds the token), last_ids [R] int64 (the previous
+    step's sampled ids). Returns [B] int64: last_ids[prev_rows] where prev_rows >= 0, else input_ids. No host
+    sync, so it runs inside a CUDA graph."""
+    return torch.where(prev_rows >= 0, last_ids[prev_rows.long().clamp(min=0)], input_ids)
+
+
 def fill_static_inputs(buffers: dict, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata) -> None:
     """Copy one decode step's inputs (batch B) into the captured graph's static buffers (max batch ≥ B).
@@ -56,12 +63,14 @@ class StaticDecodeInputs:
 
     Layout, for capacity M = max batch and W = max blocks per sequence (each field a slice of length M,
     the block tables M * W, last): input_ids, positions, slot_mapping, context_lens, temperatures (fp32
-    bits), seeds (uint32 bits: each row's sampling seed), block_tables [M, W]. `views(buf)` names the slices of either buffer. `pack(seqs, block_size,
+    bits), seeds (uint32 bits: each row's sampling seed), prev_rows (async scheduling: the row of the
+    previous step's sampled ids that holds this row's input token, or -1 when input_ids has it),
+    block_tables [M, W]. `views(buf)` names the slices of either buffer. `pack(seqs, block_size,
     padded)` writes one step into the host buffer and returns the part a step of `padded` rows reads: the
     five small fields and the first `padded` block-table rows (numpy; what tensor-parallel workers
     receive). `upload(part)` copies such a part to the device in one non-blocking copy."""
 
-    FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "temperatures", "seeds")
+    FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "temperatures", "seeds", "prev_rows")
 
     def __init__(self, max_bs: int, max_blocks: int, device):
         self.max_bs, self.max_blocks = max_bs, max_blocks
@@ -95,7 +104,8 @@ class StaticDecodeInputs:
         self._wait_for_last_copy()
         h, batch = self.host_views, len(seqs)
         lens = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int64, count=batch)
-        h["input_ids"][:batch] = [seq.last_token for seq in seqs]
+        h["input_ids"][:batch] = [max(seq.last_token, 0) for seq in seqs]        # PENDING (-1) is read on device
+        h["prev_rows"][:batch] = [seq.pending_row if seq.num_pending else -1 for seq in seqs]
         h["positions"][:batch] = lens - 1
         h["context_lens"][:batch] = lens
         h["temperatures"][:batch] = [seq.temperature for seq in seqs]
@@ -120,6 +130,7 @@ class StaticDecodeInputs:
             h["context_lens"][batch:padded] = 0
             h["temperatures"][batch:padded] = 0
             h["seeds"][batch:padded] = 0
+            h["prev_rows"][batch:padded] = -1
             tables[batch:padded] = -1
             rows[batch:padded] = [None] * (padded - batch)
         return self.host[:len(self.FIELDS) * self.max_bs + padded * self.max_blocks]
@@ -147,10 +158,12 @@ class CUDAGraphRunner:
     model: called as model(input_ids, positions) -> hidden [B, hidden], with `compute_logits(hidden)`;
     max_blocks: the widest block table (max_model_len / block_size rounded up); sample_rows: when given, the
     graph also computes logits and ids = sample_rows(logits, temperatures) (the reference sampler's row
-    function); else it stops at the hidden states. `run` returns None for a batch larger than every graph."""
+    function) into `token_ids`; else it stops at the hidden states. token_ids: [>= max size] int64, the
+    engine's buffer of the last step's sampled ids (the model runner's `last_ids`): rows with prev_rows >= 0
+    read their input token from it. `run` returns None for a batch larger than every graph."""
 
     def __init__(self, model, sizes: list[int], max_blocks: int, hidden_size: int, dtype, device,
-                 sample_rows=None, vocab_size: int | None = None):
+                 sample_rows=None, vocab_size: int | None = None, token_ids: torch.Tensor | None = None):
         self.model, self.sizes = model, sorted(sizes)
         self.sample_rows = sample_rows
         max_bs = self.sizes[-1]
@@ -159,10 +172,11 @@ class CUDAGraphRunner:
         self.buffers = dict(
             input_ids=v["input_ids"], positions=v["positions"], slot_mapping=v["slot_mapping"],
             context_lens=v["context_lens"], block_tables=v["block_tables"], temperatures=v["temperatures"],
-            seeds=v["seeds"], outputs=torch.zeros(max_bs, hidden_size, dtype=dtype, device=device))
+            seeds=v["seeds"], prev_rows=v["prev_rows"],
+            token_ids=token_ids if token_ids is not None else torch.zeros(max_bs, dtype=torch.int64, device=device),
+            outputs=torch.zeros(max_bs, hidden_size, dtype=dtype, device=device))
         if sample_rows is not None:
             self.buffers["logits"] = torch.zeros(max_bs, vocab_size, dtype=dtype, device=device)
-            self.buffers["token_ids"] = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.graphs = {}
         self._capture()
 
@@ -174,9 +188,11 @@ class CUDAGraphRunner:
         g = self.buffers
         meta = AttentionMetadata(is_prefill=False, slot_mapping=g["slot_mapping"][:bs],
                                  context_lens=g["context_lens"][:bs], block_tables=g["block_tables"][:bs])
+        # int32 in the packed buffer; the model's contract is int64 ids and positions. A row whose input token
+        # was sampled by the previous step (async scheduling) reads it from that step's ids, on the device.
+        ids = resolve_pending(g["input_ids"][:bs].long(), g["prev_rows"][:bs], g["token_ids"])
         with attention_metadata(meta):
-            # int32 in the packed buffer; the model's contract is int64 ids and positions
-            hidden = self.model(g["input_ids"][:bs].long(), g["positions"][:bs].long())
+            hidden = self.model(ids, g["positions"][:bs].long())
         g["outputs"][:bs] = hidden
         if self.sample_rows is not None:
             logits = self.model.compute_logits(hidden)
@@ -218,6 +234,7 @@ class CUDAGraphRunner:
             return None
         fill_static_inputs(self.buffers, input_ids, positions, meta)
         self.buffers["temperatures"].zero_()
+        self.buffers["prev_rows"].fill_(-1)           # the caller resolved pending tokens already
         self.replay(batch)
         return self.buffers["outputs"][:batch]
 

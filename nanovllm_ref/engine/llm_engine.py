@@ -4,6 +4,17 @@
 before any request is queued, and the engine stays usable. Then each `step` asks the scheduler for a batch,
 runs it on the model runner(s) and feeds the sampled tokens back. Upstream nano-vllm `engine/llm_engine.py`.
 
+Async scheduling (`async_scheduling`, on by default with CUDA): `step` schedules and launches step n+1 while
+the device still runs step n, then finishes step n. Step n+1's sequences carry a placeholder for the token
+step n samples (engine/sequence.py PENDING); the device reads its value from step n's output, and the host
+learns it one step late (`Scheduler.on_tokens`), where the finish and stop checks run, once per token. A
+sequence that stops at step n was also given a row in step n+1; that token is dropped. Routes:
+
+| route | when | a step |
+|---|---|---|
+| async | async_scheduling True, or None on CUDA; one process, the reference scheduler | schedule n+1, launch it, `on_launch`; wait for step n's ids, `on_tokens` |
+| sync  | otherwise (CPU by default, TP > 1, a replaced scheduler) | schedule, run (launch + wait), `postprocess` |
+
 Tensor parallelism: rank 0 runs in this process; ranks 1..tp-1 are spawned processes that run
 `nanovllm_ref.engine.worker.run_worker` (an importable function, as `spawn` requires). Each engine picks
 its own free TCP port for the process-group rendezvous and talks to its workers over private pipes, so two
@@ -90,6 +101,8 @@ class LLMEngine:
         # The scheduler sees the cache's real size (a derived copy: the Config passed in is never changed).
         self.config = config.derived(num_kvcache_blocks=self.model_runner.num_kvcache_blocks)
         self.scheduler = parts.scheduler(self.config, parts.block_manager)
+        self.async_scheduling = self._async_route(config, parts, self.model_runner.device_type)
+        self._in_flight = None            # async: (seqs, PendingStep, samples) of the step launched, not finished
         self._closed = False
         atexit.register(self.exit)
 
@@ -181,10 +194,26 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq.seq_id
 
+    @staticmethod
+    def _async_route(config: Config, parts: Parts, device_type: str) -> bool:
+        """Whether `step` runs asynchronously (module docstring). Raises ValueError for async_scheduling=True
+        where it cannot run."""
+        from nanovllm_ref.engine.scheduler import Scheduler
+        possible = config.tensor_parallel_size == 1 and parts.scheduler is Scheduler
+        if config.async_scheduling is None:
+            return possible and device_type == "cuda"
+        if config.async_scheduling and not possible:
+            raise ValueError("async_scheduling=True needs the reference scheduler (Parts.scheduler) and "
+                             "tensor_parallel_size=1; leave it None or False")
+        return config.async_scheduling
+
     def step(self):
-        """One forward pass. Returns (finished [(seq_id, completion token ids)], num_tokens) where
-        num_tokens > 0 counts prefill tokens and < 0 counts decode tokens (for throughput)."""
+        """One engine step. Returns (finished [(seq_id, completion token ids)], num_tokens) where
+        num_tokens > 0 counts the prefill tokens and < 0 the decode tokens of the step launched (for
+        throughput). Async scheduling: the step finished is the one launched by the previous call."""
         self._check_open()
+        if self.async_scheduling:
+            return self._step_async()
         if self.is_finished():
             return [], 0
         seqs, is_prefill = self.scheduler.schedule()
@@ -193,11 +222,31 @@ class LLMEngine:
         finished = self.scheduler.postprocess(seqs, token_ids)
         return [(s.seq_id, s.completion_token_ids) for s in finished], num_tokens
 
+    def _step_async(self):
+        launched, num_tokens = None, 0
+        if not self.scheduler.is_finished():
+            seqs, is_prefill = self.scheduler.schedule()
+            if seqs:
+                num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
+                pending = self.model_runner.launch(seqs, is_prefill)
+                launched = (seqs, pending, self.scheduler.on_launch(seqs, pending=True))
+        finished = []
+        if self._in_flight is not None:
+            seqs, pending, samples = self._in_flight
+            self._in_flight = None
+            finished = self.scheduler.on_tokens(seqs, pending.token_ids(), samples)
+        self._in_flight = launched
+        if launched is None and not finished and not self.scheduler.is_finished():
+            raise RuntimeError("the scheduler scheduled nothing while requests are waiting and no step is in "
+                               "flight: no progress is possible")
+        return [(s.seq_id, s.completion_token_ids) for s in finished], num_tokens
+
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
     def abort_all(self) -> None:
         """Drop every queued or running request and free its KV blocks (cached prefixes stay cached)."""
+        self._in_flight = None
         self.scheduler.abort_all()
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
@@ -250,7 +299,7 @@ class LLMEngine:
         except BaseException:
             # Interrupted (Ctrl-C, a kernel interrupt) or failed: drop this call's requests so the engine
             # stays usable, then let the exception through.
-            self.scheduler.abort_all()
+            self.abort_all()
             raise
         finally:
             pbar.close()

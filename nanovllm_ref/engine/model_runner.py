@@ -7,10 +7,13 @@ A short orchestrator over modules that each teach one thing:
 - engine/cuda_graph.py: decode CUDA graphs (capture, the packed static inputs, replay);
 - layers/sampler.py: logits -> token ids (`Parts.sampler`).
 
-Entry points: rank 0 calls `run(seqs, is_prefill)` once per step; it prepares the step's message, sends it
-to the other tensor-parallel ranks, and every rank runs `execute(message)`; worker ranks sit in `loop()`
-(called by engine/worker.py) until an `Exit` message. Start-up warm-ups call `execute(prepare(...))` on each
-rank alone.
+Entry points: rank 0 calls `launch(seqs, is_prefill)` once per step; it prepares the step's message, sends
+it to the other tensor-parallel ranks, every rank runs `execute(message)`, and rank 0 samples. `launch`
+returns a `PendingStep` at once: the sampled ids stay on the device (in `last_ids`, where the next step can
+read them as inputs) and reach the host through a pinned, non-blocking copy when `token_ids()` is called,
+so the engine can schedule and launch the next step meanwhile (async scheduling, engine/llm_engine.py).
+`run(seqs, is_prefill)` is launch + wait. Worker ranks sit in `loop()` (called by engine/worker.py) until an
+`Exit` message. Start-up warm-ups call `execute(prepare(...))` on each rank alone.
 
 Messages (one per step, rank 0 -> every rank; a few kB, never the sequences with their token lists):
 - `ModelStep(inputs)`: what `Parts.prepare_prefill` / `prepare_decode` returned, on this device, or as
@@ -54,7 +57,7 @@ import torch.distributed as dist
 from nanovllm_ref.attn import get_backend, resolve_backend
 from nanovllm_ref.config import Config
 from nanovllm_ref.engine import kv_cache, warmup
-from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes  # noqa: F401  (tests import it here)
+from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, resolve_pending  # noqa: F401
 from nanovllm_ref.engine.inputs import StepInputs, prepare_decode, step_from_host, step_to_host, to_device
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.sampler import SamplingMetadata, sample as reference_sample, sample_rows
@@ -103,8 +106,11 @@ def fuse_by_default(device_type: str) -> bool:
 @dataclass(frozen=True)
 class ModelStep:
     """A step whose inputs came from Parts.prepare_prefill / prepare_decode: a StepInputs on this device,
-    or its numpy form (engine/inputs.step_to_host) when the message goes to a tensor-parallel worker."""
+    or its numpy form (engine/inputs.step_to_host) when the message goes to a tensor-parallel worker.
+    prev_rows: None, or [num_seqs] int32 on the device: rows whose input token the previous step sampled
+    (async scheduling; -1 = the prepared input id is the token)."""
     inputs: StepInputs | dict
+    prev_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,27 @@ class StepPlan:
         packed = parts.prepare_decode is prepare_decode
         return cls(use_graphs=True, packed_inputs=packed,
                    sampler_in_graph=packed and world_size == 1 and parts.sampler is reference_sample)
+
+
+class PendingStep:
+    """The sampled ids of a launched step. `token_ids()` waits for them and returns one int per sequence.
+    On CUDA they come through a pinned host buffer filled by a non-blocking copy (an event marks its end);
+    two buffers take turns, so the next step's copy never overwrites ids not yet read."""
+
+    def __init__(self, ids: torch.Tensor, host: torch.Tensor | None):
+        self._n = ids.shape[0]
+        if host is None:                              # CPU: the step has already run
+            self._ids, self._event = ids.tolist(), None
+        else:
+            host[:self._n].copy_(ids, non_blocking=True)
+            self._host, self._event = host, torch.cuda.Event()
+            self._event.record()
+
+    def token_ids(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+            self._ids, self._event = self._host[:self._n].tolist(), None
+        return self._ids
 
 
 class ModelRunner:
@@ -202,6 +229,13 @@ class ModelRunner:
         if self.device_type == "cpu":
             onednn.pack(self.model)           # oneDNN copies of the linear weights (utils/onednn.py)
         self.sampler = choose(self.parts.sampler, Parts().sampler, self.fuse)
+        # The last step's sampled ids stay here on the device (a decode step's pending inputs are read from
+        # it); on CUDA two pinned host buffers take turns receiving them.
+        rows = max(config.max_num_seqs, 2)
+        self.last_ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        pinned = self.device_type == "cuda"
+        self._host_ids = [torch.zeros(rows, dtype=torch.int64, pin_memory=pinned) for _ in range(2)] if pinned else None
+        self._turn = 0
         self._profile_peak_memory()
         self.allocate_kv_cache()
         if not self.enforce_eager:
@@ -285,7 +319,8 @@ class ModelRunner:
         try:
             self.graph_runner = runner_cls(self.model, self.parts.graph_batch_sizes(cfg.max_num_seqs), max_blocks,
                                            cfg.hf_config.hidden_size, self.dtype, self.device,
-                                           sample_rows=rows, vocab_size=cfg.hf_config.vocab_size)
+                                           sample_rows=rows, vocab_size=cfg.hf_config.vocab_size,
+                                           token_ids=self.last_ids)
         except Exception as exc:
             mine = self.parts.replaced()
             raise RuntimeError(f"CUDA graph capture of the decode step failed ({type(exc).__name__}: {exc})"
@@ -318,6 +353,12 @@ class ModelRunner:
                 in_graph = self.plan.sampler_in_graph and not any(map(uses_filters, seqs))
                 return PackedDecodeStep(packed, len(seqs), in_graph)
         prepare = self.parts.prepare_prefill if is_prefill else self.parts.prepare_decode
+        pending = [seq.pending_row if seq.num_pending else -1 for seq in seqs]
+        if any(r >= 0 for r in pending):
+            if is_prefill or remote:
+                raise RuntimeError("a pending token reached a prefill step or a tensor-parallel message; "
+                                   "async scheduling runs decode steps of one process only")
+            return ModelStep(prepare(seqs, self.block_size, self.device), to_device(pending, torch.int32, self.device))
         if not remote:
             return ModelStep(prepare(seqs, self.block_size, self.device))
         return ModelStep(step_to_host(prepare(seqs, self.block_size, "cpu")))
@@ -337,14 +378,16 @@ class ModelRunner:
                 return graph.buffers["logits"][:b], ids
             return self.model.compute_logits(graph.buffers["outputs"][:b]), None
         step = message.inputs if isinstance(message.inputs, StepInputs) else step_from_host(message.inputs, self.device)
-        meta = step.metadata
+        meta, input_ids = step.metadata, step.input_ids
+        if message.prev_rows is not None:
+            input_ids = resolve_pending(input_ids, message.prev_rows, self.last_ids)
         with attention_metadata(meta):
             if meta.is_prefill:
-                hidden = self.model(step.input_ids, step.positions)[meta.cu_seqlens_q[1:] - 1]
+                hidden = self.model(input_ids, step.positions)[meta.cu_seqlens_q[1:] - 1]
             else:
-                hidden = self.graph_runner.run(step.input_ids, step.positions, meta) if self.plan.use_graphs else None
+                hidden = self.graph_runner.run(input_ids, step.positions, meta) if self.plan.use_graphs else None
                 if hidden is None:                   # eager, or more rows than the largest graph
-                    hidden = self.model(step.input_ids, step.positions)
+                    hidden = self.model(input_ids, step.positions)
         return self.model.compute_logits(hidden), None
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingMetadata:
@@ -364,16 +407,28 @@ class ModelRunner:
         return SamplingMetadata(to_device(temperatures, torch.float32, self.device), all_greedy=all_greedy,
                                 top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: torch.Tensor | None) -> list[int]:
-        """Rank 0: this step's next token per sequence, from the graph's own ids or from the sampler."""
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: torch.Tensor | None) -> PendingStep:
+        """Rank 0: this step's next token per sequence, from the graph's own ids (already in `last_ids`) or
+        from the sampler (copied there), on its way to the host."""
+        n = len(seqs)
         if token_ids is None:
-            token_ids = self.sampler(logits, self.prepare_sample(seqs))
-        return token_ids.tolist()
+            self.last_ids[:n].copy_(self.sampler(logits, self.prepare_sample(seqs)))
+        elif token_ids.data_ptr() != self.last_ids.data_ptr():     # a graph runner with its own buffer
+            self.last_ids[:n].copy_(token_ids)
+        host = None
+        if self._host_ids is not None:
+            host, self._turn = self._host_ids[self._turn], 1 - self._turn
+        return PendingStep(self.last_ids[:n], host)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """Rank 0: one step for `seqs`, waited for: one sampled token id per sequence."""
+        return self.launch(seqs, is_prefill).token_ids()
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], is_prefill: bool) -> PendingStep:
         """Rank 0: one step for `seqs`. Sends the step's message to the workers (tensor parallel), runs it
-        here, and returns one sampled token id per sequence."""
+        here, and returns its sampled ids on their way to the host (PendingStep)."""
         message = self.prepare(seqs, is_prefill, remote=bool(self.conns))
         if not self.conns:
             return self.sample(seqs, *self.execute(message))
@@ -385,12 +440,13 @@ class ModelRunner:
         try:
             for conn in self.conns:
                 conn.send(message)
-            token_ids = self.sample(seqs, *self.execute(message))
+            pending = self.sample(seqs, *self.execute(message))
+            pending.token_ids()               # the step is over on every rank once its ids are here
         except Exception:
             self.out_of_step = False
             raise
         self.out_of_step = False
-        return token_ids
+        return pending
 
     # -- tensor parallel plumbing -----------------------------------------------------------------------
     def loop(self):

@@ -17,6 +17,16 @@ separate prefill and decode phases. Chapter 07 teaches this policy and those alt
 
 Because a step is all-prefill or all-decode, the model runner has one code path per kind; the price is that
 running sequences wait (no decode) while a long prompt is being prefilled chunk by chunk.
+
+After a step, `postprocess(seqs, token_ids)` does two things, which async scheduling (engine/llm_engine.py)
+runs one step apart:
+- `record_launch(seqs, pending)` (`Scheduler.on_launch`): the bookkeeping the step's token ids are not needed for (its tokens now have
+  K/V; with `pending`, a placeholder for each token the step samples, so the next step can be scheduled
+  while this one still runs on the GPU);
+- `record_tokens(...)` (`Scheduler.on_tokens`): append (or fill in) the sampled tokens, register full blocks for prefix
+  caching, finish sequences that stopped, free their blocks.
+A sequence whose pending token already reaches max_tokens or max_model_len is not scheduled again: it only
+waits for that token's value.
 """
 from collections import deque
 
@@ -86,9 +96,12 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Sequence]:
         """Phase 2: one token for every running sequence, preempting from the back when blocks run out."""
-        kept = deque()
+        kept, scheduled = deque(), []
         while self.running:
             seq = self.running.popleft()
+            if seq.num_pending and reached_length(seq, self.max_model_len):
+                kept.append(seq)                      # its last token is in flight; nothing more to compute
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -99,8 +112,9 @@ class Scheduler:
                 self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 kept.append(seq)
+                scheduled.append(seq)
         self.running = kept
-        return list(kept)
+        return scheduled
 
     def abort_all(self) -> None:
         """Forget every waiting and running sequence; their blocks go back to the pool (hashes kept)."""
@@ -124,19 +138,71 @@ class Scheduler:
 
         Returns the sequences that finished this step (their blocks are already freed).
         """
-        finished = []
-        for seq, token_id in zip(seqs, token_ids):
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            self.block_manager.hash_blocks(seq)
-            if seq.num_cached_tokens < len(seq):      # mid chunked prefill: the sampled token is meaningless
-                continue
+        return record_tokens(self, seqs, token_ids, record_launch(seqs))
+
+    def on_launch(self, seqs: list[Sequence], pending: bool = False) -> list[bool]:
+        """Async scheduling, right after the step over `seqs` was launched: see `record_launch`."""
+        return record_launch(seqs, pending)
+
+    def on_tokens(self, seqs: list[Sequence], token_ids: list[int], samples: list[bool]) -> list[Sequence]:
+        """Async scheduling, when that step's ids arrive: see `record_tokens`."""
+        return record_tokens(self, seqs, token_ids, samples)
+
+
+# The two halves of postprocess, as functions of the scheduler's state (`running`, `waiting`, `eos`,
+# `max_model_len`, `block_manager`), so the course can lend them to a scheduler class of a student's.
+def reached_length(seq: Sequence, max_model_len: int, counting_pending: bool = True) -> bool:
+    """max_tokens or max_model_len reached, by the tokens known (and, by default, those still in flight)."""
+    extra = 0 if counting_pending else seq.num_pending
+    return seq.num_completion_tokens - extra >= seq.max_tokens or len(seq) - extra >= max_model_len
+
+
+def record_launch(seqs: list[Sequence], pending: bool = False) -> list[bool]:
+    """The step over `seqs` has been launched: the tokens it computes now have K/V in the cache. Returns,
+    per row, whether it samples a token (a decode, or a prompt's last chunk). With `pending`, each such
+    sequence gets a placeholder for that token, tied to its output row."""
+    samples = []
+    for row, seq in enumerate(seqs):
+        seq.num_cached_tokens += seq.num_scheduled_tokens
+        seq.num_scheduled_tokens = 0
+        samples.append(seq.num_cached_tokens >= len(seq))
+        if pending and samples[-1]:
+            seq.append_pending(row)
+    return samples
+
+
+def record_tokens(sched, seqs: list[Sequence], token_ids: list[int], samples: list[bool]) -> list[Sequence]:
+    """The token ids of a step over `seqs` arrived; `samples` is what `record_launch` returned for it. Fill
+    in (async) or append each sampled token, register full blocks, finish the sequences that stop. A sequence
+    that finished or was aborted meanwhile is skipped. Returns the newly finished sequences."""
+    finished = []
+    for seq, token_id, sampled in zip(seqs, token_ids, samples):
+        if seq.is_finished:
+            continue
+        if sampled and seq.num_pending:
+            seq.fill_pending(token_id)
+        elif sampled:
             seq.append_token(token_id)
-            stopped = not seq.ignore_eos and token_id in self.eos
-            if stopped or seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
-                seq.finish_reason = "stop" if stopped else "length"
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
-                finished.append(seq)
-        return finished
+        # Full blocks, by the tokens known now (a pending token's value is filled in above first). A sequence
+        # preempted meanwhile holds no blocks.
+        if seq.block_table:
+            sched.block_manager.hash_blocks(seq)
+        if not sampled:                               # mid chunked prefill: the sampled token is meaningless
+            continue
+        stopped = not seq.ignore_eos and token_id in sched.eos
+        if stopped or reached_length(seq, sched.max_model_len, counting_pending=False):
+            seq.finish_reason = "stop" if stopped else "length"
+            _finish(sched, seq)
+            finished.append(seq)
+    return finished
+
+
+def _finish(sched, seq: Sequence) -> None:
+    seq.drop_pending()                                # a token sampled after the stop is not part of the output
+    if seq.status == SequenceStatus.RUNNING:
+        sched.running.remove(seq)
+    else:                                             # preempted while its last token was in flight
+        sched.waiting.remove(seq)
+    seq.status = SequenceStatus.FINISHED
+    if seq.block_table:
+        sched.block_manager.deallocate(seq)

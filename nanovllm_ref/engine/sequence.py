@@ -12,6 +12,12 @@ from itertools import count
 from nanovllm_ref.sampling_params import SamplingParams
 
 
+# Async scheduling (engine/llm_engine.py): the id held in a sequence for a token that a step still in flight
+# samples, until its value reaches the host. Never a real token id; never fed to the model (the device reads
+# the real id from the step's output instead).
+PENDING = -1
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -53,6 +59,9 @@ class Sequence:
         self.ignore_eos = sampling_params.ignore_eos
         # Why it finished, as in vLLM: "stop" (an eos / stop id), "length" (max_tokens or max_model_len).
         self.finish_reason: str | None = None
+        # Async scheduling: trailing PENDING ids, and the output row of the step that samples the last one.
+        self.num_pending = 0
+        self.pending_row = -1
 
     def __len__(self):
         return self.num_tokens
@@ -95,3 +104,26 @@ class Sequence:
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
+
+    def append_pending(self, row: int) -> None:
+        """Async scheduling: the step just launched samples this sequence's next token in output row `row`.
+        Hold its place (lengths, positions and blocks move on now); `fill_pending` writes the value."""
+        self.append_token(PENDING)
+        self.num_pending += 1
+        self.pending_row = row
+
+    def fill_pending(self, token_id: int) -> None:
+        """The oldest pending token's value arrived from the device."""
+        self.token_ids[self.num_tokens - self.num_pending] = token_id
+        self.num_pending -= 1
+        if self.num_pending == 0:
+            self.last_token = token_id
+            self.pending_row = -1
+
+    def drop_pending(self) -> None:
+        """Forget pending tokens (the sequence finished before they were needed)."""
+        if self.num_pending:
+            del self.token_ids[self.num_tokens - self.num_pending:]
+            self.num_tokens -= self.num_pending
+            self.num_pending, self.pending_row = 0, -1
+            self.last_token = self.token_ids[-1]
