@@ -123,7 +123,11 @@ class Config:
             raise ValueError(f"unsupported architecture {archs} in {self.model}/config.json; "
                              f"supported: {SUPPORTED_ARCHITECTURES}")
         from transformers import AutoConfig
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.model)
+        except Exception as exc:      # transformers' own validation errors are not ValueErrors
+            reason = " ".join(str(exc).split())
+            raise ValueError(f"{config_path} is not a valid {archs[0]} config (transformers: {reason})") from exc
         hf = self.hf_config
         self.max_model_len = min(self.max_model_len, hf.max_position_embeddings)
         tp = self.tensor_parallel_size

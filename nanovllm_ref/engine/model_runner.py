@@ -34,7 +34,9 @@ from nanovllm_ref.config import Config
 from nanovllm_ref.engine import kv_cache, warmup
 from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes  # noqa: F401  (tests import it here)
 from nanovllm_ref.engine.inputs import StepInputs, prepare_decode, step_from_host, step_to_host, to_device
+from nanovllm_ref.engine.rng import EngineRNG
 from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.engine.stop import min_tokens_bans
 from nanovllm_ref.layers.sampler import SamplingMetadata, sample as reference_sample, sample_rows
 from nanovllm_ref.models import get_model_class
 from nanovllm_ref.parts import Parts
@@ -102,13 +104,16 @@ class ModelRunner:
             backend = "nccl" if self.device_type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=120))
-        torch.manual_seed(config.seed)
+        # The sampler's random stream, apart from the user's (engine/rng.py): the steps, warm-ups and graph
+        # captures run inside `self.rng.active()`.
+        self.rng = EngineRNG(config.seed, self.device)
 
         self.model = self.kv_cache = self.graph_runner = None
         self.graph_samples = False
         self.out_of_step = False          # rank 0: a tensor-parallel step was interrupted midway (see run)
         try:
-            self._build()
+            with self.rng.active():
+                self._build()
         except BaseException:
             self._release()            # a failed start-up must not keep the GPU memory it took
             raise
@@ -269,9 +274,19 @@ class ModelRunner:
                                 all_greedy=not any(t > 0 for t in temperatures), top_k=top_k, top_p=top_p)
 
     def _samples_in_graph(self, seqs: list[Sequence]) -> bool:
-        """True when the captured graph's own ids are this batch's answer: the reference sampler, and no
-        top-k / top-p on a sampled row (those run after the graph, on its logits)."""
-        return self.graph_samples and not any(map(uses_filters, seqs))
+        """True when the captured graph's own ids are this batch's answer: the reference sampler, no top-k /
+        top-p on a sampled row and no row short of its min_tokens (those run after the graph, on its logits)."""
+        return (self.graph_samples and not any(map(uses_filters, seqs))
+                and not any(seq.num_completion_tokens < seq.min_tokens for seq in seqs))
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits [num_seqs, vocab] with the eos and stop ids at -inf in the rows still short of their
+        min_tokens (engine/stop.py, min_tokens_bans); the same tensor when no row is (decided on the host)."""
+        bans = min_tokens_bans(seqs, self.config.eos, logits.shape[-1])
+        if bans is None:
+            return logits
+        rows, cols = (to_device(x, torch.int64, self.device) for x in bans)
+        return logits.index_put((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype, device=self.device))
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
@@ -331,7 +346,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, message, seqs: list[Sequence] | None = None) -> list[int] | None:
         """Every rank: run one step from its message (see `_message`). Rank 0 (which has `seqs`) samples
-        and returns the token ids; other ranks return None."""
+        and returns the token ids; other ranks return None. Runs on the engine's random stream."""
+        with self.rng.active():
+            return self._execute(message, seqs)
+
+    def _execute(self, message, seqs: list[Sequence] | None) -> list[int] | None:
         kind, payload, arg = message
         if kind == "graph":
             runner, batch = self.graph_runner, arg
@@ -348,7 +367,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         if self.rank != 0:
             return None
-        return self.sampler(logits, self.prepare_sample(seqs)).tolist()
+        return self.sampler(self._mask_stop_tokens(logits, seqs), self.prepare_sample(seqs)).tolist()
 
     @contextlib.contextmanager
     def eager_steps(self):

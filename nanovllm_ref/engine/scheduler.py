@@ -17,12 +17,23 @@ separate prefill and decode phases. Chapter 07 teaches this policy and those alt
 
 Because a step is all-prefill or all-decode, the model runner has one code path per kind; the price is that
 running sequences wait (no decode) while a long prompt is being prefilled chunk by chunk.
+
+After each step `postprocess` appends the sampled tokens and asks `engine/stop.py` whether each sequence
+stops. Parallel samples (SamplingParams.n > 1) fork there: when the first sample's prompt is prefilled,
+its siblings join `running` sharing its full prompt blocks (BlockManager.fork, ref counts), and each
+recomputes only the prompt's partial last block into a block of its own (at most block_size - 1 tokens;
+a full last block is recomputed, so there is a token whose logits give the sibling its first token). A
+copy of the partial block would save that compute but needs a KV-copy step in the model runner on every
+rank; recomputing runs in the ordinary prefill path. A sibling that finds no free block or no seat
+(max_num_seqs) waits at the front of `waiting` instead, as a request of its own (a prefix-cache hit then
+still shares the prompt's blocks).
 """
 from collections import deque
 
 from nanovllm_ref.config import Config
 from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.sequence import Sequence, SequenceStatus
+from nanovllm_ref.engine.stop import check_stop
 
 
 class Scheduler:
@@ -109,8 +120,23 @@ class Scheduler:
                 self.block_manager.deallocate(seq)
             seq.status = SequenceStatus.FINISHED
             seq.num_scheduled_tokens = 0
+            seq.forks = []
         self.running.clear()
         self.waiting.clear()
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Remove `seqs` (waiting, running, or not queued yet: unforked siblings) and free their blocks;
+        the other sequences carry on. Sets status FINISHED; finish_reason is the caller's."""
+        for seq in seqs:
+            if seq in self.running:                   # identity: a Sequence has no __eq__
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.num_scheduled_tokens = 0
+            seq.forks = []
 
     def preempt(self, seq: Sequence) -> None:
         """Free all of `seq`'s blocks and queue it first, to be recomputed (prompt + completion so far)."""
@@ -122,7 +148,9 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Account for one finished step: seqs[i] produced token_ids[i] (ignored for a partial prefill).
 
-        Returns the sequences that finished this step (their blocks are already freed).
+        Appends each kept token, forks the siblings of a sequence whose prompt is now prefilled (n > 1),
+        and finishes the sequences that stop (engine/stop.py: eos, stop ids, stop strings, min_tokens,
+        max_tokens, max_model_len). Returns the sequences that finished this step (blocks already freed).
         """
         finished = []
         for seq, token_id in zip(seqs, token_ids):
@@ -132,11 +160,24 @@ class Scheduler:
             if seq.num_cached_tokens < len(seq):      # mid chunked prefill: the sampled token is meaningless
                 continue
             seq.append_token(token_id)
-            stopped = not seq.ignore_eos and token_id in self.eos
-            if stopped or seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
-                seq.finish_reason = "stop" if stopped else "length"
+            if seq.forks:                             # before it may finish: the siblings share its blocks
+                self._fork(seq)
+            if check_stop(seq, self.eos, self.max_model_len):
                 seq.status = SequenceStatus.FINISHED
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)
                 finished.append(seq)
         return finished
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start parent's siblings (n > 1) on its prefilled prompt (see the module docstring)."""
+        fork = getattr(self.block_manager, "fork", None)     # a course BlockManager may not have it
+        queued = []
+        for child in parent.forks:
+            if fork is not None and len(self.running) < self.max_num_seqs and fork(parent, child):
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            else:
+                queued.append(child)
+        self.waiting.extendleft(reversed(queued))
+        parent.forks = []

@@ -1,9 +1,14 @@
-"""One request as the engine sees it (chapter 05/07). Follows upstream nano-vllm `engine/sequence.py`.
+"""One completion as the engine sees it (chapter 05/07). Follows upstream nano-vllm `engine/sequence.py`.
 
 A Sequence holds its token ids (prompt then completion), its block table (the physical KV-cache blocks that
 hold its keys and values, in order) and how many of its tokens already have K/V in the cache
 (`num_cached_tokens`). The scheduler moves it WAITING -> RUNNING -> FINISHED, and back to WAITING on
 preemption.
+
+A request with SamplingParams.n > 1 has n sequences (`index` 0..n-1, one `request_id`). Only the first is
+queued; the others wait in its `forks` list until its prompt is prefilled, then share its KV blocks
+(Scheduler.postprocess, BlockManager.fork). The engine gives each sequence an IncrementalDetokenizer
+(`detokenizer`) for its text; a Sequence made without one (tests, the course's checks) has token ids only.
 """
 from copy import copy
 from enum import Enum, auto
@@ -21,7 +26,8 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams | None = None):
+    def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, index: int = 0, detokenizer=None):
         sampling_params = sampling_params or SamplingParams()
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
@@ -42,8 +48,19 @@ class Sequence:
         self.top_p = sampling_params.top_p            # 1.0 = off
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
-        # Why it finished, as in vLLM: "stop" (an eos / stop id), "length" (max_tokens or max_model_len).
+        self.min_tokens = sampling_params.min_tokens
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.sampling_params = sampling_params
+        self.request_id, self.index = request_id, index
+        self.detokenizer = detokenizer                 # engine/detokenizer.py, or None (no text)
+        # The sibling samples (n > 1) that fork from this one once its prompt is prefilled.
+        self.forks: list["Sequence"] = []
+        # Why it finished, as in vLLM: "stop" (eos, a stop id or a stop string), "length" (max_tokens or
+        # max_model_len), "abort" (abort_request). stop_reason: the stop id or string (None for eos).
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # The last token was a stop token whose text stays out of the completion's text.
+        self.hide_last_token_text = False
 
     def __len__(self):
         return self.num_tokens
