@@ -16,6 +16,13 @@ and cancels. If the longer decode ends in U+FFFD, the last token stopped inside 
 emitted until the character is complete (`flush` emits it anyway at the end). Then the window moves on:
 prefix = the old read, read = the end.
 
+Byte-fallback tokens (`<0xE6>`, SentencePiece's way to spell a character it has no piece for) need one more
+rule: the ByteFallback decoder decodes a whole run of them at once, and if the run is not valid UTF-8 every
+byte of it becomes U+FFFD, even a valid "\n" at its start. So a run's text is known only when the run ends:
+nothing is emitted while the last token that shows is a byte token, and a window never starts right after
+a byte token. (Tokens the decoder never sees do not end a run: special tokens that are skipped, and ids
+past the tokenizer's vocabulary, which a model with a padded embedding table can sample.)
+
 The contract (vLLM, TGI): decode(prompt) + text == decode(prompt + completion) wherever decode(prompt) is
 the start of decode(prompt + completion), with one decode per emitted piece of a few tokens, so the cost
 per token does not grow with the length. A character split between the prompt and the completion belongs
@@ -23,10 +30,24 @@ to the completion (decode(prompt) ends in U+FFFD there). The text only ever grow
 server can stream the pieces, and streaming token by token gives the same text as decoding all at once.
 Decoding uses the tokenizer's `decode` with `clean_up_tokenization_spaces=False`, as vLLM does.
 """
+import weakref
 from os.path import commonprefix
 
 REPLACEMENT = "\ufffd"          # what a decoder writes for bytes that are not (yet) a whole character
 CONTEXT_TOKENS = 5              # prompt tokens of context, as vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
+_TOKEN_SETS = weakref.WeakKeyDictionary()
+
+
+def token_sets(tokenizer) -> tuple[frozenset, frozenset]:
+    """(ids of the byte-fallback tokens "<0x00>".."<0xFF>", ids of the special tokens) of `tokenizer`,
+    looked up once per tokenizer. A byte-level BPE has no byte-fallback tokens."""
+    sets = _TOKEN_SETS.get(tokenizer)
+    if sets is None:
+        unk = tokenizer.unk_token_id
+        found = (tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256))
+        sets = _TOKEN_SETS[tokenizer] = (frozenset(i for i in found if i is not None and i != unk),
+                                         frozenset(tokenizer.all_special_ids))
+    return sets
 
 
 class IncrementalDetokenizer:
@@ -43,11 +64,19 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._byte_ids, special = token_sets(tokenizer)
+        self._skipped = special if skip_special_tokens else frozenset()
+        self._vocab_len = len(tokenizer)
         ids = [int(t) for t in prompt_token_ids]
         read = len(ids)
         prefix = max(read - CONTEXT_TOKENS, 0)
-        while prefix > 0 and not self._decode(ids[prefix:read]):
-            prefix -= 1
+        while prefix > 0:
+            if ids[prefix - 1] in self._byte_ids or self._unseen(ids[prefix - 1]):
+                prefix -= 1                    # never start right after a byte token (or inside a run)
+            elif not self._decode(ids[prefix:read]):
+                prefix -= 1                    # a window that shows nothing: no token to anchor it
+            else:
+                break
         self._ids = ids[prefix:]           # earlier ids never take part in a decode again
         self._prefix, self._read = 0, read - prefix
         self.text = ""
@@ -82,6 +111,19 @@ class IncrementalDetokenizer:
         self.text = self.text[:length]
         self.flushed = True
 
+    def _unseen(self, token_id: int) -> bool:
+        """The decoder never sees this token: a skipped special token, or an id the tokenizer does not know."""
+        return token_id in self._skipped or token_id >= self._vocab_len
+
+    def _in_byte_run(self) -> bool:
+        """The last token the decoder sees is a byte-fallback token (its run may go on)."""
+        if not self._byte_ids:
+            return False
+        for t in reversed(self._ids):
+            if not self._unseen(t):
+                return t in self._byte_ids
+        return False
+
     def _emit(self, final: bool) -> str:
         if self._read == len(self._ids):
             return ""
@@ -91,7 +133,7 @@ class IncrementalDetokenizer:
         # then `context` ends in U+FFFD where `full` has the whole character, which belongs to the new text.
         start = len(context) if full.startswith(context) else len(commonprefix([context, full]))
         new = full[start:]
-        if not new or (full.endswith(REPLACEMENT) and not final):
+        if not new or not final and (full.endswith(REPLACEMENT) or self._in_byte_run()):
             return ""
         # Move the window on, unless the new tokens decode to nothing on their own (a lone Metaspace space,
         # which a decode that starts with it strips): the context must start at a token that shows.
