@@ -39,9 +39,9 @@ class Config:
     attention_backend: "auto" | "flash_attn" | "triton" | "torch" | "cpu" (see nanovllm_ref/attn).
     cpu_kvcache_space_gib: KV-cache budget on CPU, in GiB (like vLLM's VLLM_CPU_KVCACHE_SPACE).
     enable_prefix_caching: share full KV blocks between requests with equal prefixes.
-    seed: seed of the sampler's random numbers (and of dummy weights). It seeds torch's global generator
-        when the engine starts, so, as in vLLM without per-request seeds, samples also depend on what else
-        draws random numbers in the process and on how requests are batched.
+    seed: seed of the engine's own random stream for the sampler (engine/rng.py; torch's global generator
+        is left alone), and of dummy weights. As in vLLM without per-request seeds, samples depend on how
+        requests are batched.
     load_format: "auto" reads the safetensors checkpoint (see utils/loader.py); "dummy" fills the weights with random numbers (vLLM's name),
         for benchmarks of a model shape whose weights are not at hand.
     """

@@ -44,7 +44,8 @@ class RequestOutput(Mapping):
     """The state of one request: a snapshot, made when `step()` or `generate()` returns it.
 
     request_id: str, the id `add_request` returned. prompt: the prompt when it was given as a str, else
-    None (token ids, chat). prompt_token_ids: list[int]. outputs: one CompletionOutput per sample, in index
+    None (token ids, chat). prompt_token_ids: list[int], one list shared by all snapshots of the request
+    (do not modify it). outputs: one CompletionOutput per sample, in index
     order. finished: True once every sample has finished. prompt_logprobs: None (not implemented yet).
     Successive snapshots of one request only grow: text and token_ids of each sample extend the previous
     ones (text a stop string may still complete is held back), so a server can stream the differences.

@@ -28,7 +28,8 @@ the start of decode(prompt + completion), with one decode per emitted piece of a
 per token does not grow with the length. A character split between the prompt and the completion belongs
 to the completion (decode(prompt) ends in U+FFFD there). The text only ever grows by appending, so a
 server can stream the pieces, and streaming token by token gives the same text as decoding all at once.
-Decoding uses the tokenizer's `decode` with `clean_up_tokenization_spaces=False`, as vLLM does.
+Decoding is the tokenizer's `decode` without `clean_up_tokenization_spaces`, as in vLLM (for a fast
+tokenizer, its `tokenizers` backend's decode, which is what HF's decode calls).
 """
 import weakref
 from os.path import commonprefix
@@ -64,6 +65,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)     # a `tokenizers.Tokenizer`
         self._byte_ids, special = token_sets(tokenizer)
         self._skipped = special if skip_special_tokens else frozenset()
         self._vocab_len = len(tokenizer)
@@ -84,6 +86,8 @@ class IncrementalDetokenizer:
         self.flushed = False
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:          # what a fast tokenizer's decode runs, without its checks (~5x)
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 

@@ -1,8 +1,13 @@
-"""The offline engine loop: add requests, step until all finish (chapter 07).
+"""The engine loop: add requests, step until all finish (chapter 07). Upstream nano-vllm `engine/llm_engine.py`.
 
-`generate` validates every prompt and sampling setting first, so a bad request raises ValueError/TypeError
-before any request is queued, and the engine stays usable. Then each `step` asks the scheduler for a batch,
-runs it on the model runner(s) and feeds the sampled tokens back. Upstream nano-vllm `engine/llm_engine.py`.
+One engine serves offline and online use. `add_request(prompt, params, request_id=None) -> request_id`
+queues a request, `step()` runs one forward pass (the scheduler picks the batch, the model runner(s) run it,
+the scheduler takes the sampled tokens back and decides the stops) and returns a RequestOutput for each
+request that made progress, `abort_request(request_id)` drops one and frees its KV blocks. A server turns
+HTTP requests into those calls and streams the growing text; `generate` is the same loop run to the end
+(it builds each output once, when its request is done). Every request is checked first
+(engine/request.py), so a bad one raises ValueError/TypeError before anything is queued and the engine
+stays usable; `generate` checks its whole batch before queuing any of it.
 
 Tensor parallelism: rank 0 runs in this process; ranks 1..tp-1 are spawned processes that run
 `nanovllm_ref.engine.worker.run_worker` (an importable function, as `spawn` requires). Each engine picks

@@ -140,5 +140,7 @@ class Request:
                                             token_ids=seq.completion_token_ids,
                                             finish_reason=seq.finish_reason if seq.is_finished else None,
                                             stop_reason=seq.stop_reason if seq.is_finished else None))
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
-                             prompt_token_ids=list(self.prompt_token_ids), outputs=outputs, finished=self.finished)
+        # prompt_token_ids: one list shared by the request's snapshots (copying it every step would cost
+        # more than the rest of a snapshot for long prompts)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=outputs, finished=self.finished)
