@@ -125,13 +125,19 @@ def test_features_of_the_reference_postprocess_are_refused_with_a_scheduler_part
 
 
 # -- the engine's random stream ---------------------------------------------------------------------------------
+def _draws():
+    """The user's next draws from torch's default generators (CPU, and the GPU's when there is one)."""
+    return [torch.rand(4)] + ([torch.rand(4, device="cuda").cpu()] if torch.cuda.is_available() else [])
+
+
 def test_engine_leaves_the_users_random_stream_alone():
-    torch.manual_seed(123)
-    want = torch.rand(4)
+    torch.manual_seed(123)                                # seeds the CUDA generators too
+    want = _draws()
     torch.manual_seed(123)
     llm = LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=64, seed=0)
     llm.generate([P], SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-    assert torch.equal(torch.rand(4), want), "creating an engine or sampling moved the user's stream"
+    got = _draws()
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), "creating an engine or sampling moved the user's stream"
 
 
 def test_users_draws_between_steps_do_not_change_the_samples():
@@ -142,7 +148,7 @@ def test_users_draws_between_steps_do_not_change_the_samples():
     ids = [llm.add_request(p, sp) for p in (P, [9, 10])]
     done = {}
     while not llm.is_finished():
-        torch.rand(1000)                                  # the user's own draws
+        _draws()                                          # the user's own draws
         done.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
     assert [done[i] for i in ids] == [o.outputs[0].token_ids for o in quiet]
 

@@ -10,6 +10,7 @@ import numbers
 import warnings
 from collections.abc import Sequence as SequenceABC
 
+from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.engine.stop import completion_text
 from nanovllm_ref.outputs import CompletionOutput, RequestOutput
@@ -52,7 +53,6 @@ def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls) -> No
     bad = [t for t in sp.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"{where}: stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    from nanovllm_ref.engine.scheduler import Scheduler
     if getattr(scheduler_cls, "postprocess", None) is not Scheduler.postprocess:
         defaults = SamplingParams()
         used = [f for f in POSTPROCESS_FEATURES if getattr(sp, f) != getattr(defaults, f)]
