@@ -44,7 +44,12 @@ def _free_port() -> int:
 class LLMEngine:
     """model: a local model folder; parts: a nanovllm_ref.Parts of swappable parts (default: the reference
     ones); engine_args: the fields of nanovllm_ref.config.Config. Raises TypeError for an unknown argument or
-    a `parts` that is not a Parts, ValueError for a bad value."""
+    a `parts` that is not a Parts, ValueError for a bad value (also a tokenizer with more tokens than the
+    model's embedding table, before the weights load).
+
+    State a caller may read: `requests` (the unfinished requests by id, engine/request.py), `last_step`
+    (the StepStats of the last step, None after an idle one), `tokenizer`, `config`, `scheduler`. The
+    engine is not thread-safe: one thread (a server's engine loop) makes all calls."""
 
     def __init__(self, model: str, parts: Parts | None = None, **engine_args):
         if parts is None:
