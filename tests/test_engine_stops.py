@@ -162,6 +162,26 @@ def test_min_tokens_masks_stop_token_ids_like_hf(llm, free_run, min_tokens):
     assert stop not in got.token_ids[:min_tokens]
 
 
+def test_min_tokens_on_the_graph_decode_path_masks_after_the_step(llm, free_run):
+    # The decode graph samples inside the step; a row short of min_tokens needs its logits masked first, so
+    # the batch goes to the sampler after the step. EagerReplayRunner runs the graph path without CUDA.
+    from test_thin_step import EagerReplayRunner
+    ids, _ = free_run
+    k = next(k for k in range(3, len(ids)) if ids[k] not in ids[:k])
+    path = tiny_dir("qwen3", eos_token_id=ids[k])
+    graph_llm = LLM(path, enforce_eager=True, max_num_seqs=8, kvcache_block_size=16, max_model_len=64)
+    runner = graph_llm.model_runner
+    runner.capture_cudagraph(EagerReplayRunner)
+    replays, step = [], runner.graph_runner._step
+    runner.graph_runner._step = lambda bs: (replays.append(bs), step(bs))[1]
+    prompt = llm.tokenizer.encode(PROMPT)
+    masked, plain = graph_llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=16, min_tokens=k + 2),
+                                                          SamplingParams(temperature=0, max_tokens=16)], use_tqdm=False)
+    assert replays, "decode did not take the graph path"
+    assert masked.outputs[0].token_ids == hf_greedy_min(path, prompt, 16, k + 2, [ids[k], 2])
+    assert plain.outputs[0].token_ids == ids[:k + 1]
+
+
 def test_ignore_eos_still_stops_at_stop_token_ids(llm, free_run):
     ids, _ = free_run
     out = one(llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[ids[5]]))
