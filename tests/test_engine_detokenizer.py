@@ -153,9 +153,10 @@ def test_engine_text_keeps_the_prompt_boundary_and_equals_the_streamed_text(sent
     assert [streamed[i] for i in ids] == [o.outputs[0].text for o in offline]
 
 
-def test_smollm2_text_keeps_the_contract_and_streams_the_same(smollm2_tokenizer):
+def test_smollm2_text_keeps_the_contract_and_streams_the_same(smollm2_tokenizer, request):
     from nanovllm_ref.download import ensure_model
-    llm = LLM(str(ensure_model()), max_model_len=256, kvcache_block_size=16)
+    llm = LLM(str(ensure_model()), max_model_len=256, kvcache_block_size=16, max_num_seqs=4)
+    request.addfinalizer(llm.exit)                    # its weights and cache are 600 MB: give them back
     prompts = ["The capital of France is", "Café au lait and naïve", "日本語の", "Emoji: 🙂"]
     sp = SamplingParams(temperature=0, max_tokens=16)
     offline = llm.generate(prompts, sp, use_tqdm=False)

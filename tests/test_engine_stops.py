@@ -198,7 +198,9 @@ def test_stop_token_id_outside_the_vocabulary_is_refused_before_queuing(llm):
 @pytest.fixture(scope="module")
 def smollm2():
     from nanovllm_ref.download import ensure_model
-    return LLM(str(ensure_model()), max_model_len=256, kvcache_block_size=16)
+    llm = LLM(str(ensure_model()), max_model_len=256, kvcache_block_size=16, max_num_seqs=4)
+    yield llm
+    llm.exit()                                        # its weights and cache are 600 MB: give them back
 
 
 def test_special_eos_text_shows_only_when_kept_and_not_skipped(smollm2):
