@@ -208,7 +208,8 @@ def reference_throughput(trace) -> dict:
 
 def time_steps(llm, prompts, sampling_params, warmup_prompts=None, warmup_params=None) -> list[Step]:
     """Run `prompts` through `llm` step by step (after an optional warm-up run, marked warmup=True) and
-    return one Step per `llm.step()`: its kind and tokens from step()'s return value, its wall time."""
+    return one Step per `llm.step()`: its kind and tokens from `llm.last_step` (the step's StepStats), its wall
+    time."""
     import torch
     sync = torch.cuda.synchronize if llm.model_runner.device_type == "cuda" else (lambda: None)
     trace = []
@@ -220,9 +221,9 @@ def time_steps(llm, prompts, sampling_params, warmup_prompts=None, warmup_params
         while not llm.is_finished():
             sync()
             t = time.perf_counter()
-            _, n = llm.step()
+            llm.step()
             sync()
-            trace.append(Step("prefill" if n > 0 else "decode", abs(n), time.perf_counter() - t, warm))
+            trace.append(Step(llm.last_step.kind, llm.last_step.num_tokens, time.perf_counter() - t, warm))
     return trace
 
 

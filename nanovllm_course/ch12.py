@@ -250,13 +250,12 @@ def run_traced(parts, path, prompts, max_tokens=10):
         llm = LLM(path, parts=parts, **TIGHT)
         try:
             ids = [llm.add_request(p, sp) for p in prompts]
-            index = {sid: i for i, sid in enumerate(ids)}
+            index = {rid: i for i, rid in enumerate(ids)}
             done, trace = {}, []
             while not llm.is_finished():
-                finished, _ = llm.step()
-                done.update(finished)
+                done.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
                 s = llm.scheduler
-                trace.append(([index[q.seq_id] for q in s.running], [index[q.seq_id] for q in s.waiting],
+                trace.append(([index[q.request_id] for q in s.running], [index[q.request_id] for q in s.waiting],
                               s.num_preemptions))
                 if len(trace) > 500:
                     raise RuntimeError("the stream did not finish in 500 steps")

@@ -257,7 +257,7 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
     rows, t0 = [], time.perf_counter()
     while not llm.is_finished():
         t = time.perf_counter()
-        _, n = llm.step()
+        llm.step(); n = llm.last_step.num_tokens * (1 if llm.last_step.is_prefill else -1)  # noqa: E702
         rows.append((n, time.perf_counter() - t, run_s[0]))
     total = time.perf_counter() - t0
     runner.run = orig_run

@@ -145,8 +145,9 @@ class Config:
         from transformers import AutoConfig
         try:
             hf = AutoConfig.from_pretrained(self.model)
-        except Exception as exc:          # transformers' own validation: say which file, as a ValueError
-            raise ValueError(f"{config_path} is not a valid {archs[0]} config: {exc}") from exc
+        except Exception as exc:      # transformers' own validation errors are not ValueErrors
+            reason = " ".join(str(exc).split())
+            raise ValueError(f"{config_path} is not a valid {archs[0]} config (transformers: {reason})") from exc
         _set("hf_config", hf)
         if self.max_model_len is None:
             _set("max_model_len", min(4096, hf.max_position_embeddings))

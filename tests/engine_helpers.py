@@ -62,9 +62,9 @@ def run_checked(llm, prompts, sampling_params):
     sched = llm.scheduler
     done, steps = {}, 0
     while not llm.is_finished():
-        finished, _ = llm.step()
+        outs = llm.step()
         steps += 1
-        done.update(finished)
+        done.update((o.request_id, o.outputs[0].token_ids) for o in outs if o.finished)
         check_block_manager(sched.block_manager, list(sched.running) + list(sched.waiting))
     bm = sched.block_manager
     assert not sched.running and not sched.waiting
