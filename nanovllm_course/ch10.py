@@ -512,3 +512,13 @@ def check_graph_replay(fn, dtypes=None, device: str | None = None) -> None:
         finally:
             llm.exit()
     ok(tag)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+PARTS = [
+    EnginePart("graph_batch_sizes", "graph_batch_sizes", "E10.1",
+               check=lambda mod: check_graph_batch_sizes(mod.graph_batch_sizes)),
+    EnginePart("store_kvcache", "store_kvcache", "E10.3", check=lambda mod: check_capture_safe_store(mod.store_kvcache)),
+]

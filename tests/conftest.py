@@ -1,12 +1,16 @@
 """Shared pytest configuration.
 
 Notebook tests (course machinery): when CUDA is unavailable, nbval cells whose notebook cell is tagged
-`gpu` are skipped, like cells tagged `nbval-skip`.
+`gpu` are skipped, like cells tagged `nbval-skip`. `pytest --nbval` on a chapter notebook grades it against
+its solution (nanovllm_course/nbval_grading.py): one item per exercise, named by its id, failing with the
+check's verdict line.
 """
 import os
 
 import pytest
 import torch
+
+from nanovllm_course.nbval_grading import pytest_collect_file  # noqa: F401  (the grading hook)
 
 # The Triton kernels run on a CPU only under the Triton interpreter, chosen before any kernel is defined.
 # nanovllm_ref sets no environment variable itself, so the test session chooses it here (notebook kernels
