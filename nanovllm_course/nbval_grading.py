@@ -2,9 +2,11 @@
 
     pytest --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg path/to/chapters/
 
-The repository's root conftest.py loads tests/conftest.py, which loads this plugin (`-p
-nanovllm_course.nbval_grading` does the same from anywhere). For every notebook nbval collects whose name is a
-solution notebook's (`solutions/NN_slug.ipynb` of this checkout), the plugin grades it as
+The package registers this plugin with pytest (an entry point, `pytest11`, in pyproject.toml), so it is
+active in every pytest run of the course's environment, whatever folder the notebooks are in (the repository's
+conftest.py loads it too, through tests/conftest.py; `-p no:nanovllm_course` turns it off). It does nothing
+without --nbval. It skips cells tagged `gpu` where there is no CUDA, and for every notebook nbval collects
+whose name is a solution notebook's (`solutions/NN_slug.ipynb` of this checkout) it grades it as
 `python -m nanovllm_course grade` does:
 
 * each check cell runs the solution's check-cell source (matched by cell id, else by order among the cells
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from nanovllm_course import release as rel
+GPU_TAG = "gpu"
 
 
 class ExerciseNotOk(AssertionError):
@@ -40,9 +42,16 @@ class ExerciseNotOk(AssertionError):
         self.lines = lines
 
 
+def _rel():
+    """nanovllm_course.release, imported on first use (it needs nbformat; the plugin loads in every pytest run)."""
+    from nanovllm_course import release
+    return release
+
+
 def reference_of(path: Path):
     """(solution notebook, whether `path` is that solution itself), or (None, False) for a notebook that is not
     a chapter of this course."""
+    rel = _rel()
     path = Path(path)
     if not rel.NOTEBOOK_NAME.match(path.name):
         return None, False
@@ -68,6 +77,30 @@ def pytest_collect_file(file_path, parent):
         else:
             out.append(c)
     return out
+
+
+def _cell_tags(item) -> list:
+    cell = getattr(item, "cell", None)           # nbval.plugin.IPyNbCell keeps its notebook cell here
+    if cell is None:
+        return []
+    return list((cell.get("metadata") or {}).get("tags") or [])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without CUDA, notebook cells tagged `gpu` are skipped, like cells tagged `nbval-skip`."""
+    gpu_items = [item for item in items if GPU_TAG in _cell_tags(item)]
+    if not gpu_items:
+        return
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="notebook cell tagged 'gpu' needs CUDA")
+    for item in gpu_items:
+        item.add_marker(skip)
 
 
 def _options_of(cell, default_check: bool) -> dict:
@@ -101,6 +134,7 @@ def _classes():
     except ImportError:
         return None
     from _pytest._code.code import ReprFileLocation, TerminalRepr
+    rel = _rel()
 
     class VerdictRepr(TerminalRepr):
         """A failed exercise as pytest shows it: its verdict lines, the first one also in the short summary."""
