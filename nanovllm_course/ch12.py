@@ -131,16 +131,21 @@ def _choice_problem(got: dict, want: dict, cands: list, cuda: bool):
     fields = [f.name for f in dataclasses.fields(__import__("nanovllm_ref").Parts)]
     keys = [f for f in fields if f in got or f in want] + sorted(k for k in got if k not in fields)
     device = "with CUDA" if cuda else "without CUDA"
+    for f, g in got.items():
+        if not any(g is c for c in cands):
+            return (f"the value for {f!r} is not one of the candidates you were given (got {type(g).__name__})",
+                    "map each field to the Candidate object itself, e.g. chosen[c.field] = c")
+        if g.field != f:
+            return (f"you put {g.label} (a {g.field} part) under {f!r}",
+                    "key the dict by each candidate's field: chosen[c.field] = c")
+    if cuda and got != want and got == reference_choose_parts([c for c in cands if not c.triton], cuda):
+        f = next(f for f in keys if got.get(f) is not want.get(f))
+        return (f"{f}: {device} you chose {got[f].label if f in got else 'the reference'}, the right one is the "
+                f"Triton kernel {want[f].label}", "skip Triton candidates only when cuda is False: on a GPU they run")
     for f in keys:
         g, w = got.get(f), want.get(f)
         if g is w:
             continue
-        if g is not None and not any(g is c for c in cands):
-            return (f"the value for {f!r} is not one of the candidates you were given (got {type(g).__name__})",
-                    "map each field to the Candidate object itself, e.g. chosen[c.field] = c")
-        if g is not None and g.field != f:
-            return (f"you put {g.label} (a {g.field} part) under {f!r}",
-                    "key the dict by each candidate's field: chosen[c.field] = c")
         if g is not None and g.status != "ok":
             return (f"{f}: you chose {g.label}, whose status is {g.status!r}",
                     "only a candidate with status 'ok' (it passed its chapter's check) may run; a stub, a missing "
@@ -161,7 +166,8 @@ def _choice_problem(got: dict, want: dict, cands: list, cuda: bool):
             return (f"{f}: you chose {g.label}, but no candidate may run there", None)
         same_chapter = g.rank[0] == w.rank[0]
         return (f"{f}: {device} you chose {g.label}, the right one is {w.label}",
-                f"within one chapter the later exercise wins ({w.exercise} over {g.exercise}): compare c.rank"
+                f"within one chapter the later exercise wins ({w.exercise} over {g.exercise}): compare c.rank, "
+                "whatever order the candidates come in"
                 if same_chapter else
                 f"the highest chapter wins (chapter {w.chapter} over chapter {g.chapter}): compare c.rank, "
                 "whatever order the candidates come in")
@@ -227,7 +233,7 @@ class Capstone:
         """A copy whose C.1-C.3 run `obj` as your part for `field_name`, as if your chosen candidate there were
         it (tests: a wrong part that passed its own check)."""
         c = self.choice[field_name]
-        objects = dict(self.objects, **{(c.chapter, c.name): obj})
+        objects = {**self.objects, (c.chapter, c.name): obj}
         part = ex.part_for(c.chapter, c.name, field_name)
         cpu = dataclasses.replace(self.cpu_parts, **{field_name: part.value(obj)})
         return dataclasses.replace(self, objects=objects, cpu_parts=cpu, results={})

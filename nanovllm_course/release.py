@@ -220,7 +220,7 @@ def student_dependent_cells(nb) -> list[int]:
             if words & (tainted | ENGINE_HELPERS) or shows_student_work(cell):
                 found.append(i)
             continue
-        reads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        reads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         dependent = bool(reads & tainted) or bool((reads | attrs) & ENGINE_HELPERS) or shows_student_work(cell)
         if is_check_cell(cell):
