@@ -453,7 +453,8 @@ def test_pytest_nbval_passes_a_filled_chapter(name, nbval_filled):
 def test_pytest_nbval_and_grade_agree_on_right_wrong_and_missing_answers(tmp_path):
     """Two notebooks of one student: 01 with E1.1 right but its check cell deleted and E1.2 wrong; 04 with E4.1
     right, E4.2 still the stub and E4.3 a store that reads V with K's strides (the engine sees it if the unit
-    check does not). `grade` and `pytest --nbval` give every exercise the same verdict line."""
+    check does not). `grade` and `pytest --nbval` give every exercise the same verdict (the same line, up to
+    the numbers of the fresh random case each run drew)."""
     ch01 = filled_chapter("01_rmsnorm.ipynb")
     first_check = rel.expected_failures(ch01)[0]
     del ch01.cells[first_check]
@@ -491,7 +492,11 @@ def test_pytest_nbval_and_grade_agree_on_right_wrong_and_missing_answers(tmp_pat
         for c in nb_cases:
             if re.match(r"E\d+\.\d+$", c.name):
                 verdicts[c.name] = f"{c.name} ok" if c.outcome == "passed" else c.message
-    assert verdicts == grade_lines
+    # the checks draw fresh inputs on each run, so sizes and values in a message differ between the two runs
+    def shape(line):
+        return re.sub(r"-?\d+(\.\d+)?(e-?\d+)?", "#", line)
+    assert sorted(verdicts) == sorted(grade_lines)
+    assert {e: shape(v) for e, v in verdicts.items()} == {e: shape(v) for e, v in grade_lines.items()}
     others = [(c.name, c.outcome) for nb_cases in cases.values() for c in nb_cases
               if not c.name.startswith("E") and c.outcome not in ("passed", "skipped")]
     assert others == [], others
