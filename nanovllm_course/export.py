@@ -267,8 +267,12 @@ def default_out(notebooks_dir: Path) -> Path:
 def fresh_package_dir(prefix: str = "nanovllm_parts_") -> Path:
     """A new, empty place for one export: <temp>/<prefix>XXXX/student_<hex>. The package name is unique too,
     so two exports imported into one process (two capstones, a test) never share modules, and two graders
-    running at once never write into the same folder."""
-    return Path(tempfile.mkdtemp(prefix=prefix)) / f"student_{secrets.token_hex(4)}"
+    running at once never write into the same folder. The folder is removed when the process exits."""
+    import atexit
+    import shutil
+    parent = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, parent, True)
+    return parent / f"student_{secrets.token_hex(4)}"
 
 
 def export(notebooks_dir: Path, out_dir: Path | None = None, chapters=None) -> list[dict]:

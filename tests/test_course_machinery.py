@@ -448,6 +448,8 @@ def test_pytest_nbval_passes_a_filled_chapter(name, nbval_filled):
     bad = [(c.name, c.outcome, c.message) for c in cases
            if c.outcome not in ("passed", "skipped") or (c.outcome == "skipped" and "gpu" not in c.message)]
     assert not bad, bad
+    seconds, budget = sum(c.seconds for c in cases), rel.cpu_budget(nb)    # the engine runs of the checks included
+    assert seconds <= budget, f"{name} took {seconds:.0f} s filled, under pytest --nbval (CPU budget {budget:.0f} s)"
 
 
 def test_pytest_nbval_and_grade_agree_on_right_wrong_and_missing_answers(tmp_path):
