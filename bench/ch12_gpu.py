@@ -18,8 +18,8 @@ The runs share one engine, as in the notebook's cell, and prefix caching is on: 
 the workload's first 4, and runs 2 and 3 find every prompt cached. Both engines get the same, and it only
 shortens prefill, a small share of this decode-heavy workload; `nanovllm_ref.bench` instead times each run
 in a fresh engine.
-The student's engine uses capstone.parts: on a GPU that is chapter 06's Triton decode kernel, where the CPU
-sections of the notebook run chapter 04's PyTorch decode.
+The student's engine uses capstone.gpu_parts (the course's choice of parts with cuda=True): on a GPU that is
+chapter 06's Triton decode kernel, where the CPU sections of the notebook run chapter 04's PyTorch decode.
 """
 import argparse
 import json

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from nanovllm_course import export as ex
-from nanovllm_course.common import CheckFailed, NotDone, call_student, check_type, fail, fresh_generator, ok, \
+from nanovllm_course.common import CheckFailed, call_student, check_type, fail, fresh_generator, ok, \
     tiny_model_dir
 
 TAG = "E12.1"
@@ -190,11 +190,9 @@ def check_choose_parts(fn) -> None:
 
 
 # -- assembling ------------------------------------------------------------------------------------------------
-def part_label(c) -> str:
-    """`sampler (ch08 E8.1-E8.4)`: a Parts field and the exercise it comes from (a Candidate or a manifest row)."""
-    if isinstance(c, Candidate):
-        return f"{c.field} (ch{c.chapter} {c.exercise})"
-    return f"{c['field']} (ch{c['chapter']} {c['exercise']})"
+def part_label(c: Candidate) -> str:
+    """`sampler (ch08 E8.1-E8.4)`: a Parts field and the exercise its Candidate comes from."""
+    return f"{c.field} (ch{c.chapter} {c.exercise})"
 
 
 @dataclass
@@ -210,11 +208,6 @@ class Capstone:
     cpu_parts: object = None       # nanovllm_ref.Parts built from `choice`
     gpu_parts: object = None       # and from `gpu_choice`
     results: dict = field(default_factory=dict)     # section -> (passed, part blamed or None, message)
-
-    @property
-    def parts(self):
-        """The Parts a GPU run gets (C.4); on a CPU-only machine the same as cpu_parts."""
-        return self.gpu_parts
 
     def cpu_objects(self) -> dict:
         """Parts field -> (Candidate, your exported object) for each field C.1-C.3 run your code in."""
@@ -258,16 +251,6 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
-class _PartModule:
-    """A module whose attributes are those of the exported chNN module (tests may plant one object)."""
-
-    def __init__(self, module, planted=None):
-        self._mod, self._planted = module, planted or {}
-
-    def __getattr__(self, name):
-        return self._planted[name] if name in self._planted else getattr(self._mod, name)
-
-
 def run_part_check(part, module) -> str | None:
     """Run `part`'s declared chapter check on `module` with its output hidden: None when it passes, else the
     first line of why not."""
@@ -303,9 +286,13 @@ def statuses(rows: list, package: str) -> tuple[list, dict, dict]:
     candidates = []
     for part in ex.all_parts():
         row = by_key.get((part.chapter, part.name, part.field))
-        status = "missing" if row is None or row["status"] == "missing" else "stub" if row["status"] != "done" \
-            else "failed" if (part.chapter, part.exercise) in problems else "ok" if all(done_ex[(part.chapter, part.exercise)]) \
-            else "stub"
+        key = (part.chapter, part.exercise)
+        if row is None or row["status"] == "missing":
+            status = "missing"
+        elif not all(done_ex[key]):            # this part, or another of its exercise, still a stub
+            status = "stub"
+        else:
+            status = "failed" if key in problems else "ok"
         candidates.append(candidate_of(part, status))
         if status == "ok":
             module = importlib.import_module(f"{package}.ch{part.chapter}")
