@@ -23,7 +23,9 @@ differed, for which prompt and at which token, with a hint about what the engine
 check may not. A part built over several exercises (chapter 07's Scheduler: E7.1-E7.3) runs in the engine
 from the check of the last one once every piece is filled in; until then the call prints a note. A part that
 only a CUDA graph uses (`graph_batch_sizes`) runs in the engine on a GPU only, with CUDA graphs on, against
-the reference engine there; on a CPU the engine captures no graph, so the call does nothing.
+the reference engine there; on a CPU the engine captures no graph, so the call does nothing. A Triton kernel
+(chapter 06) runs in an engine on the GPU when Triton compiles for one (fp32, the same comparisons), and on the
+CPU under Triton's interpreter otherwise.
 
 `your_part_in_the_engine(**functions)` (ungraded, prints one line, never raises) runs all the given parts
 together in the first setting: a chapter's demo of its parts in company.
@@ -158,6 +160,9 @@ def in_the_engine(tag: str, **functions) -> None:
         if torch.cuda.is_available():
             _graphs_run(tag, label, parts, path, greedy)
         return
+    roomy, tight = ROOMY, TIGHT
+    if any(p.triton for p in parts_used) and compiled_triton():      # a GPU kernel needs GPU tensors
+        roomy, tight = (dict(args, device="cuda", dtype="float32") for args in (ROOMY, TIGHT))
 
     def run(setting, engine_args, params):
         try:
@@ -171,7 +176,7 @@ def in_the_engine(tag: str, **functions) -> None:
                       f"{text[0][:200] if text else ''}" + (f" (in {where[0]}, line {where[1]})" if where else ""),
                  hint)
 
-    got, _ = run("4 prompts, greedy", ROOMY, greedy)
+    got, _ = run("4 prompts, greedy", roomy, greedy)
     want = [_hf_greedy(path, p) for p in PROMPTS]
     bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
     if bad:
@@ -186,8 +191,8 @@ def in_the_engine(tag: str, **functions) -> None:
         params[1] = SamplingParams(temperature=0.8, top_k=20, max_tokens=MAX_TOKENS, ignore_eos=True)
         params[3] = SamplingParams(temperature=1.2, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True)
     setting = "a tight KV cache: 12 blocks of 4 tokens, 8-token chunks, preemption"
-    got, _ = run(setting, TIGHT, params)
-    want, _ = run_engine(Parts(), path, PROMPTS, params, **TIGHT)
+    got, _ = run(setting, tight, params)
+    want, _ = run_engine(Parts(), path, PROMPTS, params, **tight)
     vocab = _vocab_size(path)
     for i, (g, w) in enumerate(zip(got, want)):
         if i in sampled:
@@ -197,6 +202,13 @@ def in_the_engine(tag: str, **functions) -> None:
         elif g != w:
             fail(tag, f"your {label} passes the check above and the roomy engine run, but under {setting} request "
                       f"{i}'s greedy ids differ from the reference engine's ({_first_difference(g, w)})", hint)
+
+
+def compiled_triton() -> bool:
+    """True when Triton kernels are compiled for a GPU (CUDA, no TRITON_INTERPRET): chapter 06's kernels then
+    need the engine on the GPU; in the interpreter they run on CPU tensors."""
+    import os
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @functools.lru_cache(maxsize=None)
