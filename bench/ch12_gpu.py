@@ -18,8 +18,8 @@ The runs share one engine, as in the notebook's cell, and prefix caching is on: 
 the workload's first 4, and runs 2 and 3 find every prompt cached. Both engines get the same, and it only
 shortens prefill, a small share of this decode-heavy workload; `nanovllm_ref.bench` instead times each run
 in a fresh engine.
-The student's engine uses capstone.parts: on a GPU that is chapter 06's Triton decode kernel, where the CPU
-sections of the notebook run chapter 04's PyTorch decode.
+The student's engine uses capstone.gpu_parts (the course's choice of parts with cuda=True): on a GPU that is
+chapter 06's Triton decode kernel, where the CPU sections of the notebook run chapter 04's PyTorch decode.
 """
 import argparse
 import json
@@ -93,14 +93,14 @@ def run_engine(path, parts, prompts, max_tokens, settings, deadline=None) -> dic
 
 
 def student_parts(smoke: bool, out_dir: str):
-    """Export solutions/ into out_dir/student the way a student's chapters are exported (the capstone's
-    round trip) and assemble the capstone. Returns (parts, labels of the parts that are the student's)."""
+    """Export solutions/ the way a student's chapters are exported (the capstone's round trip, into a fresh
+    package) and assemble the capstone with the course's choice of parts. Returns (parts, labels of the parts
+    that are the student's). out_dir is unused (kept for the command line); the export goes to a temp folder."""
     from nanovllm_course import ch12
-    cap = ch12.assemble(lambda: ch12.SOLUTIONS, out=str(Path(out_dir) / "student"))
-    # on a CPU chapter 06's Triton kernel would only be interpreted: run (and name) what the notebook's CPU runs
-    parts, rows = (cap.cpu_parts, ch12.cpu_rows(cap)) if smoke else (cap.parts, cap.rows)
-    labels = [ch12.part_label(r) for r in ch12.ex.shown_rows(rows).values() if r["status"] == "done"]
-    return parts, labels
+    cap = ch12.assemble(ch12.SOLUTIONS, ch12.reference_choose_parts)
+    # on a CPU chapter 06's Triton kernels would only be interpreted: run (and name) what the notebook's CPU runs
+    choice, parts = (cap.choice, cap.cpu_parts) if smoke else (cap.gpu_choice, cap.gpu_parts)
+    return parts, [ch12.part_label(c) for c in choice.values()]
 
 
 def main(argv=None) -> int:

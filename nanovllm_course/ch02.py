@@ -204,3 +204,12 @@ def relative_position_demo(head_dim: int = 64, base: float = 10000.0, seed: int 
         k_rot, _ = reference_apply_rope(torch.tensor([pk]), k, k[:, :1], cos, sin)
         scores.append((q_rot * k_rot).sum().item())
     return abs(scores[0] - scores[1]) < 1e-4 * max(1.0, abs(scores[0]))
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+PARTS = [
+    EnginePart("rope_cos_sin", "rope_cos_sin", "E2.1", check=lambda mod: check_rope_cos_sin(mod.rope_cos_sin)),
+    EnginePart("apply_rope", "rotary", "E2.2", check=lambda mod: check_apply_rope(mod.apply_rope)),
+]

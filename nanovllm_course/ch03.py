@@ -504,3 +504,16 @@ def check_prefill_logits(prefill_logits, build_model) -> None:
         check_close(tag, got, expected, **tol, what=f"prefill_logits output [{where}]",
                     hint="one row of logits per prompt: [num_prompts, vocab_size], float32")
     ok(tag)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+from nanovllm_course import export as _export  # noqa: E402
+
+# one exercise, two loaders, one check of both (the capstone runs it once)
+PARTS = [
+    EnginePart("qkv_weight_loader", "qkv_weight_loader", "E3.3", adapter=_export.one_rank_qkv_loader,
+               check=lambda mod: check_packed_loaders(mod.qkv_weight_loader, mod.gate_up_weight_loader)),
+    EnginePart("gate_up_weight_loader", "gate_up_weight_loader", "E3.3", adapter=_export.one_rank_gate_up_loader,
+               check=lambda mod: check_packed_loaders(mod.qkv_weight_loader, mod.gate_up_weight_loader)),
+]

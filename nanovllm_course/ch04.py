@@ -336,3 +336,18 @@ def check_store_kvcache(fn) -> None:
             fail(tag, f"{name}: slot {bad} (block {bad // bs}, offset {bad % bs}) holds the wrong values "
                       f"[{where}]", hint)
     ok(tag)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+from nanovllm_course import export as _export  # noqa: E402
+
+PARTS = [
+    EnginePart("slot_mapping", "prepare_prefill", "E4.1", adapter=_export.prefill_with_slots,
+               check=lambda mod: check_slot_mapping(mod.slot_mapping)),
+    EnginePart("slot_mapping", "prepare_decode", "E4.1", adapter=_export.decode_with_slots,
+               check=lambda mod: check_slot_mapping(mod.slot_mapping)),
+    EnginePart("paged_decode", "attention_backend", "E4.2", adapter=_export.torch_backend_with_decode,
+               check=lambda mod: check_paged_decode(mod.paged_decode)),
+    EnginePart("store_kvcache", "store_kvcache", "E4.3", check=lambda mod: check_store_kvcache(mod.store_kvcache)),
+]

@@ -710,3 +710,14 @@ def check_prefix_caching(cls) -> None:
     for _ in range(4):
         _random_stream(tag, cls, rng, caching=True)
     ok(tag)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+# two exercises fill one field: the later (prefix caching) wins where both are done
+PARTS = [
+    EnginePart("BlockManager", "block_manager", "E5.2", check=lambda mod: check_block_manager_basics(mod.BlockManager)),
+    EnginePart("CachingBlockManager", "block_manager", "E5.3",
+               check=lambda mod: check_prefix_caching(mod.CachingBlockManager)),
+]

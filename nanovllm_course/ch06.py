@@ -539,3 +539,15 @@ def check_split_decode(fn) -> None:
                         "sum_s exp(lse_s - M), M = max_s lse_s, where o_s is split s's normalised output")
             _compare_decode(tag, got, expected, where, dtype, hint)
     ok(tag)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+from nanovllm_course import export as _export  # noqa: E402
+
+PARTS = [
+    EnginePart("store_kvcache", "store_kvcache", "E6.1", triton=True,
+               check=lambda mod: check_store_kvcache(mod.store_kvcache)),
+    EnginePart("paged_decode", "attention_backend", "E6.3", adapter=_export.torch_backend_with_decode, triton=True,
+               check=lambda mod: check_paged_decode(mod.paged_decode)),
+]

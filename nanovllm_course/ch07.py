@@ -746,3 +746,14 @@ def check_schedule_decode(cls) -> None:
 def check_postprocess(cls) -> None:
     """E7.3: postprocess() (with the reference schedule())."""
     _check("E7.3", cls)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+# one class built over three exercises: E7.3's check runs it inside the engine once all three are done
+PARTS = [
+    EnginePart("Scheduler", "scheduler", "E7.1-E7.3",
+               check=lambda mod: (check_schedule_prefill(mod.Scheduler), check_schedule_decode(mod.Scheduler),
+                                  check_postprocess(mod.Scheduler))),
+]

@@ -435,3 +435,12 @@ def your_sampler_in_the_engine(sample) -> None:
 
 
 HELPERS = ("temperature_probs", "top_k_top_p", "exponential_race")
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+# sample() calls the E8.1-E8.3 helpers; E8.4's check runs it inside the engine
+PARTS = [
+    EnginePart("sample", "sampler", "E8.1-E8.4", check=lambda mod: check_sample(mod.sample)),
+]

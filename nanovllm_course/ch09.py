@@ -365,3 +365,18 @@ def tp2_equals_tp1(max_tokens: int = 6) -> tuple[list, list]:
         finally:
             llm1.exit()
     return tp2, tp1
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+# the rank-aware loaders have the Parts signature; the capstone checks them with the reference row and vocab
+# loaders (only these two are engine parts)
+PARTS = [
+    EnginePart("load_qkv_shard", "qkv_weight_loader", "E9.1",
+               check=lambda mod: check_shard_loaders(mod.load_qkv_shard, mod.load_gate_up_shard,
+                                                     reference_load_row_shard, reference_load_vocab_shard)),
+    EnginePart("load_gate_up_shard", "gate_up_weight_loader", "E9.1",
+               check=lambda mod: check_shard_loaders(mod.load_qkv_shard, mod.load_gate_up_shard,
+                                                     reference_load_row_shard, reference_load_vocab_shard)),
+]

@@ -11,7 +11,7 @@
 - `check_capture_safe_store(fn)` (E10.3): `fn(key, value, k_cache, v_cache, slot_mapping)`, the Parts
   `store_kvcache` signature. (1) A dispatch spy (`TorchDispatchMode`) records every ATen op it runs and fails
   on the ones that make the host wait for the device or give data-dependent shapes: `aten._local_scalar_dense`
-  (`.item()`, `.tolist()`, `int(t)`, `if t:`), `aten.nonzero`, `aten.masked_select`, indexing or index_put
+  (`.item()`, `.tolist()`, `int(t)`, `if t:`, and `x[t]` with a 0-d tensor t), `aten.nonzero`, `aten.masked_select`, indexing or index_put
   with a boolean mask, `aten.unique*`. (2) The caches must equal the reference store's **bit for bit** on
   fp32 and bf16 cases with slots -1 (padding) anywhere, a real row writing slot 0 next to padding rows, no
   padding, only padding, and non-contiguous key/value.
@@ -280,6 +280,25 @@ def _store_cases(g):
     return cases
 
 
+def _store_sync_failure(tag, op, why, ops, case):
+    """E10.3's verdict on a store that makes the host wait. Indexing with a 0-d tensor (`slots[first]`, where
+    `first = mask.argmax()`) is the trap that hides best: PyTorch turns `x[t]` into `x[t.item()]`, a host read
+    (aten._local_scalar_dense) followed by a select, without an `.item()` in sight."""
+    k = ops.index(op) if op in ops else -1
+    follows = ops[k + 1] if 0 <= k < len(ops) - 1 else None
+    if op == "_local_scalar_dense" and follows in ("select", "slice"):
+        fail(tag, f"your store indexes a tensor with a 0-d tensor (x[t] where t is, e.g., the result of argmax()): "
+                  f"PyTorch reads t's value on the host to pick the row (aten._local_scalar_dense, then aten.{follows}), "
+                  f"so the host waits for the GPU and a CUDA graph cannot capture it (case: {case})",
+             "index with a 1-element index tensor instead, which stays on the device: x.index_select(0, t.view(1)) "
+             "(or torch.gather)")
+    fail(tag, f"your store runs aten.{op}: it {why}, so the host waits for the GPU and a CUDA graph "
+              f"cannot capture it (case: {case})",
+         "keep every row and compute where each padding row goes with tensor ops (torch.where, index_select with a "
+         "1-element index tensor); never read a value on the host (.item(), .tolist(), int(t), `if t:`, or x[t] "
+         "with a 0-d tensor t) and never filter rows with a boolean mask")
+
+
 def check_capture_safe_store(fn) -> None:
     tag = "E10.3"
     g = fresh_generator()
@@ -293,10 +312,7 @@ def check_capture_safe_store(fn) -> None:
             call_student(tag, fn, key, value, k_cache, v_cache, slots)
         if spy.problems:
             op, why = spy.problems[0]
-            fail(tag, f"your store runs aten.{op}: it {why}, so the host waits for the GPU and a CUDA graph "
-                      f"cannot capture it (case: {name})",
-                 "keep every row and send the padding rows somewhere harmless with torch.where / clamp; do not "
-                 "filter rows with a mask or read values on the host")
+            _store_sync_failure(tag, op, why, spy.ops, name)
         check_unchanged(tag, before, dict(key=key, value=value, slot_mapping=slots))
         for what, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
             if torch.equal(got, want):
@@ -512,3 +528,13 @@ def check_graph_replay(fn, dtypes=None, device: str | None = None) -> None:
         finally:
             llm.exit()
     ok(tag)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+PARTS = [
+    EnginePart("graph_batch_sizes", "graph_batch_sizes", "E10.1",
+               check=lambda mod: check_graph_batch_sizes(mod.graph_batch_sizes)),
+    EnginePart("store_kvcache", "store_kvcache", "E10.3", check=lambda mod: check_capture_safe_store(mod.store_kvcache)),
+]
