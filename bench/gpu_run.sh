@@ -41,7 +41,7 @@ ch12() {   # CH12_FIRST=1 runs it before the other steps, CH12=1 after them
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/b/gguf-*.whl
     cat /tmp/smol/part_aa .carry/b/part_ab > /tmp/smol/model.gguf
     python3 - <<'PY'
-from nanovllm_ref import download
+from nanovllm_models import download
 download.verify_sha256("/tmp/smol/model.gguf", download.MODELS["smollm2"]["sha256"])
 print(download.convert_gguf("/tmp/smol/model.gguf", download.model_dir("smollm2")))
 PY

@@ -1,7 +1,7 @@
 """Checks and tools for chapter 11: benchmarking (the physical floor, throughput, the roofline, peers).
 
 - `check_workload_floor(fn)` (E11.1): the student's `workload_floor(prompts, max_tokens, config, bw_bytes_s,
-  flops_s)` against `nanovllm_ref.bench.physical_floor(prompts, max_tokens, model_stats(config), ...)` on
+  flops_s)` against `nanovllm_bench.floor.physical_floor(prompts, max_tokens, model_stats(config), ...)` on
   the upstream workload and on fresh random workloads and model shapes, every key within **rtol 1e-9**.
 - `check_throughput(fn)` (E11.2): the student's `throughput(trace)` against `reference_throughput` on fresh
   random step traces, **exactly** (the traces' seconds are multiples of 1/1024 s, so every sum is exact in
@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from nanovllm_course.common import call_student, fail, fresh_generator, ok, randint
-from nanovllm_ref.bench import QWEN3_06B, make_workload, model_stats, pct_of_floor, physical_floor
+from nanovllm_bench.floor import model_stats, pct_of_floor, physical_floor
+from nanovllm_bench.workload import QWEN3_06B, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -47,7 +48,7 @@ PUBLISHED = {
 
 def qwen3_06b_config():
     """The Qwen3-0.6B shape as a transformers config (what the GPU bench builds, with random weights)."""
-    from nanovllm_ref.tiny import tiny_config
+    from nanovllm_models.tiny import tiny_config
     return tiny_config("qwen3", **QWEN3_06B)
 
 
@@ -130,7 +131,7 @@ def _close(a, e, rtol):
 
 
 def _random_config(g):
-    from nanovllm_ref.tiny import tiny_config
+    from nanovllm_models.tiny import tiny_config
     hkv = randint(g, 1, 4)
     heads = hkv * randint(g, 1, 4)
     return tiny_config("qwen3", vocab_size=randint(g, 500, 4000), hidden_size=16 * randint(g, 2, 12),
@@ -448,7 +449,8 @@ def main(argv=None) -> int:
     import tempfile
 
     import torch
-    from nanovllm_ref.bench import make_model_folder, measure_machine
+    from nanovllm_bench.machine import measure_machine
+    from nanovllm_bench.workload import make_model_folder
     if not torch.cuda.is_available():
         print("vllm: needs a CUDA GPU", file=sys.stderr)
         return 2

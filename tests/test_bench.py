@@ -3,8 +3,10 @@ import json
 
 import pytest
 
-from nanovllm_ref.bench import QWEN3_06B, main, make_workload, model_stats, physical_floor
-from nanovllm_ref.tiny import tiny_config
+from nanovllm_bench.cli import main
+from nanovllm_bench.floor import model_stats, physical_floor
+from nanovllm_bench.workload import QWEN3_06B, make_workload
+from nanovllm_models.tiny import tiny_config
 
 
 def test_default_workload_matches_upstream_bench_totals():
@@ -95,9 +97,9 @@ def test_tp_comm_cpu_smoke_counts_one_decode_steps_collectives(tmp_path):
 def test_step_profile_at_tensor_parallel_2_times_whole_steps_over_gloo():
     """--profile at TP=2 (the H200 pair's breakdown): every workload step is timed and each decode batch gets
     its whole-step time; the eager kernel profile, which would switch graphs off on rank 0 alone, is left out."""
-    from nanovllm_ref.bench import step_profile
+    from nanovllm_bench.profile import step_profile
     import tempfile
-    from nanovllm_ref.tiny import make_tiny_model
+    from nanovllm_models.tiny import make_tiny_model
     path = make_tiny_model(tempfile.mkdtemp(), "qwen3")
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     res = step_profile(path, dict(tensor_parallel_size=2, device="cpu", enforce_eager=True, max_model_len=64,

@@ -275,7 +275,7 @@ def test_cuda_graph_draws_follow_softmax_and_change_every_replay():
 
 @cuda_only
 def test_cuda_no_compile_inside_generate_after_start_up():
-    from nanovllm_ref.bench import compile_counts
+    from nanovllm_bench.machine import compile_counts
     llm = LLM(tiny_dir("qwen3"), enforce_eager=False, kvcache_block_size=16, max_num_batched_tokens=32,
               max_num_seqs=6, attention_backend="triton")
     before = compile_counts()
@@ -322,7 +322,7 @@ def test_eager_steps_switches_graph_replay_off_inside_the_block_only(tmp_path):
     """ModelRunner.eager_steps(): the hook benchmarks use to run decode steps eagerly; the captured graphs
     come back after the block, also when the block raises."""
     from nanovllm_ref import LLM
-    from nanovllm_ref.tiny import make_tiny_model
+    from nanovllm_models.tiny import make_tiny_model
     llm = LLM(make_tiny_model(str(tmp_path / "m")), device="cpu")
     runner = llm.model_runner
     marker = object()

@@ -1,4 +1,4 @@
-"""CPU benchmark on the real model: `python -m nanovllm_ref bench --cpu` (issue 15, chapter 11).
+"""CPU benchmark on the real model: `python -m nanovllm_bench --cpu` (issue 15, chapter 11).
 
 Model: SmolLM2-135M-Instruct in fp32 (`download.ensure_model()`). Peer: HF transformers `generate` on the same
 prompts, left-padded, as one batch, greedy. Both run in this process, interleaved (engine, HF, engine, HF,
@@ -180,7 +180,7 @@ def run_workload(name, engine, hf, prompts, max_new_tokens, eos, threads_list, r
 
 def main(args) -> int:
     warnings.filterwarnings("ignore")
-    from nanovllm_ref import download
+    from nanovllm_models import download
     path = args.model or str(download.ensure_model("smollm2"))
     threads_list = [int(t) for t in args.threads.split(",")]
     repeats = args.repeats
@@ -189,8 +189,9 @@ def main(args) -> int:
         print(msg, flush=True)
 
     engine_args = dict(device="cpu", dtype="float32", max_model_len=2048)
-    if args.kvcache_block_size:
-        engine_args["kvcache_block_size"] = args.kvcache_block_size
+    for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name):
+            engine_args[name] = getattr(args, name)
     if args.backends not in ("auto", None):
         engine_args["attention_backend"] = args.backends
     import transformers
