@@ -15,6 +15,7 @@ import datetime as dt
 import importlib.machinery
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -103,11 +104,15 @@ def run_peer(spec: PeerSpec, workload, model_dir: str, *, cuda: bool, timeout_s:
     log_path = os.path.join(log_dir, "".join(c if c.isalnum() or c in "-_" else "_" for c in spec.name) + ".log")
     t = time.perf_counter()
     with open(log_path, "w") as log:
+        # A session of its own, so that a timeout ends the peer's own children too (TP workers, vLLM's
+        # engine core), not the peer alone.
+        proc = subprocess.Popen([sys.executable, "-m", "nanovllm_bench.peer", spec_path, row_path], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         try:
-            proc = subprocess.run([sys.executable, "-m", "nanovllm_bench.peer", spec_path, row_path], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=ROOT)
-            code = proc.returncode
+            code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             code = None
     wall = time.perf_counter() - t
     with open(log_path) as f:

@@ -123,7 +123,10 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     try:
-        code = main()
+        # Through the module's own name, so that peer modules' `Unavailable` is the class caught here (run as
+        # a script this file is `__main__`, another copy of the module).
+        from nanovllm_bench import peer as _peer
+        code = _peer.main()
     except BaseException:
         import traceback
         traceback.print_exc()
