@@ -414,6 +414,44 @@ def h200_result(fname="bench_h200.json", folder: Path = RESULTS) -> dict:
     return json.loads((Path(folder) / fname).read_text())
 
 
+def peer_rows(record: dict) -> list[dict]:
+    """One row per peer of a benchmark record (nanovllm_bench's JSON): name, family (nanovllm_ref, vllm,
+    nano-vllm, hf), tok/s median with min and max, batch-1 tok/s, % of floor, start-up seconds, the peer's
+    version (nanovllm_ref: its commit), torch / transformers versions, the record's date and machine; a peer
+    that did not run keeps its status and reason."""
+    rows = []
+    for r in record["runs"]:
+        v = r.get("versions") or {}
+        family = r.get("peer") or next((f for f in ("nanovllm_ref", "vllm", "nano-vllm", "hf")
+                                        if r["name"].startswith(f if f != "hf" else "hf_")), "other")
+        rows.append(dict(name=r["name"], family=family, status=r.get("status", "ok" if r.get("tok_s") else "failed"),
+                         tok_s=r.get("tok_s"), min_tok_s=r.get("min_tok_s"), max_tok_s=r.get("max_tok_s"),
+                         repeats=r.get("repeats"), batch1_tok_s=r.get("batch1_tok_s"), pct_of_floor=r.get("pct_of_floor"),
+                         startup_s=r.get("startup_s"), version=v.get("peer") if family != "nanovllm_ref" else
+                         (v.get("commit") or v.get("peer")), torch=v.get("torch"), transformers=v.get("transformers"),
+                         reason=r.get("reason") or r.get("error"), date=record["date"],
+                         machine=record["machine"].get("device_name")))
+    return rows
+
+
+def peers_markdown(record: dict) -> str:
+    """The record's peers as a markdown table (what chapter 11 and the README show)."""
+    lines = [f"{record['machine'].get('device_name')}, {record['date']}, {record['workload']['num_requests']} requests, "
+             f"{record['workload']['output_tokens']:,} output tokens",
+             "", "| engine | version | tok/s, median (min-max) | % of floor | batch-1 tok/s | start-up |",
+             "|---|---|---|---|---|---|"]
+    for r in peer_rows(record):
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['version'] or ''} | {r['status']}: "
+                         f"{(r['reason'] or '').splitlines()[0][:80]} | | | |")
+            continue
+        pct = f"{r['pct_of_floor']:.1f} %" if r["pct_of_floor"] else ""
+        b1 = f"{r['batch1_tok_s']:,.0f}" if r["batch1_tok_s"] else ""
+        lines.append(f"| {r['name']} | {r['version'] or ''} | {r['tok_s']:,.0f} ({r['min_tok_s']:,.0f}-"
+                     f"{r['max_tok_s']:,.0f}) | {pct} | {b1} | {r['startup_s']:.0f} s |")
+    return "\n".join(lines)
+
+
 # -- the vLLM peer -------------------------------------------------------------------------------------------
 def run_vllm(model_path, prompts, max_tokens, temperature=0.6, *, vllm_module=None, max_model_len=4096,
              tensor_parallel_size=1, enforce_eager=False, max_num_seqs=512, max_num_batched_tokens=16384):

@@ -1,5 +1,5 @@
 """Command line: `python -m nanovllm_ref {demo,generate,doctor}`, plus the commands other installed packages
-register (nanovllm_ref/plugins.py): `download` (nanovllm_models) and `bench` (nanovllm_bench).
+register (nanovllm_ref/plugins.py): this project registers `download` (checkpoint tooling) and `bench`.
 
     python -m nanovllm_ref download smollm2          # fetch + convert the real model (once)
     python -m nanovllm_ref demo                      # answer a few chat prompts with SmolLM2
