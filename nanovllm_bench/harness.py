@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from nanovllm_bench.floor import pct_of_floor
 
@@ -111,9 +111,14 @@ def run_peer(spec: PeerSpec, workload, model_dir: str, *, cuda: bool, timeout_s:
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             code = None
+        # Whatever the peer left running (vLLM's engine core holds most of the GPU memory) goes with it, so
+        # the next peer starts on an empty GPU.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
     wall = time.perf_counter() - t
     with open(log_path) as f:
         tail = _tail(f.read())
@@ -195,6 +200,3 @@ def save_record(record: dict, out_dir: str) -> str:
                         (r.get("reason") or r.get("error") or "").replace("\n", " | ")])
     return stem
 
-
-def spec_dict(spec: PeerSpec) -> dict:
-    return asdict(spec)

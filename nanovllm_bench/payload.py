@@ -43,12 +43,15 @@ PYTHON = "3.12"                                   # the device's Python 3.12.3, 
 PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux_2_5_x86_64", "manylinux1_x86_64"]
-# Optional kernels vLLM lists but a Qwen3 run on Hopper with FA3 never imports, and what the device has in
-# another form (torch's own build).
+# Optional kernels vLLM lists but a Qwen3 run on Hopper with FA3 never imports, what the device has in
+# another form (torch's own build), and optional imports of the tools carried (fastapi[standard]'s command
+# line and its cloud client; ipykernel's debugger, IPython's completion): each is imported under a guard or
+# by a command nobody runs there. Leaving them out keeps the payload in two parts.
 SKIP = {canonicalize_name(n) for n in (
     "flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache", "tilelang", "nvidia-cutlass-dsl",
     "nvidia-cutlass-dsl-libs-base", "quack-kernels", "fastsafetensors", "nvidia-cudnn-frontend", "torch",
-    "torchaudio", "torchvision", "numba", "opencv-python-headless", "setuptools", "triton")}
+    "torchaudio", "torchvision", "numba", "opencv-python-headless", "setuptools", "triton",
+    "fastapi-cli", "fastapi-cloud-cli", "debugpy", "jedi")}
 OVERRIDES = {"apache-tvm-ffi": "apache-tvm-ffi==0.1.11"}   # vLLM pins 0.1.9; xgrammar 0.2.9 needs >= 0.1.11
 EXTRA_ROOTS = {
     "vllm fixes": ["pycountry"],                            # mistral_common imports it
@@ -229,7 +232,7 @@ def build(out: Path, cache: Path, part_mib: float, log=print) -> dict:
     with tarfile.open(cache / "payload.tar", "w") as t:
         for top in ("site", "nanovllm_upstream"):
             t.add(stage / top, arcname=top)
-    subprocess.run(["xz", "-9e", "-T2", "-f", "-k", str(cache / "payload.tar")], check=True)
+    subprocess.run(["xz", "-9e", "-T1", "-f", "-k", str(cache / "payload.tar")], check=True)
     (cache / "payload.tar").unlink()
     data = blob.read_bytes()
     shutil.rmtree(out, ignore_errors=True)
