@@ -34,6 +34,7 @@ class Unavailable(Exception):
 class Peer(Protocol):
     device: str              # "cuda" or "cpu"
     fresh_per_run: bool      # True: a new engine for every timed run; False: reset() before each run
+    # optional `compiles_here = False`: the peer compiles in another process, so compiles are not counted
 
     def start(self) -> None: ...
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> int: ...
@@ -74,7 +75,8 @@ def measure(peer: Peer, workload: Workload, repeats: int = 3, batch1_repeats: in
         tokens.append(peer.generate(prompts, max_tokens, T))
         _sync(peer.device)
         seconds.append(time.perf_counter() - t)
-        compiles.append(compiles_between(before, compile_counts()))
+        # None where the peer compiles in another process (vLLM's engine core): not measurable from here.
+        compiles.append(compiles_between(before, compile_counts()) if getattr(peer, "compiles_here", True) else None)
         per_run.append(getattr(peer, "last_run", None))
     b1_prompt, b1 = prompts[0][:workload.batch1_prompt], []
     for _ in range(batch1_repeats):

@@ -11,6 +11,7 @@ from nanovllm_bench.peer import Unavailable
 class VllmPeer:
     fresh_per_run = False
     device = "cuda"
+    compiles_here = False              # vLLM 0.20 runs the model in its engine-core process
 
     def __init__(self, vllm, model_dir: str, engine_args: dict):
         self.vllm, self.model_dir, self.engine_args, self.llm = vllm, model_dir, engine_args, None
