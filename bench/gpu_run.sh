@@ -18,6 +18,9 @@
 #     checks every part's sha256, unpacks vLLM's site + nano-vllm's source to /tmp/peers, and runs
 #     `python3 -m nanovllm_bench` with every peer within DEADLINE_S (default 470 s; RUNS, TAG, REPEATS
 #     override). $OUT gets bench_<tag>.json/.csv, its figures, gpu_run.log and peer_logs.tgz (7 files).
+#   then, within 30 s (no carry: the payload is still unpacked), or after staging again:
+#                                             bash bench/gpu_run.sh flash-check   # greedy equivalence with
+#     attention_backend=flash_attn (vLLM's FA3), bf16, CUDA graphs and eager; junit XML into $OUT
 #
 # .carry/a/part_aa and .carry/b/part_ab are the two halves of SmolLM2-135M-Instruct.Q4_1.gguf (the device
 # takes at most 64 MiB per call); .carry/b also holds the gguf wheel (the device has no PyPI).
@@ -42,6 +45,7 @@ fi
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 assemble() {   # the staged payload parts (peers-stage) + the carried one -> /tmp/peers/{site,nanovllm_upstream}
   step "peers: assemble the payload (vLLM ${VLLM:-0.20.2} site, upstream nano-vllm source)"
+  if [ -d /tmp/peers/site/vllm ]; then echo "already unpacked in this warm machine"; return 0; fi
   mkdir -p /tmp/payload /tmp/peers && cp .carry/peers/p*/part_* /tmp/payload/
   manifest=$(ls .carry/peers/p*/MANIFEST.json | head -1)
   python3 - "$manifest" <<'PY' || exit 1
@@ -55,7 +59,7 @@ for p in m["parts"]:
       sys.exit(f"{p['file']}: sha256 differs from MANIFEST.json")
 print(f"{len(m['parts'])} parts ok, {m['total_bytes'] / 2**20:.1f} MiB")
 PY
-  [ -d /tmp/peers/site/vllm ] || { cat /tmp/payload/part_* | xz -dc | tar x -C /tmp/peers || exit 1; }
+  cat /tmp/payload/part_* | xz -dc | tar x -C /tmp/peers || exit 1
   du -sh /tmp/peers/site /tmp/peers/nanovllm_upstream
 }
 
