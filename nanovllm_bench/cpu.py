@@ -182,7 +182,7 @@ def main(args) -> int:
     warnings.filterwarnings("ignore")
     from nanovllm_models import download
     path = args.model or str(download.ensure_model("smollm2"))
-    threads_list = [int(t) for t in args.threads.split(",")]
+    threads_list = list(args.threads)              # already checked by the parser (cli.py)
     repeats = args.repeats
 
     def log(msg):

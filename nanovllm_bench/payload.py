@@ -14,7 +14,8 @@ included) and keeps /tmp only while warm (30 s between calls). So on this machin
 3. unpack every wheel into one `site/` folder, delete the shared objects a Qwen3 run on Hopper never imports
    (`STRIP`: FA2, MoE, FlashMLA; each import is guarded in vLLM), add upstream nano-vllm's source (`git
    archive` of the local mirror at NANOVLLM_COMMIT, never committed here) as `nanovllm_upstream/`;
-4. tar + xz the lot, split it into parts of at most `--part-mib`, one folder per part (`pN/`), each part
+4. tar + xz -9e the lot (measured 2026-12-01: 468 MiB -> 114.0 MiB; zstd -19 --long=27 gave 118.3 MiB, which
+   would not fit two parts), split it into parts of at most `--part-mib`, one folder per part (`pN/`), each part
    with its sha256 in MANIFEST.json, and print the device commands (bench/gpu_run.sh peers-stage / peers).
 The parts live in a git-ignored folder. Nothing of vLLM or nano-vllm is committed.
 """

@@ -11,7 +11,7 @@ INDEX = {   # a small package index: name -> Requires-Dist lines
              "pywin32; sys_platform == 'win32'", "ray[cgraph]; extra == 'ray'", "apache-tvm-ffi==0.1.9",
              "tokenizers>=0.21", "cachetools"],
     "fastapi": ["starlette>=0.40", "pydantic>=2", "fastapi-cli; extra == 'standard'"],
-    "fastapi-cli": ["typer", "rich-toolkit"],
+    "fastapi-cli": ["typer", "rich-toolkit"],                 # left out (SKIP), so rich-toolkit is never met
     "starlette": ["anyio"],
     "pydantic": ["pydantic-core==2.50.5", "typing-extensions"],
     "pydantic-core": [], "rich-toolkit": [], "cachetools": [], "apache-tvm-ffi": [], "typer": [],
@@ -35,10 +35,12 @@ def test_closure_skips_the_device_packages_heavy_kernels_and_foreign_markers():
     have = {n: "on the device already" for n in DEVICE}
     order, left_out, fetched = _walk(["vllm==0.20.2"], have)
     assert order == ["vllm==0.20.2", "fastapi>=0.115", "apache-tvm-ffi==0.1.11", "cachetools", "starlette>=0.40",
-                     "pydantic>=2", "fastapi-cli", "pydantic-core==2.50.5", "rich-toolkit"]
+                     "pydantic>=2", "pydantic-core==2.50.5"]
     assert fetched == order                                  # each package fetched once
-    assert left_out["numpy"] == "on the device already" and left_out["typer"] == "on the device already"
+    assert left_out["numpy"] == "on the device already" and left_out["anyio"] == "on the device already"
+    assert "typer" not in left_out and "rich-toolkit" not in left_out   # only fastapi-cli needs them
     assert left_out["torch"].startswith("optional") and left_out["flashinfer-python"].startswith("optional")
+    assert left_out["fastapi-cli"].startswith("optional")   # fastapi[standard]'s command line: not walked into
     assert "pywin32" not in order and "ray" not in left_out   # markers for another platform / an extra not asked
 
 
