@@ -71,7 +71,7 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
         total_s=total, tok_s=sum(max_tokens) / total, prefill_steps=len(pre), prefill_s=sum(r[1] for r in pre),
         prefill_step_max_s=max((r[1] for r in pre), default=0), decode_steps=len(dec), decode_s=sum(r[1] for r in dec),
         mean_decode_batch=sum(-r[0] for r in dec) / max(len(dec), 1)), decode_steps={})
-    steps_needed = STEP_WARMUP + STEP_ITERS + 2 + PROFILE_STEPS + 2     # timed steps, then the eager profile
+    steps_needed = STEP_WARMUP + STEP_ITERS + 2 + PROFILE_STEPS + 6     # timed steps, then the eager profile
     for n, ctx_len in sizes:
         fill_decode_batch(llm, n, ctx_len, steps_needed)
         entry = result["decode_steps"][f"bs{n}_ctx{ctx_len}"] = dict(graph_step_ms=time_decode_steps(llm))
