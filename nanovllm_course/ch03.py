@@ -155,7 +155,7 @@ def _random_layer(gen: torch.Generator, heads: int, kv_heads: int, head_dim: int
     """A DecoderAttention and a DecoderMLP with random weights, including non-trivial q/k norm weights
     (with all-ones norm weights, norm and RoPE would commute and a wrong order could go unnoticed)."""
     from nanovllm_ref.models.qwen3 import DecoderAttention, DecoderMLP
-    from nanovllm_ref.tiny import tiny_config
+    from nanovllm_models.tiny import tiny_config
     cfg = tiny_config("qwen3", num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                       hidden_size=hidden, intermediate_size=inter)
     attn, mlp = DecoderAttention(cfg, qk_norm=True), DecoderMLP(cfg)

@@ -1,7 +1,7 @@
 """Checks and tools for chapter 11: benchmarking (the physical floor, throughput, the roofline, peers).
 
 - `check_workload_floor(fn)` (E11.1): the student's `workload_floor(prompts, max_tokens, config, bw_bytes_s,
-  flops_s)` against `nanovllm_ref.bench.physical_floor(prompts, max_tokens, model_stats(config), ...)` on
+  flops_s)` against `nanovllm_bench.floor.physical_floor(prompts, max_tokens, model_stats(config), ...)` on
   the upstream workload and on fresh random workloads and model shapes, every key within **rtol 1e-9**.
 - `check_throughput(fn)` (E11.2): the student's `throughput(trace)` against `reference_throughput` on fresh
   random step traces, **exactly** (the traces' seconds are multiples of 1/1024 s, so every sum is exact in
@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from nanovllm_course.common import call_student, fail, fresh_generator, ok, randint
-from nanovllm_ref.bench import QWEN3_06B, make_workload, model_stats, pct_of_floor, physical_floor
+from nanovllm_bench.floor import model_stats, pct_of_floor, physical_floor
+from nanovllm_bench.workload import QWEN3_06B, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -47,7 +48,7 @@ PUBLISHED = {
 
 def qwen3_06b_config():
     """The Qwen3-0.6B shape as a transformers config (what the GPU bench builds, with random weights)."""
-    from nanovllm_ref.tiny import tiny_config
+    from nanovllm_models.tiny import tiny_config
     return tiny_config("qwen3", **QWEN3_06B)
 
 
@@ -130,7 +131,7 @@ def _close(a, e, rtol):
 
 
 def _random_config(g):
-    from nanovllm_ref.tiny import tiny_config
+    from nanovllm_models.tiny import tiny_config
     hkv = randint(g, 1, 4)
     heads = hkv * randint(g, 1, 4)
     return tiny_config("qwen3", vocab_size=randint(g, 500, 4000), hidden_size=16 * randint(g, 2, 12),
@@ -414,6 +415,44 @@ def h200_result(fname="bench_h200.json", folder: Path = RESULTS) -> dict:
     return json.loads((Path(folder) / fname).read_text())
 
 
+def peer_rows(record: dict) -> list[dict]:
+    """One row per peer of a benchmark record (nanovllm_bench's JSON): name, family (nanovllm_ref, vllm,
+    nano-vllm, hf), tok/s median with min and max, batch-1 tok/s, % of floor, start-up seconds, the peer's
+    version (nanovllm_ref: its commit), torch / transformers versions, the record's date and machine; a peer
+    that did not run keeps its status and reason."""
+    rows = []
+    for r in record["runs"]:
+        v = r.get("versions") or {}
+        family = r.get("peer") or next((f for f in ("nanovllm_ref", "vllm", "nano-vllm", "hf")
+                                        if r["name"].startswith(f if f != "hf" else "hf_")), "other")
+        rows.append(dict(name=r["name"], family=family, status=r.get("status", "ok" if r.get("tok_s") else "failed"),
+                         tok_s=r.get("tok_s"), min_tok_s=r.get("min_tok_s"), max_tok_s=r.get("max_tok_s"),
+                         repeats=r.get("repeats"), batch1_tok_s=r.get("batch1_tok_s"), pct_of_floor=r.get("pct_of_floor"),
+                         startup_s=r.get("startup_s"), version=v.get("peer") if family != "nanovllm_ref" else
+                         (v.get("commit") or v.get("peer")), torch=v.get("torch"), transformers=v.get("transformers"),
+                         reason=r.get("reason") or r.get("error"), date=record["date"],
+                         machine=record["machine"].get("device_name")))
+    return rows
+
+
+def peers_markdown(record: dict) -> str:
+    """The record's peers as a markdown table (what chapter 11 and the README show)."""
+    lines = [f"{record['machine'].get('device_name')}, {record['date']}, {record['workload']['num_requests']} requests, "
+             f"{record['workload']['output_tokens']:,} output tokens",
+             "", "| engine | version | tok/s, median (min-max) | % of floor | batch-1 tok/s | start-up |",
+             "|---|---|---|---|---|---|"]
+    for r in peer_rows(record):
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['version'] or ''} | {r['status']}: "
+                         f"{(r['reason'] or '').splitlines()[0][:80]} | | | |")
+            continue
+        pct = f"{r['pct_of_floor']:.1f} %" if r["pct_of_floor"] else ""
+        b1 = f"{r['batch1_tok_s']:,.0f}" if r["batch1_tok_s"] else ""
+        lines.append(f"| {r['name']} | {r['version'] or ''} | {r['tok_s']:,.0f} ({r['min_tok_s']:,.0f}-"
+                     f"{r['max_tok_s']:,.0f}) | {pct} | {b1} | {r['startup_s']:.0f} s |")
+    return "\n".join(lines)
+
+
 # -- the vLLM peer -------------------------------------------------------------------------------------------
 def run_vllm(model_path, prompts, max_tokens, temperature=0.6, *, vllm_module=None, max_model_len=4096,
              tensor_parallel_size=1, enforce_eager=False, max_num_seqs=512, max_num_batched_tokens=16384):
@@ -449,7 +488,8 @@ def main(argv=None) -> int:
     import tempfile
 
     import torch
-    from nanovllm_ref.bench import make_model_folder, measure_machine
+    from nanovllm_bench.machine import measure_machine
+    from nanovllm_bench.workload import make_model_folder
     if not torch.cuda.is_available():
         print("vllm: needs a CUDA GPU", file=sys.stderr)
         return 2

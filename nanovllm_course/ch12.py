@@ -618,7 +618,7 @@ def reference_smollm2(max_tokens: int = SMOL_TOKENS, path: str | None = None) ->
     """Per chat prompt: the reference engine's greedy ids and, at each of those steps, the top-2 margin of the
     logits the reference engine itself sampled from (fp32, CPU). About 2 s for 4 x 32 tokens."""
     from nanovllm_ref import SamplingParams
-    from nanovllm_ref.download import ensure_model
+    from nanovllm_models.download import ensure_model
     path = path or str(ensure_model())
     prompts = smollm2_prompts(path)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -644,7 +644,7 @@ def smollm2_vs_reference(cap: Capstone, max_tokens: int = SMOL_TOKENS) -> None:
     reference engine's (run here, live), compared up to the first step whose reference top-2 logit margin is
     below MARGIN; there the float order of two engines may legitimately pick the other token."""
     from nanovllm_ref import SamplingParams
-    from nanovllm_ref.download import ensure_model
+    from nanovllm_models.download import ensure_model
     path = str(ensure_model())
     prompts = smollm2_prompts(path)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -689,7 +689,7 @@ def smollm2_throughput(cap: Capstone, max_tokens: int = SMOL_TOKENS, repeats: in
     import statistics
     import time
     from nanovllm_ref import LLM, Parts, SamplingParams
-    from nanovllm_ref.download import ensure_model
+    from nanovllm_models.download import ensure_model
     path = str(ensure_model())
     prompts = smollm2_prompts(path)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -190,7 +190,7 @@ def fresh_generator(seed: int | None = None) -> torch.Generator:
 @functools.lru_cache(maxsize=None)
 def tiny_model_dir(arch: str = "qwen3") -> str:
     """A tiny random checkpoint (+ tokenizer), made once per process in a temp folder."""
-    from nanovllm_ref.tiny import make_tiny_model
+    from nanovllm_models.tiny import make_tiny_model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return make_tiny_model(tempfile.mkdtemp(prefix=f"nanovllm_tiny_{arch}_"), arch)

@@ -103,8 +103,7 @@ def run_engine(parts, path: str, prompts, params, **engine_args) -> tuple[list[l
             ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
             done, steps = {}, 0
             while not llm.is_finished():
-                finished, _ = llm.step()
-                done.update(finished)
+                done.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
                 steps += 1
                 if steps > MAX_STEPS:
                     raise RuntimeError(f"the engine did not finish {len(prompts)} short requests in {MAX_STEPS} steps")

@@ -1,4 +1,5 @@
-"""Command line: `python -m nanovllm_ref {demo,generate,download,doctor,bench}`.
+"""Command line: `python -m nanovllm_ref {demo,generate,doctor}`, plus the commands other installed packages
+register (nanovllm_ref/plugins.py): this project registers `download` (checkpoint tooling) and `bench`.
 
     python -m nanovllm_ref download smollm2          # fetch + convert the real model (once)
     python -m nanovllm_ref demo                      # answer a few chat prompts with SmolLM2
@@ -24,10 +25,8 @@ DEMO_PROMPTS = [
 
 
 def _model_path(name_or_path: str) -> str:
-    from nanovllm_ref import download
-    if name_or_path in download.MODELS:
-        return str(download.ensure_model(name_or_path))
-    return name_or_path
+    from nanovllm_ref import plugins
+    return plugins.model_path(name_or_path)
 
 
 def _engine_args(args) -> dict:
@@ -115,17 +114,12 @@ def cmd_generate(args, prompts=None, chat=None, note=None):
     llm.exit()
 
 
-def cmd_download(args):
-    from nanovllm_ref import download
-    path = download.download(args.name, force=args.force)
-    print(path)
-
-
 def cmd_doctor(args):
     import platform
 
     import torch
-    from nanovllm_ref.attn import flash_attn_available, resolve_backend, triton_available
+    from nanovllm_ref import plugins
+    from nanovllm_ref.attn import flash_attn_impl, resolve_backend, triton_available
     print(f"python       {platform.python_version()}")
     print(f"torch        {torch.__version__}")
     cuda = torch.cuda.is_available()
@@ -136,13 +130,16 @@ def cmd_doctor(args):
         print(f"triton       {triton.__version__}, {mode}")
     else:
         print("triton       not installed")
-    print(f"flash-attn   {'installed' if flash_attn_available() else 'not installed (optional)'}")
+    impl = flash_attn_impl()
+    print(f"flash-attn   {impl.describe() if impl else 'none found (optional: flash-attn, vLLM or flash-attn-4)'}")
     import transformers
     print(f"transformers {transformers.__version__}")
     print(f"attention    auto -> {resolve_backend('auto', 'cuda' if cuda else 'cpu')}")
-    from nanovllm_ref import download
-    path = download.model_dir("smollm2")
-    print(f"smollm2      {'ready at ' + str(path) if download.is_complete(path) else 'not downloaded'}")
+    for name in sorted(plugins.registered(plugins.MODELS)):
+        path = plugins.model_path(name, download=False)
+        print(f"{name:12s} {'ready at ' + path if path else 'not downloaded'}")
+    print(f"commands     {', '.join(sorted(plugins.registered(plugins.COMMANDS))) or 'none registered'} "
+          "(from other installed packages)")
 
 
 def main(argv=None):
@@ -156,9 +153,10 @@ def main(argv=None):
 def _main(argv):
     warnings.filterwarnings("ignore")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:                 # the benchmark has its own parser
-        from nanovllm_ref.bench import main as bench_main
-        return bench_main(argv[1:])
+    from nanovllm_ref import plugins
+    commands = {k: v for k, v in plugins.registered(plugins.COMMANDS).items() if k not in ("generate", "demo", "doctor")}
+    if argv[:1] and argv[0] in commands:     # another package's command (bench, download): its own parser
+        return plugins.run_command(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="python -m nanovllm_ref", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -189,12 +187,9 @@ def _main(argv):
     p.add_argument("--max-tokens", type=int, default=48, help="most new tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
 
-    p = sub.add_parser("download", help="fetch and convert a real model (no model hub needed)")
-    p.add_argument("name", nargs="?", default="smollm2")
-    p.add_argument("--force", action="store_true")
-
     sub.add_parser("doctor", help="torch / CUDA / Triton / flash-attn status")
-    sub.add_parser("bench", help="throughput benchmark (output tokens/s); see `bench --help`")
+    for name, ep in sorted(commands.items()):
+        sub.add_parser(name, help=f"from {ep.value.split(':')[0]}; see `{name} --help`")
 
     args = parser.parse_args(argv)
     try:
@@ -202,8 +197,6 @@ def _main(argv):
             cmd_generate(args)
         elif args.cmd == "demo":
             cmd_generate(args, prompts=DEMO_PROMPTS, chat=True, note=DEMO_NOTE)
-        elif args.cmd == "download":
-            cmd_download(args)
         elif args.cmd == "doctor":
             cmd_doctor(args)
     except (ValueError, TypeError, RuntimeError) as exc:     # a user error: one line, not a traceback

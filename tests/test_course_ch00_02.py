@@ -358,7 +358,7 @@ def test_ch00_decode_step_is_not_weight_bound():
 
 
 def test_ch00_says_the_model_is_dequantized_q4_1():
-    from nanovllm_ref import download
+    from nanovllm_models import download
     assert download.MODELS["smollm2"]["gguf_member"].endswith(".Q4_1.gguf")
     text = _markdown("00_setup_and_tour.ipynb")
     assert "Q4_1" in text and "dequantized" in text

@@ -146,7 +146,8 @@ def host_loop(key, value, k_cache, v_cache, slots):
 
 def test_capture_safe_store_mutants():
     fails("E10.3", masked_store, "aten.index", "boolean mask", "cannot capture")
-    fails("E10.3", host_loop, "aten._local_scalar_dense", "reads a tensor's value on the host")
+    # `if slots[i] >= 0` and `k_cache[slots[i]]` both read a value on the host; the 0-d index hint names the second
+    fails("E10.3", host_loop, "aten._local_scalar_dense", "on the host")
     fails("E10.3", clamp_only, "wrote there", "clamping sends it to slot 0")
     fails("E10.3", minus_one_index, "wrote there", "a -1 index means 'the last row'")
     fails("E10.3", old_value_back, "slot 0 kept its old contents", "either may win")

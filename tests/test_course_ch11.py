@@ -12,7 +12,7 @@ import pytest
 
 import course_checks
 from nanovllm_course import ch11
-from nanovllm_ref.bench import model_stats, physical_floor
+from nanovllm_bench.floor import model_stats, physical_floor
 
 CHECKS = {"E11.1": ch11.check_workload_floor, "E11.2": ch11.check_throughput, "E11.3": ch11.check_compute_bound_batch}
 
@@ -246,7 +246,7 @@ def test_h200_table_reads_the_committed_results():
 
 
 def test_floor_matches_the_committed_h200_floor():
-    from nanovllm_ref.bench import make_workload
+    from nanovllm_bench.workload import make_workload
     h200 = ch11.h200_result("bench_h200.json")
     prompts, max_tokens = make_workload(256)
     fl = physical_floor(prompts, max_tokens, model_stats(ch11.qwen3_06b_config()),

@@ -392,7 +392,7 @@ def test_the_live_smollm2_reference_agrees_with_hf_scoring_its_ids():
     HF transformers scoring those ids in one forward picks the same argmax wherever the margin is not a
     near-tie, with margins within 2e-3 of the engine's."""
     from transformers import AutoModelForCausalLM
-    from nanovllm_ref.download import ensure_model
+    from nanovllm_models.download import ensure_model
     import torch
     path = str(ensure_model())
     ref = ch12.reference_smollm2()

@@ -13,7 +13,7 @@ from nanovllm_ref import SamplingParams
 from nanovllm_ref.engine.request import check_request
 from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.sampling_params import PENDING, TOP_K_MAX
-from nanovllm_ref.tiny import make_tiny_model
+from nanovllm_models.tiny import make_tiny_model
 
 P = [5, 6, 7, 8]
 G = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -14,13 +14,13 @@ import tokenizer_zoo
 from engine_helpers import LLM
 from nanovllm_ref import SamplingParams
 from nanovllm_ref.engine.detokenizer import IncrementalDetokenizer
-from nanovllm_ref.tiny import make_tiny_model
+from nanovllm_models.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
-    from nanovllm_ref.download import ensure_model
+    from nanovllm_models.download import ensure_model
     return AutoTokenizer.from_pretrained(str(ensure_model()))
 
 
@@ -154,7 +154,7 @@ def test_engine_text_keeps_the_prompt_boundary_and_equals_the_streamed_text(sent
 
 
 def test_smollm2_text_keeps_the_contract_and_streams_the_same(smollm2_tokenizer, request):
-    from nanovllm_ref.download import ensure_model
+    from nanovllm_models.download import ensure_model
     llm = LLM(str(ensure_model()), max_model_len=256, kvcache_block_size=16, max_num_seqs=4)
     request.addfinalizer(llm.exit)                    # its weights and cache are 600 MB: give them back
     prompts = ["The capital of France is", "Café au lait and naïve", "日本語の", "Emoji: 🙂"]

@@ -17,7 +17,7 @@ from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.rope_scaling import rope_frequencies, rope_parameters_of
 from nanovllm_ref.layers.sampler import exponential_race
-from nanovllm_ref.tiny import CHAT_TEMPLATE, make_tiny_model, make_tokenizer, tiny_config
+from nanovllm_models.tiny import CHAT_TEMPLATE, make_tiny_model, make_tokenizer, tiny_config
 from engine_helpers import LLM, hf_greedy, hf_model, tiny_dir
 
 

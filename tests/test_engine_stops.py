@@ -197,7 +197,7 @@ def test_stop_token_id_outside_the_vocabulary_is_refused_before_queuing(llm):
 # -- special tokens in the text (the real model: its chat answers end with <|im_end|>) ----------------------
 @pytest.fixture(scope="module")
 def smollm2():
-    from nanovllm_ref.download import ensure_model
+    from nanovllm_models.download import ensure_model
     llm = LLM(str(ensure_model()), max_model_len=256, kvcache_block_size=16, max_num_seqs=4)
     yield llm
     llm.exit()                                        # its weights and cache are 600 MB: give them back

@@ -60,7 +60,8 @@ class LLMEngine:
     model's embedding table, before the weights load).
 
     State a caller may read: `requests` (the unfinished requests by id, engine/request.py), `last_step`
-    (the StepStats of the last step, None after an idle one), `tokenizer`, `config`, `scheduler`. The
+    (the StepStats of the last step, None after an idle one), `generate_stats` (the last generate call's
+    prefill and decode tokens and seconds), `tokenizer`, `config`, `scheduler`. The
     engine is not thread-safe: one thread (a server's engine loop) makes all calls."""
 
     def __init__(self, model: str, parts: Parts | None = None, **engine_args):
@@ -113,6 +114,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}       # unfinished requests by id (engine/request.py)
         self._request_ids = count()
         self.last_step: StepStats | None = None       # what the last step() computed (throughput)
+        self.generate_stats: dict = {}
         self._closed = False
         atexit.register(self.exit)
 
@@ -362,4 +364,6 @@ class LLMEngine:
             raise
         finally:
             pbar.close()
+            # What this call computed, by kind of step: {"prefill"|"decode": (tokens, seconds)} (benchmarks)
+            self.generate_stats = {k: tuple(v) for k, v in totals.items()}
         return [request.output(self.config.eos) for request in requests]

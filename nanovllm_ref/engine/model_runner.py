@@ -263,7 +263,8 @@ class ModelRunner:
             self.backend_name = "parts"
             backend = parts.attention_backend
         else:
-            self.backend_name = resolve_backend(self.config.attention_backend, self.device_type, self.block_size)
+            self.backend_name = resolve_backend(self.config.attention_backend, self.device_type, self.block_size,
+                                                dtype=self.dtype)
             backend = get_backend(self.backend_name)
         store = parts.store_kvcache
         if store is None and (self.device_type == "cuda" or self.backend_name == "triton"):
