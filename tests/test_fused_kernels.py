@@ -320,3 +320,11 @@ def test_o_proj_at_batch_1_is_a_gemv_with_four_splits():
     """The worked example of choose_config's docstring."""
     cfg = choose_config(1, 1024, 2048, "partials", sms=132)
     assert (cfg.block_m, cfg.block_n, cfg.use_dot, cfg.k_per_split(2048), cfg.num_splits(2048)) == (1, 16, False, 512, 4)
+
+
+def test_warm_batch_sizes_meet_every_variant_once():
+    sizes = small_gemm.warm_batch_sizes(64)
+    assert sizes == [1, 2, 3, 5, 17, 33]
+    variants = {(choose_config(m, 1024, 2048, "partials").block_m, choose_config(m, 1024, 2048).use_dot)
+                for m in range(1, 65)}
+    assert len(variants) == len(sizes)

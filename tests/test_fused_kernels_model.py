@@ -116,6 +116,19 @@ def test_engine_with_several_k_splits_matches_hf_greedy(arch, llm_with_kernels, 
     assert route_calls["fused"] == 5 * 2
 
 
+def test_decode_batches_over_4_use_the_tl_dot_gemm_and_match_hf(llm_with_kernels, route_calls):
+    """Six sequences: decode batches of 6 and 5 take small_gemm's tl.dot path (M > GEMV_MAX_M)."""
+    path = tiny_dir("qwen3")
+    prompts = PROMPTS + [[3, 4, 5], [40, 41, 42, 43], [7] * 9]
+    sps = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 5 + \
+        [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)]
+    llm = llm_with_kernels(path, FusedKernels.all(), kvcache_block_size=4, max_model_len=64)
+    got = _ids(llm.generate(prompts, sps, use_tqdm=False))
+    llm.exit()
+    assert got == [hf_greedy(path, p, sp.max_tokens) for p, sp in zip(prompts, sps)]
+    assert route_calls["fused"] == 3 * 2 and small_gemm.GEMV_MAX_M < 5
+
+
 def test_awkward_shape_on_fused_decode_kernels_matches_hf(llm_with_kernels, route_calls):
     """hidden 72 and intermediate 120 (not powers of two), head_dim 24 (half 12), 3 heads over 1 KV head."""
     path = tiny_dir("qwen3", hidden_size=72, intermediate_size=120, head_dim=24, num_attention_heads=3,

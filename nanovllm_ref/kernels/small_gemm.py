@@ -98,18 +98,33 @@ def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) ->
     target = 2 * sms
     n_out = n // 2 if kind == "silu" else n
     if m <= GEMV_MAX_M:
-        cfg = dict(block_m=triton.next_power_of_2(m), block_n=16, use_dot=False, num_stages=2,
+        cfg = dict(block_m=triton.next_power_of_2(m), block_n=16, use_dot=False, num_stages=2, num_warps=4,
                    block_k=256 if kind == "partials" else 512)
     else:
         wide = triton.cdiv(n_out, 32) >= target
-        cfg = dict(block_m=max(16, triton.next_power_of_2(m)), block_n=32 if wide else 16, use_dot=True,
-                   num_stages=4, block_k=128)
+        block_m = max(16, triton.next_power_of_2(m))
+        # Two accumulators (SiLU) of 32-64 rows spill registers at 4 warps (fp32, sm_90 build): use 8.
+        cfg = dict(block_m=block_m, block_n=32 if wide else 16, use_dot=True, num_stages=4, block_k=128,
+                   num_warps=8 if kind == "silu" and block_m >= 32 else 4)
     cfg["block_k"] = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     split = 1
     if kind == "partials":
         tiles = triton.cdiv(n_out, cfg["block_n"])
         split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, cfg["block_k"])))
-    return GemmConfig(split_k=split, num_warps=4, **cfg)
+    return GemmConfig(split_k=split, **cfg)
+
+
+def warm_batch_sizes(max_m: int = MAX_M) -> list[int]:
+    """One batch size for each kernel variant `choose_config` picks for 1..max_m rows (BLOCK_M and GEMV or
+    dot; M itself is not specialised on): decode steps at these sizes compile every variant, e.g. in a
+    start-up warm-up of eager decode. For max_m = 64: [1, 2, 3, 5, 17, 33]."""
+    seen, sizes = set(), []
+    for m in range(1, max_m + 1):
+        cfg = choose_config(m, 4096, 4096)
+        if (cfg.block_m, cfg.use_dot) not in seen:
+            seen.add((cfg.block_m, cfg.use_dot))
+            sizes.append(m)
+    return sizes
 
 
 @triton.jit

@@ -59,7 +59,7 @@ class ModelOps:
         self.attention_backend = getattr(parts, "attention_backend", None)
         self.store_kvcache = getattr(parts, "store_kvcache", None)
         # Qwen3's q/k norm + RoPE in one compiled kernel, only when both parts are the reference ones.
-        reference_qk = parts is None or (parts.rms_norm is rms_norm and parts.rotary is apply_rope)
+        reference_qk = getattr(parts, "rms_norm", rms_norm) is rms_norm and getattr(parts, "rotary", apply_rope) is apply_rope
         self.qk_norm_rope = qk_norm_rope.compiled() if fuse and reference_qk else None
         self.kernels = _resolve_kernels(parts, fuse, kernels, qk_norm)
 
@@ -79,9 +79,9 @@ def _engine_stores():
 def kernels_allowed(parts, qk_norm: bool) -> FusedKernels:
     """Every decode kernel that `parts` (None = the reference parts) leave room for: a kernel may stand in
     only for reference parts (utils/fusion.py's table)."""
-    def ref(name):
-        return parts is None or getattr(parts, name) is _REFERENCE_OPS[name]
-    store_ok = parts is None or any(parts.store_kvcache is s for s in _engine_stores())
+    def ref(name):                          # a missing field means the reference, as in ModelOps
+        return getattr(parts, name, _REFERENCE_OPS[name]) is _REFERENCE_OPS[name]
+    store_ok = any(getattr(parts, "store_kvcache", None) is s for s in _engine_stores())
     qk = ref("rotary") and store_ok and (ref("rms_norm") or not qk_norm)
     return FusedKernels(rms_norm=ref("rms_norm"), add_rms_norm=ref("add_rms_norm"), qk_norm_rope_store=qk,
                         gemm=True, gemm_silu=ref("silu_and_mul"), split_k=ref("add_rms_norm"))
@@ -103,8 +103,11 @@ def _resolve_kernels(parts, fuse: bool, kernels: FusedKernels | None, qk_norm: b
         raise TypeError(f"kernels must be a FusedKernels or None, got {type(kernels).__name__}")
     for name in kernels.enabled():
         if not getattr(allowed, name):
+            replaced = [n for n, r in _REFERENCE_OPS.items() if getattr(parts, n, r) is not r]
+            if not any(getattr(parts, "store_kvcache", None) is s for s in _engine_stores()):
+                replaced.append("store_kvcache")
             raise ValueError(f"FusedKernels.{name} stands in for a reference part that Parts replaced "
-                             f"({', '.join(parts.replaced())}); a part runs as written, so turn it off")
+                             f"({', '.join(replaced)}); a part runs as written, so turn it off")
     return kernels
 
 
