@@ -1,4 +1,5 @@
-"""The model's fused decode route (models/qwen3.py; utils/fusion.FusedKernels) on tiny checkpoints.
+"""The model's fused decode route (models/qwen3.py, models/decode_kernels.py; utils/fusion.FusedKernels) on
+tiny checkpoints.
 
 - The engine with decode kernels on gives HF transformers' greedy ids (qwen3 and llama, fp32, several
   kernel sets, an awkward shape: hidden 72, head_dim 24), and really takes the fused route.
@@ -26,8 +27,9 @@ from nanovllm_ref import Parts, SamplingParams
 from nanovllm_ref.engine import model_runner
 from nanovllm_ref.kernels import small_gemm
 from nanovllm_ref.layers.attention import Attention
-from nanovllm_ref.models import get_model_class, qwen3
-from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM, kernels_allowed
+from nanovllm_ref.models import decode_kernels, get_model_class, qwen3
+from nanovllm_ref.models.decode_kernels import kernels_allowed
+from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM
 from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
 from nanovllm_ref.utils.fusion import FusedKernels
 from nanovllm_ref.utils.loader import load_model
@@ -47,7 +49,7 @@ KERNEL_SETS = {
 def route_calls(monkeypatch):
     """Counts of the decode layers run on each route, and of the q/k-norm + RoPE + store kernel's calls."""
     calls = {"fused": 0, "general": 0, "qk_store": 0}
-    fused, general, qk = qwen3.DecoderLayer.decode_fused, qwen3.DecoderLayer.forward, qwen3._qk_norm_rope_store
+    fused, general, qk = qwen3.DecoderLayer.decode_fused, qwen3.DecoderLayer.forward, decode_kernels.qk_norm_rope_store
 
     def count(key, fn):
         def wrapper(*args, **kwargs):
@@ -56,7 +58,7 @@ def route_calls(monkeypatch):
         return wrapper
     monkeypatch.setattr(qwen3.DecoderLayer, "decode_fused", count("fused", fused))
     monkeypatch.setattr(qwen3.DecoderLayer, "forward", count("general", general))
-    monkeypatch.setattr(qwen3, "_qk_norm_rope_store", count("qk_store", qk))
+    monkeypatch.setattr(decode_kernels, "qk_norm_rope_store", count("qk_store", qk))
     return calls
 
 

@@ -13,7 +13,7 @@ or None for the reference parts) supplies the element-wise ops, the weight loade
 and the KV store; `fuse=True` swaps the reference element-wise ops for their compiled versions
 (utils/fusion.py). `kernels` (a utils.fusion.FusedKernels) names the hand-written Triton kernels of the
 decode step; None means "every one the parts allow" when fuse=True and the model is built on a CUDA device,
-and none otherwise.
+and none otherwise (models/decode_kernels.py decides).
 
 Two routes through the model, chosen once per step in `DecoderModel.forward`:
 | route          | when                                                    | per layer (Qwen3, batch 1)                 |
@@ -38,6 +38,7 @@ from nanovllm_ref.layers.linear import (MergedColumnParallelLinear, QKVParallelL
                                         load_gate_up_shard, load_qkv_shard)
 from nanovllm_ref.layers.rope_scaling import rope_parameters_of
 from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding, apply_rope, apply_rotary, rope_cos_sin
+from nanovllm_ref.models import decode_kernels
 from nanovllm_ref.utils.context import current_metadata
 from nanovllm_ref.utils.fusion import FusedKernels, choose, fused
 from nanovllm_ref.utils.parallel import get_tp_size
@@ -61,61 +62,7 @@ class ModelOps:
         # Qwen3's q/k norm + RoPE in one compiled kernel, only when both parts are the reference ones.
         reference_qk = getattr(parts, "rms_norm", rms_norm) is rms_norm and getattr(parts, "rotary", apply_rope) is apply_rope
         self.qk_norm_rope = qk_norm_rope.compiled() if fuse and reference_qk else None
-        self.kernels = _resolve_kernels(parts, fuse, kernels, qk_norm)
-
-
-def _engine_stores():
-    """The KV stores the engine itself picks (they all write the same thing as the fused kernel)."""
-    from nanovllm_ref.attn import cpu_backend, torch_backend
-    stores = [None, torch_backend.store_kvcache, cpu_backend.store_kvcache]
-    try:
-        from nanovllm_ref.kernels.store_kvcache import store_kvcache
-        stores.append(store_kvcache)
-    except ImportError:                 # no triton: then no Triton kernels either
-        pass
-    return stores
-
-
-def kernels_allowed(parts, qk_norm: bool) -> FusedKernels:
-    """Every decode kernel that `parts` (None = the reference parts) leave room for: a kernel may stand in
-    only for reference parts (utils/fusion.py's table)."""
-    def ref(name):                          # a missing field means the reference, as in ModelOps
-        return getattr(parts, name, _REFERENCE_OPS[name]) is _REFERENCE_OPS[name]
-    store_ok = any(getattr(parts, "store_kvcache", None) is s for s in _engine_stores())
-    qk = ref("rotary") and store_ok and (ref("rms_norm") or not qk_norm)
-    return FusedKernels(rms_norm=ref("rms_norm"), add_rms_norm=ref("add_rms_norm"), qk_norm_rope_store=qk,
-                        gemm=True, gemm_silu=ref("silu_and_mul"), split_k=ref("add_rms_norm"))
-
-
-def _triton_device() -> bool:
-    """The model is being built on a CUDA device (`with torch.device(...)`) where Triton can compile."""
-    if torch.empty(0).device.type != "cuda":
-        return False
-    from nanovllm_ref.attn import triton_available
-    return triton_available()
-
-
-def _resolve_kernels(parts, fuse: bool, kernels: FusedKernels | None, qk_norm: bool) -> FusedKernels:
-    allowed = kernels_allowed(parts, qk_norm)
-    if kernels is None:
-        return FusedKernels.all().restricted_to(allowed) if fuse and _triton_device() else FusedKernels()
-    if not isinstance(kernels, FusedKernels):
-        raise TypeError(f"kernels must be a FusedKernels or None, got {type(kernels).__name__}")
-    for name in kernels.enabled():
-        if not getattr(allowed, name):
-            replaced = [n for n, r in _REFERENCE_OPS.items() if getattr(parts, n, r) is not r]
-            if not any(getattr(parts, "store_kvcache", None) is s for s in _engine_stores()):
-                replaced.append("store_kvcache")
-            raise ValueError(f"FusedKernels.{name} stands in for a reference part that Parts replaced "
-                             f"({', '.join(replaced)}); a part runs as written, so turn it off")
-    return kernels
-
-
-def _qk_norm_rope_store(*args, **kwargs):
-    """kernels/qk_norm_rope_store.py, imported at first use: defining a Triton kernel fixes interpreter or
-    compiler for the process (kernels/__init__.py), so importing the model must not define it."""
-    from nanovllm_ref.kernels.qk_norm_rope_store import qk_norm_rope_store
-    return qk_norm_rope_store(*args, **kwargs)
+        self.kernels = decode_kernels.resolve(parts, fuse, kernels, qk_norm)
 
 
 @fused
@@ -154,7 +101,11 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden_states)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (H + 2 * Hkv) * d] -> attention output [T, H * d]: q/k norm, RoPE, KV store, attention."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm and self.fused_qk_norm_rope is not None:      # one compiled kernel (GPU)
@@ -164,8 +115,7 @@ class DecoderAttention(nn.Module):
             if self.qk_norm:                # Qwen3 normalises each head before RoPE (keeps logits bounded)
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q.flatten(1), k.flatten(1), v)
-        return self.o_proj(o)
+        return self.attn(q.flatten(1), k.flatten(1), v)
 
     def decode_fused(self, positions: torch.Tensor, hidden_states: torch.Tensor, kernels: FusedKernels):
         """The decode step of `forward` on the kernels that `kernels` turns on (the fused route of the module
@@ -175,19 +125,13 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj.forward_small(hidden_states, pdl) if kernels.gemm else self.qkv_proj(hidden_states)
         if kernels.qk_norm_rope_store and self.attn.k_cache.numel() > 0:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-            q = _qk_norm_rope_store(
+            q = decode_kernels.qk_norm_rope_store(
                 qkv, positions, self.rotary_emb.cos_sin_cache, norms[0], norms[1], norms[2], self.attn.k_cache,
                 self.attn.v_cache, current_metadata().slot_mapping, self.num_heads, self.num_kv_heads,
                 self.head_dim, use_pdl=pdl)
             o = self.attn.decode_cached(q)            # k and v of this step are in the cache already
         else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.reshape(-1, self.num_heads, self.head_dim)
-            k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb(positions, q, k)
-            o = self.attn(q.flatten(1), k.flatten(1), v)
+            o = self.attend(positions, qkv)
         if kernels.split_k:
             return self.o_proj.forward_partials(o, pdl)
         return self.o_proj.forward_small(o, pdl) if kernels.gemm else self.o_proj(o)

@@ -19,7 +19,7 @@ profile): Inductor fuses inside one function, not across a GEMM. Four kernels wr
 to 9 (8 when attention runs one KV split): residual add + RMSNorm that also sums the previous GEMM's
 split-K partials (kernels/rms_norm.py), q/k-norm + RoPE + KV store (kernels/qk_norm_rope_store.py), and a
 small-M GEMM with split-K partials and a SiLU-and-mul epilogue (kernels/small_gemm.py). `FusedKernels`
-names which of them a model uses; the model decides it once, when it is built (models/qwen3.ModelOps):
+names which of them a model uses; the model decides it once, when it is built (models/decode_kernels.py):
 
 | FusedKernels field   | replaces, in a decode step of <= max_m tokens           | allowed when (Parts)                  |
 | rms_norm             | the plain RMSNorm of layer 0's input                    | rms_norm is the reference             |
