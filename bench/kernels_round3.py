@@ -6,26 +6,31 @@
     python3 bench/kernels_round3.py --compile-check --out /tmp/cc.json   # CPU or GPU: compile for sm_90 only
 
 Shapes are Qwen3-0.6B's (hidden 1024, 16 query / 8 KV heads of 128, intermediate 3072), bf16, at decode
-batch sizes M = 1, 4, 16, 64, 256. Sections, in order (each case is guarded: an error is recorded and the
-run goes on; a case that would start after the time budget is listed as skipped):
-1. gemm: each projection (qkv, o_proj, gate_up, down) as today (cuBLAS `F.linear`; gate_up followed by the
+batch sizes M = 1, 4, 16, 64, 256. Sections, most wanted first (each case is guarded: an error is recorded
+and the run goes on; a case that would start after the time budget is listed as skipped):
+1. layer (M = 1 and 16): whole decoder layers of a decode step (context 512, 256-token blocks) replayed from a
+   CUDA graph, old route (fuse=True, no kernels: cuBLAS + Inductor-compiled norms/RoPE/SiLU + Triton
+   store and attention) against the fused route (all kernels). Models of 1 and 3 layers: per layer =
+   (t3 - t1) / 2, and kernels per layer from a torch.profiler trace of one eager forward, counted the same
+   way (the embedding and the final norm cancel out). Max abs error and relative norm of the hidden states,
+   new vs old.
+2. gemm: each projection (qkv, o_proj, gate_up, down) as today (cuBLAS `F.linear`; gate_up followed by the
    Inductor-compiled SiLU-and-mul) and with kernels/small_gemm.py's default config (full K, split-K
-   partials, SiLU epilogue), and with PDL at M = 1 and 16. Weights rotate over enough copies (>= 256 MB)
-   that the 50 MB L2 cannot hold them, as in a real step. Each row: µs per call replayed from a CUDA
-   graph, bytes moved (weights + input + output), GB/s and % of 4.2 TB/s, max abs error against an fp32
-   torch product. M = 256 has cuBLAS rows only (the kernels serve M <= 64).
-2. elementwise: add + RMSNorm (today: Inductor-compiled add_rms_norm on the GEMM's bf16 output; new:
+   partials, SiLU epilogue). Weights rotate over enough copies (>= 256 MB) that the 50 MB L2 cannot hold
+   them, as in a real step. Each row: µs per call replayed from a CUDA graph, bytes moved (weights + input
+   + output), GB/s and % of 4.2 TB/s, max abs error against an fp32 torch product. M = 256 has cuBLAS rows
+   only (the kernels serve M <= 64).
+3. elementwise: add + RMSNorm (today: Inductor-compiled add_rms_norm on the GEMM's bf16 output; new:
    kernels/rms_norm.py summing o_proj's split-K partials) and q/k-norm + RoPE + KV store (today: the
    compiled qk_norm_rope + the Triton store; new: kernels/qk_norm_rope_store.py), with max abs errors.
-3. layer: whole decoder layers of a decode step (context 512, 256-token blocks) replayed from a CUDA graph,
-   old route (fuse=True, no kernels) against the fused route (all kernels; and with PDL). Models of 1 and
-   3 layers: per layer = (t3 - t1) / 2, and kernels per layer from a torch.profiler trace of one eager
-   forward, counted the same way (the embedding and the final norm cancel out). Max abs error and relative norm of the hidden states, new vs old.
-4. sweep: a few other GemmConfigs per projection at M = 1 and 16, to choose choose_config's table.
-5. compile_check (always with --compile-check; on a GPU run too, if time is left): every default kernel
-   variant compiled for sm_90 by triton.compile, with registers and spills from cuobjdump.
+4. layer at M = 4, 64, 256, then with PDL (layers at M = 1 and 16, GEMMs at M = 1 and 16) when the device
+   and Triton support it.
+5. gemm_sweep: a few other GemmConfigs per projection at M = 1 and 16, to choose choose_config's table.
+6. compile_check (only this with --compile-check, which needs no GPU; on a GPU run too if time is left):
+   every default kernel variant compiled for sm_90 by triton.compile, with registers, spills and shared
+   memory (cuobjdump) and whether PDL's griddepcontrol made it into the PTX.
 The JSON (--out) is rewritten after every case, so a run cut short keeps what it measured; a watchdog
-ends the process 15 s after the budget (--budget, default 100 s) with the record marked.
+ends the process 12 s after the budget (--budget, default 95 s) with the record marked.
 
 Only nanovllm_ref's models, layers, kernels and attention modules are imported (its __init__, which pulls
 in the whole engine, is bypassed), so this runs where only torch and triton are installed.
@@ -57,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--dry-run", action="store_true", help="CPU: Triton interpreter, tiny shapes, no timings")
     p.add_argument("--compile-check", action="store_true", help="only compile every kernel variant for sm_90")
-    p.add_argument("--budget", type=float, default=100.0, help="seconds before no new case starts")
+    p.add_argument("--budget", type=float, default=95.0, help="seconds before no new case starts")
     p.add_argument("--no-sweep", action="store_true", help="skip the GemmConfig sweep")
     p.add_argument("--compile-dtypes", default="bf16,fp32", help="dtypes of the compile check (comma-separated)")
     return p.parse_args(argv)
@@ -145,6 +150,7 @@ def time_us(fns, device, reps: int = 20, iters: int = 7):
     for f in fns:                                  # compile, allocate, autotune-free warm-up outside the graph
         f()
     torch.cuda.synchronize()
+    reps = max(reps, len(fns))                     # every weight copy once per replay: L2 cannot keep them
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(reps):
@@ -367,10 +373,13 @@ def count_kernels(fn, device) -> int | None:
         return None
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    cuda = torch.autograd.DeviceType.CUDA
+    names = [e.name for e in prof.events() if e.device_type == cuda]
+    if not names:                       # older layouts keep device events only in the raw kineto results
+        names = [e.name() for e in prof.profiler.kineto_results.events() if e.device_type() == cuda]
     return sum(1 for n in names if not n.lower().startswith(("memcpy", "memset")))
 
 
@@ -389,12 +398,14 @@ def layer_case(rec, m, variant, kernels, s, device, dtype, reference_out: dict, 
             with attention_metadata(meta), torch.inference_mode():
                 return model(ids, positions)
         out = step()
-        assert model.model.fused_route(m) == kernels.any()
+        route = "fused" if model.model.fused_route(m) else "general"
+        assert route == ("fused" if kernels.any() and m <= kernels.max_m else "general")
         us = time_us([step], device, reps=1, iters=15)
         per[layers] = dict(us=us[0], kernels=count_kernels(step, device), out=out.float())
         del model, attn
     span = high - low
-    row = {"m": m, "variant": variant, "kernels_on": kernels.enabled(), "pdl": kernels.pdl, "depths": list(depths),
+    row = {"m": m, "variant": variant, "route": route, "kernels_on": kernels.enabled(), "pdl": kernels.pdl,
+           "depths": list(depths),
            "us_step_low": round(per[low]["us"], 2), "us_step_high": round(per[high]["us"], 2),
            "us_per_layer": round((per[high]["us"] - per[low]["us"]) / span, 2),
            "kernels_step_low": per[low]["kernels"], "kernels_step_high": per[high]["kernels"],
@@ -552,11 +563,11 @@ def main(args) -> int:
     budget = Budget(args.budget)
 
     def watchdog():
-        rec.data["meta"]["watchdog"] = f"fired after {args.budget + 15:.0f} s: the run was cut short"
+        rec.data["meta"]["watchdog"] = f"fired after {args.budget + 12:.0f} s: the run was cut short"
         rec.save()
         log("watchdog: time is up, exiting")
         os._exit(3)
-    timer = threading.Timer(args.budget + 15, watchdog)
+    timer = threading.Timer(args.budget + 12, watchdog)
     timer.daemon = True
     timer.start()
     log(f"kernels_round3: {rec.data['meta']['device']}, torch {torch.__version__}, triton {triton.__version__}")
@@ -570,31 +581,39 @@ def main(args) -> int:
     torch.manual_seed(0)
     pdl = device.type == "cuda" and rec.data["meta"].get("pdl_available", False)
     rec.data["meta"]["copy_tbps_measured"] = guarded(rec, budget, "copy bandwidth", lambda: measure_copy_tbps(device))
-    log("1. GEMMs")
+    from nanovllm_ref.utils.fusion import FusedKernels
+    variants = [("old", FusedKernels()), ("new", FusedKernels.all())]
+    reference_out: dict = {}
+
+    def layers_at(batch_sizes, chosen):
+        for m in batch_sizes:
+            for name, kernels in chosen:
+                guarded(rec, budget, f"layer M={m} {name}",
+                        lambda: layer_case(rec, m, name, kernels, shapes, device, dtype, reference_out, depths),
+                        min_left=6.0)
+    # Most wanted first (the budget may end the run): whole layers at batch 1 and 16, then each kernel.
+    first = [m for m in (1, 16) if m in layer_ms] or layer_ms[:1]
+    log("1. decoder layers, old and new, batch " + ", ".join(map(str, first)))
+    layers_at(first, variants)
+    log("2. GEMMs")
     for m in ms:
         for op, (n, k, kind) in gemm_shapes(shapes).items():
             guarded(rec, budget, f"gemm {op} M={m}", lambda: gemm_case(rec, op, m, n, k, kind, device, dtype))
+    log("3. element-wise")
+    for m in ms:
+        guarded(rec, budget, f"add_rms_norm M={m}", lambda: add_rms_norm_case(rec, m, shapes, device, dtype))
+        guarded(rec, budget, f"qk_norm_rope_store M={m}", lambda: qk_case(rec, m, shapes, device, dtype))
+    log("4. decoder layers at the other batch sizes, and with PDL")
+    layers_at([m for m in layer_ms if m not in first], variants)
     if pdl:
+        layers_at(first, [("new+pdl", FusedKernels.all(pdl=True))])
         for m in (1, 16):
             for op, (n, k, kind) in gemm_shapes(shapes).items():
                 guarded(rec, budget, f"gemm {op} M={m} pdl",
                         lambda: gemm_case(rec, op, m, n, k, kind, device, dtype, use_pdl=True, old=False))
-    log("2. element-wise")
-    for m in ms:
-        guarded(rec, budget, f"add_rms_norm M={m}", lambda: add_rms_norm_case(rec, m, shapes, device, dtype))
-        guarded(rec, budget, f"qk_norm_rope_store M={m}", lambda: qk_case(rec, m, shapes, device, dtype))
-    log("3. decoder layers")
-    from nanovllm_ref.utils.fusion import FusedKernels
-    variants = [("old", FusedKernels()), ("new", FusedKernels.all())] + ([("new+pdl", FusedKernels.all(pdl=True))] if pdl else [])
-    reference_out: dict = {}
-    for m in layer_ms:
-        for name, kernels in variants:
-            guarded(rec, budget, f"layer M={m} {name}",
-                    lambda: layer_case(rec, m, name, kernels, shapes, device, dtype, reference_out, depths),
-                    min_left=6.0)
     summarise_layers(rec)
     if not args.no_sweep:
-        log("4. GemmConfig sweep")
+        log("5. GemmConfig sweep")
         for m in ([1] if args.dry_run else [1, 16]):
             for op, (n, k, kind) in gemm_shapes(shapes).items():
                 for cfg in sweep_configs(m, kind):
@@ -602,7 +621,7 @@ def main(args) -> int:
                             lambda: gemm_case(rec, op, m, n, k, kind, device, dtype, config=cfg, section="gemm_sweep",
                                               old=False))
     if device.type == "cuda" and budget.left() > 10:
-        log("5. compile check")
+        log("6. compile check")
         compile_check(rec, budget, shapes, tuple(args.compile_dtypes.split(",")))
     timer.cancel()
     rec.save()

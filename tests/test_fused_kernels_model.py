@@ -10,7 +10,8 @@ tiny checkpoints.
   the fused route gives TP=1's logits.
 
 The engine is built with the kernels by handing the model class a `kernels=` argument (the model runner
-builds models with `fuse` only; on a CPU that means no kernels). Kernels run in the Triton interpreter.
+builds models with `fuse` only; on a CPU that means no kernels). Without CUDA the kernels run in the Triton
+interpreter; with CUDA the same tests run them compiled (the TP test is the CPU's gloo path only).
 """
 import dataclasses
 import functools
@@ -35,6 +36,7 @@ from nanovllm_ref.utils.fusion import FusedKernels
 from nanovllm_ref.utils.loader import load_model
 from nanovllm_ref.utils.parallel import tensor_parallel
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 47))]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 KERNEL_SETS = {
@@ -69,7 +71,9 @@ def llm_with_kernels(monkeypatch):
 
     def make(path, kernels, **engine_args):
         monkeypatch.setattr(model_runner, "get_model_class", lambda hf: functools.partial(real(hf), kernels=kernels))
-        return LLM(path, **engine_args)
+        # Eager and fp32: every decode step runs the model's Python forward (the spies count the routes, a
+        # CUDA graph would replay without it), and HF's fp32 ids are the oracle on a GPU too.
+        return LLM(path, **{"enforce_eager": True, "dtype": "float32", **engine_args})
     return make
 
 
@@ -223,7 +227,7 @@ def build_model(path: str, dtype: torch.dtype, kernels: FusedKernels | None, ran
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)                      # as the model runner builds it (RoPE tables stay fp32)
     try:
-        with tensor_parallel(rank, world):
+        with torch.device(DEVICE), tensor_parallel(rank, world):
             model = get_model_class(hf)(hf, kernels=kernels)
     finally:
         torch.set_default_dtype(default)
@@ -235,6 +239,11 @@ def build_model(path: str, dtype: torch.dtype, kernels: FusedKernels | None, ran
 def greedy_session(model, prompts, steps: int, block_size: int = 4, blocks_per_seq: int = 8):
     """One prefill step (general route) and `steps` decode steps of all prompts together. Returns (ids per
     prompt, [logits of each step] on rank 0). Under tensor parallelism rank 0 broadcasts the ids."""
+    with torch.device(model.model.embed_tokens.weight.device):
+        return _greedy_session(model, prompts, steps, block_size, blocks_per_seq)
+
+
+def _greedy_session(model, prompts, steps, block_size, blocks_per_seq):
     import torch.distributed as dist
     dtype = model.model.embed_tokens.weight.dtype
     for a in (m for m in model.modules() if isinstance(m, Attention)):
@@ -321,6 +330,8 @@ def _result_or_failure(queue, procs, timeout: float):
     raise AssertionError(f"no result from the tensor-parallel ranks within {timeout} s")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU tensors; over NCCL the engine's TP tests run "
+                    "the fused route (fuse=True on CUDA)")
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_tensor_parallel_fused_decode_all_reduces_split_k_partials(arch):
     path, steps = tiny_dir(arch), 3

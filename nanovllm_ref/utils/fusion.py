@@ -15,10 +15,11 @@ in one process do not change each other.
 
 Hand-written Triton kernels for the decode step (issue 21; `nanovllm_ref/kernels/`)
 Compiling each small function still leaves ~17 kernels a layer in a batch-1 decode step (round 2's
-profile): Inductor fuses inside one function, not across a GEMM. Four kernels written by hand cut a layer
-to 9 (8 when attention runs one KV split): residual add + RMSNorm that also sums the previous GEMM's
+profile): Inductor fuses inside one function, not across a GEMM. Three kernels written by hand cut a
+layer to 9 (8 when attention runs one KV split): residual add + RMSNorm that also sums the previous GEMM's
 split-K partials (kernels/rms_norm.py), q/k-norm + RoPE + KV store (kernels/qk_norm_rope_store.py), and a
-small-M GEMM with split-K partials and a SiLU-and-mul epilogue (kernels/small_gemm.py). `FusedKernels`
+small-M GEMM in three forms: full K, split-K partials, and with SiLU-and-mul in its epilogue
+(kernels/small_gemm.py). `FusedKernels`
 names which of them a model uses; the model decides it once, when it is built (models/decode_kernels.py):
 
 | FusedKernels field   | replaces, in a decode step of <= max_m tokens           | allowed when (Parts)                  |
@@ -32,7 +33,8 @@ names which of them a model uses; the model decides it once, when it is built (m
 
 `fuse=True` on a CUDA device turns on every kernel the parts allow (the engine's GPU default); a model
 built on a CPU uses none unless it is handed a `FusedKernels` (tests do, under the Triton interpreter).
-Prefill steps, decode steps of more than max_m tokens and a step without a KV cache keep the other path.
+Prefill steps and decode steps of more than max_m tokens keep the general path; so does the q/k part of a
+decode step run before the KV cache exists (the kernel writes into it).
 """
 import dataclasses
 import functools
