@@ -19,7 +19,8 @@ and the run goes on; a case that would start after the time budget is listed as 
    partials, SiLU epilogue). Weights rotate over enough copies (>= 256 MB) that the 50 MB L2 cannot hold
    them, as in a real step. Each row: µs per call replayed from a CUDA graph, bytes moved (weights + input
    + output), GB/s and % of 4.2 TB/s, max abs error against an fp32 torch product. M = 256 has cuBLAS rows
-   only (the kernels serve M <= 64).
+   only (the kernels serve M <= 64). Also the LM head's shape (vocab x hidden), which the engine leaves to
+   cuBLAS, to see whether routing it would pay.
 3. elementwise: add + RMSNorm (today: Inductor-compiled add_rms_norm on the GEMM's bf16 output; new:
    kernels/rms_norm.py summing o_proj's split-K partials) and q/k-norm + RoPE + KV store (today: the
    compiled qk_norm_rope + the Triton store; new: kernels/qk_norm_rope_store.py), with max abs errors.
@@ -599,6 +600,9 @@ def main(args) -> int:
     for m in ms:
         for op, (n, k, kind) in gemm_shapes(shapes).items():
             guarded(rec, budget, f"gemm {op} M={m}", lambda: gemm_case(rec, op, m, n, k, kind, device, dtype))
+    for m in [m for m in ms if m <= 64]:       # the LM head (tied embedding, 311 MB): cuBLAS today, not routed
+        guarded(rec, budget, f"gemm lm_head M={m}",
+                lambda: gemm_case(rec, "lm_head", m, shapes["vocab"], shapes["hidden"], "full", device, dtype))
     log("3. element-wise")
     for m in ms:
         guarded(rec, budget, f"add_rms_norm M={m}", lambda: add_rms_norm_case(rec, m, shapes, device, dtype))
