@@ -68,14 +68,18 @@ def _threads(text: str) -> list[int]:
             from None
 
 
-def _runs(text: str) -> list[tuple[str, bool]]:
+def _runs(text: str) -> list[tuple[str, bool, tuple[str, ...]]]:
+    from nanovllm_bench.harness import RUN_OPTIONS
     out = []
     for item in text.split(","):
-        backend, _, mode = item.strip().partition(":")
-        if backend not in RUN_BACKENDS or mode not in ("graph", "eager"):
-            raise argparse.ArgumentTypeError(f"{item!r}: each run is BACKEND:MODE with BACKEND one of "
-                                             f"{', '.join(RUN_BACKENDS)} and MODE graph or eager")
-        out.append((backend, mode == "eager"))
+        backend, mode, *options = item.strip().split(":")
+        if backend not in RUN_BACKENDS or mode not in ("graph", "eager") or \
+                any(o not in RUN_OPTIONS for o in options):
+            raise argparse.ArgumentTypeError(f"{item!r}: each run is BACKEND:MODE[:OPTION...] with BACKEND one of "
+                                             f"{', '.join(RUN_BACKENDS)}, MODE graph or eager, OPTION one of "
+                                             f"{', '.join(RUN_OPTIONS)} (sync: async_scheduling off; nokernels: "
+                                             "decode_kernels off)")
+        out.append((backend, mode == "eager", tuple(options)))
     return out
 
 
@@ -90,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default=["nanovllm_ref", "vllm", "nano-vllm", "hf"],
                     help="comma list of peers: nanovllm_ref, vllm, nano-vllm, hf (default: all)")
     ap.add_argument("--runs", type=_runs, default=None,
-                    help="nanovllm_ref's rows, e.g. triton:graph,flash_attn:graph,triton:eager "
-                         "(overrides --backends/--no-eager)")
+                    help="nanovllm_ref's rows, e.g. triton:graph,flash_attn:graph,triton:eager,triton:graph:sync "
+                         "(options: sync = async_scheduling off, nokernels = decode_kernels off; overrides "
+                         "--backends/--no-eager)")
     ap.add_argument("--backends", default="auto",
                     help="comma list of nanovllm_ref back-ends, or 'auto' (GPU: triton, and flash_attn where a "
                          "FlashAttention is on the path; CPU: cpu)")
@@ -211,7 +216,7 @@ def main(argv=None) -> int:
         earlier["runs"] = [r for r in earlier["runs"] if r["name"] not in names] + rows
         record = earlier
     harness.save_record(record, args.out)
-    ref_backend = next((b for b, e in runs if not e), runs[0][0] if runs else "triton")
+    ref_backend = next((r[0] for r in runs if not r[1]), runs[0][0] if runs else "triton")
     if args.profile and cuda:
         from nanovllm_bench.profile import step_profile
         record["step_profile"] = step_profile(path, dict(engine_args, attention_backend=ref_backend), prompts,

@@ -47,8 +47,13 @@ class PeerSpec:
     gpus: int = 1
 
 
-def ref_row_name(backend: str, eager: bool, tp: int = 1) -> str:
-    return f"nanovllm_ref[{backend}:{'eager' if eager else 'graph'}{f',tp{tp}' if tp > 1 else ''}]"
+# Options of a nanovllm_ref run (`--runs triton:graph:sync`) -> the engine arguments they set.
+RUN_OPTIONS = {"sync": dict(async_scheduling=False), "nokernels": dict(decode_kernels="off")}
+
+
+def ref_row_name(backend: str, eager: bool, tp: int = 1, options: tuple[str, ...] = ()) -> str:
+    opts = "".join(f":{o}" for o in options)
+    return f"nanovllm_ref[{backend}:{'eager' if eager else 'graph'}{opts}{f',tp{tp}' if tp > 1 else ''}]"
 
 
 def plan_peers(peers, runs, engine_args: dict, *, cuda: bool, repeats: int, hf_repeats: int,
@@ -56,9 +61,13 @@ def plan_peers(peers, runs, engine_args: dict, *, cuda: bool, repeats: int, hf_r
     """The rows of one call, in order: nanovllm_ref's runs (backend, eager) first, then vllm, nano-vllm, HF."""
     specs, tp = [], engine_args.get("tensor_parallel_size", 1)
     if "nanovllm_ref" in peers:
-        for backend, eager in runs:
-            specs.append(PeerSpec(ref_row_name(backend, eager, tp), "nanovllm_ref", "nanovllm_bench.peers.ref",
-                                  dict(backend=backend, eager=eager, engine_args=engine_args),
+        for backend, eager, *rest in runs:
+            options = tuple(rest[0]) if rest else ()
+            args = dict(engine_args)
+            for o in options:
+                args.update(RUN_OPTIONS[o])
+            specs.append(PeerSpec(ref_row_name(backend, eager, tp, options), "nanovllm_ref", "nanovllm_bench.peers.ref",
+                                  dict(backend=backend, eager=eager, engine_args=args),
                                   repeats=repeats, batch1_repeats=batch1_repeats, gpus=tp))
     if "vllm" in peers:
         specs.append(PeerSpec("vllm", "vllm", "nanovllm_bench.peers.vllm", needs="vllm", needs_cuda=True,

@@ -229,3 +229,19 @@ def test_step_profile_at_tensor_parallel_2_times_whole_steps_over_gloo():
     assert set(res["decode_steps"]) == {"bs1_ctx16", "bs3_ctx16"}
     for v in res["decode_steps"].values():
         assert v["tensor_parallel_size"] == 2 and v["graph_step_ms"] > 0 and "kernel_ms" not in v
+
+
+def test_run_options_set_engine_arguments_and_name_the_row():
+    """`--runs triton:graph:sync:nokernels` measures the same engine with async scheduling and the decode
+    kernels off, in a row of its own; an unknown option is refused by name."""
+    import argparse
+    from nanovllm_bench.cli import _runs
+    from nanovllm_bench.harness import plan_peers
+    runs = _runs("triton:graph,triton:graph:sync:nokernels")
+    assert runs == [("triton", False, ()), ("triton", False, ("sync", "nokernels"))]
+    specs = plan_peers(["nanovllm_ref"], runs, {"max_num_seqs": 8}, cuda=True, repeats=1, hf_repeats=1, batch1_repeats=0)
+    assert [s.name for s in specs] == ["nanovllm_ref[triton:graph]", "nanovllm_ref[triton:graph:sync:nokernels]"]
+    assert specs[1].options["engine_args"] == {"max_num_seqs": 8, "async_scheduling": False, "decode_kernels": "off"}
+    assert specs[0].options["engine_args"] == {"max_num_seqs": 8}
+    with pytest.raises(argparse.ArgumentTypeError, match="OPTION one of sync, nokernels"):
+        _runs("triton:graph:fast")

@@ -66,7 +66,7 @@ from nanovllm_ref.layers.sampler import SamplingMetadata, sample as reference_sa
 from nanovllm_ref.models import get_model_class
 from nanovllm_ref.parts import Parts
 from nanovllm_ref.utils.context import attention_metadata
-from nanovllm_ref.utils.fusion import choose
+from nanovllm_ref.utils.fusion import FusedKernels, choose
 from nanovllm_ref.utils.loader import load_model
 from nanovllm_ref.utils import onednn
 from nanovllm_ref.utils.parallel import tensor_parallel
@@ -226,7 +226,9 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device), tensor_parallel(rank, self.world_size):
-                self.model = get_model_class(hf)(hf, parts=model_parts, fuse=self.fuse)
+                # decode_kernels="off": no hand-written decode kernels (by default the model picks all it can)
+                off = dict(kernels=FusedKernels()) if config.decode_kernels == "off" else {}
+                self.model = get_model_class(hf)(hf, parts=model_parts, fuse=self.fuse, **off)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
