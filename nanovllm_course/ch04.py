@@ -168,6 +168,43 @@ def check_slot_mapping(fn) -> None:
 # -- E4.2 paged decode attention --------------------------------------------------------------------------
 
 
+def _use_block(gen: torch.Generator, tables: list[list[int]], block: int, protected: set) -> None:
+    """Put `block` into one of `tables` (in place of a block held by one table only and not `protected`),
+    unless a table already holds it: a kernel that skips block 0 (`if block > 0`) or stops one block short of
+    the cache then reads wrong keys in every draw."""
+    if any(block in t for t in tables):
+        return
+    counts = {}
+    for t in tables:
+        for b in t:
+            counts[b] = counts.get(b, 0) + 1
+    spots = [(i, j) for i, t in enumerate(tables) for j, b in enumerate(t) if counts[b] == 1 and b not in protected]
+    if spots:
+        i, j = spots[int(torch.randint(len(spots), (1,), generator=gen))]
+        tables[i][j] = block
+
+
+def edge_slots(gen: torch.Generator, n: int, num_slots: int, num_pad: int, *, last: bool = True) -> torch.Tensor:
+    """A slot_mapping [n] int32 with `num_pad` rows of -1 ("do not write") and n - num_pad distinct real slots
+    of [0, num_slots), drawn fresh but always holding the edge cases: slot 0 is written by a real row (a
+    `slot > 0` test skips it), so is the last slot when `last` (an off-by-one at the end of the cache), and
+    padding rows sit both before and after the row writing slot 0 (a padding row sent to slot 0, writing its
+    old contents back, then lands on both sides of the real write). With `last=False` the last slot is
+    never written, so a -1 used as an index (PyTorch's "last row") shows."""
+    real = n - num_pad
+    if real < 1 or real > num_slots - (0 if last else 1):
+        raise ValueError(f"cannot draw {real} distinct real slots out of {num_slots}")
+    edges = [0] + ([num_slots - 1] if last and num_slots > 1 and real > 1 else [])
+    pool = torch.arange(1, max(1, num_slots - 1))            # neither slot 0 nor the last slot
+    others = pool[torch.randperm(len(pool), generator=gen)[:real - len(edges)]].tolist()
+    rest = others + edges[1:] + [-1] * max(0, num_pad - 2)
+    rest = [rest[i] for i in torch.randperm(len(rest), generator=gen).tolist()]
+    cut = sorted(torch.randint(0, len(rest) + 1, (3,), generator=gen).tolist())
+    before, after = ([-1], [-1]) if num_pad >= 2 else ([], [-1] * num_pad)
+    rows = rest[:cut[0]] + before + rest[cut[0]:cut[1]] + [0] + rest[cut[1]:cut[2]] + after + rest[cut[2]:]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
 def make_paged_batch(gen: torch.Generator, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                      block_size: int, context_lens: list[int], dtype=torch.float32, share_prefix: bool = False):
     """Random decode inputs over a paged cache filled with random values everywhere (so a kernel that reads
@@ -181,6 +218,8 @@ def make_paged_batch(gen: torch.Generator, batch: int, num_heads: int, num_kv_he
         used += nb
     if share_prefix and batch > 1 and blocks_per_seq[0] > 1 and blocks_per_seq[1] > 1:
         tables[1][0] = tables[0][0]                      # two sequences share their first block
+    for edge in (0, num_blocks - 1):                     # block 0 and the last block are always in use
+        _use_block(gen, tables, edge, protected={0, num_blocks - 1})
     width = max(blocks_per_seq)
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)

@@ -10,6 +10,7 @@ interpreter's memory watch; on a GPU the slot -1 write is caught by the guard ro
 import functools
 import os
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -31,11 +32,21 @@ def stub(*args, **kwargs):
 def _store_mutant(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
                   stride_vh, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_D: tl.constexpr, BUG: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if (slot >= 0) | (BUG == "writes_minus_one"):
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
+    if BUG == "int32":
+        token = tl.program_id(0)
+        slot = tl.load(slot_ptr + token)
+    else:
+        token = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    if BUG == "writeback":            # a padding row copies slot 0 onto itself: "harmless", and no branch
+        if slot < 0:
+            row = h * HEAD_DIM + d
+            m = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+            tl.store(k_cache_ptr + row, tl.load(k_cache_ptr + row, mask=m), mask=m)
+            tl.store(v_cache_ptr + row, tl.load(v_cache_ptr + row, mask=m), mask=m)
+    if ((slot >= 0) & (BUG != "slot_gt_zero")) | ((slot > 0) & (BUG == "slot_gt_zero")) | (BUG == "writes_minus_one"):
         mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
         if BUG == "no_mask":
             mask = (h < BLOCK_H) & (d < BLOCK_D)
@@ -44,6 +55,9 @@ def _store_mutant(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride
             stride_kh = HEAD_DIM
             stride_vt = NUM_KV_HEADS * HEAD_DIM
             stride_vh = HEAD_DIM
+        if BUG == "v_with_k_strides":
+            stride_vt = stride_kt
+            stride_vh = stride_kh
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
         k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
@@ -64,15 +78,35 @@ def store_with(bug):
     return store_kvcache
 
 
+# (mistake, what the message must say); each kernel is rejected on every call, whatever the draw
+STORE_MUTANTS = [
+    ("no_mask", "mask"),
+    ("writes_minus_one", "slot of -1 means 'do not write'"),
+    ("contiguous_key", "is a strided view"),
+    ("kv_swapped", "did you swap them"),
+    ("v_with_k_strides", "address value with stride_vt, stride_vh"),        # V read with K's strides
+    ("slot_gt_zero", "test slot >= 0, not slot > 0"),                        # slot 0 skipped
+    ("writeback", "has slot -1, but your kernel stored into slot 0"),        # padding rows copy slot 0 onto itself
+]
+if INTERPRET:       # slots past 2**31 elements: only the interpreter's memory watch can hand them over
+    STORE_MUTANTS.append(("int32", "overflow int32"))
+
+
 def test_e6_1(capsys):
     passes(ch06.check_store_kvcache, ch06.reference_store_kvcache, "E6.1", capsys)
     passes(ch06.check_store_kvcache, ch06.reference_triton_store_kvcache, "E6.1", capsys)
     passes(ch06.check_store_kvcache, store_with("none"), "E6.1", capsys)
     fails(ch06.check_store_kvcache, stub, "not implemented yet")
-    fails(ch06.check_store_kvcache, store_with("no_mask"), "mask")
-    fails(ch06.check_store_kvcache, store_with("writes_minus_one"), "slot of -1 means 'do not write'")
-    fails(ch06.check_store_kvcache, store_with("contiguous_key"), "key is a strided view")
-    fails(ch06.check_store_kvcache, store_with("kv_swapped"), "did you swap them")
+
+
+@pytest.mark.parametrize("bug,says", STORE_MUTANTS, ids=[m[0] for m in STORE_MUTANTS])
+def test_e6_1_rejects_every_time(bug, says):
+    for _ in range(3):                            # fresh draws each call: every one must reject, with the hint
+        fails(ch06.check_store_kvcache, store_with(bug), says)
+
+
+def test_e6_1_int32_case_runs_under_the_interpreter():
+    assert ch06.shifts_supported() == INTERPRET
 
 
 # == E6.2 ===================================================================================================
@@ -114,6 +148,9 @@ def _decode_mutant(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     if BUG == "gqa_modulo":
         heads = g * tl.num_programs(1) + kv_head
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    if BUG == "q_contiguous":         # q addressed as if contiguous [B, H, D]
+        stride_qb = tl.num_programs(1) * GROUP * HEAD_DIM
+        stride_qh = HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
     if CAST_FP32:
         q = q.to(tl.float32)
@@ -127,10 +164,17 @@ def _decode_mutant(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE)
         else:
             block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
-        rows = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        if BUG == "int32":
+            rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        else:
+            rows = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if BUG == "no_other":             # masked-off lanes hold whatever memory holds
+            k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask)
+            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask)
+        else:
+            k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if BUG == "kv_swapped":
             k, v = v, k
         if CAST_FP32:
@@ -154,6 +198,8 @@ def _decode_mutant(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
     out = acc / l[:, None]
+    if BUG == "store_padded_rows":
+        q_mask = d[None, :] < HEAD_DIM
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=q_mask)
 
@@ -174,19 +220,34 @@ def decode_with(bug):
     return paged_decode
 
 
+DECODE_MUTANTS = [
+    ("no_mask", "keys past context_len in the last tile must not count"),
+    ("kv_swapped", "did you swap them"),
+    ("no_rescale", "rescale l and acc"),
+    ("gqa_modulo", "not h % Hkv"),
+    ("exp2", "log2"),
+    ("q_contiguous", "q a strided view"),
+]
+if INTERPRET:      # silent on a GPU (or a crash later); the interpreter's memory watch and poison see them
+    DECODE_MUTANTS += [
+        ("unmasked_table", "mask=pos < context_len"),
+        ("no_other", "give the K and V loads other=0.0"),       # masked lanes read garbage: NaN here
+        ("store_padded_rows", "store only the real lanes"),
+        ("int32", "compute the row offsets in int64"),
+    ]
+
+
 def test_e6_3(capsys):
     passes(ch06.check_paged_decode, ch06.reference_torch_paged_decode, "E6.3", capsys)
     passes(ch06.check_paged_decode, ch06.reference_triton_paged_decode, "E6.3", capsys)
     passes(ch06.check_paged_decode, decode_with("none"), "E6.3", capsys)
     fails(ch06.check_paged_decode, stub, "not implemented yet")
-    fails(ch06.check_paged_decode, decode_with("no_mask"), "keys past context_len in the last tile must not count")
-    fails(ch06.check_paged_decode, decode_with("kv_swapped"), "did you swap them")
-    fails(ch06.check_paged_decode, decode_with("no_rescale"), "rescale l and acc")
-    fails(ch06.check_paged_decode, decode_with("gqa_modulo"), "not h % Hkv")
-    fails(ch06.check_paged_decode, decode_with("exp2"), "log2")
-    if INTERPRET:      # an unmasked table load is silent on a GPU; the interpreter's memory watch sees it
-        msg = fails(ch06.check_paged_decode, decode_with("unmasked_table"), "past the end of `block_tables`")
-        assert "mask=pos < context_len" in msg
+
+
+@pytest.mark.parametrize("bug,says", DECODE_MUTANTS, ids=[m[0] for m in DECODE_MUTANTS])
+def test_e6_3_rejects_every_time(bug, says):
+    for _ in range(2):
+        fails(ch06.check_paged_decode, decode_with(bug), says)
 
 
 # == E6.4 ===================================================================================================
@@ -219,10 +280,41 @@ def split_average(q, k_cache, v_cache, block_tables, context_lens, scale, num_sp
     return out
 
 
+def split_with(**flags):
+    def paged_decode_split(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
+        return ch06.reference_split_variant(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
+                                            16, **flags).to(q.device)
+    return paged_decode_split
+
+
+def split_never_merged(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
+    """The partial kernel runs (here: the reference's), but nothing writes the returned tensor."""
+    ch06.reference_triton_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
+    return torch.empty_like(q)
+
+
+SPLIT_MUTANTS = [
+    (split_average, "log-sum-exp"),
+    (split_with(empty="nan"), "acc / l is 0 / 0 = NaN"),
+    (split_with(empty="weight"), "must weigh nothing in the merge"),
+    (split_with(merge="unnormalised"), "divide the merged sum by the sum of the weights"),
+    (split_with(tiles="floor"), "rounded UP"),
+]
+if INTERPRET:
+    SPLIT_MUTANTS.append((split_never_merged, "no kernel stored into the tensor your launcher returned"))
+
+
 def test_e6_4(capsys):
     passes(ch06.check_split_decode, split_reference, "E6.4", capsys)
+    passes(ch06.check_split_decode, split_with(), "E6.4", capsys)
     fails(ch06.check_split_decode, stub, "not implemented yet")
-    fails(ch06.check_split_decode, split_average, "log-sum-exp")
+
+
+@pytest.mark.parametrize("fn,says", SPLIT_MUTANTS, ids=["average", "nan", "weight", "unnormalised", "floor",
+                                                         "never_merged"][:len(SPLIT_MUTANTS)])
+def test_e6_4_rejects_every_time(fn, says):
+    for _ in range(2):
+        fails(ch06.check_split_decode, fn, says)
 
 
 # == the notebook's parts ===================================================================================

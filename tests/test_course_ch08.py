@@ -2,6 +2,7 @@
 reference (printing exactly its `E8.n ok` line), fails on a stub with 'not implemented yet', and fails on
 the plausible mistakes the chapter names with a message chosen from what differs. Also: the host-sync spy
 sees `.item()` / `nonzero`, and the engine's own sampler passes the chapter's checks."""
+import pytest
 import torch
 
 from course_checks import fails, passes
@@ -78,7 +79,7 @@ def test_e8_2(capsys):
     fails(ch08.check_exponential_race, stub, "E8.2: not implemented yet")
     fails(ch08.check_exponential_race, noise_times, "multiplied by the noise")
     fails(ch08.check_exponential_race, noise_negated, "wrong sign")
-    fails(ch08.check_exponential_race, no_floor, "noise exactly 0")
+    fails(ch08.check_exponential_race, no_floor, "noise draw exactly 0")
     fails(ch08.check_exponential_race, race_with_item, "host sync")
 
 
@@ -198,3 +199,98 @@ def test_chi_square_p_is_calibrated_enough():
           for _ in range(200)]
     assert sum(p < 0.05 for p in ps) < 25                      # about 10 expected under the null
     assert ch08.chi_square_p(torch.full((30,), 1000.0), probs) < 1e-6
+
+
+# -- the kinds of issue 22: ties, inputs changed in place, state across calls -----------------------------------
+def greedy_all_ties(logits, temperatures):
+    """Greedy rows as `logits == max`: every tied maximum gets 1."""
+    lf = logits.float()
+    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures)).unsqueeze(-1)
+    hot = (lf == lf.max(-1, keepdim=True).values).float()
+    return torch.where((temperatures == 0).unsqueeze(-1), hot, torch.softmax(lf / t, -1))
+
+
+def greedy_as_tiny_temperature(logits, temperatures):
+    """T = 0 replaced by T = 1e-5: one-hot unless the maximum is tied."""
+    return torch.softmax(logits.float() / temperatures.clamp_min(1e-5).unsqueeze(-1), -1)
+
+
+def greedy_last_of_ties(logits, temperatures):
+    """One-hot at the LAST tied maximum (argmax of the flipped row)."""
+    lf = logits.float()
+    last = lf.shape[-1] - 1 - lf.flip(-1).argmax(-1, keepdim=True)
+    probs = ch08.reference_temperature_probs(logits, temperatures)
+    hot = torch.zeros_like(probs).scatter_(-1, last, 1.0)
+    return torch.where((temperatures == 0).unsqueeze(-1), hot, probs)
+
+
+def temperatures_fixed_in_place(logits, temperatures):
+    """Right probabilities, but greedy temperatures overwritten with 1 in the caller's tensor."""
+    greedy = temperatures == 0
+    temperatures[greedy] = 1.0
+    probs = torch.softmax(logits.float() / temperatures.unsqueeze(-1), -1)
+    return _greedy_fix(logits, torch.where(greedy, 0.0, temperatures), probs)
+
+
+def noise_floored_in_place(probs, noise):
+    return (probs / noise.clamp_min_(TINY)).argmax(-1)
+
+
+def top_k_off_rewritten_in_place(probs, top_k, top_p):
+    if top_k is not None:
+        top_k[top_k == 0] = probs.shape[-1]                  # "0 = off" turned into "keep all" in the caller's k
+    return ch08.reference_top_k_top_p(probs, top_k, top_p)
+
+
+def top_p_before_top_k(probs, top_k, top_p):
+    return ch08.reference_top_p_then_k(probs, top_k, top_p)
+
+
+def sample_reseeded(logits, metadata):
+    """A fixed seed on every call: every step draws the same noise."""
+    torch.manual_seed(1234)
+    return ch08.reference_sample(logits, metadata)
+
+
+def sample_own_generator(logits, metadata):
+    """A new generator with a fixed seed per call (the same mistake without touching the global RNG)."""
+    gen = torch.Generator(device=logits.device).manual_seed(7)
+    probs = ch08.reference_temperature_probs(logits, metadata.temperatures)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        probs = ch08.reference_top_k_top_p(probs, metadata.top_k, metadata.top_p)
+    return ch08.reference_exponential_race(probs, torch.empty_like(probs).exponential_(1.0, generator=gen))
+
+
+def sample_tiny_temperature(logits, metadata):
+    """Greedy rows sampled at T = 1e-5: right unless the maximum is tied."""
+    m = type(metadata)(metadata.temperatures.clamp_min(1e-5), False, metadata.top_k, metadata.top_p)
+    return ch08.reference_sample(logits, m)
+
+
+def sample_scales_logits_in_place(logits, metadata):
+    """Divides the caller's logits by the temperature in place."""
+    t = torch.where(metadata.temperatures > 0, metadata.temperatures, 1.0).unsqueeze(-1)
+    out = ch08.reference_sample(logits, metadata)
+    logits.div_(t.to(logits.dtype))
+    return out
+
+
+MUTANTS = [   # (check, wrong answer, what its message must say)
+    (ch08.check_temperature_probs, greedy_all_ties, "every tied token got 1.0"),
+    (ch08.check_temperature_probs, greedy_as_tiny_temperature, "temperature 0 is not a small temperature"),
+    (ch08.check_temperature_probs, greedy_last_of_ties, "the 1.0 goes to the FIRST of them"),
+    (ch08.check_temperature_probs, temperatures_fixed_in_place, "changed its input `temperatures`"),
+    (ch08.check_exponential_race, noise_floored_in_place, "changed its input `noise`"),
+    (ch08.check_top_k_top_p, top_k_off_rewritten_in_place, "changed its input `top_k`"),
+    (ch08.check_top_k_top_p, top_p_before_top_k, "top-k first, then top-p"),
+    (ch08.check_sample, sample_reseeded, "does not change from call to call"),
+    (ch08.check_sample, sample_own_generator, "does not change from call to call"),
+    (ch08.check_sample, sample_tiny_temperature, "whose maximum is tied"),
+    (ch08.check_sample, sample_scales_logits_in_place, "changed its input `logits`"),
+]
+
+
+@pytest.mark.parametrize("check,fn,says", MUTANTS, ids=[m[1].__name__ for m in MUTANTS])
+def test_mutants_of_issue_22_are_rejected_every_time_with_their_hint(check, fn, says):
+    for _ in range(3):
+        fails(check, fn, says)

@@ -170,3 +170,93 @@ def test_chapter_09_loaders_reach_the_engine_unadapted():
     assert parts.gate_up_weight_loader is linear.load_gate_up_shard
     assert [(e.name, e.field) for e in ex.EXPORTS["09"]] == [("load_qkv_shard", "qkv_weight_loader"),
                                                              ("load_gate_up_shard", "gate_up_weight_loader")]
+
+
+# -- the kinds of issue 22: what a loader leaves behind, inputs changed in place, the optional bias -------------
+def vocab_rebound(layer, param, loaded_weight):
+    """`param.data = ` a slice of the checkpoint: right values, the checkpoint's dtype and memory."""
+    n = param.shape[0]
+    param.data = loaded_weight[layer.tp_rank * n:(layer.tp_rank + 1) * n]
+
+
+def row_rebound(layer, param, loaded_weight):
+    if param.dim() == 1:
+        param.data = loaded_weight
+    else:
+        n = param.shape[1]
+        param.data = loaded_weight.narrow(1, layer.tp_rank * n, n)
+
+
+def row_rebound_keeping_dtype(layer, param, loaded_weight):
+    """Rebinds to a cast copy: the dtype is right, but the parameter's own memory is gone."""
+    n = param.shape[-1]
+    param.data = (loaded_weight if param.dim() == 1 else loaded_weight.narrow(1, layer.tp_rank * n, n)).to(param.dtype)
+
+
+def vocab_new_parameter(layer, param, loaded_weight):
+    n = param.shape[0]
+    layer.weight = torch.nn.Parameter(loaded_weight[layer.tp_rank * n:(layer.tp_rank + 1) * n].to(param.dtype).clone(),
+                                      requires_grad=False)
+
+
+def embedding_walks_ids_in_place(ids, weight_shards):
+    """Right output, but the caller's ids are shifted down rank by rank (`ids -= n`)."""
+    out = 0
+    for w in weight_shards:
+        n = w.shape[0]
+        mine = (ids >= 0) & (ids < n)
+        out = out + F.embedding(ids.clamp(0, n - 1), w) * mine.unsqueeze(-1)
+        ids -= n
+    return out
+
+
+def row_bias_split_in_place(x_shards, weight_shards, bias=None):
+    """Every rank adds bias / tp (right in sum), but divides the caller's bias in place."""
+    if bias is not None:
+        bias.div_(len(x_shards))
+    return sum(F.linear(x, w, bias) for x, w in zip(x_shards, weight_shards))
+
+
+def row_bias_always_added(x_shards, weight_shards, bias=None):
+    return sum(F.linear(x, w) for x, w in zip(x_shards, weight_shards)) + bias
+
+
+def column_bias_always_indexed(x, weight_shards, bias_shards=None):
+    return torch.cat([F.linear(x, w, bias_shards[r]) for r, w in enumerate(weight_shards)], -1)
+
+
+@pytest.mark.parametrize("swap,expect", [
+    (dict(load_vocab=vocab_rebound), "no longer uses its own memory|after loading, the parameter is"),
+    (dict(load_row=row_rebound), "no longer uses its own memory|after loading, the parameter is"),
+    (dict(load_row=row_rebound_keeping_dtype), "no longer uses its own memory"),
+    (dict(load_vocab=vocab_new_parameter), "replaced a parameter of the layer"),
+])
+def test_loaders_that_rebind_instead_of_copying_are_rejected_every_time(swap, expect):
+    for _ in range(3):
+        with pytest.raises(AssertionError) as err:
+            ch09.check_shard_loaders(**loaders(**swap))
+        text = str(err.value)
+        assert text.startswith("E9.1:") and any(e in text for e in expect.split("|")), text
+        assert "copy_" in text
+
+
+@pytest.mark.parametrize("swap,expect", [
+    (dict(vocab_embedding=embedding_walks_ids_in_place), "changed its input (argument 1)"),
+    (dict(row_forward=row_bias_split_in_place), "changed its input (argument 3)"),
+])
+def test_forward_mutants_of_issue_22_are_rejected_every_time(swap, expect):
+    for _ in range(3):
+        with pytest.raises(AssertionError) as err:
+            ch09.check_simulated_forward(**forward(**swap))
+        assert str(err.value).startswith("E9.2:") and expect in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("swap,where", [(dict(row_forward=row_bias_always_added), "row_bias_always_added"),
+                                        (dict(column_forward=column_bias_always_indexed), "<listcomp>|column_bias")])
+def test_a_forward_that_needs_its_optional_bias_fails_in_the_students_code(swap, where):
+    """bias=None is passed on every call: code that assumes a bias raises, and the check cell names it."""
+    from nanovllm_course.common import verdict_line
+    with pytest.raises(TypeError) as err:
+        ch09.check_simulated_forward(**forward(**swap))
+    line = verdict_line("E9.2", err.value, err.value.__traceback__)
+    assert line.startswith("E9.2 failed: your code raised TypeError") and any(w in line for w in where.split("|")), line
