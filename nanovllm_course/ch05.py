@@ -313,10 +313,14 @@ def _seq_diff(ref_mgr, stu_mgr, pairs, ops, hashed=False):
     bs = ref_mgr.block_size
     for label, r, s, live in pairs:
         if hashed:
-            if live and getattr(s, "num_hashed_blocks", None) != r.num_hashed_blocks:
+            # Every sequence, with blocks or not: a freed one must have been reset too.
+            if getattr(s, "num_hashed_blocks", None) != r.num_hashed_blocks:
                 msg = f"sequence {label}: num_hashed_blocks {s.num_hashed_blocks}, expected {r.num_hashed_blocks}"
                 hint = None
-                if "hash_blocks" in ops:
+                if not live and not r.block_table and "deallocate" in ops:
+                    hint = ("deallocate resets the sequence completely: block_table = [], num_cached_tokens = 0 and "
+                            "num_hashed_blocks = 0 (its blocks, and so their hashes, are no longer its own)")
+                elif "hash_blocks" in ops:
                     hint = ("hash_blocks advances seq.num_hashed_blocks to num_cached_tokens // block_size, so that "
                             "its next call starts after the blocks already hashed")
                 elif "allocate" in ops:

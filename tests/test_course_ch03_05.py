@@ -220,6 +220,25 @@ def test_e3_3(capsys):
     fails(ch03.check_packed_loaders, qkv_ref, gate_up_swapped, match="gate_up_proj")
 
 
+def qkv_rebuilt(param, loaded_weight, shard_id, q_size, kv_size):
+    """Right rows, but param.data is rebound to a new tensor (torch.cat) instead of written in place."""
+    offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+    param.data = torch.cat([param.data[:offset], loaded_weight.to(param.dtype), param.data[offset + size:]])
+
+
+def gate_up_in_checkpoint_dtype(param, loaded_weight, shard_id, intermediate_size):
+    """Rebinds the parameter to the checkpoint's dtype when they differ."""
+    if param.dtype != loaded_weight.dtype:
+        param.data = param.data.to(loaded_weight.dtype)
+    param.data.narrow(0, shard_id * intermediate_size, intermediate_size).copy_(loaded_weight)
+
+
+def test_e3_3_loaders_must_keep_the_parameter():
+    for _ in range(3):
+        fails(ch03.check_packed_loaders, qkv_rebuilt, gate_up_ref, match="no longer uses its own memory")
+        fails(ch03.check_packed_loaders, qkv_ref, gate_up_in_checkpoint_dtype, match="after loading, the parameter is")
+
+
 def test_e3_4(capsys):
     passes(ch03.check_prefill_logits, make_prefill_logits(), make_build_model(), tag="E3.4", capsys=capsys)
     fails(ch03.check_prefill_logits, stub, make_build_model(), match="not implemented yet")
@@ -447,6 +466,42 @@ def test_e4_3(capsys):
     fails(ch04.check_store_kvcache, store_not_in_place, match="k_cache is unchanged")
     msg = fails(ch04.check_store_kvcache, store_forgets_v, match="v_cache is unchanged")
     assert "v_cache must receive `value` at the same slots as k_cache receives `key`" in msg
+
+
+def store_clamped_write_back(key, value, k_cache, v_cache, slot_mapping):
+    """No boolean filter: padding rows go to slot 0 and write slot 0's old contents back (a write that races
+    with the real row writing slot 0)."""
+    idx = slot_mapping.long().clamp(min=0)
+    valid = (slot_mapping >= 0)[:, None, None]
+    for cache, src in ((k_cache, key), (v_cache, value)):
+        flat = cache.view(-1, *cache.shape[2:])
+        flat[idx] = torch.where(valid, src, flat[idx])
+
+
+def store_skips_slot_0(key, value, k_cache, v_cache, slot_mapping):
+    keep = slot_mapping > 0
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep].long()] = key[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep].long()] = value[keep]
+
+
+def store_values_as_contiguous(key, value, k_cache, v_cache, slot_mapping):
+    """Reads value's memory as if it were a contiguous [N, Hkv, D] tensor (as_strided over its storage)."""
+    keep = slot_mapping >= 0
+    n, h, d = value.shape
+    flat_v = torch.as_strided(value, (n, h, d), (h * d, d, 1))
+    k_cache.view(-1, h, d)[slot_mapping[keep].long()] = key[keep]
+    v_cache.view(-1, h, d)[slot_mapping[keep].long()] = flat_v[keep]
+
+
+@pytest.mark.parametrize("fn,says", [
+    (store_clamped_write_back, "wrote slot 0's old contents back"),
+    (store_skips_slot_0, "slot 0 is a real slot"),
+    (store_writes_minus_one, "slot -1 means"),
+    (store_values_as_contiguous, "holds the wrong values"),
+])
+def test_e4_3_edge_slots_and_layouts_are_drawn_every_time(fn, says):
+    for _ in range(5):
+        fails(ch04.check_store_kvcache, fn, match=says)
 
 
 def test_ch04_paged_figure_arrows_end_on_their_blocks():
@@ -690,6 +745,14 @@ class HashBlocksNoAdvance(BlockManager):
         seq.num_hashed_blocks = n
 
 
+class KeepsHashedBlocks(BlockManager):
+    """deallocate forgets to reset num_hashed_blocks (block_table and num_cached_tokens are reset)."""
+    def deallocate(self, seq):
+        n = seq.num_hashed_blocks
+        super().deallocate(seq)
+        seq.num_hashed_blocks = n
+
+
 class StubManager:
     def __init__(self, num_blocks, block_size, enable_prefix_caching=True):
         raise NotImplementedError("Exercise 5.2: fill in this code")
@@ -753,6 +816,12 @@ def test_e5_3(capsys):
     fails(ch05.check_prefix_caching, StaleHashOnReuse, match="reset an old one")
     fails(ch05.check_prefix_caching, NoTokenCompare, match="compare the block's token_ids")
     fails(ch05.check_prefix_caching, HashBlocksNoAdvance, match="advances seq.num_hashed_blocks")
+
+
+def test_e5_3_deallocate_must_reset_num_hashed_blocks():
+    for _ in range(3):
+        msg = fails(ch05.check_prefix_caching, KeepsHashedBlocks, match="num_hashed_blocks")
+        assert "num_hashed_blocks = 0" in msg.split("hint:")[1], msg
 
 
 @pytest.mark.parametrize("seed", range(5))
