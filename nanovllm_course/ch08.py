@@ -2,23 +2,27 @@
 
 - `check_temperature_probs(fn)` (E8.1): fn(logits [B, V] fp32 or bf16, temperatures [B] fp32) -> probs
   [B, V] fp32. Rows with temperature > 0: softmax(logits / T) computed in fp32, to atol 1e-6. Rows with
-  temperature 0: exactly one-hot at argmax(logits) (the first index on ties, as torch.argmax).
+  temperature 0: exactly one-hot at argmax(logits) (the first index on ties, as torch.argmax); every call has
+  greedy rows whose maximum is tied (two or three tokens share it), and logits and temperatures must come
+  back unchanged.
 - `check_exponential_race(fn)` (E8.2): fn(probs [B, V] fp32, noise [B, V] fp32 >= 0) -> [B] int64, exactly
-  argmax(probs / max(noise, tiny)) (tiny = fp32's smallest normal); then, with fresh Exp(1) noise, a
-  chi-squared test on 40,000 draws for each T in {0.5, 1, 2}; no host sync.
+  argmax(probs / max(noise, tiny)) (tiny = fp32's smallest normal), with draws of exactly 0 (on a token of
+  probability 0 and on a possible one) and a subnormal draw in every call; the inputs unchanged; no host sync.
 - `check_top_k_top_p(fn)` (E8.3): fn(probs [B, V] fp32, top_k [B] int64 or None, top_p [B] float64 or None)
   -> renormalised probs [B, V] fp32, dropped tokens exactly 0. Same kept tokens as the reference (HF's
   TopKLogitsWarper / TopPLogitsWarper rules; where top-p's boundary falls inside a run of equal
   probabilities, any of the tied tokens may go, but the number kept must match), probabilities to atol 1e-6;
-  no host sync.
+  a case where the order of the two filters changes the result; the inputs unchanged; no host sync.
 - `check_sample(fn)` (E8.4): fn(logits, nanovllm_ref.layers.sampler.SamplingMetadata) -> [B] int64: greedy
-  rows exactly argmax, no host sync (a dispatch spy watches for aten::_local_scalar_dense (`.item()`,
-  `int(t)`, `if t:`), aten::nonzero, masked_select, unique), and chi-squared tests on 40,000 draws each for
-  T in {0.5, 1, 2} and for top-k, top-p and both.
+  rows exactly argmax over 6 + 3 calls, most of them with a tied maximum; no host sync (a dispatch spy watches
+  for aten::_local_scalar_dense (`.item()`, `int(t)`, `if t:`), aten::nonzero, masked_select, unique); the
+  inputs unchanged; 200 calls of 200 rows at T = 1 that must not repeat each other and together pass a
+  chi-squared test (state across calls: a sampler that reseeds its generator draws the same noise every
+  step); and chi-squared tests on 40,000 draws each for T in {0.5, 1, 2} and for top-k, top-p and both.
 
 Statistics: each chi-squared test fails when its p-value is below 1e-6, so a correct sampler fails one test
-with probability about 1e-6 (the chi-squared approximation, with bins of expected count < 5 pooled); a
-check runs 3 (E8.2) or 6 (E8.4) tests, so it fails a correct answer about once in 300,000 runs or less.
+with probability about 1e-6 (the chi-squared approximation, with bins of expected count < 5 pooled); E8.4
+runs 7 tests, so it fails a correct answer about 7 times in a million runs.
 
 Every check draws fresh random inputs and prints `E8.n ok` and nothing else on success.
 `reference_temperature_probs`, `reference_exponential_race`, `reference_top_k_top_p`, `reference_sample` are
@@ -293,31 +297,13 @@ def check_exponential_race(fn) -> None:
         rows, vocab, _, _, got, want = wrong[0]
         fail(tag, f"token ids differ from argmax(probs / noise) in {int((got != want).sum())} of {rows} rows "
                   f"({rows} rows x {vocab} tokens)", "one argmax over the vocabulary of probs / noise")
-    # A zero draw must not let an impossible token win (0 / 0 = NaN, and argmax picks NaN).
     probs = torch.tensor([[0.0, 1.0, 0.0], [0.25, 0.0, 0.75]])
-    zeros = torch.zeros(2, 3)
-    got = call_student(tag, fn, probs, zeros)
-    check_unchanged(tag, {"noise": torch.zeros(2, 3)}, {"noise": zeros},
-                    "floor into a new tensor: noise.clamp_min(tiny), not noise.clamp_min_(tiny)")
-    if got.tolist() != [1, 0] and got.tolist() != [1, 2]:
-        fail(tag, f"with noise exactly 0 your race picked token(s) {got.tolist()}, one with probability 0 "
-                  "(0 / 0 = NaN, and argmax returns NaN's position)",
-             "floor the noise: noise.clamp_min(torch.finfo(torch.float32).tiny)")
     with HostSyncSpy() as spy:
         call_student(tag, fn, probs, torch.ones(2, 3))
     if spy.seen:
         fail(tag, _sync_message(spy.seen), "one tensor expression: (probs / noise).argmax(dim=-1)")
-    # Statistics: fresh Exp(1) noise, 40k draws in one call per temperature.
-    vocab = 24
-    logits = _logits(g, 1, vocab, 1.5)
-    for t in (0.5, 1.0, 2.0):
-        probs = reference_temperature_probs(logits, torch.tensor([t])).expand(DRAWS, vocab)
-        ids = call_student(tag, fn, probs, torch.empty(DRAWS, vocab).exponential_(1.0))
-        counts = _draw_counts(ids, vocab)
-        p = chi_square_p(counts, probs[0])
-        if p < P_FAIL:
-            fail(tag, f"at T={t}, {DRAWS} draws do not follow the probabilities (chi-squared p = {p:.1e})",
-                 "argmax(p / E) with E ~ Exp(1) is a sample from p; check what you divide by what")
+    # No statistics here: a race that gives exactly argmax(p / max(E, tiny)) for every given noise draws from p
+    # (the notebook shows the frequencies); E8.4 tests the sampler's draws.
     ok(tag)
 
 
@@ -339,7 +325,8 @@ def _same_kept(got, variant, probs):
 
 def _kept_compare(tag, probs, got, want, case, top_k=None, top_p=None):
     """Compare kept sets (tokens tied at top-p's boundary may swap) and renormalised probabilities."""
-    check_close(tag, got, want, rtol=0, atol=1e6, what=f"filtered probs ({case})")      # type / shape / dtype
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        check_close(tag, got, want, rtol=0, atol=1e6, what=f"filtered probs ({case})")  # type / shape / dtype
     if not torch.isfinite(got).all():
         fail(tag, f"filtered probs contain NaN or inf ({case})",
              "a row whose kept mass you divide by must keep at least one token")
@@ -403,6 +390,8 @@ def check_top_k_top_p(fn) -> None:
         (torch.tensor([[0.5, 0.3, 0.2]]), None, [0.6], "top_p = 0.6 needs 0.5 and 0.3"),
         (torch.tensor([[0.25, 0.5, 0.25]]), [2], [0.99], "top_k = 2 keeps 3 (a tie), then top_p"),
         (torch.tensor([[0.7, 0.1, 0.1, 0.1]]), [0], [0.05], "a tiny top_p keeps the most likely token"),
+        (torch.tensor([[0.1, 0.2, 0.4, 0.3]]), None, [1e-8], "top_p = 1e-8: 1 - top_p rounds to 1.0 in fp32, and "
+         "the most likely token still stays"),
         (torch.tensor([[0.125, 0.25, 0.5, 0.125]]), [2], [0.6],
          "top_k = 2 keeps 0.5 and 0.25, renormalised 2/3 and 1/3; then top_p = 0.6 keeps only 2/3"),
     ]

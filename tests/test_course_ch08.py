@@ -2,6 +2,8 @@
 reference (printing exactly its `E8.n ok` line), fails on a stub with 'not implemented yet', and fails on
 the plausible mistakes the chapter names with a message chosen from what differs. Also: the host-sync spy
 sees `.item()` / `nonzero`, and the engine's own sampler passes the chapter's checks."""
+import re
+
 import pytest
 import torch
 
@@ -294,3 +296,110 @@ MUTANTS = [   # (check, wrong answer, what its message must say)
 def test_mutants_of_issue_22_are_rejected_every_time_with_their_hint(check, fn, says):
     for _ in range(3):
         fails(check, fn, says)
+
+
+# -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
+def probs_transposed(logits, temperatures):
+    return ch08.reference_temperature_probs(logits, temperatures).T
+
+
+def temperature_plus_eps(logits, temperatures):
+    """'Avoid dividing by zero' with T + 1e-3: close, but not softmax(logits / T)."""
+    probs = torch.softmax(logits.float() / (temperatures + 1e-3).unsqueeze(-1), -1)
+    return _greedy_fix(logits, temperatures, probs)
+
+
+def race_plus_one(probs, noise):
+    """'Avoid dividing by zero' with E + 1: no longer a sample from p."""
+    return (probs / (noise + 1)).argmax(-1)
+
+
+def race_as_list(probs, noise):
+    return ch08.reference_exponential_race(probs, noise).tolist()
+
+
+def race_keepdim(probs, noise):
+    return (probs / noise.clamp_min(TINY)).argmax(-1, keepdim=True)
+
+
+def race_int32(probs, noise):
+    return ch08.reference_exponential_race(probs, noise).to(torch.int32)
+
+
+def _top_p_rule(probs, top_p, *, strict=False, keep_top=True):
+    """HF's top-p on probabilities, with two planted mistakes: `strict` drops running sums < 1 - p (not <=),
+    `keep_top=False` forgets to keep the most likely token."""
+    asc, order = probs.sort(dim=-1, stable=True)
+    running = asc.cumsum(-1)
+    threshold = torch.where(top_p < 1, 1 - top_p.double(), -1.0).to(torch.float32).unsqueeze(-1)
+    drop = running < threshold if strict else running <= threshold
+    if keep_top:
+        drop[:, -1] = False
+    kept = torch.zeros_like(probs).scatter(-1, order, asc.masked_fill(drop, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def top_p_strict(probs, top_k, top_p):
+    probs = ch08.reference_top_k_top_p(probs, top_k, None) if top_k is not None else probs
+    return probs if top_p is None else _top_p_rule(probs, top_p, strict=True)
+
+
+def top_p_drops_everything(probs, top_k, top_p):
+    probs = ch08.reference_top_k_top_p(probs, top_k, None) if top_k is not None else probs
+    return probs if top_p is None else _top_p_rule(probs, top_p, keep_top=False)
+
+
+def top_p_mask_not_scattered(probs, top_k, top_p):
+    """Builds top-p's keep mask on the sorted row, then applies it to the unsorted row (no scatter back)."""
+    probs = ch08.reference_top_k_top_p(probs, top_k, None) if top_k is not None else probs
+    if top_p is None:
+        return probs
+    desc = probs.sort(dim=-1, descending=True, stable=True).values
+    keep = (desc.cumsum(-1) - desc) < top_p.float().unsqueeze(-1)
+    kept = torch.where(keep, probs, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample_greedy_shortcut_by_sort(logits, metadata):
+    """The all-greedy shortcut takes the first index of a descending sort: on ties, not argmax's."""
+    if metadata.all_greedy:
+        return logits.float().sort(dim=-1, descending=True).indices[:, 0]
+    return ch08.reference_sample(logits, metadata)
+
+
+_CALLS = [0]
+
+
+def sample_two_seeds(logits, metadata):
+    """Alternates between two fixed seeds: consecutive calls differ, but the draws repeat every other call."""
+    _CALLS[0] += 1
+    torch.manual_seed(_CALLS[0] % 2)
+    return ch08.reference_sample(logits, metadata)
+
+
+def sample_temperature_squared(logits, metadata):
+    t = metadata.temperatures
+    m = type(metadata)(torch.where(t > 0, t * t, 0.0), metadata.all_greedy, metadata.top_k, metadata.top_p)
+    return ch08.reference_sample(logits, m)
+
+
+COVERAGE = [   # (check, wrong answer, what its message must say)
+    (ch08.check_temperature_probs, probs_transposed, "has shape"),
+    (ch08.check_temperature_probs, temperature_plus_eps, "differs from the reference"),
+    (ch08.check_exponential_race, race_plus_one, "token ids differ from argmax(probs / noise)"),
+    (ch08.check_exponential_race, race_as_list, "should return a torch.Tensor of token ids"),
+    (ch08.check_exponential_race, race_keepdim, "one token id per row"),
+    (ch08.check_exponential_race, race_int32, "expected torch.int64"),
+    (ch08.check_top_k_top_p, top_p_strict, "(<=, not <)"),
+    (ch08.check_top_k_top_p, top_p_drops_everything, "must keep at least one token"),
+    (ch08.check_top_k_top_p, top_p_mask_not_scattered, "keeps a different set of tokens"),
+    (ch08.check_sample, sample_greedy_shortcut_by_sort, "an all-greedy batch did not give argmax(logits)"),
+    (ch08.check_sample, sample_two_seeds, "do not follow softmax(logits) together"),
+    (ch08.check_sample, sample_temperature_squared, "do not follow the filtered distribution"),
+]
+
+
+@pytest.mark.parametrize("check,fn,says", COVERAGE, ids=[m[1].__name__ for m in COVERAGE])
+def test_every_hint_is_reached(check, fn, says):
+    for _ in range(3):
+        fails(check, fn, re.escape(says))

@@ -1,5 +1,7 @@
 """Mutation tests for chapter 09's checks: each passes the reference answers and fails, with a message chosen
 from what differs, on the realistic wrong versions the chapter names."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -260,3 +262,87 @@ def test_a_forward_that_needs_its_optional_bias_fails_in_the_students_code(swap,
         ch09.check_simulated_forward(**forward(**swap))
     line = verdict_line("E9.2", err.value, err.value.__traceback__)
     assert line.startswith("E9.2 failed: your code raised TypeError") and any(w in line for w in where.split("|")), line
+
+
+# -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
+def qkv_half_rows(layer, param, loaded_weight, shard_id):
+    """Copies only the first half of each slice's rows."""
+    q_size, kv_size = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+    half = max(1, size // 2)
+    param.data.narrow(0, offset, half).copy_(loaded_weight.narrow(0, layer.tp_rank * size, half))
+
+
+def qkv_scaled(layer, param, loaded_weight, shard_id):
+    """Right rows, but pre-scaled (as if folding a softmax scale into q): not a copy."""
+    ch09.reference_load_qkv_shard(layer, param, loaded_weight, shard_id)
+    param.data.mul_(0.5)
+
+
+def gate_up_frees_the_checkpoint(layer, param, loaded_weight, shard_id):
+    ch09.reference_load_gate_up_shard(layer, param, loaded_weight, shard_id)
+    loaded_weight.zero_()                                  # "free" it after use: other ranks still read it
+
+
+def row_rank0_columns(layer, param, loaded_weight):
+    """Every rank takes the first columns (rank 0's)."""
+    if param.dim() == 1:
+        param.data.copy_(loaded_weight)
+    else:
+        param.data.copy_(loaded_weight[:, :param.shape[1]])
+
+
+def row_bias_on_rank0_only(layer, param, loaded_weight):
+    """The bias is loaded on rank 0 only (it is added there): the other ranks' bias is never written."""
+    if param.dim() == 1:
+        if layer.tp_rank == 0:
+            param.data.copy_(loaded_weight)
+    else:
+        ch09.reference_load_row_shard(layer, param, loaded_weight)
+
+
+def column_pops_shards(x, weight_shards, bias_shards=None):
+    """Consumes the lists it was given (pop) while computing the right output."""
+    outs = []
+    while weight_shards:
+        w = weight_shards.pop(0)
+        b = bias_shards.pop(0) if bias_shards else None
+        outs.append(F.linear(x, w, b))
+    return torch.cat(outs, -1)
+
+
+def column_no_bias(x, weight_shards, bias_shards=None):
+    return torch.cat([F.linear(x, w) for w in weight_shards], -1)
+
+
+def row_no_bias(x_shards, weight_shards, bias=None):
+    return sum(F.linear(x, w) for x, w in zip(x_shards, weight_shards))
+
+
+def lm_head_rank0(hidden, weight_shards):
+    return F.linear(hidden, weight_shards[0])
+
+
+@pytest.mark.parametrize("swap,expect", [
+    (dict(load_qkv=qkv_half_rows), "some rows never written"),
+    (dict(load_qkv=qkv_scaled), "values that are not one run of rows of the checkpoint"),
+    (dict(load_gate_up=gate_up_frees_the_checkpoint), "changed the checkpoint tensor"),
+    (dict(load_row=row_rank0_columns), "the weight holds weight columns 0.."),
+    (dict(load_row=row_bias_on_rank0_only), "the bias holds nothing (never written)"),
+])
+def test_loader_hints_are_reached(swap, expect):
+    for _ in range(3):
+        with pytest.raises(AssertionError, match=re.escape(expect)):
+            ch09.check_shard_loaders(**loaders(**swap))
+
+
+@pytest.mark.parametrize("swap,expect", [
+    (dict(column_forward=column_pops_shards), "changed the list it was given as argument 2"),
+    (dict(column_forward=column_no_bias), "column_forward with tp=1: the bias is missing"),
+    (dict(row_forward=row_no_bias), "row_forward with tp=1: the bias is missing"),
+    (dict(lm_head=lm_head_rank0), "one rank's logits"),
+])
+def test_forward_hints_are_reached(swap, expect):
+    for _ in range(3):
+        with pytest.raises(AssertionError, match=re.escape(expect)):
+            ch09.check_simulated_forward(**forward(**swap))

@@ -300,3 +300,57 @@ def test_floor_mutants_get_their_own_hint_every_time(fn, says):
         text = fails("E11.1", fn, says)
         if "head_dim" in says:
             assert "kv_bytes is half" not in text
+
+
+# -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
+def test_floor_not_a_dict():
+    fails("E11.1", lambda *a: list(_floor(*a).values()), "should return a dict")
+
+
+def test_floor_kv_attends_one_position_too_many():
+    """Decode token t attends over P + t + 1 positions: no usual mistake explains it, so the message names the key."""
+    def wrong(prompts, max_tokens, config, bw, flops):
+        out = _floor(prompts, max_tokens, config, bw, flops)
+        kv_tok = model_stats(config)["kv_bytes_per_token"]
+        out["kv_bytes"] = sum(kv_tok * ((m - 1) * (len(p) + 1) + (m - 1) * m // 2) for p, m in zip(prompts, max_tokens))
+        out["kv_read_s"] = out["kv_bytes"] / bw
+        out["floor_s"] = out["kv_read_s"] + out["weight_read_s"] + out["prefill_s"]
+        return out
+    fails("E11.1", wrong, "kv_bytes is", "count per decode token the K/V it reads")
+
+
+def test_throughput_divided_by_the_whole_run():
+    def wall(trace):
+        out = _throughput(trace)
+        for kind in ("prefill", "decode"):
+            out[f"{kind}_tok_s"] = out[f"{kind}_tokens"] / (out["prefill_s"] + out["decode_s"])
+        return out
+    fails("E11.2", wall, "divides by the whole run's seconds")
+
+
+def test_throughput_rounded_seconds():
+    def rounded(trace):
+        out = _throughput(trace)
+        out["decode_s"] = round(out["decode_s"], 2)
+        out["decode_tok_s"] = out["decode_tokens"] / out["decode_s"]
+        return out
+    fails("E11.2", rounded, "decode_s is", "the check is exact")
+
+
+def test_roofline_not_a_number():
+    fails("E11.3", lambda st, bw, fl, c=0: str(ch11.reference_compute_bound_batch(st, bw, fl, c)), "should return a float")
+
+
+def test_roofline_attention_left_out():
+    for _ in range(5):
+        fails("E11.3", lambda st, bw, fl, c=0: ch11.reference_compute_bound_batch(dict(st, attn_flops_coef=0), bw, fl, c),
+              "attention FLOPs are left out")
+
+
+def test_roofline_weights_read_per_sequence():
+    """Memory per step counted as B x weights: no usual mistake explains it."""
+    def wrong(st, bw, fl, c=0):
+        flop = 2 * st["params"] + st["attn_flops_coef"] * c
+        slope = flop / fl - (st["weight_bytes"] + c * st["kv_bytes_per_token"]) / bw
+        return math.inf if slope <= 0 else 1.0 / slope
+    fails("E11.3", wrong, "returned", "solve memory time = compute time")
