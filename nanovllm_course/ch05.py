@@ -266,11 +266,11 @@ class _Lockstep:
             raise RuntimeError(f"reference allocate({label}) did not refuse")
         try:
             self.stu.allocate(s)
-        except RuntimeError:
-            self.ops.append(op + " -> RuntimeError")
-        except NotImplementedError as exc:
+        except NotImplementedError as exc:      # a subclass of RuntimeError: a stub is not a refusal
             fail(self.tag, f"not implemented yet ({exc}) [in {op}]",
                  "fill in the BlockManager methods above, run the cell, then this check")
+        except RuntimeError:
+            self.ops.append(op + " -> RuntimeError")
         except Exception as exc:
             self.ops.append(op)
             self.fail(f"{op} raised {type(exc).__name__}: {exc}, expected RuntimeError ({why})", _REFUSE_HINT)
