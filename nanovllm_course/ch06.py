@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from nanovllm_course.common import call_student, check_close, fail, fresh_generator, ok
+from nanovllm_course.common import CheckFailed, call_student, check_close, fail, fresh_generator, ok
 from nanovllm_ref.attn import torch_backend
 
 reference_store_kvcache = torch_backend.store_kvcache
@@ -142,9 +142,13 @@ class MemoryWatch:
         bad = on & ~inside
         if bad.any():
             first = int(lanes[bad][0])
-            # Name the watched tensor nearest to the first bad address.
+            # Name the tensor the access was meant for: the one its other lanes hit, else the nearest to the
+            # first bad address (a wild address, e.g. from garbage read by a masked-off lane, is near nothing).
+            tensors = list(self.named.items()) + list(self.arguments.items())
+            good = lanes[on & inside]
+            hit = [(n, r) for n, r in tensors if good.size and ((good >= r[0]) & (good < r[1])).any()]
             best = None
-            for name, (lo, hi) in list(self.named.items()) + list(self.arguments.items()):
+            for name, (lo, hi) in hit or tensors:
                 dist = lo - first if first < lo else max(0, first + size - hi)
                 if best is None or dist < best[0]:
                     best = (dist, name, "before the start of" if first < lo else "past the end of")
@@ -259,9 +263,9 @@ def _run_kernel(tag, fn, args, watch: MemoryWatch, oob_hint, oob_message=None) -
     count)`, if given, its message."""
     try:
         return call_student(tag, fn, *args)
-    except AssertionError:
+    except CheckFailed:
         raise
-    except Exception as exc:  # noqa: BLE001 - a student's kernel can fail in many ways
+    except Exception as exc:  # noqa: BLE001 - a student's kernel can fail in many ways (an assert too)
         if watch.violation:
             kind, name, where, count = watch.violation
             fail(tag, oob_message(kind, count) if oob_message else f"your kernel {kind} {count} element(s) {where} "
@@ -412,11 +416,6 @@ def _store_case(tag, fn, gen, device, bs, num_blocks, n, dtype, k_layout, v_layo
                  "slot * Hkv * D + h * D + d")
         if torch.equal(got, exp):
             continue
-        changed = (flat_got != flat_old).flatten(1).any(1)
-        stray = [i for i in changed.nonzero().flatten().tolist() if i not in mapped]
-        if stray:
-            fail(tag, f"{name}: slot {stray[0]} changed although no token maps to it [{where}]",
-                 _INT64_HINT if big else spill_hint)
         bad = int((flat_got != flat_exp).flatten(1).any(1).nonzero()[0])
         i = (slots == bad).nonzero().flatten().tolist()[0]
         if big:
@@ -447,10 +446,6 @@ def _store_case(tag, fn, gen, device, bs, num_blocks, n, dtype, k_layout, v_layo
                  f"{'key' if name == 'k_cache' else 'value'} is a strided view: token t, head h starts at "
                  "ptr + t * stride(0) + h * stride(1), not t * Hkv * D + h * D; pass the strides to the kernel "
                  "and use them")
-        if not torch.equal(flat_got[bad][0], flat_exp[bad][0]) and torch.equal(flat_got[bad][-1], flat_exp[bad][-1]) \
-                and bad - 1 in mapped:
-            fail(tag, f"{name}: the start of slot {bad} (token {i}) was overwritten after it was stored "
-                      f"[{where}]", spill_hint)
         if torch.equal(flat_got[bad][0], flat_exp[bad][0]):
             fail(tag, f"{name}: slot {bad}: head 0 is right, a later head is wrong [{where}]",
                  "head h of a token starts h * stride(1) elements after head 0 in key (or value), and h * D "

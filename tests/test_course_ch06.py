@@ -9,6 +9,7 @@ interpreter's memory watch; on a GPU the slot -1 write is caught by the guard ro
 """
 import functools
 import os
+import re
 
 import pytest
 import torch
@@ -58,20 +59,43 @@ def _store_mutant(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride
         if BUG == "v_with_k_strides":
             stride_vt = stride_kt
             stride_vh = stride_kh
+        if BUG == "k_with_v_strides":
+            stride_kt = stride_vt
+            stride_kh = stride_vh
+        if BUG == "head_stride_d":        # the head stride taken as HEAD_DIM, as if heads were packed
+            stride_kh = HEAD_DIM
+            stride_vh = HEAD_DIM
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
-        k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
-        v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
-        if BUG == "kv_swapped":
-            tl.store(k_cache_ptr + dst, v, mask=mask)
-            tl.store(v_cache_ptr + dst, k, mask=mask)
+        if BUG == "slot_plus_one":
+            dst = (slot + 1) * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
+        if BUG == "store_unmasked":       # masked loads, unmasked stores: padded lanes spill into the next slot
+            k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+            v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+            store_mask = (h < BLOCK_H) & (d < BLOCK_D) & (h * HEAD_DIM + d < 2 * NUM_KV_HEADS * HEAD_DIM)
         else:
-            tl.store(k_cache_ptr + dst, k, mask=mask)
-            tl.store(v_cache_ptr + dst, v, mask=mask)
+            k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+            v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+            store_mask = mask
+        if BUG == "via_fp16":             # "save bandwidth": the row passes through fp16
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        if BUG == "kv_swapped":
+            tl.store(k_cache_ptr + dst, v, mask=store_mask)
+            tl.store(v_cache_ptr + dst, k, mask=store_mask)
+        else:
+            tl.store(k_cache_ptr + dst, k, mask=store_mask)
+            tl.store(v_cache_ptr + dst, v, mask=store_mask)
+        if BUG == "clears_key":           # "frees" the staged row after storing it
+            tl.store(key_ptr + token * stride_kt + h * stride_kh + d, tl.zeros_like(k), mask=mask)
 
 
 def store_with(bug):
     def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
         n, hkv, d = key.shape
+        if bug == "launcher_asserts":
+            assert key.is_contiguous() and value.is_contiguous(), "key/value must be contiguous"
+        if bug == "last_token_skipped":
+            n -= 1                        # grid off by one
         _store_mutant[(n,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1),
                             value.stride(0), value.stride(1), NUM_KV_HEADS=hkv, HEAD_DIM=d,
                             BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d), BUG=bug)
@@ -88,8 +112,16 @@ STORE_MUTANTS = [
     ("slot_gt_zero", "test slot >= 0, not slot > 0"),                        # slot 0 skipped
     ("writeback", "has slot -1, but your kernel stored into slot 0"),        # padding rows copy slot 0 onto itself
 ]
-if INTERPRET:       # slots past 2**31 elements: only the interpreter's memory watch can hand them over
-    STORE_MUTANTS.append(("int32", "overflow int32"))
+STORE_MUTANTS += [
+    ("k_with_v_strides", "key was read with value's strides"),
+    ("head_stride_d", "head 0 is right, a later head is wrong"),
+    ("via_fp16", "holds the wrong values"),
+    ("last_token_skipped", "was not written"),
+    ("clears_key", "your store changed key, value or slot_mapping"),
+]
+if INTERPRET:       # only the interpreter's memory watch hands over slots past 2**31 elements and sees each store
+    STORE_MUTANTS += [("int32", "overflow int32"), ("store_unmasked", "mask every load and store"),
+                      ("slot_plus_one", "wrote"), ("launcher_asserts", "your launcher or kernel raised AssertionError")]
 
 
 def test_e6_1(capsys):
@@ -102,7 +134,23 @@ def test_e6_1(capsys):
 @pytest.mark.parametrize("bug,says", STORE_MUTANTS, ids=[m[0] for m in STORE_MUTANTS])
 def test_e6_1_rejects_every_time(bug, says):
     for _ in range(3):                            # fresh draws each call: every one must reject, with the hint
-        fails(ch06.check_store_kvcache, store_with(bug), says)
+        fails(ch06.check_store_kvcache, store_with(bug), re.escape(says))
+
+
+GPU_PATH_STORE_MUTANTS = [           # what a GPU run checks (values and guard rows; no memory watch)
+    ("writes_minus_one", "your store wrote just before k_cache"),
+    ("slot_plus_one", "your store wrote past the end of"),
+    ("store_unmasked", "your store wrote past the end of k_cache"),
+]
+
+
+@pytest.mark.parametrize("bug,says", GPU_PATH_STORE_MUTANTS, ids=[m[0] for m in GPU_PATH_STORE_MUTANTS])
+def test_e6_1_without_the_memory_watch(bug, says, monkeypatch):
+    """On a GPU there is no memory watch: the guard rows and the values must still reject these."""
+    monkeypatch.setattr(ch06, "interpreting", lambda: False)
+    monkeypatch.setattr(ch06, "kernel_device", lambda: "cpu")
+    for _ in range(3):
+        fails(ch06.check_store_kvcache, store_with(bug), re.escape(says))
 
 
 def test_e6_1_int32_case_runs_under_the_interpreter():
@@ -117,6 +165,21 @@ def softmax_with(**flags):
 
 def softmax_direct(scores, values, tile):
     return torch.softmax(scores, dim=-1) @ values
+
+
+def softmax_shifts_scores_in_place(scores, values, tile):
+    scores -= scores.max(dim=-1, keepdim=True).values          # "for stability", on the caller's tensor
+    return torch.softmax(scores, dim=-1) @ values
+
+
+def softmax_transposed(scores, values, tile):
+    return (torch.softmax(scores, dim=-1) @ values).T
+
+
+def test_e6_2_hints_are_reached():
+    for _ in range(3):
+        fails(ch06.check_online_softmax, softmax_shifts_scores_in_place, "online_softmax changed its inputs")
+        fails(ch06.check_online_softmax, softmax_transposed, "has shape")
 
 
 def test_e6_2(capsys):
@@ -151,7 +214,10 @@ def _decode_mutant(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     if BUG == "q_contiguous":         # q addressed as if contiguous [B, H, D]
         stride_qb = tl.num_programs(1) * GROUP * HEAD_DIM
         stride_qh = HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if BUG == "q_unmasked":
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :])
+    else:
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
     if CAST_FP32:
         q = q.to(tl.float32)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -162,6 +228,8 @@ def _decode_mutant(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         valid = pos < context_len
         if BUG == "unmasked_table":
             block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE)
+        elif BUG == "kv_unmasked":        # table load masked without other=, K/V loads masked by d only
+            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid)
         else:
             block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
         if BUG == "int32":
@@ -169,6 +237,8 @@ def _decode_mutant(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         else:
             rows = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        if BUG == "kv_unmasked":
+            kv_mask = (n[:, None] >= 0) & (d[None, :] < HEAD_DIM)
         if BUG == "no_other":             # masked-off lanes hold whatever memory holds
             k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask)
             v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask)
@@ -210,6 +280,10 @@ def decode_with(bug):
         _, block_size, num_kv_heads, _ = k_cache.shape
         group = num_heads // num_kv_heads
         out = torch.empty_like(q)
+        if bug == "fp32_out":
+            out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        if bug == "into_q":               # "no extra buffer": the output overwrites the queries
+            out = q
         _decode_mutant[(batch, num_kv_heads)](
             q, k_cache, v_cache, block_tables, context_lens, out, scale, q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -221,6 +295,8 @@ def decode_with(bug):
 
 
 DECODE_MUTANTS = [
+    ("fp32_out", "has dtype torch.float32, expected torch.bfloat16"),
+    ("into_q", "paged_decode changed its input q"),
     ("no_mask", "keys past context_len in the last tile must not count"),
     ("kv_swapped", "did you swap them"),
     ("no_rescale", "rescale l and acc"),
@@ -234,6 +310,8 @@ if INTERPRET:      # silent on a GPU (or a crash later); the interpreter's memor
         ("no_other", "give the K and V loads other=0.0"),       # masked lanes read garbage: NaN here
         ("store_padded_rows", "store only the real lanes"),
         ("int32", "compute the row offsets in int64"),
+        ("kv_unmasked", "mask the K/V loads with (pos < context_len)"),
+        ("q_unmasked", "mask the query load with (g < GROUP)"),
     ]
 
 
@@ -247,7 +325,7 @@ def test_e6_3(capsys):
 @pytest.mark.parametrize("bug,says", DECODE_MUTANTS, ids=[m[0] for m in DECODE_MUTANTS])
 def test_e6_3_rejects_every_time(bug, says):
     for _ in range(2):
-        fails(ch06.check_paged_decode, decode_with(bug), says)
+        fails(ch06.check_paged_decode, decode_with(bug), re.escape(says))
 
 
 # == E6.4 ===================================================================================================
@@ -293,7 +371,32 @@ def split_never_merged(q, k_cache, v_cache, block_tables, context_lens, scale, n
     return torch.empty_like(q)
 
 
+def split_lse_without_log_l(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
+    """Each split's weight taken as exp(m_s - M), its running max only (log l_s forgotten)."""
+    B, H, D = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b in range(B):
+        n = int(context_lens[b])
+        pos = torch.arange(n)
+        rows = block_tables[b].long()[pos // bs] * bs + pos % bs
+        k = k_cache.reshape(-1, hkv, D)[rows].float().repeat_interleave(H // hkv, 1)
+        v = v_cache.reshape(-1, hkv, D)[rows].float().repeat_interleave(H // hkv, 1)
+        s = torch.einsum("hd,thd->ht", q[b].float(), k) * scale
+        per = -(-(-(-n // 16)) // num_splits) * 16
+        parts, maxes = [], []
+        for i in range(num_splits):
+            lo, hi = i * per, min((i + 1) * per, n)
+            if lo < hi:
+                parts.append(torch.einsum("ht,thd->hd", torch.softmax(s[:, lo:hi], -1), v[lo:hi]))
+                maxes.append(s[:, lo:hi].max(-1).values)
+        w = torch.exp(torch.stack(maxes) - torch.stack(maxes).max(0).values)
+        out[b] = ((w[..., None] * torch.stack(parts)).sum(0) / w.sum(0)[..., None]).to(q.dtype)
+    return out
+
+
 SPLIT_MUTANTS = [
+    (split_lse_without_log_l, "merge with the log-sum-exp of each split"),
     (split_average, "log-sum-exp"),
     (split_with(empty="nan"), "acc / l is 0 / 0 = NaN"),
     (split_with(empty="weight"), "must weigh nothing in the merge"),
@@ -310,11 +413,11 @@ def test_e6_4(capsys):
     fails(ch06.check_split_decode, stub, "not implemented yet")
 
 
-@pytest.mark.parametrize("fn,says", SPLIT_MUTANTS, ids=["average", "nan", "weight", "unnormalised", "floor",
-                                                         "never_merged"][:len(SPLIT_MUTANTS)])
+@pytest.mark.parametrize("fn,says", SPLIT_MUTANTS, ids=["lse_m_only", "average", "nan", "weight", "unnormalised",
+                                                         "floor", "never_merged"][:len(SPLIT_MUTANTS)])
 def test_e6_4_rejects_every_time(fn, says):
     for _ in range(2):
-        fails(ch06.check_split_decode, fn, says)
+        fails(ch06.check_split_decode, fn, re.escape(says))
 
 
 # == the notebook's parts ===================================================================================
