@@ -414,6 +414,11 @@ class _Lockstep:
             self.fail(f"schedule() ran {got}, expected {desc}", hint)
         if preempted_stu != preempted_ref:
             hint = _HINT_VICTIM if preempted_stu and preempted_ref else None
+            queued = set(self.names(self.stu.waiting))
+            kept_running = [n for n in preempted_ref if n not in preempted_stu and n in queued]
+            if kept_running:
+                hint = (f"request {kept_running[0]} was put back in `waiting` but is still marked RUNNING: preempt() "
+                        "sets seq.status = SequenceStatus.WAITING")
             self.fail(f"schedule() preempted {preempted_stu}, expected {preempted_ref}", hint)
         for r, s in zip(ref_batch, stu_batch):
             if s.num_scheduled_tokens != r.num_scheduled_tokens:
@@ -510,6 +515,10 @@ class _Lockstep:
                     hint = _HINT_PARTIAL
                 elif len(s) < len(r):
                     hint = "when the whole sequence is computed (num_cached_tokens == len(seq)), append the sampled token"
+                if len(s) == len(r):
+                    i = next(i for i, (a, b) in enumerate(zip(s.token_ids, r.token_ids)) if a != b)
+                    self.fail(f"after postprocess(): request {n} holds token {s.token_ids[i]!r} at position {i}, "
+                              f"expected {r.token_ids[i]}", "append exactly token_ids[i], the token sampled for seqs[i]")
                 self.fail(f"after postprocess(): request {n} has {len(s)} tokens, expected {len(r)}", hint)
             if s.status != r.status:
                 self.fail(f"after postprocess(): request {n} is {s.status.name}, expected {r.status.name}",
