@@ -286,7 +286,6 @@ def _check_packed(tag, param, expected, regions, sources, what, hint):
         if src is not None:
             fail(tag, f"{what}: {span}, where shard {shard!r} belongs, hold the weights of shard {src!r}", hint)
         fail(tag, f"{what}: {span}, where shard {shard!r} belongs, hold the wrong values", hint)
-    fail(tag, f"{what} differs from the reference", hint)
 
 
 _COPY_HINT = ("copy into the parameter's own rows: param.data.narrow(0, offset, size).copy_(loaded_weight) (copy_ "

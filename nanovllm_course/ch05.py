@@ -701,7 +701,7 @@ def check_block_manager_basics(cls) -> None:
     tag = "E5.2"
     rng = _rng()
     _scenarios_basic(tag, cls, rng, caching=False)
-    for _ in range(3):
+    for _ in range(6):
         _random_stream(tag, cls, rng, caching=False)
     ok(tag)
 

@@ -416,6 +416,11 @@ def _store_case(tag, fn, gen, device, bs, num_blocks, n, dtype, k_layout, v_layo
                  "slot * Hkv * D + h * D + d")
         if torch.equal(got, exp):
             continue
+        changed = (flat_got != flat_old).flatten(1).any(1)
+        stray = [s for s in changed.nonzero().flatten().tolist() if s not in mapped]
+        if stray:                                              # what a GPU run sees of a store to a wrong slot
+            fail(tag, f"{name}: slot {stray[0] + first} changed although no token maps to it [{where}]",
+                 _INT64_HINT if big else "a token stores only into its own slot, and a token with slot -1 nowhere")
         bad = int((flat_got != flat_exp).flatten(1).any(1).nonzero()[0])
         i = (slots == bad).nonzero().flatten().tolist()[0]
         if big:

@@ -294,6 +294,8 @@ _HINT_CACHED_BUDGET = ("prefix-cache hits cost no budget: after allocate(), sche
                        "len(seq) - seq.num_cached_tokens tokens")
 _HINT_DEALLOCATE = ("preempt() must give back all the victim's blocks (block_manager.deallocate(seq)); otherwise "
                     "nobody can use them and the next sequence needs another victim")
+_HINT_FCFS = ("first come, first served: when the first waiting sequence cannot get its blocks (can_allocate is "
+              "False), stop admitting; do not skip ahead to a later one")
 _HINT_PREFILL_FIRST = ("prefill comes first: a step decodes only when the prefill phase scheduled nothing "
                        "(no unfinished chunk and no admissible waiting sequence)")
 _HINT_PARTIAL = ("after a partial prefill chunk (num_cached_tokens < len(seq)) the sampled token is "
@@ -449,6 +451,9 @@ class _Lockstep:
         if ref_pre and not stu_pre:
             return _HINT_PREFILL_FIRST
         if not ref_pre and stu_pre:
+            jumped = [n for n in self.names(stu_batch) if self._was_waiting.get(id(self.pairs[self._index(n)][0]))]
+            if jumped and self.ref.waiting and self.name(self.ref.waiting[0]) not in self.names(stu_batch):
+                return _HINT_FCFS
             return ("this step has nothing to prefill (every running sequence has its prompt computed and no "
                     "waiting one can be admitted): decode every running sequence")
         if not ref_pre:
@@ -468,8 +473,7 @@ class _Lockstep:
             return ("admit only while budget > 0: once the budget is used up nobody else joins the step (a "
                     "sequence with 0 tokens to compute must not run)")
         if extra and self.ref.waiting and self.name(self.ref.waiting[0]) not in stu_ids:
-            return ("first come, first served: when the first waiting sequence cannot get its blocks "
-                    "(can_allocate is False), stop admitting; do not skip ahead to a later one")
+            return _HINT_FCFS
         missing = [n for n in ref_ids if n not in stu_ids]
         if missing and any(r.num_cached_tokens > 0 for r in admitted):
             return _HINT_CACHED_BUDGET
@@ -493,9 +497,7 @@ class _Lockstep:
             n = self.name(r)
             if list(s.block_table) != list(r.block_table):
                 hint = None
-                if not r.block_table and r.status == SequenceStatus.FINISHED:
-                    hint = "a finished sequence gives its blocks back: block_manager.deallocate(seq)"
-                elif not r.block_table and r.status == SequenceStatus.WAITING:
+                if not r.block_table and r.status == SequenceStatus.WAITING:
                     hint = _HINT_DEALLOCATE
                 self.fail(f"after {after}(): request {n} has block_table {list(s.block_table)}, expected "
                           f"{r.block_table}", hint)

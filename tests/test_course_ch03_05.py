@@ -1120,6 +1120,22 @@ class RevivesBySorting(BlockManager):
         self.free_block_ids = OrderedDict((b, None) for b in sorted(self.free_block_ids))
 
 
+class KeepsCachedWhenPreemptedMidPrompt(BlockManager):
+    """deallocate of a sequence preempted in the middle of its prompt (chunked prefill) keeps num_cached_tokens:
+    only the random streams (preemption under chunked prefill) get there."""
+    def deallocate(self, seq):
+        partial = 0 < seq.num_cached_tokens < len(seq) and seq.num_cached_tokens % self.block_size
+        n = seq.num_cached_tokens
+        super().deallocate(seq)
+        if partial:
+            seq.num_cached_tokens = n
+
+
+def test_e5_random_streams_catch_what_the_scenarios_do_not():
+    msg = fails(ch05.check_block_manager_basics, KeepsCachedWhenPreemptedMidPrompt, match="random request stream")
+    assert "num_cached_tokens" in msg and "deallocate resets the sequence" in msg
+
+
 def test_ch05_hints_are_reached():
     for _ in range(3):
         fails(ch05.check_compute_block_hash, hash_prefix_default_zero, match="without a prefix differs")

@@ -328,7 +328,7 @@ def test_e7_1_mutants():
     fails("E7.1", DecodeBeforePrefill, "ran decode", "expected prefill", "prefill comes first")
     fails("E7.1", NoSeqCap, "scenario 'the max_num_seqs cap'", "max_num_seqs (2)")
     fails("E7.1", AdmitsAtZeroBudget, "0 tokens to compute")
-    fails("E7.1", SkipsBlockedHead, "scenario 'first come, first served'", "first come, first served")
+    fails("E7.1", SkipsBlockedHead, "scenario 'first come, first served'", "hint: first come, first served")
 
 
 def test_e7_2_mutants(monkeypatch):
@@ -528,6 +528,76 @@ class MaxTokensOneLate(Ref):
                             or q.num_completion_tokens > q.max_tokens or len(q) >= s.max_model_len)
 
 
+def _from_the_check():
+    import sys
+    return sys._getframe(2).f_code.co_filename.endswith("ch07.py")
+
+
+class RenamedQueues(Ref):
+    """Keeps its queues under other names (`queue`, `active`): the check finds no `waiting` / `running`."""
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.queue, self.active = self.__dict__.pop("waiting"), self.__dict__.pop("running")
+
+    def _get(name):
+        def get(self):
+            if _from_the_check():
+                raise AttributeError(name)
+            return getattr(self, {"waiting": "queue", "running": "active"}[name])
+
+        def put(self, value):
+            if "queue" in self.__dict__:
+                setattr(self, {"waiting": "queue", "running": "active"}[name], value)
+            else:
+                self.__dict__[name] = value
+        return property(get, put)
+    waiting, running = _get("waiting"), _get("running")
+
+
+class FinishedFreedByHand(Ref):
+    """Puts a finished sequence's blocks back in the free pool by hand, without dropping their references."""
+    def postprocess(self, seqs, token_ids):
+        bm = self.block_manager
+        real = bm.deallocate
+
+        def by_hand(seq):
+            for block_id in reversed(seq.block_table):
+                bm.used_block_ids.discard(block_id)
+                bm.free_block_ids[block_id] = None
+            seq.block_table = []
+            seq.num_cached_tokens = 0
+        bm.deallocate = by_hand
+        try:
+            return super().postprocess(seqs, token_ids)
+        finally:
+            bm.deallocate = real
+
+
+class RecomputesCachedTokens(Ref):
+    """Schedules the cached tokens again (but charges the budget right): the batch is right, the token count not."""
+    def _admit_waiting(self, budget):
+        admitted = super()._admit_waiting(budget)
+        for seq in admitted:
+            seq.num_scheduled_tokens += seq.num_cached_tokens
+        return admitted
+
+
+class PreemptedKeepsItsTable(Ref):
+    """Frees the victim's blocks in the manager, but the sequence still lists them."""
+    def preempt(self, seq):
+        table = list(seq.block_table)
+        super().preempt(seq)
+        seq.block_table = table
+
+
+class AdmittedStaysWaiting(Ref):
+    def _admit_waiting(self, budget):
+        admitted = super()._admit_waiting(budget)
+        for seq in admitted:
+            seq.status = SequenceStatus.WAITING
+        return admitted
+
+
 class NeverFinished(Ref):
     def is_finished(self):
         return False
@@ -549,6 +619,11 @@ class NeverFinished(Ref):
     ("E7.3", IgnoresEos, "finish when the sampled token is an eos id"),
     ("E7.3", MaxTokensOneLate, "finish when num_completion_tokens reaches max_tokens"),
     ("E7.3", NeverFinished, "every request finished on the reference, but"),
+    ("E7.1", RenamedQueues, "the scheduler has no `waiting` / `running` queues"),
+    ("E7.3", FinishedFreedByHand, "an unfinished one keeps them"),
+    ("E7.1", RecomputesCachedTokens, "prefix-cache hits cost no budget"),
+    ("E7.2", PreemptedKeepsItsTable, "preempt() must give back all the victim's blocks"),
+    ("E7.1", AdmittedStaysWaiting, "is WAITING, expected RUNNING"),
 ], ids=lambda x: x.__name__ if isinstance(x, type) else None)
 def test_every_hint_is_reached(tag, cls, says):
     for _ in range(2):

@@ -393,13 +393,14 @@ COVERAGE = [   # (check, wrong answer, what its message must say)
     (ch08.check_top_k_top_p, top_p_strict, "(<=, not <)"),
     (ch08.check_top_k_top_p, top_p_drops_everything, "must keep at least one token"),
     (ch08.check_top_k_top_p, top_p_mask_not_scattered, "keeps a different set of tokens"),
+    (ch08.check_top_k_top_p, lambda p, k, q: ch08.reference_top_k_top_p(p, k, q).double(), "has dtype torch.float64"),
     (ch08.check_sample, sample_greedy_shortcut_by_sort, "an all-greedy batch did not give argmax(logits)"),
     (ch08.check_sample, sample_two_seeds, "do not follow softmax(logits) together"),
     (ch08.check_sample, sample_temperature_squared, "do not follow the filtered distribution"),
 ]
 
 
-@pytest.mark.parametrize("check,fn,says", COVERAGE, ids=[m[1].__name__ for m in COVERAGE])
+@pytest.mark.parametrize("check,fn,says", COVERAGE, ids=[f"{m[0].__name__}-{i}" for i, m in enumerate(COVERAGE)])
 def test_every_hint_is_reached(check, fn, says):
     for _ in range(3):
         fails(check, fn, re.escape(says))
