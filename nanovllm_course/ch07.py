@@ -450,6 +450,11 @@ class _Lockstep:
     def _schedule_hint(self, ref_batch, ref_pre, stu_batch, stu_pre, pre_ref, pre_stu):
         if ref_pre and not stu_pre:
             return _HINT_PREFILL_FIRST
+        decoding = [n for n in self.names(stu_batch) if stu_pre and self._was_running_decode.get(n)]
+        if decoding:
+            return (f"request {decoding[0]} has its prompt computed (only its newest token lacks K/V): it decodes, it "
+                    "does not join a prefill step; a prompt is unfinished while num_cached_tokens < len(seq) - 1 "
+                    "(seq.is_prefilling)")
         if not ref_pre and stu_pre:
             jumped = [n for n in self.names(stu_batch) if self._was_waiting.get(id(self.pairs[self._index(n)][0]))]
             if jumped and self.ref.waiting and self.name(self.ref.waiting[0]) not in self.names(stu_batch):
@@ -572,6 +577,8 @@ class _Lockstep:
     def step(self):
         self.step_no += 1
         self._was_waiting = {id(r): r.status == SequenceStatus.WAITING for r, _ in self.pairs}
+        self._was_running_decode = {self.name(r): r.status == SequenceStatus.RUNNING and not r.is_prefilling
+                                    for r, _ in self.pairs}
         ref_batch, stu_batch = self.schedule()
         self.postprocess(ref_batch, stu_batch)
 

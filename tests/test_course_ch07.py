@@ -598,6 +598,19 @@ class AdmittedStaysWaiting(Ref):
         return admitted
 
 
+class DecodesAsOneTokenPrefills(Ref):
+    """Takes "fewer tokens cached than the sequence holds" for an unfinished prompt: after every sampled token
+    that is true, so each decode step is run as a 1-token prefill."""
+    def _schedule_prefill(self):
+        scheduled, budget = [], self.max_num_batched_tokens
+        for seq in self.running:
+            if seq.num_cached_tokens < len(seq) and budget > 0:
+                seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+                budget -= seq.num_scheduled_tokens
+                scheduled.append(seq)
+        return scheduled + self._admit_waiting(budget)
+
+
 class NeverFinished(Ref):
     def is_finished(self):
         return False
@@ -619,6 +632,7 @@ class NeverFinished(Ref):
     ("E7.3", IgnoresEos, "finish when the sampled token is an eos id"),
     ("E7.3", MaxTokensOneLate, "finish when num_completion_tokens reaches max_tokens"),
     ("E7.3", NeverFinished, "every request finished on the reference, but"),
+    ("E7.1", DecodesAsOneTokenPrefills, "it decodes, it does not join a prefill step"),
     ("E7.1", RenamedQueues, "the scheduler has no `waiting` / `running` queues"),
     ("E7.3", FinishedFreedByHand, "an unfinished one keeps them"),
     ("E7.1", RecomputesCachedTokens, "prefix-cache hits cost no budget"),
