@@ -176,7 +176,7 @@ class _Lockstep:
     def compare(self, default_hint=None):
         last = _op_name(self.ops[-1]) if self.ops else ""
         pairs = [(label, r, s, label in self.live) for label, (r, s) in sorted(self.pairs.items())]
-        found = _seq_diff(self.ref, self.stu, pairs, {last})
+        found = _seq_diff(self.ref, self.stu, pairs, {last}) or _tokens_diff(self.stu)
         if found:
             self.fail(found[0], found[1] or default_hint)
         try:
@@ -357,6 +357,21 @@ def _seq_diff(ref_mgr, stu_mgr, pairs, ops, hashed=False):
             elif "allocate" in ops:
                 hint = "allocate sets num_cached_tokens = number of prefix-hit blocks * block_size (0 without hits)"
             return msg, hint
+    return None
+
+
+def _tokens_diff(stu_mgr):
+    """A block registered in the hash map must keep its token ids (every hit compares them)."""
+    try:
+        entries = list(stu_mgr.hash_to_block_id.items())
+        blocks = stu_mgr.blocks
+    except AttributeError:
+        return None                           # check_block_manager reports the missing attribute
+    for h, block_id in entries:
+        if 0 <= block_id < len(blocks) and blocks[block_id].hash == h and not getattr(blocks[block_id], "token_ids", None):
+            return (f"block {block_id} is in the hash map (hash {_hex(h)}) but holds no token ids",
+                    "hash_blocks stores each block's token ids with its hash (block.token_ids = seq.block(i)): a "
+                    "hit compares them with the new sequence's block, since 64-bit hashes can collide")
     return None
 
 
@@ -687,6 +702,7 @@ def _stream_compare(tag, ref, stu, pairs, ops, when, log):
     live = {id(s) for s in list(ref.running) + list(ref.waiting) if s.block_table}
     labelled = [(f"request {i}", r, s, id(r) in live) for i, (r, s) in enumerate(pairs)]
     found = (_seq_diff(ref.block_manager, stu.block_manager, labelled, ops)
+             or _tokens_diff(stu.block_manager)
              or _pool_diff(ref.block_manager, stu.block_manager, ops)
              or _hash_diff(ref.block_manager, stu.block_manager, ops)
              or _seq_diff(ref.block_manager, stu.block_manager, labelled, ops, hashed=True))

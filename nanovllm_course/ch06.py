@@ -620,6 +620,10 @@ def _decode_hint(got, q, kc, vc, bt, cl, scale, rtol, atol):
         return torch.allclose(g, x.float().cpu(), rtol=rtol, atol=atol)
     if same(torch_backend.paged_decode(q, vc, kc, bt, cl, scale)):
         return "keys come from k_cache and values from v_cache: did you swap them?"
+    packed = _read_with_strides(q, (q.shape[1] * q.shape[2], q.shape[2], 1))
+    if not q.is_contiguous() and packed is not None and same(torch_backend.paged_decode(packed, kc, vc, bt, cl, scale)):
+        return (f"q is a strided view (strides {tuple(q.stride())}): address it with stride_qb and stride_qh, not as "
+                "a contiguous [B, H, D] tensor (and not with the output's strides)")
     if same(torch_backend.paged_decode(q, kc, vc, bt, cl, scale * math.log2(math.e))) or same(
             torch_backend.paged_decode(q, kc, vc, bt, cl, scale / math.log2(math.e))):
         return "tl.exp2(x) is 2**x: either use tl.exp, or multiply the scores by log2(e) before exp2"
@@ -762,12 +766,13 @@ SPLITS = (1, 2, 3, 5)
 
 
 def reference_split_variant(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, block_n=16, *,
-                            merge="lse", empty="skip", tiles="ceil"):
+                            merge="lse", empty="skip", tiles="ceil", splits_merged=None):
     """Split-KV decode in PyTorch, split s owning tiles [s * c, (s + 1) * c) of block_n keys, with planted
     mistakes for the checks' hints: merge "lse" (right), "mean" (a plain average of the splits that have
     keys), "unnormalised" (sum of exp(lse_s - M) * o_s, not divided by the sum of the weights); empty "skip"
     (right: weight 0), "nan" (o = acc / l with l = 0, lse = -inf), "weight" (lse = 0: an empty split weighs
-    in with o = 0); tiles "ceil" (right: c = cdiv(T, S)) or "floor" (c = T // S: the last tiles dropped)."""
+    in with o = 0); tiles "ceil" (right: c = cdiv(T, S)) or "floor" (c = T // S: the last tiles dropped);
+    splits_merged: how many splits the merge reads (None: all of them; num_splits - 1: the last one lost)."""
     B, H, D = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = H // hkv
@@ -782,7 +787,7 @@ def reference_split_variant(q, k_cache, v_cache, block_tables, context_lens, sca
         num_tiles = -(-n // block_n)
         per = (-(-num_tiles // num_splits) if tiles == "ceil" else num_tiles // num_splits) * block_n
         parts, lses = [], []
-        for split in range(num_splits):
+        for split in range(num_splits if splits_merged is None else max(1, splits_merged)):
             lo, hi = split * per, min((split + 1) * per, n)
             if lo < hi:
                 p = torch.softmax(scores[:, lo:hi], dim=-1)
@@ -815,6 +820,8 @@ _SPLIT_VARIANTS = [
                                  "is normalised within its split, the weights are not"),
     (dict(tiles="floor"), "split s owns tiles [s * c, (s + 1) * c) with c = cdiv(num_tiles, num_splits), rounded "
                           "UP: with c = num_tiles // num_splits the last tiles belong to no split"),
+    ("drop_last", "the merge must read every split, s = 0 .. num_splits - 1 (BLOCK_S >= num_splits, masked with "
+                  "s < num_splits): the last split's keys are missing from your output"),
 ]
 
 
@@ -826,6 +833,10 @@ def _split_hint(got, args, num_splits, watch, rtol, atol):
                 "for every (sequence, query head)")
     for block_n in (16, 32, 64):
         for flags, why in _SPLIT_VARIANTS:
+            if flags == "drop_last":
+                if num_splits == 1:
+                    continue
+                flags = dict(splits_merged=num_splits - 1)
             wrong = reference_split_variant(*args, num_splits, block_n, **flags).float()
             if torch.allclose(g, wrong, rtol=rtol, atol=atol, equal_nan=True):
                 return why

@@ -1136,6 +1136,20 @@ def test_e5_random_streams_catch_what_the_scenarios_do_not():
     assert "num_cached_tokens" in msg and "deallocate resets the sequence" in msg
 
 
+class HashBlocksNoTokenIds(BlockManager):
+    """hash_blocks registers the hash but leaves the block's token_ids empty: no hit can be verified."""
+    def hash_blocks(self, seq):
+        super().hash_blocks(seq)
+        for b in seq.block_table:
+            self.blocks[b].token_ids = []
+
+
+def test_e5_3_hashed_blocks_keep_their_token_ids():
+    for _ in range(3):
+        msg = fails(ch05.check_prefix_caching, HashBlocksNoTokenIds, match="holds no token ids")
+        assert "block.token_ids = seq.block(i)" in msg
+
+
 def test_ch05_hints_are_reached():
     for _ in range(3):
         fails(ch05.check_compute_block_hash, hash_prefix_default_zero, match="without a prefix differs")

@@ -223,6 +223,9 @@ def _decode_mutant(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     if BUG == "q_contiguous":         # q addressed as if contiguous [B, H, D]
         stride_qb = tl.num_programs(1) * GROUP * HEAD_DIM
         stride_qh = HEAD_DIM
+    if BUG == "q_strides_of_out":         # q addressed with the output's (contiguous) strides
+        stride_qb = stride_ob
+        stride_qh = stride_oh
     if BUG == "q_unmasked":
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :])
     else:
@@ -311,7 +314,8 @@ DECODE_MUTANTS = [
     ("no_rescale", "rescale l and acc"),
     ("gqa_modulo", "not h % Hkv"),
     ("exp2", "log2"),
-    ("q_contiguous", "q a strided view"),
+    ("q_contiguous", "q is a strided view"),
+    ("q_strides_of_out", "not with the output's strides"),
 ]
 if INTERPRET:      # silent on a GPU (or a crash later); the interpreter's memory watch and poison see them
     DECODE_MUTANTS += [
@@ -369,8 +373,11 @@ def split_average(q, k_cache, v_cache, block_tables, context_lens, scale, num_sp
 
 def split_with(**flags):
     def paged_decode_split(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
+        kw = dict(flags)
+        if kw.get("splits_merged") == -1:             # the merge loop stops one split short
+            kw["splits_merged"] = num_splits - 1 if num_splits > 1 else None
         return ch06.reference_split_variant(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
-                                            16, **flags).to(q.device)
+                                            16, **kw).to(q.device)
     return paged_decode_split
 
 
@@ -405,6 +412,7 @@ def split_lse_without_log_l(q, k_cache, v_cache, block_tables, context_lens, sca
 
 
 SPLIT_MUTANTS = [
+    (split_with(splits_merged=-1), "the merge must read every split"),
     (split_lse_without_log_l, "merge with the log-sum-exp of each split"),
     (split_average, "log-sum-exp"),
     (split_with(empty="nan"), "acc / l is 0 / 0 = NaN"),
@@ -422,8 +430,8 @@ def test_e6_4(capsys):
     fails(ch06.check_split_decode, stub, "not implemented yet")
 
 
-@pytest.mark.parametrize("fn,says", SPLIT_MUTANTS, ids=["lse_m_only", "average", "nan", "weight", "unnormalised",
-                                                         "floor", "never_merged"][:len(SPLIT_MUTANTS)])
+@pytest.mark.parametrize("fn,says", SPLIT_MUTANTS, ids=["last_split_lost", "lse_m_only", "average", "nan", "weight",
+                                                         "unnormalised", "floor", "never_merged"][:len(SPLIT_MUTANTS)])
 def test_e6_4_rejects_every_time(fn, says):
     for _ in range(2):
         fails(ch06.check_split_decode, fn, re.escape(says))
