@@ -620,6 +620,8 @@ def _decode_hint(got, q, kc, vc, bt, cl, scale, rtol, atol):
         return torch.allclose(g, x.float().cpu(), rtol=rtol, atol=atol)
     if same(torch_backend.paged_decode(q, vc, kc, bt, cl, scale)):
         return "keys come from k_cache and values from v_cache: did you swap them?"
+    if same(torch_backend.paged_decode(q, kc, vc, bt, cl, 1.0)):
+        return "multiply the scores q . k by `scale` before the softmax (scale = head_dim ** -0.5)"
     packed = _read_with_strides(q, (q.shape[1] * q.shape[2], q.shape[2], 1))
     if not q.is_contiguous() and packed is not None and same(torch_backend.paged_decode(packed, kc, vc, bt, cl, scale)):
         return (f"q is a strided view (strides {tuple(q.stride())}): address it with stride_qb and stride_qh, not as "

@@ -343,6 +343,13 @@ def test_e6_3_rejects_every_time(bug, says):
 
 # == E6.4 ===================================================================================================
 
+def test_e6_3_scale_forgotten():
+    def no_scale(q, k_cache, v_cache, block_tables, context_lens, scale):
+        return ch06.reference_triton_paged_decode(q, k_cache, v_cache, block_tables, context_lens, 1.0)
+    for _ in range(2):
+        fails(ch06.check_paged_decode, no_scale, re.escape("multiply the scores q . k by `scale`"))
+
+
 def split_reference(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
     return ch06.reference_triton_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
 
