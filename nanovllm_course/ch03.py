@@ -2,14 +2,15 @@
 
 - `check_gqa_attention(fn)` (E3.1): fn(q, k, v, scale), q [T, H, D], k/v [T, Hkv, D], causal, compared with
   `nanovllm_ref.attn.torch_backend.varlen_prefill` on one sequence (fp32: rtol 1e-4, atol 1e-5;
-  bf16: rtol 2e-2, atol 2e-2).
+  bf16: rtol 2e-2, atol 2e-2); in two cases q, k, v are views of one fused QKV output; inputs unchanged.
 - `check_decoder_blocks(attention_forward, mlp_forward)` (E3.2): the attention block (fused QKV split ->
   per-head q/k RMSNorm -> RoPE -> attention -> o_proj) and the MLP (gate_up -> SiLU(gate) * up -> down),
   compared with `nanovllm_ref.models.qwen3.DecoderAttention` / `DecoderMLP` with random weights
   (fp32: rtol 1e-4, atol 1e-5).
 - `check_packed_loaders(qkv_weight_loader, gate_up_weight_loader)` (E3.3): the rows each checkpoint tensor
   lands in must equal what `QKVParallelLinear.weight_loader` / `MergedColumnParallelLinear.weight_loader`
-  produce (exactly).
+  produce (exactly), in the parameter's own memory and dtype (some checkpoints are bf16 for the fp32
+  parameter), with the checkpoint tensor unchanged.
 - `check_prefill_logits(prefill_logits, build_model)` (E3.4): build_model(model_dir) must give our
   Qwen3ForCausalLM with the checkpoint's weights (each Attention layer uses the torch back-end by default);
   prefill_logits(model, prompts) the last-token logits of the packed prompts, which must match HF

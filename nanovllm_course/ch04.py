@@ -7,7 +7,9 @@
   One bf16 case has long contexts and large scores, where computing in bf16 instead of fp32 misses the
   tolerance (see LARGE_Q_STD).
 - `check_store_kvcache(fn)` (E4.3): fn(key, value, k_cache, v_cache, slot_mapping) writes in place; the
-  caches must equal the ones `nanovllm_ref.layers.attention.store_kvcache_torch` produces, bit for bit.
+  caches must equal the ones `nanovllm_ref.layers.attention.store_kvcache_torch` produces, bit for bit. Slot 0
+  is written in every case, with padding rows (-1) before and after it (`edge_slots`); key and value come in
+  different layouts; the inputs must come back unchanged.
 
 Every check draws fresh random inputs on each call and prints `E4.n ok` and nothing else on success.
 The `reference_*` functions are the reference answers, for later sections of the notebook and for tests.

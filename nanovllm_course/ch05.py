@@ -7,7 +7,8 @@
   ref counts through a shared table, RuntimeError on a refused allocate) and keeps the invariants of
   `nanovllm_ref.engine.invariants.check_block_manager` (scenarios, then random request streams).
 - `check_prefix_caching(cls)` (E5.3): a subclass that adds prefix caching, run with caching on: the same
-  comparisons plus block hashes, num_hashed_blocks and the hit pattern, on scenarios (one per caching rule,
+  comparisons plus block hashes, num_hashed_blocks (of every sequence, also after deallocate), the token ids
+  of hashed blocks and the hit pattern, on scenarios (one per caching rule,
   including a simulated hash collision) and random request streams under a tight block budget.
 
 Hints are chosen from what differs (which field, after which operation), not from the scenario's name.

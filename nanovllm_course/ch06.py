@@ -3,8 +3,10 @@
 - `check_store_kvcache(fn)` (E6.1): fn(key, value, k_cache, v_cache, slot_mapping) writes in place, with
   the semantics of `nanovllm_ref.attn.torch_backend.store_kvcache`: the caches must equal the reference's
   bit for bit (a copy has no rounding). Hkv = 3, head_dim = 40 (neither a power of two), a third of the
-  slots -1, block sizes 1, 5 and 16, keys that are strided views (of a fused QKV output, and of rows with a
-  padded head stride), fp32 and bf16. The caches sit between guard rows: writing slot -1 lands there.
+  slots -1, block sizes 1, 5 and 16, fp32 and bf16. Key and value always have different layouts (a fused-QKV
+  view, a padded-head view, contiguous: in the engine K is new out of RoPE and V a view of the projection);
+  slot 0 and the last slot are always written, with padding rows before and after the token writing slot 0
+  (`ch04.edge_slots`). The caches sit between guard rows: writing slot -1 lands there.
 - `check_online_softmax(fn)` (E6.2): fn(scores [R, T] fp32 with -inf for masked keys, values [T, D] fp32,
   tile) -> [R, D] fp32, compared with `torch.softmax(scores, -1) @ values` at rtol = atol = 1e-5, for tiles
   of 1, 3 and 64; rows whose maximum rises from tile to tile, rows far below 0, rows whose first (or a
@@ -12,14 +14,21 @@
 - `check_paged_decode(fn)` (E6.3): fn(q, k_cache, v_cache, block_tables, context_lens, scale) compared with
   `nanovllm_ref.attn.torch_backend.paged_decode`: fp32 rtol = atol = 1e-4 and a relative error norm
   ||got - ref|| / ||ref|| <= 1e-5; one bf16 case at 2e-2 and 8e-3. Contexts 1, B and B + 1 (B = block size),
-  block sizes 1, 4, 16 and 17, GQA groups 1 to 8, block tables padded with -1, two sequences sharing a block.
+  block sizes 1, 4, 16 and 17, GQA groups 1 to 8, block tables padded with -1, two sequences sharing a block,
+  block 0 and the last block in use, q a strided view in one batch.
 - `check_split_decode(fn)` (E6.4, optional): the same cases, with fn(q, ..., scale, num_splits) for 1, 2, 3
-  and 5 splits (more splits than tiles: empty splits must merge to nothing).
+  and 5 splits (more splits than tiles: empty splits must merge to nothing), plus two longer sequences with
+  one tile more than there are splits; the hint names the matching wrong merge (`reference_split_variant`).
 
-Under the Triton interpreter (CPU), every kernel launched inside a check runs with a memory watch: a load
-or store of an enabled lane outside every tensor passed to the kernel stops the kernel and the check names
-the tensor it missed. On a GPU such an access is silent (or a crash much later), so the checks there rely on
-the values and the guard rows alone.
+Under the Triton interpreter (CPU), every kernel launched inside a check runs with a memory watch
+(`watch_memory`): a load or store of an enabled lane outside every tensor passed to the kernel stops the
+kernel and the check names the tensor it missed (inputs sit in storages with slack after them, so a run past
+a tensor's end is seen whatever the allocator did); every store is recorded per program (a padding row that
+stores anything, even a slot's old contents, is named); masked-off lanes of a load without `other=` read
+NaN, as a GPU's read garbage; and one more case per kernel passes slots or block ids whose offsets start past
+2**31 elements, through a tensor pointer shifted down by as much (no 8 GiB allocation): int64 offsets land on
+the real tensor, int32 ones wrap and are caught. On a GPU none of this runs (a wrapped address would crash
+the process), so the checks there rely on the values and the guard rows alone.
 
 Every check draws fresh random inputs on each call and prints `E6.n ok` and nothing else on success.
 """

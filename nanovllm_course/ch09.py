@@ -4,15 +4,18 @@
   tp in {2, 4} and every rank, the reference layers of `nanovllm_ref.layers` are built inside
   `tensor_parallel(rank, tp)` (QKVParallelLinear with grouped-query heads, MergedColumnParallelLinear,
   RowParallelLinear with a bias, VocabParallelEmbedding), each parameter is filled with NaN, and the
-  student's loader copies fresh random checkpoint tensors into it. The result must equal, **exactly**
-  (bit for bit), what the reference `weight_loader` writes. Signatures:
+  student's loader copies fresh random checkpoint tensors into it (in another dtype than the parameter's, on
+  every rank: bf16 into fp32 and fp32 into bf16). The result must equal, **exactly** (bit for bit), what the
+  reference `weight_loader` writes, in the parameter's own memory and dtype (no `param.data = ...`), with the
+  checkpoint tensor unchanged. Signatures:
     load_qkv_shard(layer, param, loaded_weight, shard_id "q" | "k" | "v") -> None   (= Parts.qkv_weight_loader)
     load_gate_up_shard(layer, param, loaded_weight, shard_id 0 | 1) -> None       (= Parts.gate_up_weight_loader)
     load_row_shard(layer, param, loaded_weight) -> None        (weight [out, in/tp] or bias [out])
     load_vocab_shard(layer, param, loaded_weight) -> None      (rows [V/tp, hidden] of a [V, hidden] table)
 - `check_simulated_forward(column_forward, row_forward, vocab_embedding, lm_head)` (E9.2): the forward of
   each parallel layer simulated in one process from a list of per-rank shards (tp = 1, 2, 3, 4), against
-  the unsharded layer (F.linear / F.embedding on the whole weight), fp32, atol = rtol = 1e-5:
+  the unsharded layer (F.linear / F.embedding on the whole weight), fp32, atol = rtol = 1e-5; column and row
+  forward with a bias and with None for every tp; every input (tensors and the lists of shards) unchanged:
     column_forward(x [T, in], weight_shards [tp x [out/tp, in]], bias_shards [tp x [out/tp]] or None) -> [T, out]
     row_forward(x_shards [tp x [T, in/tp]], weight_shards [tp x [out, in/tp]], bias [out] or None) -> [T, out]
     vocab_embedding(ids [T] int64, weight_shards [tp x [V/tp, hidden]]) -> [T, hidden]

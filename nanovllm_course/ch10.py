@@ -13,8 +13,9 @@
   on the ones that make the host wait for the device or give data-dependent shapes: `aten._local_scalar_dense`
   (`.item()`, `.tolist()`, `int(t)`, `if t:`), `aten.nonzero`, `aten.masked_select`, indexing or index_put
   with a boolean mask, `aten.unique*`. (2) The caches must equal the reference store's **bit for bit** on
-  fp32 and bf16 cases with slots -1 (padding) anywhere, a real row writing slot 0 next to padding rows, no
-  padding, only padding, and non-contiguous key/value.
+  fp32 and bf16 cases with slots -1 (padding) anywhere and slot 0 written by a real row between padding rows,
+  a real row writing slot 0 followed by padding rows, no padding, only padding, and key and value in
+  different layouts (one contiguous, the other a view of the fused QKV output, each way round).
 - `check_graph_replay(fn)` (E10.4): `fn(run_step, batch_size, cuda) -> (graph, output)` captures one decode step
   of the tiny Qwen3 (`run_step(bs)` runs the model on the first bs rows of static buffers); replaying it with
   the buffers refilled for a smaller batch (the rest padding) must give the eager logits (fp32: atol = rtol =

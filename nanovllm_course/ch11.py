@@ -2,7 +2,8 @@
 
 - `check_workload_floor(fn)` (E11.1): the student's `workload_floor(prompts, max_tokens, config, bw_bytes_s,
   flops_s)` against `nanovllm_ref.bench.physical_floor(prompts, max_tokens, model_stats(config), ...)` on
-  the upstream workload and on fresh random workloads and model shapes, every key within **rtol 1e-9**.
+  the upstream workload and on fresh random workloads and model shapes (tied and untied embeddings; head_dim
+  never hidden / heads, nor twice or half that), every key within **rtol 1e-9**.
 - `check_throughput(fn)` (E11.2): the student's `throughput(trace)` against `reference_throughput` on fresh
   random step traces, **exactly** (the traces' seconds are multiples of 1/1024 s, so every sum is exact in
   float64 whatever the order of the additions).
@@ -11,7 +12,8 @@
   within **rtol 1e-2** (`math.inf` where decode never becomes compute-bound).
 
 Each check prints `E11.n ok` and nothing else on success and draws new inputs on every call. On a wrong
-answer it computes the usual wrong answers and names the one that matches.
+answer it computes the usual wrong answers and names the one that matches the student's answer in every case
+(one case alone can make two mistakes look alike), else the first that matches in a failing case.
 
 Tools: `Step` and `time_steps(llm, ...)` (a step trace of the real engine, the format of E11.2),
 `reference_*` answers, `h200_results()` (the committed H200 JSONs as one table), `PUBLISHED` (the
