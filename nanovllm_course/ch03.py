@@ -513,7 +513,7 @@ def check_prefill_logits(prefill_logits, build_model) -> None:
                  "load the checkpoint with nanovllm_ref.utils.loader.load_model(model, model_dir) (in fp32)")
     vocab = ref.lm_head.weight.shape[0]
     batches = [[[rng.randrange(vocab)]],
-               [[rng.randrange(vocab) for _ in range(n)] for n in (1, rng.randint(2, 9), rng.randint(10, 24))],
+               [[rng.randrange(vocab) for _ in range(n)] for n in (rng.randint(10, 24), 1, rng.randint(2, 9))],
                [[rng.randrange(vocab) for _ in range(rng.randint(20, 40))]],
                [[rng.randrange(vocab) for _ in range(rng.randint(2, 6))] for _ in range(3)]]
     for prompts in batches:

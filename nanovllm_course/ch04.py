@@ -188,24 +188,35 @@ def _use_block(gen: torch.Generator, tables: list[list[int]], block: int, protec
         tables[i][j] = block
 
 
-def edge_slots(gen: torch.Generator, n: int, num_slots: int, num_pad: int, *, last: bool = True) -> torch.Tensor:
+def edge_slots(gen: torch.Generator, n: int, num_slots: int, num_pad: int, *, last: bool = True,
+               end: str | None = None) -> torch.Tensor:
     """A slot_mapping [n] int32 with `num_pad` rows of -1 ("do not write") and n - num_pad distinct real slots
     of [0, num_slots), drawn fresh but always holding the edge cases: slot 0 is written by a real row (a
     `slot > 0` test skips it), so is the last slot when `last` (an off-by-one at the end of the cache), and
     padding rows sit both before and after the row writing slot 0 (a padding row sent to slot 0, writing its
     old contents back, then lands on both sides of the real write). With `last=False` the last slot is
-    never written, so a -1 used as an index (PyTorch's "last row") shows."""
+    never written, so a -1 used as an index (PyTorch's "last row") shows. `end`: "real" makes the last row a
+    real one other than slot 0's (a grid one program short, or a run past the end of key, shows), "pad" a
+    padding row; None leaves it to the draw."""
     real = n - num_pad
     if real < 1 or real > num_slots - (0 if last else 1):
         raise ValueError(f"cannot draw {real} distinct real slots out of {num_slots}")
+    if (end == "real" and real < 2) or (end == "pad" and num_pad < 1):
+        raise ValueError(f"end={end!r} needs {'two real rows' if end == 'real' else 'a padding row'}")
     edges = [0] + ([num_slots - 1] if last and num_slots > 1 and real > 1 else [])
     pool = torch.arange(1, max(1, num_slots - 1))            # neither slot 0 nor the last slot
     others = pool[torch.randperm(len(pool), generator=gen)[:real - len(edges)]].tolist()
     rest = others + edges[1:] + [-1] * max(0, num_pad - 2)
     rest = [rest[i] for i in torch.randperm(len(rest), generator=gen).tolist()]
+    tail = []
+    if end == "real":                                        # a real row, not slot 0, goes last
+        i = next(i for i, x in enumerate(rest) if x > 0)
+        tail = [rest.pop(i)]
     cut = sorted(torch.randint(0, len(rest) + 1, (3,), generator=gen).tolist())
     before, after = ([-1], [-1]) if num_pad >= 2 else ([], [-1] * num_pad)
-    rows = rest[:cut[0]] + before + rest[cut[0]:cut[1]] + [0] + rest[cut[1]:cut[2]] + after + rest[cut[2]:]
+    if end == "pad":                                         # the padding row after slot 0 goes last
+        cut[2] = len(rest)
+    rows = rest[:cut[0]] + before + rest[cut[0]:cut[1]] + [0] + rest[cut[1]:cut[2]] + after + rest[cut[2]:] + tail
     return torch.tensor(rows, dtype=torch.int32)
 
 
@@ -348,19 +359,19 @@ def _kv_tensor(gen, n, hkv, d, dtype, layout):
 def check_store_kvcache(fn) -> None:
     tag = "E4.3"
     gen = fresh_generator()
-    for num_blocks, bs, Hkv, D, n, num_pad, dtype, k_layout, v_layout, last in [
-            (6, 1, 1, 16, 2, 0, torch.float32, "contiguous", "contiguous", True),     # slots 0 and 5, no padding
-            (4, 4, 2, 8, 6, 2, torch.float32, "contiguous", "fused", False),
-            (5, 16, 2, 8, 17, 5, torch.bfloat16, "fused", "padded", True),
-            (3, 5, 4, 8, 7, 2, torch.float32, "padded", "fused", False),
-            (6, 1, 1, 16, 1, 0, torch.float32, "fused", "padded", True)]:              # one token, slot 0
+    for num_blocks, bs, Hkv, D, n, num_pad, dtype, k_layout, v_layout, last, end in [
+            (6, 1, 1, 16, 2, 0, torch.float32, "contiguous", "contiguous", True, None),   # slots 0 and 5, no padding
+            (4, 4, 2, 8, 6, 2, torch.float32, "contiguous", "fused", False, "real"),
+            (5, 16, 2, 8, 17, 5, torch.bfloat16, "fused", "padded", True, "pad"),
+            (3, 5, 4, 8, 7, 2, torch.float32, "padded", "fused", False, "real"),
+            (6, 1, 1, 16, 1, 0, torch.float32, "fused", "padded", True, None)]:           # one token, slot 0
         k_cache = torch.randn(num_blocks, bs, Hkv, D, generator=gen).to(dtype)
         v_cache = torch.randn(num_blocks, bs, Hkv, D, generator=gen).to(dtype)
         key = _kv_tensor(gen, n, Hkv, D, dtype, k_layout)
         value = _kv_tensor(gen, n, Hkv, D, dtype, v_layout)
         # Distinct slots with slot 0 among them and padding rows (-1, "do not write") on both sides of it; the last
         # slot written in some cases, never in the others (so a -1 used as an index shows).
-        slots = edge_slots(gen, n, num_blocks * bs, num_pad, last=last)
+        slots = edge_slots(gen, n, num_blocks * bs, num_pad, last=last, end=end)
         exp_k, exp_v = k_cache.clone(), v_cache.clone()
         store_kvcache_torch(key, value, exp_k, exp_v, slots)
         got_k, got_v = k_cache.clone(), v_cache.clone()

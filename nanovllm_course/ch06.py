@@ -286,14 +286,14 @@ def _run_kernel(tag, fn, args, watch: MemoryWatch, oob_hint, oob_message=None) -
 
 # == E6.1 the KV-store kernel ===============================================================================
 
-STORE_CASES = [  # (block_size, num_blocks, num_tokens, dtype, key layout, value layout)
-    (5, 6, 12, torch.float32, "fused", "padded_heads"),     # neither contiguous, each with its own strides
-    (1, 20, 9, torch.float32, "contiguous", "fused"),      # the engine's: K comes new out of RoPE, V is a view
-    (16, 3, 13, torch.bfloat16, "padded_heads", "fused"),
-    (5, 4, 7, torch.float32, "fused", "contiguous"),
+STORE_CASES = [  # (block_size, num_blocks, num_tokens, dtype, key layout, value layout, last row)
+    (5, 6, 12, torch.float32, "fused", "padded_heads", "real"),    # neither contiguous, each its own strides
+    (1, 20, 9, torch.float32, "contiguous", "fused", "pad"),      # the engine's: K new out of RoPE, V a view
+    (16, 3, 13, torch.bfloat16, "padded_heads", "fused", "real"),
+    (5, 4, 7, torch.float32, "fused", "contiguous", None),
 ]
 # Slots pushed past 2**31 elements of the cache (through MemoryWatch.shifts, under the interpreter only).
-STORE_BIG_CASE = (4, 5, 6, torch.float32, "contiguous", "fused")
+STORE_BIG_CASE = (4, 5, 6, torch.float32, "contiguous", "fused", "real")
 STORE_HKV, STORE_D, STORE_H = 3, 40, 6
 GUARD_ROWS = 2
 _LAYOUT_NAMES = {"fused": "a view of a fused QKV output", "padded_heads": "rows with a padded head stride",
@@ -368,13 +368,14 @@ def _describe_layout(name, t, layout):
     return f"{name} {_LAYOUT_NAMES[layout]} (strides {tuple(t.stride())})"
 
 
-def _store_case(tag, fn, gen, device, bs, num_blocks, n, dtype, k_layout, v_layout, big=False):
+def _store_case(tag, fn, gen, device, bs, num_blocks, n, dtype, k_layout, v_layout, end, big=False):
     key = isolated(gen, _store_tensor(gen, n, k_layout, "key", dtype, device))
     value = isolated(gen, _store_tensor(gen, n, v_layout, "value", dtype, device))
     k_buf, k_cache = _guarded_cache(gen, num_blocks, bs, dtype, device)
     v_buf, v_cache = _guarded_cache(gen, num_blocks, bs, dtype, device)
     from nanovllm_course.ch04 import edge_slots
-    slots = edge_slots(gen, n, num_blocks * bs, max(2, n // 3)).to(device)  # slot 0, the last, -1 around slot 0
+    # slot 0 and the last slot written, -1 rows on both sides of slot 0, the last row real or padding
+    slots = edge_slots(gen, n, num_blocks * bs, max(2, n // 3), end=end).to(device)
     row = STORE_HKV * STORE_D
     first = -(-INT32_LIMIT // row) if big else 0           # slot `first` starts 2**31 elements into the cache
     given = torch.where(slots >= 0, slots + first, slots)

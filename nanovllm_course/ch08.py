@@ -458,11 +458,16 @@ def check_sample(fn) -> None:
                       f"{', whose maximum is tied' if tied else ''})",
                  tie_hint if tied else "greedy rows are one-hot (E8.1), so the race picks their argmax whatever "
                                        "the noise")
+    # An all-greedy batch (the engine's fast path), 12 of its 16 rows tied at their maximum.
+    all_greedy = _logits(g, 16, 97, 3.0)
+    _tie_rows(g, all_greedy, range(12))
+    all_greedy = all_greedy.bfloat16()
+    all_argmax = all_greedy.float().argmax(-1)
     for _ in range(3):
-        ids = _call_sampler(tag, fn, logits, metadata([0.0] * 8), 8)
-        if not torch.equal(ids, argmax):
-            row = int((ids != argmax).nonzero()[0])
-            tied = int((logits[row] == logits[row].max()).sum()) > 1
+        ids = _call_sampler(tag, fn, all_greedy, metadata([0.0] * 16), 16)
+        if not torch.equal(ids, all_argmax):
+            row = int((ids != all_argmax).nonzero()[0])
+            tied = int((all_greedy[row] == all_greedy[row].max()).sum()) > 1
             fail(tag, f"an all-greedy batch did not give argmax(logits) (row {row}"
                       f"{', whose maximum is tied' if tied else ''})",
                  tie_hint if tied else "temperature 0 means argmax, exactly")

@@ -273,9 +273,10 @@ def _store_cases(g):
             value = value.contiguous()
         slots = torch.randperm(blocks * bs, generator=g)[:n].to(torch.int32)
         if pattern == "random":                  # slot 0 and the last slot real, padding rows on both sides of 0
-            slots = edge_slots(g, n, blocks * bs, max(2, n // 3))
+            slots = edge_slots(g, n, blocks * bs, max(2, n // 3), end="real")
         elif pattern == "first":
-            slots = torch.cat([torch.tensor([-1], dtype=torch.int32), edge_slots(g, n - 1, blocks * bs, n // 3)])
+            slots = torch.cat([torch.tensor([-1], dtype=torch.int32), edge_slots(g, n - 1, blocks * bs, n // 3,
+                                                                                end="pad")])
         elif pattern == "slot0":
             slots[0] = 0
             slots[1:][slots[1:] == 0] = 1

@@ -414,10 +414,15 @@ def check_compute_bound_batch(fn) -> None:
         st = model_stats(_random_config(g))
         # contexts 0, 0, short, long, any: the K/V and attention terms matter in three cases of every call
         ctx = [0, 0, randint(g, 1, 64), randint(g, 65, 4000), [0, randint(g, 1, 4000)][randint(g, 0, 1)]][i]
+        if i == 3:              # a long context whose attention FLOPs are at least half the weights' FLOPs
+            ctx = max(ctx, -(-st["params"] // st["attn_flops_coef"]))
         bw, flops = randint(g, 100, 5000) * 1e9, randint(g, 10, 2000) * 1e12
         if ctx and (i in (2, 3) or randint(g, 0, 1)):     # a case that turns compute-bound: low KV, slow FLOPs
             st = dict(st, kv_bytes_per_token=max(1, st["kv_bytes_per_token"] // 64))
             flops = bw * randint(g, 20, 200)
+        if i == 3:              # compute-bound for sure: a sequence's K/V reads take half the time of its FLOPs
+            flop_per_seq = 2 * st["params"] + st["attn_flops_coef"] * ctx
+            flops = bw * flop_per_seq / (2 * ctx * st["kv_bytes_per_token"])
         cases.append((f"a random model, context {ctx}, {bw / 1e12:.2g} TB/s, {flops / 1e12:.3g} TFLOP/s",
                       st, bw, flops, ctx))
     def same(got, want, rtol):
