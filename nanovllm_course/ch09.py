@@ -241,7 +241,8 @@ def _check_row(tag, fn, g, tp, rank):
 
 
 def _check_vocab(tag, fn, g, tp, rank):
-    vocab, hidden = tp * randint(g, 3, 8), randint(g, 2, 6)
+    vocab = tp * randint(g, 3, 8)
+    hidden = _distinct(g, vocab // tp, 2, 6)
     pdt, cdt = _dtypes(rank)
     ref = build(VocabParallelEmbedding, rank, tp, vocab, hidden, dtype=pdt)
     mine = build(VocabParallelEmbedding, rank, tp, vocab, hidden, dtype=pdt)
@@ -332,8 +333,15 @@ def _check_row_forward(tag, fn, g, tp, with_bias):
            hint if with_bias else "with bias=None there is nothing to add: the sum of the partials")
 
 
+def _distinct(g, n, low, high):
+    """A random int in [low, high] other than n: two sizes that coincide would hide one taken for the other."""
+    x = randint(g, low, high - 1)
+    return x + 1 if x >= n else x
+
+
 def _check_embedding(tag, fn, g, tp):
-    n, hidden = randint(g, 3, 9), randint(g, 2, 6)
+    n = randint(g, 3, 9)
+    hidden = _distinct(g, n, 2, 6)
     vocab = n * tp
     table = torch.randn((vocab, hidden), generator=g)
     ids = torch.cat([torch.arange(vocab), torch.randint(0, vocab, (randint(g, 1, 12),), generator=g)])
@@ -362,7 +370,8 @@ def _check_embedding(tag, fn, g, tp):
 
 
 def _check_lm_head(tag, fn, g, tp):
-    n, hidden, T = randint(g, 3, 9), randint(g, 2, 8), randint(g, 1, 5)
+    n, T = randint(g, 3, 9), randint(g, 1, 5)
+    hidden = _distinct(g, n, 2, 8)
     vocab = n * tp
     w, h = torch.randn((vocab, hidden), generator=g), torch.randn((T, hidden), generator=g)
     got = _call(tag, fn, "lm_head", h, list(w.chunk(tp)))
