@@ -115,6 +115,8 @@ class MemoryWatch:
 
     def __init__(self, named: dict, shifts: dict | None = None, record=()):
         self.named = {name: _extent(t) for name, t in named.items()}
+        self.storages = {name: (t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() +
+                                t.untyped_storage().nbytes()) for name, t in named.items() if t.numel()}
         self.shifts = {named[n].data_ptr(): e * named[n].element_size() for n, e in (shifts or {}).items() if e}
         self.below = [(self.named[n][0] - e * named[n].element_size(), self.named[n][0])
                       for n, e in (shifts or {}).items() if e]
@@ -156,6 +158,8 @@ class MemoryWatch:
             tensors = list(self.named.items()) + list(self.arguments.items())
             good = lanes[on & inside]
             hit = [(n, r) for n, r in tensors if good.size and ((good >= r[0]) & (good < r[1])).any()]
+            # or the one whose storage holds the bad address (the check's inputs have slack after them)
+            hit = hit or [(n, self.named[n]) for n, (lo, hi) in self.storages.items() if lo <= first < hi]
             best = None
             for name, (lo, hi) in hit or tensors:
                 dist = lo - first if first < lo else max(0, first + size - hi)
@@ -369,8 +373,10 @@ def _describe_layout(name, t, layout):
 
 
 def _store_case(tag, fn, gen, device, bs, num_blocks, n, dtype, k_layout, v_layout, end, big=False):
-    key = isolated(gen, _store_tensor(gen, n, k_layout, "key", dtype, device))
-    value = isolated(gen, _store_tensor(gen, n, v_layout, "value", dtype, device))
+    # slack for any mix-up of the layouts' strides: a read with another tensor's strides stays in this storage
+    slack = 2 * n * (STORE_H + 2 * STORE_HKV) * (STORE_D + 8)
+    key = isolated(gen, _store_tensor(gen, n, k_layout, "key", dtype, device), slack)
+    value = isolated(gen, _store_tensor(gen, n, v_layout, "value", dtype, device), slack)
     k_buf, k_cache = _guarded_cache(gen, num_blocks, bs, dtype, device)
     v_buf, v_cache = _guarded_cache(gen, num_blocks, bs, dtype, device)
     from nanovllm_course.ch04 import edge_slots
