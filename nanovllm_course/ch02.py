@@ -117,8 +117,13 @@ def check_apply_rope(apply_rope) -> None:
             kind = kinds[(n + (dtype == torch.bfloat16)) % len(kinds)]
             positions = _positions(g, kind, max_position)
             t = positions.numel()
-            q = torch.randn(t, heads, head_dim, generator=g).to(dtype)
-            k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
+            if n == 2:         # q and k as the attention layer may hold them: views of one fused projection
+                qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+                q = qkv[:, :heads * head_dim].view(t, heads, head_dim)
+                k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+            else:
+                q = torch.randn(t, heads, head_dim, generator=g).to(dtype)
+                k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
             before = {"q": q.clone(), "k": k.clone(), "positions": positions.clone(),
                       "cos": cos.clone(), "sin": sin.clone()}
             exp_q, exp_k = reference_apply_rope(positions, q, k, cos, sin)
