@@ -10,6 +10,8 @@
 #   or:                       bash bench/gpu_run.sh round2    # thin-step/warm-up tests, equivalence with graphs,
 #                             then the bench: median of 3, batch-1, step profile (kernels per step), graph sweep
 #   or:                       bash bench/gpu_run.sh hfmerge   # HF continuous batching into $OUT's bench JSON (MERGE=...)
+#   or:                       bash bench/gpu_run.sh round3    # no payload: decode kernels alone, engine tests with
+#                             graphs and eager, ours with async + kernels vs without (one run each), step profile
 #
 # Peers (vLLM, upstream nano-vllm, HF, nanovllm_ref's back-ends) in one record: build the payload here first
 # (`python -m nanovllm_bench.payload`: parts .carry/peers/p1 .. pN, each <= 58 MiB), then back to back:
@@ -43,6 +45,29 @@ if [ "$mode" = stage ]; then
 fi
 
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+round3() {   # GPU speed round 3, first look: the new decode kernels, the engine's tests, ours A/B (no payload)
+  step "versions"
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+  step "decode kernels alone (bench/kernels_round3.py): old vs new layer, kernels per layer, GEMMs vs cuBLAS"
+  timeout ${KERNELS_S:-100} python3 bench/kernels_round3.py --out "$OUT/kernels_round3.json" --budget ${KERNELS_BUDGET:-70} 2>&1 | tail -40
+  for cfg in ${CFGS:-graphs eager}; do
+    eager=$([ $cfg = eager ] && echo true || echo false)
+    step "engine tests on the H200, fp32 vs HF: CUDA graphs $cfg, async scheduling and decode kernels (defaults)"
+    NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"float32\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
+      timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_engine_equivalence.py \
+        tests/test_async_scheduling.py tests/test_engine_stops.py tests/test_engine_request_api.py tests/test_thin_step.py \
+        tests/test_fused_kernels_model.py} -k "not tensor_parallel and not tp_engine and not exported" \
+      --junitxml="$OUT/pytest_gpu_round3_$cfg.xml" 2>&1 | grep -v DEBUG | tail -12
+    [ -n "${ONE_CFG:-}" ] && break
+  done
+  step "bench: ours, async + decode kernels vs sync without them (round 2's engine): ${REPEATS:-1} run(s) each, batch-1, profile"
+  timeout ${BENCH_S:-240} python3 -m nanovllm_bench --peers nanovllm_ref --runs ${RUNS:-triton:graph,triton:graph:sync:nokernels} \
+    --repeats ${REPEATS:-1} --batch1-repeats ${B1:-1} --profile --out "$OUT" --tag ${TAG:-h200_round3_smoke} 2>&1 | grep -v DEBUG | tail -30
+}
+if [ "$mode" = round3 ]; then
+  { round3; step "done"; } 2>&1 | tee "$OUT/gpu_run.log"
+  exit 0
+fi
 assemble() {   # the staged payload parts (peers-stage) + the carried one -> /tmp/peers/{site,nanovllm_upstream}
   step "peers: assemble the payload (vLLM ${VLLM:-0.20.2} site, upstream nano-vllm source)"
   if [ -d /tmp/peers/site/vllm ]; then echo "already unpacked in this warm machine"; return 0; fi

@@ -222,6 +222,12 @@ def main(argv=None) -> int:
         record["step_profile"] = step_profile(path, dict(engine_args, attention_backend=ref_backend), prompts,
                                               max_tokens)
         print("step profile:", json.dumps(record["step_profile"]["workload"]))
+        for size, e in record["step_profile"]["decode_steps"].items():
+            # the round-3 targets: kernels a layer, and host time the device waits for
+            print(f"decode {size}: step {e['graph_step_ms']:.3f} ms"
+                  + (f", {e['kernels_per_layer']:.1f} kernels a layer" if "kernels_per_layer" in e else "")
+                  + (f", device {e['gpu_step_ms']:.3f} ms, host not overlapped {e['host_not_overlapped_ms']:.3f} ms"
+                     if "gpu_step_ms" in e else ""))
     if args.graph_sweep and cuda:
         if args.tensor_parallel_size > 1:
             print("--graph-sweep measures one process; skipped with --tensor-parallel-size > 1")

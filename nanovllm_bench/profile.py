@@ -47,6 +47,23 @@ def time_decode_steps(llm, warmup: int = STEP_WARMUP, iters: int = STEP_ITERS) -
     return 1000 * (time.perf_counter() - t) / iters
 
 
+def gpu_replay_ms(llm, n: int, iters: int = STEP_ITERS) -> float | None:
+    """Mean ms of the captured decode graph of a batch of `n` replayed back to back with no host work between
+    replays (the inputs of the last step stay in its buffers): the device's own time for the step. None
+    without a graph for `n`. Replays draw new ids into the engine's last-ids buffer, so call it only on a
+    batch that is about to be dropped."""
+    graphs = llm.model_runner.graph_runner
+    if graphs is None or graphs.padded_size(n) is None or llm.model_runner.device_type != "cuda":
+        return None
+    graphs.replay(n)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        graphs.replay(n)
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t) / iters
+
+
 def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 512), (256, 512))) -> dict:
     """Every step of the workload timed (prefill vs decode), then per decode batch size the step's wall time
     (with CUDA graphs where the engine has them) and, at tensor_parallel_size 1, from torch.profiler over the
@@ -83,6 +100,12 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
             entry["tensor_parallel_size"] = tp
         else:
             entry.update(_kernel_profile(llm, llm.config.hf_config.num_hidden_layers, entry["graph_step_ms"]))
+            gpu = gpu_replay_ms(llm, n)
+            if gpu is not None:
+                # What the device spends on the step alone, and the rest of an engine step's wall time: host
+                # work the device waited for (async scheduling hides the part of it that overlaps).
+                entry.update(gpu_step_ms=gpu, host_not_overlapped_ms=entry["graph_step_ms"] - gpu,
+                             async_scheduling=llm.async_scheduling)
         llm.abort_all()
     llm.exit()
     return result
