@@ -48,8 +48,10 @@ step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 round3() {   # GPU speed round 3, first look: the new decode kernels, the engine's tests, ours A/B (no payload)
   step "versions"
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
-  step "decode kernels alone (bench/kernels_round3.py): old vs new layer, kernels per layer, GEMMs vs cuBLAS"
-  timeout ${KERNELS_S:-100} python3 bench/kernels_round3.py --out "$OUT/kernels_round3.json" --budget ${KERNELS_BUDGET:-70} 2>&1 | tail -40
+  if [ -z "${SKIP_KERNELS:-}" ]; then
+    step "decode kernels alone (bench/kernels_round3.py): old vs new layer, kernels per layer, GEMMs vs cuBLAS"
+    timeout ${KERNELS_S:-100} python3 bench/kernels_round3.py --out "$OUT/kernels_round3.json" --budget ${KERNELS_BUDGET:-70} 2>&1 | tail -40
+  fi
   for cfg in ${CFGS:-graphs eager}; do
     eager=$([ $cfg = eager ] && echo true || echo false)
     step "engine tests on the H200, fp32 vs HF: CUDA graphs $cfg, async scheduling and decode kernels (defaults)"
@@ -60,6 +62,7 @@ round3() {   # GPU speed round 3, first look: the new decode kernels, the engine
       --junitxml="$OUT/pytest_gpu_round3_$cfg.xml" 2>&1 | grep -v DEBUG | tail -12
     [ -n "${ONE_CFG:-}" ] && break
   done
+  [ -n "${SKIP_BENCH:-}" ] && return 0
   step "bench: ours, async + decode kernels vs sync without them (round 2's engine): ${REPEATS:-1} run(s) each, batch-1, profile"
   timeout ${BENCH_S:-240} python3 -m nanovllm_bench --peers nanovllm_ref --runs ${RUNS:-triton:graph,triton:graph:sync:nokernels} \
     --repeats ${REPEATS:-1} --batch1-repeats ${B1:-1} --profile --out "$OUT" --tag ${TAG:-h200_round3_smoke} 2>&1 | grep -v DEBUG | tail -30
@@ -234,6 +237,11 @@ PYEOF
           tests/test_triton_engine.py -k "not tensor_parallel and not tp_engine" -rs \
           --junitxml="$OUT/pytest_gpu_flash_$cfg.xml" 2>&1 | grep -v DEBUG | tail -25
     done
+    if [ -n "${PROFILE:-}" ]; then
+      step "step profile of ours (triton, graphs, async, decode kernels): every step of the workload, decode steps at 1/64/256"
+      timeout ${PROFILE_S:-200} python3 -m nanovllm_bench --peers nanovllm_ref --runs triton:graph --repeats 1 \
+        --batch1-repeats 0 --profile --out "$OUT" --tag ${PROFILE_TAG:-h200_round3_profile} 2>&1 | grep -v DEBUG | tail -12
+    fi
   fi
   if [ "$mode" = hfmerge ]; then
     step "HF transformers continuous batching, merged into ${MERGE}"

@@ -2,9 +2,10 @@
 sizes with CUDA graphs and eagerly (`ModelRunner.eager_steps()`), and the kernels of one eager decode step
 under torch.profiler.
 
-Everything here times whole `llm.step()` calls through the engine's public API: a decode batch of `n`
-sequences of `context` tokens is made by adding `n` requests and stepping until they all decode, so the
-numbers include the scheduler and the host work of a step, as a user's generate pays them.
+Everything here times whole engine steps through the public API, `llm.advance()` (one step as `generate`
+runs it, without building RequestOutputs): a decode batch of `n` sequences of `context` tokens is made by
+adding `n` requests and stepping until they all decode, so the numbers include the scheduler and the host
+work of a step, as a user's generate pays them (a server's `step()` adds the outputs on top).
 """
 import time
 from collections import defaultdict
@@ -26,7 +27,7 @@ def fill_decode_batch(llm, n: int, context: int, new_tokens: int, temperature: f
         llm.add_request([(7 * i + j) % 1000 + 3 for j in range(context)],
                         SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True))
     while True:
-        llm.step()
+        llm.advance()
         last = llm.last_step
         if last is not None and last.kind == "decode" and last.num_seqs == n:
             return
@@ -35,14 +36,15 @@ def fill_decode_batch(llm, n: int, context: int, new_tokens: int, temperature: f
 
 
 def time_decode_steps(llm, warmup: int = STEP_WARMUP, iters: int = STEP_ITERS) -> float:
-    """Mean wall ms of one `llm.step()` of the running decode batch, after `warmup` untimed steps."""
+    """Mean wall ms of one engine step (`llm.advance()`) of the running decode batch, after `warmup` untimed
+    steps."""
     sync = _sync_for(llm)
     for _ in range(warmup):
-        llm.step()
+        llm.advance()
     sync()
     t = time.perf_counter()
     for _ in range(iters):
-        llm.step()
+        llm.advance()
     sync()
     return 1000 * (time.perf_counter() - t) / iters
 
@@ -80,7 +82,7 @@ def step_profile(path, engine_args, prompts, max_tokens, sizes=((1, 512), (64, 5
     rows, t0 = [], time.perf_counter()
     while not llm.is_finished():
         t = time.perf_counter()
-        llm.step()
+        llm.advance()
         last = llm.last_step
         # prefill tokens > 0, decode batch < 0 (async scheduling: the step launched by this call)
         n = 0 if last is None else (last.num_tokens if last.is_prefill else -last.num_seqs)
@@ -131,11 +133,11 @@ def _kernel_profile(llm, num_layers: int, graph_ms: float) -> dict:
     activities = [ProfilerActivity.CUDA] if llm.model_runner.device_type == "cuda" else [ProfilerActivity.CPU]
     with llm.model_runner.eager_steps():
         for _ in range(2):
-            llm.step()
+            llm.advance()
         _sync_for(llm)()
         with profile(activities=activities) as prof:
             for _ in range(PROFILE_STEPS):
-                llm.step()
+                llm.advance()
             _sync_for(llm)()
     fam, count = defaultdict(float), defaultdict(float)
     for ev in prof.key_averages():

@@ -65,15 +65,18 @@ def route_calls(monkeypatch):
 
 
 @pytest.fixture
-def llm_with_kernels(monkeypatch):
-    """LLM(path, ...) whose model is built with `kernels=`."""
+def llm_with_kernels(monkeypatch, route_calls):
+    """LLM(path, ...) whose model is built with `kernels=`. The route counts start after start-up (a GPU
+    engine runs warm-up steps)."""
     real = model_runner.get_model_class
 
     def make(path, kernels, **engine_args):
         monkeypatch.setattr(model_runner, "get_model_class", lambda hf: functools.partial(real(hf), kernels=kernels))
         # Eager and fp32: every decode step runs the model's Python forward (the spies count the routes, a
         # CUDA graph would replay without it), and HF's fp32 ids are the oracle on a GPU too.
-        return LLM(path, **{"enforce_eager": True, "dtype": "float32", **engine_args})
+        llm = LLM(path, **{"enforce_eager": True, "dtype": "float32", **engine_args})
+        route_calls.update(fused=0, general=0, qk_store=0)
+        return llm
     return make
 
 
@@ -89,7 +92,8 @@ def split_k_in_16s(choose):
 @pytest.fixture
 def many_splits(monkeypatch):
     monkeypatch.setattr(small_gemm, "choose_config", split_k_in_16s(small_gemm.choose_config))
-    assert small_gemm.linear_partials(torch.ones(1, 64), torch.ones(8, 64)).shape[0] == 4
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert small_gemm.linear_partials(torch.ones(1, 64, device=device), torch.ones(8, 64, device=device)).shape[0] == 4
 
 
 def _ids(outputs):
@@ -146,17 +150,28 @@ def test_awkward_shape_on_fused_decode_kernels_matches_hf(llm_with_kernels, rout
     assert route_calls["fused"] > 0
 
 
-def test_decode_batches_over_max_m_take_the_general_route(llm_with_kernels, route_calls):
-    """max_m=2: the 3-sequence decode steps run the general route, the 2- and 1-sequence ones the fused
-    route; the ids are HF's either way."""
+def test_decode_batches_over_max_m_take_the_large_batch_route(llm_with_kernels, route_calls, monkeypatch):
+    """max_m=2: the 3-sequence decode steps run the large-batch route (the element-wise kernels, the GEMMs
+    cuBLAS's: no small GEMM is called), the 2- and 1-sequence ones the fused route; only the prefill step runs
+    the general route; the ids are HF's either way."""
+    from nanovllm_ref.layers import linear
+    ms = []
+    real_small = linear.QKVParallelLinear.forward_small
+
+    def spy(self, x, pdl=False):
+        ms.append(x.shape[0])
+        return real_small(self, x, pdl)
+    monkeypatch.setattr(linear.QKVParallelLinear, "forward_small", spy)
     path = tiny_dir("qwen3")
     llm = llm_with_kernels(path, FusedKernels.all(max_m=2), kvcache_block_size=4, max_model_len=64)
     sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)]
     got = _ids(llm.generate(PROMPTS, sps, use_tqdm=False))
     llm.exit()
     assert got == [hf_greedy(path, p, n) for p, n in zip(PROMPTS, (3, 5, 7))]
-    # decode steps: 2 of batch 3 (general), 2 of batch 2 and 2 of batch 1 (fused); plus the prefill step.
-    assert route_calls == {"fused": 4 * 2, "general": 3 * 2, "qk_store": 4 * 2}
+    # decode steps: 2 of batch 3 (large), 2 of batch 2 and 2 of batch 1 (fused); the prefill step (general).
+    assert route_calls == {"fused": 6 * 2, "general": 1 * 2, "qk_store": 6 * 2}
+    assert sorted(set(ms)) == [1, 2], "a decode step of more than max_m rows must use cuBLAS, not the small GEMM"
+    assert FusedKernels.all(max_m=2).large_batch().enabled() == ["rms_norm", "add_rms_norm", "qk_norm_rope_store"]
 
 
 def test_a_replaced_part_keeps_its_kernel_off_and_runs_as_written(llm_with_kernels, route_calls):

@@ -297,6 +297,12 @@ class LLMEngine:
         StepStats (kind, tokens computed, batch size), or None after an idle call."""
         return [request.output(self.config.eos) for request in self._step()]
 
+    def advance(self) -> int:
+        """One engine step, as `step` runs it, without building outputs (what `generate` runs: it makes each
+        output once, at the end; benchmarks time this). Returns how many requests finished in it; their
+        outputs are gone, so mix it with `step` only to drop requests you do not need."""
+        return sum(1 for request in self._step() if request.finished)
+
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 

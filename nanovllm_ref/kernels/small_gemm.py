@@ -19,10 +19,10 @@ Why
     Narrow N has too few column tiles for that, so it also splits K (`split_k`).
 
 Two formulations (`GemmConfig.use_dot`)
-    - GEMV (M <= 4 by default): no tensor cores. Each K step loads a [BLOCK_N, BLOCK_K] tile of W once and,
+    - GEMV (M = 1 by default): no tensor cores. Each K step loads a [BLOCK_N, BLOCK_K] tile of W once and,
       for each of the M rows, multiplies it by that row of x and sums along K (`tl.sum`). Compute is
       M * N * K FMAs on the CUDA cores, far below the time to read W for M <= 4.
-    - tl.dot (M > 4): the same tiles through the tensor cores, M padded to BLOCK_M >= 16 (a GPU's dot needs
+    - tl.dot (M > 1): the same tiles through the tensor cores, M padded to BLOCK_M >= 16 (a GPU's dot needs
       every tile side >= 16; the interpreter does not care).
     Both accumulate in fp32. The output is rounded to the model dtype, as cuBLAS rounds; the SiLU epilogue
     rounds gate and up, silu(gate) and the product, as the reference ops (layers/activation.py) do.
@@ -41,7 +41,10 @@ import triton.language as tl
 from nanovllm_ref.kernels.numerics import DEFINED_INTERPRETED, interpreting, pdl_launch_kwargs, round_to  # noqa: F401
 
 MAX_M = 64                 # larger batches go to cuBLAS
-GEMV_MAX_M = 4             # up to this M the default is the dot-free GEMV
+# Up to this M the default is the dot-free GEMV. Measured on the H200 (bench/results/kernels_round3_h200.json):
+# at M=1 the GEMV beats cuBLAS on every projection, at M=4 it is 1.1-1.7x slower than cuBLAS on the wide ones
+# (each row re-reads the W tile), while tl.dot with M padded to 16 is level with cuBLAS there.
+GEMV_MAX_M = 1
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) ->
 def warm_batch_sizes(max_m: int = MAX_M) -> list[int]:
     """One batch size for each kernel variant `choose_config` picks for 1..max_m rows (BLOCK_M and GEMV or
     dot; M itself is not specialised on): decode steps at these sizes compile every variant, e.g. in a
-    start-up warm-up of eager decode. For max_m = 64: [1, 2, 3, 5, 17, 33]."""
+    start-up warm-up of eager decode. For max_m = 64: [1, 2, 17, 33]."""
     seen, sizes = set(), []
     for m in range(1, max_m + 1):
         cfg = choose_config(m, 4096, 4096)

@@ -3,8 +3,8 @@
 A model is built with a `utils.fusion.FusedKernels` record (`Qwen3ForCausalLM(..., kernels=...)`), or
 with None, and `resolve` turns that into the record the model keeps:
 - None: every kernel the parts allow when `fuse` is on and the model is being built on a CUDA device with
-  Triton (the engine builds its GPU models with fuse=True), else none: a CPU engine keeps its oneDNN
-  matmuls and its `cpu` attention back-end;
+  Triton (the engine builds its GPU models with fuse=True), launched with PDL on Hopper, else none: a CPU
+  engine keeps its oneDNN matmuls and its `cpu` attention back-end;
 - a record: kept as it is, after checking that each kernel it turns on stands in only for reference parts
   (`kernels_allowed`); otherwise ValueError names the kernel and the part, since a part must run as written.
 The rules are the table of utils/fusion.py. The KV stores the engine picks itself (the Triton one, the
@@ -71,7 +71,12 @@ def resolve(parts, fuse: bool, kernels: FusedKernels | None, qk_norm: bool) -> F
     for a `kernels` that is not a FusedKernels, ValueError for a kernel the parts do not allow."""
     allowed = kernels_allowed(parts, qk_norm)
     if kernels is None:
-        return FusedKernels.all().restricted_to(allowed) if fuse and _triton_device() else FusedKernels()
+        if not (fuse and _triton_device()):
+            return FusedKernels()
+        # Programmatic dependent launch on Hopper: each kernel's launch overlaps the previous one's tail;
+        # measured on the H200 it takes a decode layer at batch 1 from 44.9 to 41.0 us, at 16 from 54 to 46.
+        from nanovllm_ref.kernels.numerics import pdl_available
+        return FusedKernels.all(pdl=pdl_available(torch.empty(0).device)).restricted_to(allowed)
     if not isinstance(kernels, FusedKernels):
         raise TypeError(f"kernels must be a FusedKernels or None, got {type(kernels).__name__}")
     for name in kernels.enabled():

@@ -15,14 +15,16 @@ and the KV store; `fuse=True` swaps the reference element-wise ops for their com
 decode step; None means "every one the parts allow" when fuse=True and the model is built on a CUDA device,
 and none otherwise (models/decode_kernels.py decides).
 
-Two routes through the model, chosen once per step in `DecoderModel.forward`:
-| route          | when                                                    | per layer (Qwen3, batch 1)                 |
-| general        | prefill; decode of > kernels.max_m tokens; no kernels   | the modules' forward: cuBLAS GEMMs and     |
+Three routes through the model, chosen once per step in `DecoderModel.forward` (`step_kernels`):
+| route          | when                                                    | per layer (Qwen3)                          |
+| general        | prefill; no kernels                                     | the modules' forward: cuBLAS GEMMs and     |
 |                |                                                         | the (compiled) reference ops               |
 | fused decode   | decode of 1..max_m tokens with any kernel on            | `decode_fused`: add+RMSNorm, qkv GEMM,     |
 |                |                                                         | q/k-norm+RoPE+store, attention (1-2),      |
 |                |                                                         | o_proj split-K, add+RMSNorm, gate_up+SiLU, |
 |                |                                                         | down split-K: 9 kernels (8 with one split) |
+| large decode   | decode of > max_m tokens with an element-wise kernel on | `decode_fused` with cuBLAS GEMMs: the same |
+|                | (`FusedKernels.large_batch`)                            | add+RMSNorm and q/k-norm+RoPE+store kernels|
 Inside the fused route each step uses its kernel only where `kernels` says so, and otherwise the same
 module call as the general route, so a student's part still runs as written.
 """
@@ -213,18 +215,28 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm)
         self.kernels = ops.kernels
 
+    def step_kernels(self, num_tokens: int) -> FusedKernels | None:
+        """The kernels of this step's route (module docstring), or None for the general route: a decode step
+        of 1..max_m tokens takes every kernel on; a larger decode step only the element-wise ones (the GEMMs
+        are cuBLAS's at that size, and without the small GEMMs there are no split-K partials)."""
+        if not self.kernels.any() or current_metadata().is_prefill or num_tokens < 1:
+            return None
+        if num_tokens <= self.kernels.max_m:
+            return self.kernels
+        large = self.kernels.large_batch()
+        return large if large.any() else None
+
     def fused_route(self, num_tokens: int) -> bool:
-        """Whether this step takes the fused decode route (module docstring): a decode step of
-        1..kernels.max_m tokens with at least one kernel on."""
-        return (self.kernels.any() and 1 <= num_tokens <= self.kernels.max_m
-                and not current_metadata().is_prefill)
+        """Whether this step takes a fused decode route (module docstring)."""
+        return self.step_kernels(num_tokens) is not None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        if self.fused_route(input_ids.shape[0]):
+        kernels = self.step_kernels(input_ids.shape[0])
+        if kernels is not None:
             for layer in self.layers:
-                hidden_states, residual = layer.decode_fused(positions, hidden_states, residual, self.kernels)
-            return _norm(self.norm, hidden_states, residual, self.kernels)[0]
+                hidden_states, residual = layer.decode_fused(positions, hidden_states, residual, kernels)
+            return _norm(self.norm, hidden_states, residual, kernels)[0]
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -106,6 +106,11 @@ class FusedKernels:
         """Names of the kernels that are on, in field order."""
         return [name for name in self.KERNEL_FIELDS if getattr(self, name)]
 
+    def large_batch(self) -> "FusedKernels":
+        """The kernels of a decode step of more than max_m tokens: the element-wise ones only (add+RMSNorm,
+        q/k-norm+RoPE+KV store), the GEMMs cuBLAS's (so no split-K partials, no SiLU epilogue)."""
+        return dataclasses.replace(self, gemm=False, gemm_silu=False, split_k=False)
+
     def restricted_to(self, allowed: "FusedKernels") -> "FusedKernels":
         """The kernels on in both self and `allowed` (split_k and gemm_silu dropped with what they need)."""
         on = {name: getattr(self, name) and getattr(allowed, name) for name in self.KERNEL_FIELDS}
