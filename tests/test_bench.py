@@ -246,3 +246,45 @@ def test_run_options_set_engine_arguments_and_name_the_row():
     assert specs[0].options["engine_args"] == {"max_num_seqs": 8}
     with pytest.raises(argparse.ArgumentTypeError, match="OPTION one of sync, nokernels"):
         _runs("triton:graph:fast")
+
+
+def test_vllm_peer_passes_the_workload_as_vllm_expects_it():
+    """The vLLM peer against a stand-in `vllm` module: token-id prompts in order, one SamplingParams per request
+    with its max_tokens, ignore_eos and the temperature, no detokenizing, dummy weights, prefix caching off (a
+    later timed run must find nothing cached), and the output tokens counted from what comes back."""
+    import types
+
+    from nanovllm_bench.peers.vllm import VllmPeer
+    calls = []
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    class FakeLLM:
+        def __init__(self, model, **kw):
+            calls.append(("init", model, kw))
+
+        def generate(self, inputs, params, use_tqdm=True):
+            calls.append(("generate", inputs, params, use_tqdm))
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=list(range(p.kw["max_tokens"])))])
+                    for p in params]
+
+        def reset_prefix_cache(self):
+            calls.append(("reset",))
+
+    fake = types.SimpleNamespace(LLM=FakeLLM, SamplingParams=SamplingParams, __version__="0.0-standin")
+    peer = VllmPeer(fake, "/models/qwen3", dict(max_model_len=4096, dtype="bfloat16", tensor_parallel_size=2))
+    peer.start()
+    prompts, max_tokens = [[5, 6, 7], [8] * 10, [9]], [4, 2, 7]
+    assert peer.generate(prompts, max_tokens, 0.6) == sum(max_tokens)
+    peer.reset()
+    (_, model, init), (_, inputs, params, use_tqdm), reset = calls
+    assert model == "/models/qwen3" and init["load_format"] == "dummy" and init["skip_tokenizer_init"] is True
+    assert init["enable_prefix_caching"] is False and init["tensor_parallel_size"] == 2
+    assert [i["prompt_token_ids"] for i in inputs] == prompts
+    assert [p.kw["max_tokens"] for p in params] == max_tokens
+    assert all(p.kw == dict(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False)
+               for p, m in zip(params, max_tokens))
+    assert use_tqdm is False and reset == ("reset",)
+    assert peer.info()["versions"]["peer"] == "0.0-standin"
