@@ -219,9 +219,13 @@ def _varied_workload(llm):
     prompts = [[7], shared + [1, 2], shared + [3], [g.randrange(1, 200) for _ in range(70)]] + \
         [[g.randrange(1, 200) for _ in range(g.randrange(2, 20))] for _ in range(5)]
     sps = [SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0.7, max_tokens=9),
-           SamplingParams(temperature=0.7, top_k=5, max_tokens=4), SamplingParams(temperature=1.0, top_p=0.8, max_tokens=7)]
+           SamplingParams(temperature=0.7, top_k=5, max_tokens=4), SamplingParams(temperature=1.0, top_p=0.8, max_tokens=7),
+           # logits processors hand the sampler fp32 logits: a compiled variant of its own
+           SamplingParams(temperature=0.8, repetition_penalty=1.2, max_tokens=6),
+           SamplingParams(temperature=0.9, min_p=0.1, presence_penalty=0.5, max_tokens=5)]
     llm.generate(prompts[:1], sps[0], use_tqdm=False)                        # batch of one
-    llm.generate(prompts, [sps[i % 4] for i in range(len(prompts))], use_tqdm=False)
+    llm.generate(prompts[:1], sps[4], use_tqdm=False)
+    llm.generate(prompts, [sps[i % len(sps)] for i in range(len(prompts))], use_tqdm=False)
     llm.generate(prompts[1:3], sps[1], use_tqdm=False)                        # prefix-cache hits
 
 
