@@ -79,7 +79,7 @@ def reference_sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
 
 
 def metadata(temperatures, top_k=None, top_p=None, device="cpu") -> SamplingMetadata:
-    """SamplingMetadata from Python lists (None = not used by any row), as the engine's prepare_sample."""
+    """SamplingMetadata from Python lists (None = not used by any row), as engine/sampling_inputs.sampling_metadata."""
     t = torch.tensor(temperatures, dtype=torch.float32, device=device)
     k = None if top_k is None else torch.tensor(top_k, dtype=torch.int64, device=device)
     p = None if top_p is None else torch.tensor(top_p, dtype=torch.float64, device=device)

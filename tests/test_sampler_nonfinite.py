@@ -107,19 +107,29 @@ def test_engine_sampler_step_with_fp16_overflow_returns_the_inf_tokens(async_sch
     llm = LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=64, async_scheduling=async_scheduling)
     runner = llm.model_runner
     vocab = llm.config.hf_config.vocab_size
-    sps = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3),
-           SamplingParams(temperature=0.7, top_k=10, top_p=0.9), SamplingParams(temperature=1.2, repetition_penalty=1.5,
-                                                                                  min_p=0.2, presence_penalty=0.5),
-           SamplingParams(temperature=0, frequency_penalty=1.0)]
-    seqs = [Sequence([11, 12, 13], 4, sp) for sp in sps]
-    for seq in seqs:
-        seq.append_token(100)
-    logits = torch.randn(len(seqs), vocab).half()
+
+    def batch(seed: int) -> list[Sequence]:
+        # Explicit seeds, one set per round: the counter-based noise of a sequence is a function of its seed
+        # and token index, so repeating one batch would repeat its draws (and seq_id-derived seeds would make
+        # the outcome depend on which tests ran before).
+        sps = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=seed),
+               SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=seed + 1000),
+               SamplingParams(temperature=1.2, repetition_penalty=1.5, min_p=0.2, presence_penalty=0.5,
+                              seed=seed + 2000),
+               SamplingParams(temperature=0, frequency_penalty=1.0)]
+        seqs = [Sequence([11, 12, 13], 4, sp) for sp in sps]
+        for seq in seqs:
+            seq.append_token(100)
+        return seqs
+
+    logits = torch.randn(5, vocab).half()
     logits[:, 100] = INF                      # every row overflowed at 100 and 300
     logits[:, 300] = INF
     logits[:, 5] = NAN
+    logits = logits.to(runner.device)
     drawn = set()
-    for _ in range(30):
+    for seed in range(30):
+        seqs = batch(seed)
         ids = runner.sample(seqs, logits, None, runner.prepare_processing(seqs)).token_ids()
         assert ids[0] == ids[4] == 100 and set(ids) <= {100, 300}
         drawn.update(ids[1:4])

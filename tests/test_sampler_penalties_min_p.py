@@ -19,7 +19,7 @@ from transformers import (LogitsProcessor, LogitsProcessorList, MinPLogitsWarper
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from nanovllm_ref import SamplingParams
-from nanovllm_ref.engine.model_runner import needs_sampler_after_graph
+from nanovllm_ref.engine.sampling_inputs import needs_sampler_after_graph
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.logits_processors import apply_min_p, apply_penalties, bin_counts, min_p_keep
 from nanovllm_ref.layers.sampler import top_k_top_p_filter
@@ -329,3 +329,18 @@ def test_async_equals_sync_with_mixed_processors_under_preemption():
     assert [[o.token_ids for o in r.outputs] for r in oa] == [[o.token_ids for o in r.outputs] for r in os_]
     assert not a.scheduler.block_manager.used_block_ids
     a.exit(), s.exit()
+
+
+def test_processors_and_logprobs_make_no_host_sync():
+    from nanovllm_ref.layers.logprobs import gather_logprobs
+    from test_sampler_top_k_top_p import HostSyncSpy
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 64, generator=g)
+    rows, ids = torch.tensor([0, 0, 1, 3]), torch.tensor([5, 5, 7, 9])
+    t = torch.tensor([0.0, 1.0, 0.7, 1.2])
+    with HostSyncSpy() as spy:
+        counts = bin_counts(rows, ids, 4, 64)
+        z = apply_penalties(logits, counts > 0, counts, torch.full((4,), 0.5), torch.full((4,), 0.3), torch.full((4,), 1.2))
+        z = apply_min_p(z, t, torch.tensor([0.1, 0.2, 0.0, 0.5]))
+        gather_logprobs(logits, 3, z.argmax(-1))
+    assert spy.seen == []

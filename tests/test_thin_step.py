@@ -229,10 +229,13 @@ def _varied_workload(llm):
     llm.generate(prompts[1:3], sps[1], use_tqdm=False)                        # prefix-cache hits
 
 
-def test_no_compile_after_start_up(fused_on_cpu):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_no_compile_after_start_up(fused_on_cpu, dtype):
     # max_num_batched_tokens=32: the 70-token prompt is prefilled in chunks (paged-prefill continuation).
     # enforce_eager: decode runs eagerly, so the warm-up alone must cover it (graph capture covers it on a GPU).
-    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6, enforce_eager=True)
+    # bfloat16 (a GPU's dtype): the logits processors hand the sampler fp32 logits, a variant of its own.
+    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6, enforce_eager=True,
+              dtype=dtype)
     assert llm.model_runner.fuse
     before = _count_compiles()
     assert before > 0, "the engine compiled nothing at start-up: the fixture did not switch fusion on"

@@ -5,6 +5,7 @@ A short orchestrator over modules that each teach one thing:
 - utils/context.py: `with attention_metadata(meta):` hands the metadata to the attention layers;
 - engine/kv_cache.py: sizing and allocating the paged KV cache;
 - engine/cuda_graph.py: decode CUDA graphs (capture, the packed static inputs, replay);
+- engine/sampling_inputs.py: the batch -> the sampler's, the logits processors' and prompt logprobs' inputs;
 - layers/logits_processors.py: penalties and min_p on the logits, before the sampler;
 - layers/sampler.py: logits -> token ids (`Parts.sampler`);
 - layers/logprobs.py: the raw distribution's logprobs of the chosen and the most likely tokens.
@@ -63,7 +64,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -71,12 +71,12 @@ import torch.distributed as dist
 
 from nanovllm_ref.attn import get_backend, resolve_backend
 from nanovllm_ref.config import Config
-from nanovllm_ref.engine import kv_cache, warmup
+from nanovllm_ref.engine import kv_cache, sampling_inputs, warmup
 from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, resolve_pending  # noqa: F401
 from nanovllm_ref.engine.inputs import StepInputs, prepare_decode, step_from_host, step_to_host, to_device
+from nanovllm_ref.engine.sampling_inputs import PromptRows, needs_sampler_after_graph
 from nanovllm_ref.engine.sequence import Sequence
-from nanovllm_ref.engine.stop import min_tokens_bans
-from nanovllm_ref.layers.logits_processors import LogitsProcessing, bin_counts
+from nanovllm_ref.layers.logits_processors import LogitsProcessing
 from nanovllm_ref.layers.logprobs import LogprobsTensors, gather_logprobs
 from nanovllm_ref.layers.sampler import SamplingMetadata, sample as reference_sample, sample_rows
 from nanovllm_ref.models import get_model_class
@@ -109,23 +109,6 @@ def resolve_dtype(name: str, hf_config, device: str) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def uses_filters(seq: Sequence) -> bool:
-    """A sampled row with top-k or top-p on: it needs the sampler's filtered (uncompiled) path."""
-    return seq.temperature > 0 and (seq.top_k > 0 or seq.top_p < 1)
-
-
-def uses_min_p(seq: Sequence) -> bool:
-    """A sampled row with min_p on (on a greedy row min_p cannot change the argmax: it is left out)."""
-    return seq.temperature > 0 and seq.min_p > 0
-
-
-def needs_sampler_after_graph(seq: Sequence) -> bool:
-    """A row the in-graph sampler cannot serve: top-k / top-p (the filtered, uncompiled path), still short
-    of its min_tokens (its stop ids are masked out of the logits first, engine/stop.py), or with logits
-    processors (a penalty, or min_p on a sampled row: layers/logits_processors.py)."""
-    return uses_filters(seq) or seq.num_completion_tokens < seq.min_tokens or seq.penalized or uses_min_p(seq)
-
-
 def fuse_by_default(device_type: str) -> bool:
     """Whether an engine on this device compiles its small ops (utils/fusion.py): on CUDA only, where
     launches dominate; on a CPU compiling costs more start-up time than it saves."""
@@ -144,16 +127,6 @@ class ModelStep:
     inputs: StepInputs | dict
     prev_rows: torch.Tensor | None = None
     logit_rows: torch.Tensor | np.ndarray | None = None
-
-
-class PromptRows(NamedTuple):
-    """Rank 0's plan for the prompt logprobs of one prefill step: rows (indices into the packed tokens, what
-    ModelStep.logit_rows carries), targets (the prompt token each row's logits predict), owners ((sequence,
-    first prompt position, count) per sequence, in row order) and num_top (the most top tokens a row asks for)."""
-    rows: list[int]
-    targets: list[int]
-    owners: list[tuple[Sequence, int, int]]
-    num_top: int
 
 
 @dataclass(frozen=True)
@@ -479,91 +452,17 @@ class ModelRunner:
         return logits[:n], None, logits[n:]
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingMetadata:
-        """The sampler's view of the batch. top_k / top_p are None unless some sampled (temperature > 0)
-        row uses either; then both are tensors (0 and 1.0 mean off for a row), one path for any mix. The
-        choice is made here, on the host. Seeds and counters (the index of the token each row samples)
-        make the noise counter-based (layers/sampler.py)."""
-        temperatures = [seq.temperature for seq in seqs]
-        all_greedy = not any(t > 0 for t in temperatures)
-        top_k = top_p = seeds = counters = None
-        if any(map(uses_filters, seqs)):
-            top_k = to_device([seq.top_k for seq in seqs], torch.int64, self.device)
-            top_p = to_device([seq.top_p for seq in seqs], torch.float64, self.device)
-        if not all_greedy:
-            seeds = to_device([seq.seed for seq in seqs], torch.int64, self.device)
-            counters = to_device([len(seq) for seq in seqs], torch.int64, self.device)
-        return SamplingMetadata(to_device(temperatures, torch.float32, self.device), all_greedy=all_greedy,
-                                top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)
+        """The sampler's view of the batch, on this device (engine/sampling_inputs.sampling_metadata)."""
+        return sampling_inputs.sampling_metadata(seqs, self.device)
 
     def prepare_processing(self, seqs: list[Sequence]) -> LogitsProcessing | None:
-        """The logits processors' view of the batch (layers/logits_processors.py), or None when no row has a
-        penalty or a sampled row with min_p (decided on the host). Called before the step's forward: the
-        output-token counts include a pending token (async scheduling) read from `last_ids`, the previous
-        step's ids, on the device, before this step's graph writes its own ids there. Each penalised row's
-        known tokens go to the device as one list (O(its tokens) host work per step, as vLLM's input batch)."""
-        penalized = [i for i, seq in enumerate(seqs) if seq.penalized]
-        min_p = [seq.min_p if uses_min_p(seq) else 0.0 for seq in seqs]
-        use_min_p = any(p > 0 for p in min_p)
-        if not penalized and not use_min_p:
-            return None
-        fields = {}
-        if use_min_p:
-            fields["min_p"] = to_device(min_p, torch.float32, self.device)
-            fields["temperatures"] = to_device([seq.temperature for seq in seqs], torch.float32, self.device)
-        if penalized:
-            vocab, n = self.config.hf_config.vocab_size, len(seqs)
-            sps = [seq.sampling_params for seq in seqs]
-            for name, attr in (("presence", "presence_penalty"), ("frequency", "frequency_penalty"),
-                               ("repetition", "repetition_penalty")):
-                fields[name] = to_device([getattr(sp, attr) for sp in sps], torch.float32, self.device)
-            rows, ids, pending_rows, pending_src, prompt_rows, prompt_ids = [], [], [], [], [], []
-            for i in penalized:
-                seq = seqs[i]
-                known = seq.token_ids[seq.num_prompt_tokens:seq.num_tokens - seq.num_pending]
-                rows += [i] * len(known)
-                ids += known
-                if seq.num_pending:
-                    if seq.num_pending > 1:
-                        raise RuntimeError("a sequence reached a step with more than one pending token")
-                    pending_rows.append(i)
-                    pending_src.append(seq.pending_row)
-                if sps[i].repetition_penalty != 1:
-                    prompt_rows += [i] * seq.num_prompt_tokens
-                    prompt_ids += seq.prompt_token_ids
-            token_ids = to_device(ids, torch.int64, self.device)
-            if pending_src:
-                token_ids = torch.cat([token_ids, self.last_ids[to_device(pending_src, torch.int64, self.device)]])
-            fields["output_counts"] = bin_counts(to_device(rows + pending_rows, torch.int64, self.device),
-                                                 token_ids, n, vocab)
-            if prompt_rows:
-                fields["prompt_mask"] = bin_counts(to_device(prompt_rows, torch.int64, self.device),
-                                                   to_device(prompt_ids, torch.int64, self.device), n, vocab) > 0
-        return LogitsProcessing(**fields)
+        """The logits processors' view of the batch, or None (engine/sampling_inputs.logits_processing). Call
+        it before the step's forward: a pending token is read from `last_ids`, which the graph overwrites."""
+        return sampling_inputs.logits_processing(seqs, self.device, self.config.hf_config.vocab_size, self.last_ids)
 
     def prompt_rows(self, seqs: list[Sequence]) -> PromptRows | None:
-        """Rank 0, for a prefill step: which of its packed tokens' logits give prompt logprobs (the prompt
-        positions of each chunk whose logits were not computed yet; position p's logits predict prompt token
-        p + 1). None when no sequence needs them. Raises RuntimeError if a sequence that needs them skipped
-        positions (a prefix-cache hit: the reference BlockManager never gives one to such a sequence)."""
-        if not any(seq.needs_prompt_logprobs for seq in seqs):
-            return None
-        rows, targets, owners, num_top, offset = [], [], [], 0, 0
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
-            if seq.needs_prompt_logprobs:
-                done = seq.num_prompt_logprobs_launched
-                if start > done:
-                    raise RuntimeError(f"a sequence with prompt_logprobs starts its prefill at position {start} but "
-                                       f"its logits are computed up to {done} only: a block manager gave it a "
-                                       "prefix-cache hit (the reference one does not, for such a sequence)")
-                lo, hi = max(start, done), min(end, seq.num_prompt_tokens - 1)
-                if hi > lo:
-                    rows.extend(range(offset + lo - start, offset + hi - start))
-                    targets.extend(seq.token_ids[lo + 1:hi + 1])
-                    owners.append((seq, lo, hi - lo))
-                    num_top = max(num_top, seq.num_prompt_logprobs)
-            offset += end - start
-        return PromptRows(rows, targets, owners, num_top) if rows else None
+        """Rank 0, a prefill step: its prompt-logprob rows, or None (engine/sampling_inputs.prompt_rows)."""
+        return sampling_inputs.prompt_rows(seqs)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: torch.Tensor | None,
                processing: LogitsProcessing | None = None, prompt_logits: torch.Tensor | None = None,
@@ -575,7 +474,7 @@ class ModelRunner:
         n = len(seqs)
         if token_ids is None:
             metadata = self.prepare_sample(seqs)
-            chosen = self._mask_stop_tokens(logits, seqs)
+            chosen = sampling_inputs.mask_stop_tokens(logits, seqs, self.config.eos)
             if processing is not None:
                 chosen = processing.apply(chosen)
             self.last_ids[:n].copy_(self.sampler(chosen, metadata))
@@ -593,15 +492,6 @@ class ModelRunner:
         if self._host_ids is not None:
             host, self._turn = self._host_ids[self._turn], 1 - self._turn
         return PendingStep(self.last_ids[:n], host, logprobs, prompt_logprobs, prompt.owners if prompt else ())
-
-    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits [num_seqs, vocab] with the eos and stop ids at -inf in the rows still short of their
-        min_tokens (engine/stop.py, min_tokens_bans); the same tensor when no row is (decided on the host)."""
-        bans = min_tokens_bans(seqs, self.config.eos, logits.shape[-1])
-        if bans is None:
-            return logits
-        rows, cols = (to_device(x, torch.int64, self.device) for x in bans)
-        return logits.index_put((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype, device=self.device))
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:

@@ -62,12 +62,11 @@ SAMPLER_VARIANTS = [(n, sp) for n in (1, 2) for sp in (SAMPLED, FILTERED, PROCES
 @torch.inference_mode()
 def warm_step_variants(runner) -> int:
     """Run the model steps of `step_variants` on `runner` (a ModelRunner, this rank only: `execute` of a
-    message it prepared itself), greedy, then, on
-    rank 0, the sampling step's variants (`SAMPLER_VARIANTS`: sampled, filtered, and with logits processors,
-    one row and two) on random logits. The sampler is warmed apart because only rank 0 samples: a compile there between two model
-    steps would keep the other ranks waiting inside a collective (and NCCL's watchdog aborts after its
-    timeout); after the model steps they wait for rank 0's next message instead. Returns the number of
-    steps run."""
+    message it prepared itself), greedy, then, on rank 0, the sampling step's variants (`SAMPLER_VARIANTS`:
+    sampled, filtered, and with logits processors, one row and two) on random logits of the model's dtype.
+    The sampler is warmed apart because only rank 0 samples: a compile there between two model steps would
+    keep the other ranks waiting inside a collective (and NCCL's watchdog aborts after its timeout); after
+    the model steps they wait for rank 0's next message instead. Returns the number of steps run."""
     steps = step_variants(runner.block_size, decode_eager=runner.graph_runner is None)
     for specs, is_prefill in steps:
         seqs = [_seq(n, cached, runner.block_size, GREEDY) for n, cached in specs]

@@ -18,9 +18,9 @@ or after dividing by T is the same, and the sampler's softmax then renormalises 
 any sampler part (the reference or a student's `Parts.sampler`) draws from vLLM's distribution. Greedy rows
 are left alone (the most likely token always stays, so their argmax cannot change).
 
-The counts come from the token ids of each row, counted on the device (`bin_counts`): the model runner
-builds them before the step's forward (engine/model_runner.py), so under async scheduling the newest output
-token, still on its way to the host, is read from the previous step's ids on the device.
+The counts come from the token ids of each row, counted on the device (`bin_counts`), built before the
+step's forward (engine/sampling_inputs.py), so under async scheduling the newest output token, still on its
+way to the host, is read from the previous step's ids on the device.
 
 Shapes: logits [B, V]; prompt_mask [B, V] bool; output_counts [B, V] int; per-row settings [B] fp32.
 All functions return a new tensor and leave their inputs unchanged; none of them syncs with the host.
@@ -79,8 +79,8 @@ def bin_counts(rows: torch.Tensor, token_ids: torch.Tensor, num_rows: int, vocab
 
 @dataclass(frozen=True)
 class LogitsProcessing:
-    """What the processors need for one batch (built by ModelRunner.prepare_processing; None there when no
-    row uses a penalty or min_p). All tensors on the logits' device.
+    """What the processors need for one batch (built by engine/sampling_inputs.logits_processing; None there
+    when no row uses a penalty or min_p). All tensors on the logits' device.
     presence, frequency, repetition: [B] fp32 (0, 0, 1 for rows without penalties); output_counts: [B, V]
     int32, or None when no row has a penalty; prompt_mask: [B, V] bool, or None when no row has a repetition
     penalty; min_p: [B] fp32 (0 = off, also for greedy rows), or None when no sampled row uses it;
