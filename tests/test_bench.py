@@ -38,9 +38,10 @@ def test_cpu_tiny_mode_runs_every_peer_through_the_harness_and_writes_the_record
     record = json.loads((tmp_path / "bench_cpu.json").read_text())
     assert {"tag", "date", "machine", "workload", "floor", "runs"} <= set(record)
     assert record["machine"]["device"] == "cpu" and record["machine"]["torch"] and record["machine"]["transformers"]
-    assert [r["name"] for r in record["runs"]] == ["nanovllm_ref[cpu:eager]", "vllm", "nano-vllm",
+    assert [r["name"] for r in record["runs"]] == ["vllm", "nanovllm_ref[cpu:eager]", "nano-vllm",
                                                    "hf_transformers[continuous_batching]"]
-    ours, *others = record["runs"]
+    ours = record["runs"][1]
+    others = [r for r in record["runs"] if r is not ours]
     assert ours["status"] == "ok" and ours["output_tokens"] == record["workload"]["output_tokens"] > 0
     assert ours["repeats"] == 2 and len(ours["run_tok_s"]) == 2
     assert ours["min_tok_s"] <= ours["tok_s"] <= ours["max_tok_s"]
@@ -57,7 +58,7 @@ def test_cpu_tiny_mode_runs_every_peer_through_the_harness_and_writes_the_record
         assert r["status"] == "missing" and r["reason"] == "needs CUDA"
     csv_rows = (tmp_path / "bench_cpu.csv").read_text().splitlines()
     assert csv_rows[0].startswith("name,status,output_tokens,seconds,tok_s,min_tok_s,max_tok_s")
-    assert csv_rows[2].startswith("vllm,missing,") and csv_rows[2].endswith("needs CUDA")
+    assert csv_rows[1].startswith("vllm,missing,") and csv_rows[1].endswith("needs CUDA")
     for fig in ("bench_throughput_cpu.png", "bench_batch1_cpu.png"):
         assert (tmp_path / fig).stat().st_size > 1000
 
@@ -110,11 +111,11 @@ def test_row_names_begin_with_the_peer_family():
     specs = plan_peers(["nanovllm_ref", "vllm", "nano-vllm", "hf"], [("triton", False), ("flash_attn", False)],
                        dict(tensor_parallel_size=1), cuda=True, repeats=3, hf_repeats=1, batch1_repeats=3,
                        nanovllm_src="/tmp/upstream")
-    assert [s.name for s in specs] == ["nanovllm_ref[triton:graph]", "nanovllm_ref[flash_attn:graph]", "vllm",
+    assert [s.name for s in specs] == ["vllm", "nanovllm_ref[triton:graph]", "nanovllm_ref[flash_attn:graph]",
                                        "nano-vllm", "hf_transformers[continuous_batching]"]
     assert specs[3].sys_path == ("/tmp/upstream",) and specs[3].options["src"] == "/tmp/upstream"
-    assert specs[2].sys_path == ()          # nothing of nano-vllm's (its flash_attn stand-in) on vLLM's path
-    assert specs[4].repeats == 1 and specs[0].repeats == 3
+    assert specs[0].sys_path == ()          # nothing of nano-vllm's (its flash_attn stand-in) on vLLM's path
+    assert specs[4].repeats == 1 and specs[1].repeats == 3
 
 
 def _fake(name, kind, **kw):
