@@ -578,6 +578,8 @@ def _penalty_variants(z, prompt_mask, counts, presence, frequency, repetition):
             hit = torch.where(zz < 0, zz * rr, zz / rr)
         elif rule == "divide":
             hit = zz / rr
+        elif rule == "positive_only":                           # the negatives left as they were
+            hit = torch.where(zz < 0, zz, zz / rr)
         else:                                                   # swapped: divide the negatives
             hit = torch.where(zz < 0, zz / rr, zz * rr)
         return torch.where(where, hit, zz)
@@ -589,6 +591,9 @@ def _penalty_variants(z, prompt_mask, counts, presence, frequency, repetition):
         (sub(rep(z, seen, rule="divide")), "a negative logit of a seen token moved UP: you divided every seen "
          "logit by the repetition penalty", "z / r is smaller only for z > 0; for z < 0 multiply (z * r), so the "
          "token always becomes less likely"),
+        (sub(rep(z, seen, rule="positive_only")), "a negative logit of a seen token did not move: you divided the "
+         "positive logits by the repetition penalty and left the negative ones", "for z < 0 multiply (z * r): "
+         "a seen token with a negative logit must become less likely too"),
         (sub(rep(z, seen, rule="swapped")), "the repetition penalty's sign rule is swapped (negative logits divided, "
          "positive multiplied)", "torch.where(z < 0, z * r, z / r)"),
         (sub(rep(z, out)), "tokens seen only in the prompt got no repetition penalty",

@@ -422,6 +422,8 @@ def penalties(logits, prompt_mask, output_counts, presence, frequency, repetitio
             hit = torch.where(z < 0, z * r, z / r)
         elif rule == "divide":
             hit = z / r
+        elif rule == "positive_only":
+            hit = torch.where(z < 0, z, z / r)
         else:
             hit = torch.where(z < 0, z / r, z * r)
         if nan_mask:
@@ -462,6 +464,7 @@ def test_e8_5(capsys):
 
 E8_5_MUTANTS = [   # (planted mistake, what the message must say)
     (dict(rule="divide"), "you divided every seen logit by the repetition penalty"),
+    (dict(rule="positive_only"), "divided the positive logits by the repetition penalty and left the negative"),
     (dict(rule="swapped"), "sign rule is swapped"),
     (dict(rep_on="output"), "tokens seen only in the prompt got no repetition penalty"),
     (dict(presence_on="prompt_too"), "tokens seen only in the prompt got the presence penalty"),

@@ -21,7 +21,7 @@ from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.layers.logprobs import gather_logprobs
 
 from engine_helpers import LLM, hf_model, tiny_dir
-from test_thin_step import EagerReplayRunner
+from test_thin_step import CountingSampler, EagerReplayRunner
 
 ATOL = 1e-4
 
@@ -210,19 +210,12 @@ def test_graph_path_keeps_in_graph_sampling_and_reports_logprobs():
     llm = LLM(path, enforce_eager=True, max_num_seqs=8, kvcache_block_size=16)
     runner = llm.model_runner
     runner.capture_cudagraph(EagerReplayRunner)
-    calls = {"outside": 0}
-    orig = runner.sampler
-
-    def outside(logits, meta):
-        calls["outside"] += 1
-        return orig(logits, meta)
-
-    runner.sampler = outside
+    outside = CountingSampler(runner)
     prompts = _prompts(6, 2)
     sps = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2),
            SamplingParams(temperature=0.8, seed=2, max_tokens=8, ignore_eos=True, logprobs=1)]
     outs = llm.generate(prompts, sps, use_tqdm=False)
-    assert calls["outside"] <= 1, "logprobs must not send decode rows to the sampler after the graph"
+    assert outside.calls <= 1, "logprobs must not send decode rows to the sampler after the graph"
     for prompt, sp, out in zip(prompts, sps, outs):
         c = out.outputs[0]
         want = hf_step_logprobs(path, prompt, c.token_ids)[len(prompt) - 1:]

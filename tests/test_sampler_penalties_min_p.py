@@ -25,7 +25,7 @@ from nanovllm_ref.layers.logits_processors import apply_min_p, apply_penalties, 
 from nanovllm_ref.layers.sampler import top_k_top_p_filter
 
 from engine_helpers import LLM, hf_model, tiny_dir
-from test_thin_step import EagerReplayRunner
+from test_thin_step import CountingSampler, EagerReplayRunner
 
 
 # -- the oracles ------------------------------------------------------------------------------------------------
@@ -224,6 +224,9 @@ def _prompts(seed, n):
 PENALTY_CASES = [
     dict(repetition_penalty=1.4), dict(repetition_penalty=0.8), dict(presence_penalty=1.5),
     dict(frequency_penalty=0.9), dict(presence_penalty=-0.4, frequency_penalty=0.6, repetition_penalty=1.2),
+    # a negative presence penalty invites repeats, so tokens reach counts > 1: presence applied per count (as
+    # frequency is) would show here
+    dict(presence_penalty=-1.0),
 ]
 
 
@@ -282,15 +285,7 @@ def _graph_llm(**kw):
 def test_graph_path_sends_penalised_rows_to_the_sampler_after_the_graph(async_scheduling):
     path = tiny_dir("qwen3")
     llm = _graph_llm(async_scheduling=async_scheduling)
-    runner = llm.model_runner
-    calls = {"outside": 0}
-    orig = runner.sampler
-
-    def outside(logits, meta):
-        calls["outside"] += 1
-        return orig(logits, meta)
-
-    runner.sampler = outside
+    outside = CountingSampler(llm.model_runner)
     prompts = _prompts(13, 3)
     sps = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5),
            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=1.0),
@@ -299,10 +294,10 @@ def test_graph_path_sends_penalised_rows_to_the_sampler_after_the_graph(async_sc
     assert outs[0].outputs[0].token_ids == _hf_for(path, prompts[0], 10, dict(repetition_penalty=1.5))
     assert outs[1].outputs[0].token_ids == _hf_for(path, prompts[1], 10, dict(presence_penalty=1.0))
     assert outs[2].outputs[0].token_ids == _hf_for(path, prompts[2], 10, {})
-    assert calls["outside"] >= 10, "decode steps with penalised rows must sample after the graph"
-    calls["outside"] = 0
+    assert outside.calls >= 10, "decode steps with penalised rows must sample after the graph"
+    outside.calls = 0
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    assert calls["outside"] <= 2, "without processors decode samples inside the graph again"
+    assert outside.calls <= 2, "without processors decode samples inside the graph again"
     llm.exit()
 
 

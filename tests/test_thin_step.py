@@ -36,6 +36,19 @@ class EagerReplayRunner(CUDAGraphRunner):
         return SimpleNamespace(replay=lambda: self._step(bs)), None
 
 
+class CountingSampler:
+    """Put in place of `runner.sampler` (the sampler that runs after the graph, on the logits): counts its calls,
+    so a test sees which decode steps left the in-graph sampler."""
+
+    def __init__(self, runner):
+        self.inner, self.calls = runner.sampler, 0
+        runner.sampler = self
+
+    def __call__(self, logits, meta):
+        self.calls += 1
+        return self.inner(logits, meta)
+
+
 def _seq(n, table, block_size=4, temperature=0.0):
     seq = Sequence(list(range(1, n + 1)), block_size, SamplingParams(temperature=temperature))
     seq.block_table = list(table)
