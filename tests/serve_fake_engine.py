@@ -13,7 +13,7 @@ The server loads it through its test hook, in a subprocess started by a test:
 - token `eos_after` (0-based) is the tokenizer's eos unless ignore_eos; a sequence also ends at max_tokens
   or when prompt + completion reaches max_model_len ("length");
 - text is tokenizer.decode(completion ids, skip_special_tokens=True), checked to only grow by appending;
-- add_request refuses (ValueError) a prompt that starts with token id 0, to test the engine-refusal path;
+- add_request refuses (ValueError) a prompt that starts with token ids 0, 0, to test the engine-refusal path;
 - `record`: a JSON-lines file of events, one per add / abort / step / exit, which the tests read: the server
   runs in another process.
 """
@@ -110,8 +110,8 @@ class FakeEngine:
     def add_request(self, prompt_token_ids, sampling_params, request_id):
         if not isinstance(request_id, str) or request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is not a new str")
-        if prompt_token_ids[:1] == [0]:
-            raise ValueError("prompt starts with token id 0, which the fake engine refuses")
+        if prompt_token_ids[:2] == [0, 0]:
+            raise ValueError("prompt starts with token ids 0, 0, which the fake engine refuses")
         request = _Request(request_id, prompt_token_ids, sampling_params)
         self.requests[request_id] = request
         self.waiting.append(request)
@@ -167,6 +167,9 @@ class FakeEngine:
             self.running.remove(request)
             del self.requests[request.request_id]
         return outputs
+
+    def stats(self):
+        return {"running": len(self.running), "waiting": len(self.waiting)}
 
     def exit(self):
         if self.closed:

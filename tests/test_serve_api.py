@@ -245,7 +245,7 @@ def test_another_models_name_gets_404(client):
 
 
 def test_a_request_the_engine_refuses_gets_400_and_the_server_goes_on(server, client):
-    res = httpx.post(server.url + "/v1/completions", json={"prompt": [0, 5, 6], "max_tokens": 4}, timeout=10)
+    res = httpx.post(server.url + "/v1/completions", json={"prompt": [0, 0, 5, 6], "max_tokens": 4}, timeout=10)
     assert res.status_code == 400
     assert "fake engine refuses" in res.json()["error"]["message"]
     assert client.completions.create(model="fake", prompt=[5, 6], max_tokens=3).usage.completion_tokens == 3

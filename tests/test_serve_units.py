@@ -119,7 +119,7 @@ def test_an_engine_refusal_fails_only_its_group_and_undoes_its_siblings(model_di
     async def main():
         loop = EngineLoop(engine)
         await loop.start()
-        bad = loop.submit([_input([5, 6]), _input([0, 1])])      # the fake refuses a prompt starting with 0
+        bad = loop.submit([_input([5, 6]), _input([0, 0, 1])])   # the fake refuses a prompt starting 0, 0
         good = loop.submit([_input([7, 8])])
         with pytest.raises(ValueError, match="fake engine refuses"):
             await bad.admitted
@@ -310,6 +310,7 @@ class _NewAPIEngine:
         self.tokenizer = object()
         self.config = SimpleNamespace(max_model_len=64, hf_config=SimpleNamespace(vocab_size=100),
                                       num_kvcache_blocks=3, kvcache_block_size=16)
+        self.scheduler = SimpleNamespace(running=["s"], waiting=[], block_manager=SimpleNamespace(num_free_blocks=2))
         self.log = []
 
     def add_request(self, prompt, sampling_params=None, request_id=None):
@@ -337,6 +338,7 @@ def test_adapter_forwards_to_the_engines_request_api():
     assert adapter.add_request([1, 2], None, "r1") == "r1"
     adapter.abort_request("r1")
     assert adapter.step() == ["out"] and adapter.has_unfinished_requests()
+    assert adapter.stats() == {"running": 1, "waiting": 0, "kv_blocks_free": 2, "kv_blocks_total": 3}
     adapter.exit()
     assert engine.log == [("add", [1, 2], "r1"), ("abort", "r1"), ("exit",)]
 

@@ -100,6 +100,7 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
         self.dead: BaseException | None = None               # why the engine cannot run requests any more
         self.num_steps = 0
+        self.engine_stats: dict = {}                         # engine.stats() after the last tick, if it has one
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -216,6 +217,9 @@ class EngineLoop:
                         self.engine.abort_request(orid)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         self.num_steps += bool(outputs)
+        stats = getattr(self.engine, "stats", None)
+        if stats is not None:
+            self.engine_stats = stats()
         return refused, outputs, self.engine.has_unfinished_requests()
 
     def _deliver(self, adds, refused, outputs) -> None:

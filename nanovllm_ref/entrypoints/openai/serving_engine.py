@@ -20,6 +20,8 @@ Contract (vLLM's `LLMEngine` request API has the same shape):
   appending (text a stop string may still complete is held back), so the server streams their differences.
   A finished request is returned once with `finished=True`, then never again.
 - `has_unfinished_requests() -> bool`; `exit()` frees the engine (idempotent).
+- Optional: `stats() -> dict[str, int]`, numbers about the engine now (sequences running and waiting, free KV
+  blocks); the loop reads them after each tick and GET /health shows them.
 - Facts the server checks requests against, before they reach the engine: `tokenizer` (a transformers
   tokenizer: `encode`, `decode`, `apply_chat_template`), `max_model_len`, `vocab_size` (prompt ids must
   lie in [0, vocab_size)), `kv_cache_tokens` (tokens whose K/V the whole cache holds; None if unknown).
@@ -109,6 +111,17 @@ class LLMEngineAdapter:
 
     def exit(self):
         self.engine.exit()
+
+    def stats(self) -> dict:
+        """Sequences running / waiting and KV blocks free / in all (a replaced scheduler or block manager may
+        lack some of them: those are left out)."""
+        scheduler = self.engine.scheduler
+        out = {name: len(getattr(scheduler, name)) for name in ("running", "waiting") if hasattr(scheduler, name)}
+        free = getattr(getattr(scheduler, "block_manager", None), "num_free_blocks", None)
+        if isinstance(free, int):
+            out["kv_blocks_free"] = free
+        out["kv_blocks_total"] = self.engine.config.num_kvcache_blocks
+        return out
 
 
 def default_engine_factory(model: str, **engine_args) -> LLMEngineAdapter:
