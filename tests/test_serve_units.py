@@ -3,6 +3,7 @@ engine failure, shutdown) on the fake engine, the sampling-field mapping, the le
 adapter's check of the engine's request API."""
 import asyncio
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -365,3 +366,21 @@ def test_adapter_and_default_factory_refuse_an_engine_without_the_request_api(tm
             assert adapter.max_model_len == 128
         finally:
             adapter.exit()
+
+
+@pytest.mark.parametrize("text", ["plain", ' "quoted" \\ back\\slash', "line\nbreak\ttab", "café ☕ 日本", "\x00\x1f", ""])
+def test_stream_text_chunks_equal_the_pydantic_chunks(text):
+    from nanovllm_ref.entrypoints.openai.api_server import _TextChunk
+    from nanovllm_ref.entrypoints.openai.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice,
+                                                          CompletionResponse, DeltaMessage)
+    head = dict(id="cmpl-x", model="m", created=123)
+    template = _TextChunk(CompletionResponse(**head, choices=[CompletionChoice(index=_TextChunk.INDEX,
+                                                                               text=_TextChunk.TEXT)]))
+    line = template(3, text)
+    assert line.startswith("data: ") and line.endswith("\n\n")
+    want = CompletionResponse(**head, choices=[CompletionChoice(index=3, text=text)]).model_dump()
+    assert json.loads(line[6:]) == want
+    template = _TextChunk(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+        index=_TextChunk.INDEX, delta=DeltaMessage(content=_TextChunk.TEXT))]))
+    want = ChatCompletionChunk(**head, choices=[ChatChunkChoice(index=0, delta=DeltaMessage(content=text))])
+    assert json.loads(template(0, text)[6:]) == want.model_dump()

@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import signal
+import time
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -65,6 +66,22 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def _sse(chunk) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
+
+
+class _TextChunk:
+    """The SSE line of a text chunk, cut once per request from the pydantic chunk's own JSON around two marks
+    (the choice index and the text), then filled by string joins: the stream's hot path runs once per token
+    of every client, thousands of times a second, and building a pydantic model each time would cost more
+    than the rest of the server. The shape stays the model's, since the pieces come from its output."""
+    INDEX, TEXT = 987654321, "@@text@@"
+
+    def __init__(self, sample):
+        head, rest = sample.model_dump_json().split(str(self.INDEX), 1)
+        middle, tail = rest.split(json.dumps(self.TEXT), 1)
+        self.head, self.middle, self.tail = "data: " + head, middle, tail + "\n\n"
+
+    def __call__(self, index: int, text: str) -> str:
+        return f"{self.head}{index}{self.middle}{json.dumps(text, ensure_ascii=False)}{self.tail}"
 
 
 def _watch_disconnect(raw: Request, group) -> asyncio.Task:
@@ -150,12 +167,12 @@ def build_app(engine_loop: EngineLoop, model_name: str, implemented: set[str] | 
     async def run(body, raw: Request, inputs, chat: bool):
         n = getattr(inputs[0].sampling_params, "n", 1)
         choices = Choices([len(i.prompt_token_ids) for i in inputs], n)
-        rid = random_id("chatcmpl" if chat else "cmpl")
+        # One id and one creation time for the response and every chunk of its stream, as OpenAI's.
+        head = dict(id=random_id("chatcmpl" if chat else "cmpl"), model=model_name, created=int(time.time()))
         group, watcher = await admit(inputs, raw)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = (_chat_stream if chat else _completion_stream)(group, watcher, choices, rid, model_name,
-                                                                   include_usage)
+            stream = (_chat_stream if chat else _completion_stream)(group, watcher, choices, head, include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             await collect(group, choices)
@@ -168,10 +185,10 @@ def build_app(engine_loop: EngineLoop, model_name: str, implemented: set[str] | 
             group.abort()
         usage = choices.usage()
         if chat:
-            return ChatCompletionResponse(id=rid, model=model_name, usage=usage, choices=[
+            return ChatCompletionResponse(**head, usage=usage, choices=[
                 ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
                            stop_reason=c.stop_reason) for i, c in choices.final()])
-        return CompletionResponse(id=rid, model=model_name, usage=usage, choices=[
+        return CompletionResponse(**head, usage=usage, choices=[
             CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             for i, c in choices.final()])
 
@@ -208,51 +225,54 @@ async def _stream_deltas(group, watcher, choices: Choices):
         group.abort()
 
 
-def _usage_and_done(chunk_cls, rid, model, choices, include_usage, error):
+def _usage_and_done(chunk_cls, head, choices, include_usage, error):
     if error not in (None, "abort"):
         yield f"data: {json.dumps({'error': {'message': error, 'type': 'service_unavailable'}})}\n\n"
     if include_usage:
-        yield _sse(chunk_cls(id=rid, model=model, choices=[], usage=choices.usage()))
+        yield _sse(chunk_cls(**head, choices=[], usage=choices.usage()))
     yield "data: [DONE]\n\n"
 
 
-async def _completion_stream(group, watcher, choices: Choices, rid: str, model: str, include_usage: bool):
+async def _completion_stream(group, watcher, choices: Choices, head: dict, include_usage: bool):
+    text_chunk = _TextChunk(CompletionResponse(**head, choices=[CompletionChoice(
+        index=_TextChunk.INDEX, text=_TextChunk.TEXT)]))
     error = None
     async for deltas, error in _stream_deltas(group, watcher, choices):
         for d in deltas:
             if d.text:
-                yield _sse(CompletionResponse(id=rid, model=model, choices=[CompletionChoice(index=d.index,
-                                                                                              text=d.text)]))
+                yield text_chunk(d.index, d.text)
             if d.finish_reason is not None:
-                yield _sse(CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
+                yield _sse(CompletionResponse(**head, choices=[CompletionChoice(
                     index=d.index, text="", finish_reason=d.finish_reason, stop_reason=d.stop_reason)]))
     if error == "abort":
         for i, c in choices.final():
             if c.finish_reason is None:
-                yield _sse(CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
+                yield _sse(CompletionResponse(**head, choices=[CompletionChoice(
                     index=i, text="", finish_reason="abort")]))
-    for line in _usage_and_done(CompletionResponse, rid, model, choices, include_usage, error):
+    for line in _usage_and_done(CompletionResponse, head, choices, include_usage, error):
         yield line
 
 
-async def _chat_stream(group, watcher, choices: Choices, rid: str, model: str, include_usage: bool):
+async def _chat_stream(group, watcher, choices: Choices, head: dict, include_usage: bool):
     def chunk(index, delta, finish_reason=None, stop_reason=None):
-        return _sse(ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+        return _sse(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
             index=index, delta=delta, finish_reason=finish_reason, stop_reason=stop_reason)]))
+    text_chunk = _TextChunk(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+        index=_TextChunk.INDEX, delta=DeltaMessage(content=_TextChunk.TEXT))]))
     for i, _ in choices.final():                       # OpenAI's first chunk of a choice names the role
         yield chunk(i, DeltaMessage(role="assistant", content=""))
     error = None
     async for deltas, error in _stream_deltas(group, watcher, choices):
         for d in deltas:
             if d.text:
-                yield chunk(d.index, DeltaMessage(content=d.text))
+                yield text_chunk(d.index, d.text)
             if d.finish_reason is not None:
                 yield chunk(d.index, DeltaMessage(), d.finish_reason, d.stop_reason)
     if error == "abort":
         for i, c in choices.final():
             if c.finish_reason is None:
                 yield chunk(i, DeltaMessage(), "abort")
-    for line in _usage_and_done(ChatCompletionChunk, rid, model, choices, include_usage, error):
+    for line in _usage_and_done(ChatCompletionChunk, head, choices, include_usage, error):
         yield line
 
 

@@ -1,14 +1,17 @@
 """One background loop owns the engine; HTTP handlers talk to it through queues (serving chapter).
 
-    handler ──submit()──▶ pending adds ──┐                        ┌──▶ group queue ──▶ handler (SSE / JSON)
-    handler ──abort()───▶ pending aborts ┴─▶ tick (engine thread) ─┤
-                                             aborts, adds, step()  └──▶ admitted future (ok, or a 400)
+    event loop (HTTP)                              engine thread (the loop)
+    handler ──submit()──▶ pending adds ───┐
+    handler ──abort()───▶ pending aborts ─┴──▶ tick: aborts, adds, one engine.step()
+    handler ◀── group queue ◀── deliver ◀──── call_soon_threadsafe(outputs)
+    handler ◀── admitted future (ok, or the engine's ValueError: a 400)
 
-A tick runs on one dedicated thread, so the event loop keeps serving HTTP while the engine computes:
-it applies the aborts and adds gathered since the last tick, then runs one `engine.step()`. Requests
-therefore join and leave the running batch between steps: continuous batching across HTTP clients, with
-the engine's own scheduler deciding who runs (the server schedules nothing). Every engine call happens on
-that thread, one at a time (serving_engine.py's contract).
+The loop runs on its own thread, so the event loop keeps serving HTTP while the engine computes. Each tick
+takes the aborts and adds gathered since the last one, then runs one `engine.step()`, and hands the step's
+outputs to the event loop. Requests therefore join and leave the running batch between steps: continuous
+batching across HTTP clients, with the engine's own scheduler deciding who runs (the server schedules
+nothing). Every engine call happens on that thread, one at a time (serving_engine.py's contract). The thread
+sleeps on a condition while there is nothing to do.
 
 Back-pressure: at most `max_queued_requests` engine requests are held at once (waiting to join, or in the
 engine unfinished); `submit` beyond that raises Overloaded at once (a 503), so a flood of clients gets
@@ -20,12 +23,17 @@ in the engine at the next tick (`abort_request` frees their KV blocks), or dropp
 
 Failure and shutdown: if `step()` raises, the engine is dead: every open request gets the error, and
 later submits raise EngineDead (503). `begin_shutdown()` (on SIGTERM) refuses new requests and aborts every
-open one; `shutdown()` then stops the loop and calls `engine.exit()` on the engine thread.
+open one; `shutdown()` then stops the thread, which applies those aborts and calls `engine.exit()`.
+
+Threads: the groups and their queues belong to the event loop; the pending adds and aborts are shared, under
+one lock; the engine belongs to the engine thread. Python's GIL lets only one of the two threads run Python
+at a time, so host work in `step()` and the HTTP side's per-chunk work slow each other down (vLLM runs its
+engine in another process for this reason).
 """
 import asyncio
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import threading
 
 logger = logging.getLogger("uvicorn.error")          # the server's log (uvicorn configures it)
 
@@ -92,26 +100,29 @@ class EngineLoop:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self._groups: dict[str, RequestGroup] = {}        # request id -> its group, until it finishes
+        self._ids = itertools.count()
+        # Shared with the engine thread, under _cond:
+        self._cond = threading.Condition()
         self._pending_adds: list[tuple[RequestGroup, str, object]] = []
         self._pending_aborts: set[str] = set()
-        self._ids = itertools.count()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Future | None = None         # set when the thread has called engine.exit()
         self.dead: BaseException | None = None               # why the engine cannot run requests any more
         self.num_steps = 0
         self.engine_stats: dict = {}                         # engine.stats() after the last tick, if it has one
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start the loop on the running event loop (the app's lifespan calls it)."""
-        self._wake = asyncio.Event()
+        """Start the engine thread; its results go to the running event loop (the app's lifespan calls it)."""
         self._event_loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._stopped = self._event_loop.create_future()
+        self._thread = threading.Thread(target=self._engine_main, name="engine-loop", daemon=True)
+        self._thread.start()
 
     def request_shutdown(self) -> None:
         """begin_shutdown, from a signal handler or another thread (it runs on the event loop soon after)."""
-        if self._task is not None:
+        if self._thread is not None:
             self._event_loop.call_soon_threadsafe(self.begin_shutdown)
 
     def begin_shutdown(self) -> None:
@@ -123,20 +134,15 @@ class EngineLoop:
             self._abort_group(group)
 
     async def shutdown(self) -> None:
-        """Stop the loop after its current tick, then call engine.exit() on the engine thread."""
+        """Abort what is open, stop the engine thread after its current tick, wait until it called exit()."""
         self.begin_shutdown()
-        if self._task is not None:
-            self._wake.set()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._exit_engine)
-        self._executor.shutdown(wait=True)
-
-    def _exit_engine(self):
-        # The aborts begin_shutdown queued never reached the engine once the loop stopped: apply them first.
-        for rid in self._pending_aborts:
-            self.engine.abort_request(rid)
-        self._pending_aborts.clear()
-        self.engine.exit()
+        if self._thread is None:
+            self.engine.exit()
+            return
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        await self._stopped
 
     @property
     def num_open(self) -> int:
@@ -149,55 +155,64 @@ class EngineLoop:
         `.prompt_token_ids` and `.sampling_params`. Raises Overloaded or EngineDead at once."""
         if self.dead is not None:
             raise EngineDead(str(self.dead))
-        if self._task is None or self._task.done():
+        if self._thread is None or not self._thread.is_alive():
             raise EngineDead("the engine loop is not running")
         if self.num_open + len(inputs) > self.max_queued_requests:
             raise Overloaded(f"the server holds {self.num_open} requests (--max-queued-requests "
                              f"{self.max_queued_requests}); retry later")
         request_ids = [f"req-{next(self._ids)}" for _ in inputs]
         group = RequestGroup(self, request_ids, inputs)
-        for rid, item in zip(request_ids, inputs):
+        for rid in request_ids:
             self._groups[rid] = group
-            self._pending_adds.append((group, rid, item))
-        self._wake.set()
+        with self._cond:
+            self._pending_adds += [(group, rid, item) for rid, item in zip(request_ids, inputs)]
+            self._cond.notify()
         return group
 
     def _abort_group(self, group: RequestGroup) -> None:
-        queued = {rid for g, rid, _ in self._pending_adds if g is group}
-        self._pending_adds = [a for a in self._pending_adds if a[0] is not group]
-        for rid in list(group.unfinished):
-            group.unfinished.discard(rid)
-            if self._groups.get(rid) is group:
-                del self._groups[rid]
-            if rid not in queued:                       # never reached the engine: nothing to free there
-                self._pending_aborts.add(rid)
+        with self._cond:
+            queued = {rid for g, rid, _ in self._pending_adds if g is group}
+            self._pending_adds = [a for a in self._pending_adds if a[0] is not group]
+            for rid in list(group.unfinished):
+                group.unfinished.discard(rid)
+                if self._groups.get(rid) is group:
+                    del self._groups[rid]
+                if rid not in queued:                   # never reached the engine: nothing to free there
+                    self._pending_aborts.add(rid)
+            self._cond.notify()
         if not group.admitted.done():
             group.admitted.set_exception(Aborted("aborted before admission"))
             group.admitted.exception()                  # retrieved: no "never retrieved" warning
-        if self._wake is not None:
-            self._wake.set()
 
-    # -- the loop --------------------------------------------------------------------------------------
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    # -- the loop (engine thread) ----------------------------------------------------------------------
+    def _engine_main(self) -> None:
         has_unfinished = False
-        while True:
-            if self.dead is not None and not self._pending_aborts:
-                return
-            if not (self._pending_adds or self._pending_aborts or has_unfinished):
-                await self._wake.wait()
-                self._wake.clear()
-                continue
-            adds, self._pending_adds = self._pending_adds, []
-            aborts, self._pending_aborts = self._pending_aborts, set()
+        try:
+            while True:
+                with self._cond:
+                    while not (self._pending_adds or self._pending_aborts or has_unfinished or self._stop):
+                        self._cond.wait()
+                    adds, self._pending_adds = self._pending_adds, []
+                    aborts, self._pending_aborts = self._pending_aborts, set()
+                    stop = self._stop
+                if stop:
+                    for rid in aborts:
+                        self.engine.abort_request(rid)
+                    break
+                refused, outputs, has_unfinished = self._tick(adds, aborts)
+                self._event_loop.call_soon_threadsafe(self._deliver, adds, refused, outputs)
+        except BaseException as exc:                     # the engine failed mid-step: nothing can run now
+            logger.exception("engine step failed; the server answers 503 from now on")
+            self._event_loop.call_soon_threadsafe(self._fail_all, exc)
+        finally:
             try:
-                refused, outputs, has_unfinished = await loop.run_in_executor(self._executor, self._tick,
-                                                                              adds, aborts)
-            except BaseException as exc:                 # the engine failed mid-step: nothing can run now
-                logger.exception("engine step failed; the server answers 503 from now on")
-                self._fail_all(exc)
-                return
-            self._deliver(adds, refused, outputs)
+                self.engine.exit()
+            finally:
+                self._event_loop.call_soon_threadsafe(self._set_stopped)
+
+    def _set_stopped(self) -> None:
+        if not self._stopped.done():
+            self._stopped.set_result(None)
 
     def _tick(self, adds, aborts):
         """On the engine thread: aborts, then adds (a refused add is reported, not raised), then one step."""
@@ -250,4 +265,5 @@ class EngineLoop:
             group.queue.put_nowait(self.dead)
             group.unfinished.clear()
         self._groups.clear()
-        self._pending_adds.clear()
+        with self._cond:
+            self._pending_adds.clear()
