@@ -11,15 +11,15 @@ engine failed: one engine failing does not stop the other). Commit the JSON as
 bench/results/ch12_gpu_h200.json; `python -m nanovllm_course figures 12` then redraws
 figures/ch12_capstone_h200.png from it on any machine (nanovllm_course/figures_ch12.py).
 
-Workload (C.4 of the notebook): Qwen3-0.6B's shape with dummy weights (nanovllm_ref.bench.make_model_folder),
+Workload (C.4 of the notebook): Qwen3-0.6B's shape with dummy weights (nanovllm_bench.workload.make_model_folder),
 make_workload scaled to 64 requests, temperature 0.6, ignore_eos, CUDA graphs on. Each engine: one warm-up
 generate (4 requests), then 3 timed runs of the whole workload; throughput = output tokens / seconds.
 The runs share one engine, as in the notebook's cell, and prefix caching is on: the warm-up's 4 prompts are
 the workload's first 4, and runs 2 and 3 find every prompt cached. Both engines get the same, and it only
-shortens prefill, a small share of this decode-heavy workload; `nanovllm_ref.bench` instead times each run
+shortens prefill, a small share of this decode-heavy workload; `nanovllm_bench` instead times each run
 in a fresh engine.
-The student's engine uses capstone.parts: on a GPU that is chapter 06's Triton decode kernel, where the CPU
-sections of the notebook run chapter 04's PyTorch decode.
+The student's engine uses capstone.gpu_parts (the course's choice of parts with cuda=True): on a GPU that is
+chapter 06's Triton decode kernel, where the CPU sections of the notebook run chapter 04's PyTorch decode.
 """
 import argparse
 import json
@@ -46,7 +46,7 @@ SMOKE = dict(requests=4, runs=3, warmup_requests=2, temperature=0.6,
 
 
 def workload(settings):
-    from nanovllm_ref.bench import make_workload
+    from nanovllm_bench.workload import make_workload
     return make_workload(settings["requests"], **settings.get("workload", {}))
 
 
@@ -93,14 +93,14 @@ def run_engine(path, parts, prompts, max_tokens, settings, deadline=None) -> dic
 
 
 def student_parts(smoke: bool, out_dir: str):
-    """Export solutions/ into out_dir/student the way a student's chapters are exported (the capstone's
-    round trip) and assemble the capstone. Returns (parts, labels of the parts that are the student's)."""
+    """Export solutions/ the way a student's chapters are exported (the capstone's round trip, into a fresh
+    package) and assemble the capstone with the course's choice of parts. Returns (parts, labels of the parts
+    that are the student's). out_dir is unused (kept for the command line); the export goes to a temp folder."""
     from nanovllm_course import ch12
-    cap = ch12.assemble(lambda: ch12.SOLUTIONS, out=str(Path(out_dir) / "student"))
-    # on a CPU chapter 06's Triton kernel would only be interpreted: run (and name) what the notebook's CPU runs
-    parts, rows = (cap.cpu_parts, ch12.cpu_rows(cap)) if smoke else (cap.parts, cap.rows)
-    labels = [ch12.part_label(r) for r in ch12.ex.shown_rows(rows).values() if r["status"] == "done"]
-    return parts, labels
+    cap = ch12.assemble(ch12.SOLUTIONS, ch12.reference_choose_parts)
+    # on a CPU chapter 06's Triton kernels would only be interpreted: run (and name) what the notebook's CPU runs
+    choice, parts = (cap.choice, cap.cpu_parts) if smoke else (cap.gpu_choice, cap.gpu_parts)
+    return parts, [ch12.part_label(c) for c in choice.values()]
 
 
 def main(argv=None) -> int:
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         triton_version = triton.__version__
     except Exception:
         triton_version = None
-    from nanovllm_ref.bench import make_model_folder
+    from nanovllm_bench.workload import make_model_folder
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = dict(date=time.strftime("%Y-%m-%d"),

@@ -10,6 +10,19 @@
 #   or:                       bash bench/gpu_run.sh round2    # thin-step/warm-up tests, equivalence with graphs,
 #                             then the bench: median of 3, batch-1, step profile (kernels per step), graph sweep
 #   or:                       bash bench/gpu_run.sh hfmerge   # HF continuous batching into $OUT's bench JSON (MERGE=...)
+#   or:                       bash bench/gpu_run.sh round3    # no payload: decode kernels alone, engine tests with
+#                             graphs and eager, ours with async + kernels vs without (one run each), step profile
+#
+# Peers (vLLM, upstream nano-vllm, HF, nanovllm_ref's back-ends) in one record: build the payload here first
+# (`python -m nanovllm_bench.payload`: parts .carry/peers/p1 .. pN, each <= 58 MiB), then back to back:
+#   calls 1 .. N-1 (carry .carry/peers/pK):  bash bench/gpu_run.sh peers-stage   # copies part K to /tmp/payload
+#   call N        (carry .carry/peers/pN):  NANOVLLM_REF_COMMIT=<commit> bash bench/gpu_run.sh peers
+#     checks every part's sha256, unpacks vLLM's site + nano-vllm's source to /tmp/peers, and runs
+#     `python3 -m nanovllm_bench` with every peer within DEADLINE_S (default 470 s; RUNS, TAG, REPEATS
+#     override). $OUT gets bench_<tag>.json/.csv, its figures, gpu_run.log and peer_logs.tgz (7 files).
+#   then, within 30 s (no carry: the payload is still unpacked), or after staging again:
+#                                             bash bench/gpu_run.sh flash-check   # greedy equivalence with
+#     attention_backend=flash_attn (vLLM's FA3), bf16, CUDA graphs and eager; junit XML into $OUT
 #
 # .carry/a/part_aa and .carry/b/part_ab are the two halves of SmolLM2-135M-Instruct.Q4_1.gguf (the device
 # takes at most 64 MiB per call); .carry/b also holds the gguf wheel (the device has no PyPI).
@@ -21,12 +34,63 @@ mkdir -p "$OUT" /tmp/smol
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site" NANOVLLM_REF_HOME=/tmp/nanovllm_home HF_HUB_OFFLINE=1
 unset TRITON_INTERPRET
 
+if [ "$mode" = peers-stage ]; then
+  mkdir -p /tmp/payload && cp .carry/peers/p*/part_* /tmp/payload/ && ls -la /tmp/payload
+  nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+  exit 0
+fi
 if [ "$mode" = stage ]; then
   cp .carry/a/part_aa /tmp/smol/ && ls -la /tmp/smol && nvidia-smi --query-gpu=name,memory.total --format=csv
   exit 0
 fi
 
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+round3() {   # GPU speed round 3, first look: the new decode kernels, the engine's tests, ours A/B (no payload)
+  step "versions"
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+  if [ -z "${SKIP_KERNELS:-}" ]; then
+    step "decode kernels alone (bench/kernels_round3.py): old vs new layer, kernels per layer, GEMMs vs cuBLAS"
+    timeout ${KERNELS_S:-100} python3 bench/kernels_round3.py --out "$OUT/kernels_round3.json" --budget ${KERNELS_BUDGET:-70} 2>&1 | tail -40
+  fi
+  for cfg in ${CFGS:-graphs eager}; do
+    eager=$([ $cfg = eager ] && echo true || echo false)
+    step "engine tests on the H200, fp32 vs HF: CUDA graphs $cfg, async scheduling and decode kernels (defaults)"
+    NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"float32\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
+      timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_engine_equivalence.py \
+        tests/test_async_scheduling.py tests/test_engine_stops.py tests/test_engine_request_api.py tests/test_thin_step.py \
+        tests/test_fused_kernels_model.py} -k "not tensor_parallel and not tp_engine and not exported" \
+      --junitxml="$OUT/pytest_gpu_round3_$cfg.xml" 2>&1 | grep -v DEBUG | tail -12
+    [ -n "${ONE_CFG:-}" ] && break
+  done
+  [ -n "${SKIP_BENCH:-}" ] && return 0
+  step "bench: ours, async + decode kernels vs sync without them (round 2's engine): ${REPEATS:-1} run(s) each, batch-1, profile"
+  timeout ${BENCH_S:-240} python3 -m nanovllm_bench --peers nanovllm_ref --runs ${RUNS:-triton:graph,triton:graph:sync:nokernels} \
+    --repeats ${REPEATS:-1} --batch1-repeats ${B1:-1} --profile --out "$OUT" --tag ${TAG:-h200_round3_smoke} 2>&1 | grep -v DEBUG | tail -30
+}
+if [ "$mode" = round3 ]; then
+  { round3; step "done"; } 2>&1 | tee "$OUT/gpu_run.log"
+  exit 0
+fi
+assemble() {   # the staged payload parts (peers-stage) + the carried one -> /tmp/peers/{site,nanovllm_upstream}
+  step "peers: assemble the payload (vLLM ${VLLM:-0.20.2} site, upstream nano-vllm source)"
+  if [ -d /tmp/peers/site/vllm ]; then echo "already unpacked in this warm machine"; return 0; fi
+  mkdir -p /tmp/payload /tmp/peers && cp .carry/peers/p*/part_* /tmp/payload/
+  manifest=$(ls .carry/peers/p*/MANIFEST.json | head -1)
+  python3 - "$manifest" <<'PY' || exit 1
+import hashlib, json, os, sys
+m = json.load(open(sys.argv[1]))
+for p in m["parts"]:
+  path = os.path.join("/tmp/payload", p["file"])
+  if not os.path.exists(path):
+      sys.exit(f"{p['file']} is missing: stage it first (bash bench/gpu_run.sh peers-stage, within 30 s)")
+  if hashlib.sha256(open(path, "rb").read()).hexdigest() != p["sha256"]:
+      sys.exit(f"{p['file']}: sha256 differs from MANIFEST.json")
+print(f"{len(m['parts'])} parts ok, {m['total_bytes'] / 2**20:.1f} MiB")
+PY
+  cat /tmp/payload/part_* | xz -dc | tar x -C /tmp/peers || exit 1
+  du -sh /tmp/peers/site /tmp/peers/nanovllm_upstream
+}
+
 ch12() {   # CH12_FIRST=1 runs it before the other steps, CH12=1 after them
   step "chapter 12, C.4: the capstone's parts (solutions/ exported) vs the reference on the H200"
   timeout 300 python3 bench/ch12_gpu.py --budget-s 240 2>&1 | grep -v DEBUG | tail -20
@@ -41,7 +105,7 @@ ch12() {   # CH12_FIRST=1 runs it before the other steps, CH12=1 after them
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/b/gguf-*.whl
     cat /tmp/smol/part_aa .carry/b/part_ab > /tmp/smol/model.gguf
     python3 - <<'PY'
-from nanovllm_ref import download
+from nanovllm_models import download
 download.verify_sha256("/tmp/smol/model.gguf", download.MODELS["smollm2"]["sha256"])
 print(download.convert_gguf("/tmp/smol/model.gguf", download.model_dir("smollm2")))
 PY
@@ -120,18 +184,18 @@ PYEOF
   if [ -n "${TP_PROFILE:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "TP=2 and TP=1 on the same host: one timed run, batch-1 decode, step profile (every step timed; graph step ms)"
     for tp in 2 1; do
-      timeout 200 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats 1 --batch1 --profile \
+      timeout 200 python3 -m nanovllm_bench --runs triton:graph --peers nanovllm_ref --repeats 1 --profile \
         --tensor-parallel-size $tp --out "$OUT" --tag tp${tp}_profile 2>&1 | grep -v DEBUG | grep -v torch_dtype | tail -9
     done
   fi
   if [ -n "${TP_BENCH:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "benchmark: TP=1 and TP=2 on two H200s (triton, CUDA graphs), batch-1 decode"
-    [ -z "${NO_TP1:-}" ] && timeout 200 python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats ${TP_REPEATS:-3} --out "$OUT" --tag tp1 2>&1 | grep -v DEBUG | tail -12
-    timeout ${TP2_TIMEOUT:-260} python3 -m nanovllm_ref bench --runs triton:graph --peers nanovllm --repeats ${TP_REPEATS:-3} --tensor-parallel-size 2 --out "$OUT" --tag tp2 2>&1 | grep -v DEBUG | tail -12
+    [ -z "${NO_TP1:-}" ] && timeout 200 python3 -m nanovllm_bench --runs triton:graph --peers nanovllm_ref --repeats ${TP_REPEATS:-3} --out "$OUT" --tag tp1 2>&1 | grep -v DEBUG | tail -12
+    timeout ${TP2_TIMEOUT:-260} python3 -m nanovllm_bench --runs triton:graph --peers nanovllm_ref --repeats ${TP_REPEATS:-3} --tensor-parallel-size 2 --out "$OUT" --tag tp2 2>&1 | grep -v DEBUG | tail -12
   fi
   if [ "$mode" = all ] || [ "$mode" = bench ] || [ "$mode" = final ]; then
     step "benchmark: nanovllm_ref (triton, graphs and eager), HF continuous batching, batch-1 decode, CUDA-graph sweep"
-    timeout ${BENCH_TIMEOUT:-540} python3 -m nanovllm_ref bench --runs ${BENCH_RUNS:-triton:graph,triton:eager} --batch1 --graph-sweep \
+    timeout ${BENCH_TIMEOUT:-540} python3 -m nanovllm_bench --runs ${BENCH_RUNS:-triton:graph,triton:eager} --graph-sweep \
       --out "$OUT" --figures "$OUT" 2>&1 | grep -v DEBUG
   fi
 
@@ -150,17 +214,43 @@ PYEOF
   fi
   if [ "$mode" = round2 ] && [ -z "${NO_BENCH:-}" ]; then
     step "benchmark round 2: triton + CUDA graphs, median of 3 fresh engines, batch-1, step profile, graph sweep"
-    timeout ${BENCH_TIMEOUT:-400} python3 -m nanovllm_ref bench --runs triton:graph --peers ${PEERS:-nanovllm} --repeats 3 \
-      --batch1 --profile --graph-sweep --out "$OUT" --figures "$OUT" --tag ${TAG:-h200} 2>&1 | grep -v DEBUG
+    timeout ${BENCH_TIMEOUT:-400} python3 -m nanovllm_bench --runs triton:graph --peers ${PEERS:-nanovllm_ref} --repeats 3 \
+      --profile --graph-sweep --out "$OUT" --figures "$OUT" --tag ${TAG:-h200} 2>&1 | grep -v DEBUG
+  fi
+  if [ "$mode" = peers ]; then
+    assemble || exit 1
+    step "peers: nanovllm_ref (${RUNS:-triton:graph,flash_attn:graph}), vLLM, nano-vllm, HF continuous batching"
+    PYTHONPATH="$PWD:/tmp/peers/site" timeout ${PEERS_TIMEOUT:-520} python3 -m nanovllm_bench \
+      --runs ${RUNS:-triton:graph,flash_attn:graph} --peers ${PEERS:-nanovllm_ref,vllm,nano-vllm,hf} \
+      --nanovllm-src /tmp/peers/nanovllm_upstream --repeats ${REPEATS:-3} --hf-repeats ${HF_REPEATS:-1} \
+      --deadline-s ${DEADLINE_S:-470} --logs /tmp/peer_logs --out "$OUT" --figures "$OUT" \
+      --tag ${TAG:-h200_peers} 2>&1 | grep -v DEBUG
+    tar czf "$OUT/peer_logs.tgz" -C /tmp peer_logs && ls -la "$OUT"
+  fi
+  if [ "$mode" = flash-check ]; then
+    assemble || exit 1
+    for cfg in ${CFGS:-graphs eager}; do
+      eager=$([ $cfg = eager ] && echo true || echo false)
+      step "greedy equivalence with attention_backend=flash_attn (bf16 vs HF bf16), CUDA graphs: $cfg"
+      PYTHONPATH="$PWD:/tmp/peers/site" NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"bfloat16\", \"attention_backend\": \"flash_attn\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
+        timeout ${FLASH_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py \
+          tests/test_triton_engine.py -k "not tensor_parallel and not tp_engine" -rs \
+          --junitxml="$OUT/pytest_gpu_flash_$cfg.xml" 2>&1 | grep -v DEBUG | tail -25
+    done
+    if [ -n "${PROFILE:-}" ]; then
+      step "step profile of ours (triton, graphs, async, decode kernels): every step of the workload, decode steps at 1/64/256"
+      timeout ${PROFILE_S:-200} python3 -m nanovllm_bench --peers nanovllm_ref --runs triton:graph --repeats 1 \
+        --batch1-repeats 0 --profile --out "$OUT" --tag ${PROFILE_TAG:-h200_round3_profile} 2>&1 | grep -v DEBUG | tail -12
+    fi
   fi
   if [ "$mode" = hfmerge ]; then
     step "HF transformers continuous batching, merged into ${MERGE}"
-    timeout 400 python3 -m nanovllm_ref bench --peers hf --merge "$MERGE" --out "$OUT" --figures "$OUT" --tag ${TAG:-h200} 2>&1 | tail -8
+    timeout 400 python3 -m nanovllm_bench --peers hf --merge "$MERGE" --out "$OUT" --figures "$OUT" --tag ${TAG:-h200} 2>&1 | tail -8
   fi
   if [ -n "${CH12:-}" ]; then ch12; fi
   if [ "$mode" = hf ]; then
     step "HF transformers continuous batching peer"
-    timeout 500 python3 -m nanovllm_ref bench --peers hf --merge bench/results/bench_h200.json --out "$OUT" --figures "$OUT" 2>&1 | tail -20
+    timeout 500 python3 -m nanovllm_bench --peers hf --merge bench/results/bench_h200.json --out "$OUT" --figures "$OUT" 2>&1 | tail -20
   fi
   step "done"
 } 2>&1 | tee "$OUT/gpu_run.log"

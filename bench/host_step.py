@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 
-from nanovllm_ref.bench import make_model_folder
+from nanovllm_bench.workload import make_model_folder
 from nanovllm_ref.config import Config
 from nanovllm_ref.engine.cuda_graph import StaticDecodeInputs
 from nanovllm_ref.engine.scheduler import Scheduler

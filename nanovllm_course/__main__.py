@@ -7,8 +7,8 @@
     grade [NOTEBOOKS...]    run student notebooks and print one verdict line per exercise (exit 1 unless all ok)
     figures [CHAPTERS...]   redraw figures/chNN_*.png (all chapters, or e.g. `figures 01 02`)
     import-py SRC.py DST.ipynb   make a notebook from a percent-format (`# %%`) Python file
-    export [CHAPTERS...]    write your exercises from chapters/ into student/chNN.py (importable, picklable
-                            for tensor-parallel workers) and list which engine parts are yours
+    export [CHAPTERS...]    write your exercises from chapters/ into chapters/student/chNN.py (importable,
+                            picklable for tensor-parallel workers) and list which engine parts are yours
 
 See nanovllm_course/README.md.
 """
@@ -101,8 +101,9 @@ def cmd_export(args) -> int:
     if unknown:
         raise rel.ReleaseError(f"export: no chapter with exercises to export named {unknown}; give chapter "
                                f"numbers from {sorted(ex.EXPORTS)}")
-    rows = ex.export(Path(args.notebooks), Path(args.out), chapters or None)
-    print(f"exported {len({r['chapter'] for r in rows})} chapter(s) from {args.notebooks}/ into {args.out}/")
+    out = Path(args.out) if args.out else ex.default_out(Path(args.notebooks))
+    rows = ex.export(Path(args.notebooks), out, chapters or None)
+    print(f"exported {len({r['chapter'] for r in rows})} chapter(s) from {args.notebooks}/ into {out}/")
     print(ex.part_table(rows))
     # in chapter order (E2.1 before E10.1): sort by the numbers in the id, not the text
     missing = sorted({r["exercise"] for r in rows if r["status"] != "done"},
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("export", help="chapters' exercises -> importable student/chNN.py + manifest")
     p.add_argument("chapters", nargs="*", help="2-digit chapter numbers (default: all with parts)")
     p.add_argument("--notebooks", default=str(rel.CHAPTERS), help="folder of filled notebooks (default chapters/)")
-    p.add_argument("--out", default=str(rel.REPO / "student"), help="package folder to write (default student/)")
+    p.add_argument("--out", default=None,
+                   help="package folder to write (default: student/ inside the notebooks folder)")
     p.set_defaults(func=cmd_export)
 
     args = ap.parse_args(argv)

@@ -141,3 +141,13 @@ def accumulation_error(hidden_sizes, rows: int = 64, seed: int = 0) -> dict:
             rms = (sequential_sum(sq, dt).double() / h).sqrt()
             out[name].append(((rms - exact).abs() / exact).median().item())
     return out
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+PARTS = [
+    EnginePart("rms_norm", "rms_norm", "E1.1", check=lambda mod: check_rms_norm(mod.rms_norm)),
+    EnginePart("fused_add_rms_norm", "add_rms_norm", "E1.2",
+               check=lambda mod: check_fused_add_rms_norm(mod.fused_add_rms_norm)),
+]

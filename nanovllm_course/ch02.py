@@ -117,8 +117,13 @@ def check_apply_rope(apply_rope) -> None:
             kind = kinds[(n + (dtype == torch.bfloat16)) % len(kinds)]
             positions = _positions(g, kind, max_position)
             t = positions.numel()
-            q = torch.randn(t, heads, head_dim, generator=g).to(dtype)
-            k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
+            if n == 2:         # q and k as the attention layer may hold them: views of one fused projection
+                qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+                q = qkv[:, :heads * head_dim].view(t, heads, head_dim)
+                k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+            else:
+                q = torch.randn(t, heads, head_dim, generator=g).to(dtype)
+                k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
             before = {"q": q.clone(), "k": k.clone(), "positions": positions.clone(),
                       "cos": cos.clone(), "sin": sin.clone()}
             exp_q, exp_k = reference_apply_rope(positions, q, k, cos, sin)
@@ -204,3 +209,12 @@ def relative_position_demo(head_dim: int = 64, base: float = 10000.0, seed: int 
         k_rot, _ = reference_apply_rope(torch.tensor([pk]), k, k[:, :1], cos, sin)
         scores.append((q_rot * k_rot).sum().item())
     return abs(scores[0] - scores[1]) < 1e-4 * max(1.0, abs(scores[0]))
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+PARTS = [
+    EnginePart("rope_cos_sin", "rope_cos_sin", "E2.1", check=lambda mod: check_rope_cos_sin(mod.rope_cos_sin)),
+    EnginePart("apply_rope", "rotary", "E2.2", check=lambda mod: check_apply_rope(mod.apply_rope)),
+]

@@ -2,14 +2,15 @@
 
 - `check_gqa_attention(fn)` (E3.1): fn(q, k, v, scale), q [T, H, D], k/v [T, Hkv, D], causal, compared with
   `nanovllm_ref.attn.torch_backend.varlen_prefill` on one sequence (fp32: rtol 1e-4, atol 1e-5;
-  bf16: rtol 2e-2, atol 2e-2).
+  bf16: rtol 2e-2, atol 2e-2); in two cases q, k, v are views of one fused QKV output; inputs unchanged.
 - `check_decoder_blocks(attention_forward, mlp_forward)` (E3.2): the attention block (fused QKV split ->
   per-head q/k RMSNorm -> RoPE -> attention -> o_proj) and the MLP (gate_up -> SiLU(gate) * up -> down),
   compared with `nanovllm_ref.models.qwen3.DecoderAttention` / `DecoderMLP` with random weights
   (fp32: rtol 1e-4, atol 1e-5).
 - `check_packed_loaders(qkv_weight_loader, gate_up_weight_loader)` (E3.3): the rows each checkpoint tensor
   lands in must equal what `QKVParallelLinear.weight_loader` / `MergedColumnParallelLinear.weight_loader`
-  produce (exactly).
+  produce (exactly), in the parameter's own memory and dtype (some checkpoints are bf16 for the fp32
+  parameter), with the checkpoint tensor unchanged.
 - `check_prefill_logits(prefill_logits, build_model)` (E3.4): build_model(model_dir) must give our
   Qwen3ForCausalLM with the checkpoint's weights (each Attention layer uses the torch back-end by default);
   prefill_logits(model, prompts) the last-token logits of the packed prompts, which must match HF
@@ -124,10 +125,14 @@ def check_gqa_attention(fn) -> None:
     cases = [(1, 4, 2, 8, torch.float32), (7, 4, 4, 16, torch.float32), (16, 8, 1, 8, torch.float32),
              (rng.randint(17, 40), 6, 2, 16, torch.float32), (rng.randint(2, 12), 8, 2, 64, torch.float32),
              (rng.randint(5, 20), 4, 2, 16, torch.bfloat16)]
-    for T, H, Hkv, D, dtype in cases:
-        q = torch.randn(T, H, D, generator=gen).to(dtype)
-        k = torch.randn(T, Hkv, D, generator=gen).to(dtype)
-        v = torch.randn(T, Hkv, D, generator=gen).to(dtype)
+    for n, (T, H, Hkv, D, dtype) in enumerate(cases):
+        if n in (3, 5):        # q, k, v as the engine may pass them: views of one fused [T, (H + 2 Hkv) D] output
+            qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(dtype)
+            q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+        else:
+            q = torch.randn(T, H, D, generator=gen).to(dtype)
+            k = torch.randn(T, Hkv, D, generator=gen).to(dtype)
+            v = torch.randn(T, Hkv, D, generator=gen).to(dtype)
         scale = D ** -0.5
         expected = reference_gqa_attention(q, k, v, scale)
         args = [q.clone(), k.clone(), v.clone()]
@@ -136,7 +141,8 @@ def check_gqa_attention(fn) -> None:
             if not torch.equal(a, b):
                 fail(tag, f"gqa_attention changed its input {name}", "attention only reads q, k and v")
         tol = TOL32 if dtype == torch.float32 else TOL16
-        where = f"T={T} tokens, {H} query heads, {Hkv} KV heads, head_dim {D}, {str(dtype)[6:]}"
+        where = (f"T={T} tokens, {H} query heads, {Hkv} KV heads, head_dim {D}, {str(dtype)[6:]}"
+                 + ("" if q.is_contiguous() else ", q, k, v views of a fused QKV output"))
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == expected.dtype \
                 and not torch.allclose(got.float(), expected.float(), **tol):
             bad = ((got.float() - expected.float()).abs() > tol["atol"] + tol["rtol"] * expected.float().abs())
@@ -155,7 +161,7 @@ def _random_layer(gen: torch.Generator, heads: int, kv_heads: int, head_dim: int
     """A DecoderAttention and a DecoderMLP with random weights, including non-trivial q/k norm weights
     (with all-ones norm weights, norm and RoPE would commute and a wrong order could go unnoticed)."""
     from nanovllm_ref.models.qwen3 import DecoderAttention, DecoderMLP
-    from nanovllm_ref.tiny import tiny_config
+    from nanovllm_models.tiny import tiny_config
     cfg = tiny_config("qwen3", num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                       hidden_size=hidden, intermediate_size=inter)
     attn, mlp = DecoderAttention(cfg, qk_norm=True), DecoderMLP(cfg)
@@ -261,7 +267,7 @@ def check_decoder_blocks(attention_forward, mlp_forward) -> None:
 
 def _find_source(block, sources):
     for name, tensor in sources.items():
-        if block.shape == tensor.shape and torch.equal(block, tensor):
+        if block.shape == tensor.shape and torch.equal(block, tensor.to(block.dtype)):
             return name
     return None
 
@@ -281,29 +287,50 @@ def _check_packed(tag, param, expected, regions, sources, what, hint):
         if src is not None:
             fail(tag, f"{what}: {span}, where shard {shard!r} belongs, hold the weights of shard {src!r}", hint)
         fail(tag, f"{what}: {span}, where shard {shard!r} belongs, hold the wrong values", hint)
-    fail(tag, f"{what} differs from the reference", hint)
+
+
+_COPY_HINT = ("copy into the parameter's own rows: param.data.narrow(0, offset, size).copy_(loaded_weight) (copy_ "
+              "casts to the parameter's dtype); rebinding param.data swaps the parameter's memory for another tensor")
+
+
+def _call_loader(tag, fn, param, loaded, extra, what):
+    """fn(param, loaded_weight, *extra) must write into param's own memory, keep its dtype and shape, and leave
+    the checkpoint tensor as it was."""
+    before = (param.dtype, tuple(param.shape), param.data_ptr())
+    given = loaded.clone()
+    call_student(tag, fn, param, given, *extra)
+    if (param.dtype, tuple(param.shape)) != before[:2]:
+        fail(tag, f"{what}: after loading, the parameter is {tuple(param.shape)} {param.dtype}, it was {before[1]} "
+                  f"{before[0]}", _COPY_HINT)
+    if param.data_ptr() != before[2]:
+        fail(tag, f"{what}: after loading, the parameter no longer uses its own memory (param.data was rebound)",
+             _COPY_HINT)
+    if not torch.equal(given, loaded):
+        fail(tag, f"{what}: your loader changed the checkpoint tensor", "a loader only reads loaded_weight")
 
 
 def check_packed_loaders(qkv_weight_loader, gate_up_weight_loader) -> None:
     tag = "E3.3"
     gen = fresh_generator()
     rng = _rng(gen)
-    for heads, kv_heads, head_dim, hidden, bias in [(4, 2, 16, 64, False), (8, 1, 8, 24, False),
-                                                    (4, 4, 8, 40, False), (6, 2, 16, 32, True)]:
+    for n, (heads, kv_heads, head_dim, hidden, bias) in enumerate([(4, 2, 16, 64, False), (8, 1, 8, 24, False),
+                                                                   (4, 4, 8, 40, False), (6, 2, 16, 32, True)]):
+        ckpt_dtype = torch.bfloat16 if n % 2 else torch.float32       # a bf16 checkpoint into an fp32 model too
         ref = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=bias)
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         params = [("weight", ref.weight)] + ([("bias", ref.bias)] if bias else [])
         for pname, ref_param in params:
             cols = (hidden,) if pname == "weight" else ()
-            sources = {s: torch.randn((n, *cols), generator=gen) for s, n in (("q", q_size), ("k", kv_size),
-                                                                           ("v", kv_size))}
+            sources = {s: torch.randn((rows, *cols), generator=gen).to(ckpt_dtype)
+                       for s, rows in (("q", q_size), ("k", kv_size), ("v", kv_size))}
             order = ["q", "k", "v"]
             rng.shuffle(order)
             mine = torch.nn.Parameter(torch.full_like(ref_param, float("nan")), requires_grad=False)
             with torch.no_grad():
                 for s in order:
                     ref.weight_loader(ref_param, sources[s], s)
-                    call_student(tag, qkv_weight_loader, mine, sources[s].clone(), s, q_size, kv_size)
+                    _call_loader(tag, qkv_weight_loader, mine, sources[s], (s, q_size, kv_size),
+                                 f"qkv_proj.{pname}, shard {s!r} ({str(ckpt_dtype)[6:]} checkpoint)")
             regions = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
             _check_packed(tag, mine.data, ref_param.data, regions, sources,
                           f"qkv_proj.{pname} ({heads} query heads, {kv_heads} KV heads, head_dim {head_dim}; "
@@ -312,13 +339,15 @@ def check_packed_loaders(qkv_weight_loader, gate_up_weight_loader) -> None:
                           "starts at row 0, 'k' at q_size, 'v' at q_size + kv_size")
     for hidden, inter in [(64, 128), (24, 40), (16, 1)]:
         ref = MergedColumnParallelLinear(hidden, [inter, inter])
-        sources = {s: torch.randn(inter, hidden, generator=gen) for s in (0, 1)}
+        sources = {s: torch.randn(inter, hidden, generator=gen).to(torch.bfloat16 if inter == 40 else torch.float32)
+                   for s in (0, 1)}
         order = [1, 0] if rng.random() < 0.5 else [0, 1]
         mine = torch.nn.Parameter(torch.full_like(ref.weight, float("nan")), requires_grad=False)
         with torch.no_grad():
             for s in order:
                 ref.weight_loader(ref.weight, sources[s], s)
-                call_student(tag, gate_up_weight_loader, mine, sources[s].clone(), s, inter)
+                _call_loader(tag, gate_up_weight_loader, mine, sources[s], (s, inter),
+                             f"gate_up_proj.weight, shard {s} ({str(sources[s].dtype)[6:]} checkpoint)")
         _check_packed(tag, mine.data, ref.weight.data, {0: (0, inter), 1: (inter, inter)}, sources,
                       f"gate_up_proj.weight (intermediate_size {inter}; shards loaded in the order {order})",
                       "shard 0 (gate_proj) fills rows 0..intermediate_size-1, shard 1 (up_proj) the next "
@@ -476,12 +505,15 @@ def check_prefill_logits(prefill_logits, build_model) -> None:
     for name, p in ref.named_parameters():
         if name not in mine:
             fail(tag, f"build_model's model has no parameter {name}", "build the model with Qwen3ForCausalLM(config)")
+        if mine[name].dtype != p.dtype:
+            fail(tag, f"build_model's model holds {name} in {mine[name].dtype}, expected {p.dtype}",
+                 "build the model in fp32 (the default dtype) and copy the checkpoint into it with load_model")
         if mine[name].shape != p.shape or not torch.equal(mine[name].data.float(), p.data):
             fail(tag, f"build_model's model has wrong weights in {name}",
                  "load the checkpoint with nanovllm_ref.utils.loader.load_model(model, model_dir) (in fp32)")
     vocab = ref.lm_head.weight.shape[0]
     batches = [[[rng.randrange(vocab)]],
-               [[rng.randrange(vocab) for _ in range(n)] for n in (1, rng.randint(2, 9), rng.randint(10, 24))],
+               [[rng.randrange(vocab) for _ in range(n)] for n in (rng.randint(10, 24), 1, rng.randint(2, 9))],
                [[rng.randrange(vocab) for _ in range(rng.randint(20, 40))]],
                [[rng.randrange(vocab) for _ in range(rng.randint(2, 6))] for _ in range(3)]]
     for prompts in batches:
@@ -504,3 +536,16 @@ def check_prefill_logits(prefill_logits, build_model) -> None:
         check_close(tag, got, expected, **tol, what=f"prefill_logits output [{where}]",
                     hint="one row of logits per prompt: [num_prompts, vocab_size], float32")
     ok(tag)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+from nanovllm_course import export as _export  # noqa: E402
+
+# one exercise, two loaders, one check of both (the capstone runs it once)
+PARTS = [
+    EnginePart("qkv_weight_loader", "qkv_weight_loader", "E3.3", adapter=_export.one_rank_qkv_loader,
+               check=lambda mod: check_packed_loaders(mod.qkv_weight_loader, mod.gate_up_weight_loader)),
+    EnginePart("gate_up_weight_loader", "gate_up_weight_loader", "E3.3", adapter=_export.one_rank_gate_up_loader,
+               check=lambda mod: check_packed_loaders(mod.qkv_weight_loader, mod.gate_up_weight_loader)),
+]

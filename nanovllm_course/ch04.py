@@ -7,7 +7,9 @@
   One bf16 case has long contexts and large scores, where computing in bf16 instead of fp32 misses the
   tolerance (see LARGE_Q_STD).
 - `check_store_kvcache(fn)` (E4.3): fn(key, value, k_cache, v_cache, slot_mapping) writes in place; the
-  caches must equal the ones `nanovllm_ref.layers.attention.store_kvcache_torch` produces, bit for bit.
+  caches must equal the ones `nanovllm_ref.layers.attention.store_kvcache_torch` produces, bit for bit. Slot 0
+  is written in every case, with padding rows (-1) before and after it (`edge_slots`); key and value come in
+  different layouts; the inputs must come back unchanged.
 
 Every check draws fresh random inputs on each call and prints `E4.n ok` and nothing else on success.
 The `reference_*` functions are the reference answers, for later sections of the notebook and for tests.
@@ -17,7 +19,7 @@ import random
 import torch
 
 from nanovllm_ref.attn import torch_backend
-from nanovllm_course.common import call_student, check_close, fail, fresh_generator, ok
+from nanovllm_course.common import call_student, check_close, check_unchanged, fail, fresh_generator, ok
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.attention import store_kvcache_torch
 from nanovllm_ref.engine.inputs import prepare_decode, prepare_prefill
@@ -147,10 +149,12 @@ def check_slot_mapping(fn) -> None:
     tag = "E4.1"
     rng = random.Random(int(fresh_generator().initial_seed()))
     cases = [(4, 6, 0, 6, [7, 2])] + [(bs, n, s, e, None) for bs, n, s, e in _slot_cases(rng)]
-    for bs, n, start, end, table in cases:      # the first case is the worked example of the notebook
+    for k, (bs, n, start, end, table) in enumerate(cases):   # the first case is the worked example of the notebook
         num_blocks = (n + bs - 1) // bs
         if table is None:                         # distinct physical blocks, in any order
             table = rng.sample(range(3 * num_blocks + 8), num_blocks)
+            if k % 2 and 0 not in table:          # block 0 is a block like any other: in every other table
+                table[rng.randrange(num_blocks)] = 0
         expected = reference_slot_mapping(table, start, end, bs)
         args = f"slot_mapping({table}, {start}, {end}, {bs})"
         got = _as_int_list(tag, call_student(tag, fn, list(table), start, end, bs), args)
@@ -168,6 +172,54 @@ def check_slot_mapping(fn) -> None:
 # -- E4.2 paged decode attention --------------------------------------------------------------------------
 
 
+def _use_block(gen: torch.Generator, tables: list[list[int]], block: int, protected: set) -> None:
+    """Put `block` into one of `tables` (in place of a block held by one table only and not `protected`),
+    unless a table already holds it: a kernel that skips block 0 (`if block > 0`) or stops one block short of
+    the cache then reads wrong keys in every draw."""
+    if any(block in t for t in tables):
+        return
+    counts = {}
+    for t in tables:
+        for b in t:
+            counts[b] = counts.get(b, 0) + 1
+    spots = [(i, j) for i, t in enumerate(tables) for j, b in enumerate(t) if counts[b] == 1 and b not in protected]
+    if spots:
+        i, j = spots[int(torch.randint(len(spots), (1,), generator=gen))]
+        tables[i][j] = block
+
+
+def edge_slots(gen: torch.Generator, n: int, num_slots: int, num_pad: int, *, last: bool = True,
+               end: str | None = None) -> torch.Tensor:
+    """A slot_mapping [n] int32 with `num_pad` rows of -1 ("do not write") and n - num_pad distinct real slots
+    of [0, num_slots), drawn fresh but always holding the edge cases: slot 0 is written by a real row (a
+    `slot > 0` test skips it), so is the last slot when `last` (an off-by-one at the end of the cache), and
+    padding rows sit both before and after the row writing slot 0 (a padding row sent to slot 0, writing its
+    old contents back, then lands on both sides of the real write). With `last=False` the last slot is
+    never written, so a -1 used as an index (PyTorch's "last row") shows. `end`: "real" makes the last row a
+    real one other than slot 0's (a grid one program short, or a run past the end of key, shows), "pad" a
+    padding row; None leaves it to the draw."""
+    real = n - num_pad
+    if real < 1 or real > num_slots - (0 if last else 1):
+        raise ValueError(f"cannot draw {real} distinct real slots out of {num_slots}")
+    if (end == "real" and real < 2) or (end == "pad" and num_pad < 1):
+        raise ValueError(f"end={end!r} needs {'two real rows' if end == 'real' else 'a padding row'}")
+    edges = [0] + ([num_slots - 1] if last and num_slots > 1 and real > 1 else [])
+    pool = torch.arange(1, max(1, num_slots - 1))            # neither slot 0 nor the last slot
+    others = pool[torch.randperm(len(pool), generator=gen)[:real - len(edges)]].tolist()
+    rest = others + edges[1:] + [-1] * max(0, num_pad - 2)
+    rest = [rest[i] for i in torch.randperm(len(rest), generator=gen).tolist()]
+    tail = []
+    if end == "real":                                        # a real row, not slot 0, goes last
+        i = next(i for i, x in enumerate(rest) if x > 0)
+        tail = [rest.pop(i)]
+    cut = sorted(torch.randint(0, len(rest) + 1, (3,), generator=gen).tolist())
+    before, after = ([-1], [-1]) if num_pad >= 2 else ([], [-1] * num_pad)
+    if end == "pad":                                         # the padding row after slot 0 goes last
+        cut[2] = len(rest)
+    rows = rest[:cut[0]] + before + rest[cut[0]:cut[1]] + [0] + rest[cut[1]:cut[2]] + after + rest[cut[2]:] + tail
+    return torch.tensor(rows, dtype=torch.int32)
+
+
 def make_paged_batch(gen: torch.Generator, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                      block_size: int, context_lens: list[int], dtype=torch.float32, share_prefix: bool = False):
     """Random decode inputs over a paged cache filled with random values everywhere (so a kernel that reads
@@ -181,6 +233,8 @@ def make_paged_batch(gen: torch.Generator, batch: int, num_heads: int, num_kv_he
         used += nb
     if share_prefix and batch > 1 and blocks_per_seq[0] > 1 and blocks_per_seq[1] > 1:
         tables[1][0] = tables[0][0]                      # two sequences share their first block
+    for edge in (0, num_blocks - 1):                     # block 0 and the last block are always in use
+        _use_block(gen, tables, edge, protected={0, num_blocks - 1})
     width = max(blocks_per_seq)
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -291,29 +345,54 @@ def check_paged_decode(fn) -> None:
 # -- E4.3 store_kvcache -----------------------------------------------------------------------------------
 
 
+def _kv_tensor(gen, n, hkv, d, dtype, layout):
+    """key or value [n, Hkv, D] in a layout the engine may hand over: "contiguous" (K is a new tensor after the
+    norm and RoPE), "fused" (V is a view of the fused QKV output: token stride (H + 2 Hkv) D), "padded" (rows
+    cut from [n, Hkv, D + 8]: head stride D + 8)."""
+    if layout == "fused":
+        return torch.randn(n, 4 * hkv * d, generator=gen).to(dtype)[:, 3 * hkv * d:].view(n, hkv, d)
+    if layout == "padded":
+        return torch.randn(n, hkv, d + 8, generator=gen).to(dtype)[..., :d]
+    return torch.randn(n, hkv, d, generator=gen).to(dtype)
+
+
 def check_store_kvcache(fn) -> None:
     tag = "E4.3"
     gen = fresh_generator()
-    for num_blocks, bs, Hkv, D, n, dtype in [(4, 4, 2, 8, 6, torch.float32), (6, 1, 1, 16, 1, torch.float32),
-                                             (5, 16, 2, 8, 17, torch.bfloat16), (3, 5, 4, 8, 7, torch.float32)]:
+    for num_blocks, bs, Hkv, D, n, num_pad, dtype, k_layout, v_layout, last, end in [
+            (6, 1, 1, 16, 2, 0, torch.float32, "contiguous", "contiguous", True, None),   # slots 0 and 5, no padding
+            (4, 4, 2, 8, 6, 2, torch.float32, "contiguous", "fused", False, "real"),
+            (5, 16, 2, 8, 17, 5, torch.bfloat16, "fused", "padded", True, "pad"),
+            (3, 5, 4, 8, 7, 2, torch.float32, "padded", "fused", False, "real"),
+            (6, 1, 1, 16, 1, 0, torch.float32, "fused", "padded", True, None)]:           # one token, slot 0
         k_cache = torch.randn(num_blocks, bs, Hkv, D, generator=gen).to(dtype)
         v_cache = torch.randn(num_blocks, bs, Hkv, D, generator=gen).to(dtype)
-        key = torch.randn(n, Hkv, D, generator=gen).to(dtype)
-        value = torch.randn(n, Hkv, D, generator=gen).to(dtype)
-        # Distinct slots, never the last one of the cache, and some -1 rows ("do not write").
-        slots = torch.randperm(num_blocks * bs - 1, generator=gen)[:n]
-        if n > 1:
-            slots[torch.randperm(n, generator=gen)[: max(1, n // 3)]] = -1
-        slots = slots.to(torch.int32)
+        key = _kv_tensor(gen, n, Hkv, D, dtype, k_layout)
+        value = _kv_tensor(gen, n, Hkv, D, dtype, v_layout)
+        # Distinct slots with slot 0 among them and padding rows (-1, "do not write") on both sides of it; the last
+        # slot written in some cases, never in the others (so a -1 used as an index shows).
+        slots = edge_slots(gen, n, num_blocks * bs, num_pad, last=last, end=end)
         exp_k, exp_v = k_cache.clone(), v_cache.clone()
         store_kvcache_torch(key, value, exp_k, exp_v, slots)
         got_k, got_v = k_cache.clone(), v_cache.clone()
-        call_student(tag, fn, key.clone(), value.clone(), got_k, got_v, slots.clone())
-        where = f"{num_blocks} blocks of {bs} slots, {n} tokens, slot_mapping {slots.tolist()}"
-        for name, got, exp, old, other in (("k_cache", got_k, exp_k, k_cache, value),
-                                           ("v_cache", got_v, exp_v, v_cache, key)):
+        before = {"key": key.clone(), "value": value.clone(), "slot_mapping": slots.clone()}
+        call_student(tag, fn, key, value, got_k, got_v, slots)
+        check_unchanged(tag, before, {"key": key, "value": value, "slot_mapping": slots},
+                        "the store only reads key, value and slot_mapping")
+        layouts = {"contiguous": "contiguous", "fused": "a view of a fused QKV output", "padded": "a padded-head view"}
+        where = (f"{num_blocks} blocks of {bs} slots, {n} tokens, slot_mapping {slots.tolist()}, key "
+                 f"{layouts[k_layout]}, value {layouts[v_layout]}")
+        pads = [i for i in range(n) if int(slots[i]) < 0]
+        for name, got, exp, old, src, other in (("k_cache", got_k, exp_k, k_cache, key, value),
+                                                ("v_cache", got_v, exp_v, v_cache, value, key)):
             if torch.equal(got, exp):
                 continue
+            skip0 = old.clone()
+            store_kvcache_torch(src, src, skip0, skip0.clone(), torch.where(slots == 0, -1, slots))
+            if torch.equal(got, skip0) and not any(i > int((slots == 0).nonzero()[0]) for i in pads):
+                fail(tag, f"{name}: slot 0 (block 0, offset 0) was not written, though a token maps to it [{where}]",
+                     "slot 0 is a real slot: only a negative slot means 'do not write' (keep slot >= 0, not "
+                     "slot > 0)")
             if torch.equal(got, old):
                 if name == "v_cache":           # k_cache is right by now: V was forgotten (or copied)
                     fail(tag, f"v_cache is unchanged [{where}]",
@@ -324,15 +403,40 @@ def check_store_kvcache(fn) -> None:
                      "write into the cache tensor itself (in place), e.g. k_cache.view(-1, Hkv, D)[slots] = key; "
                      "a reshape that copies, or a new tensor, leaves the caller's cache untouched")
             flat_got, flat_exp, flat_old = (t.view(-1, Hkv, D) for t in (got, exp, old))
-            if not torch.equal(flat_got[-1], flat_old[-1]):
+            minus_one = ("slot -1 means 'do not write'; indexing with -1 writes into the last slot: drop those rows "
+                         "(keep = slot_mapping >= 0)")
+            if not last and not torch.equal(flat_got[-1], flat_old[-1]):
                 fail(tag, f"{name}: the last slot of the cache was overwritten, but no token maps to it [{where}]",
-                     "slot -1 means 'do not write'; indexing with -1 writes into the last slot: drop those rows")
+                     minus_one)
             bad = int((flat_got != flat_exp).flatten(1).any(1).nonzero()[0])
             rows = (slots == bad).nonzero().flatten().tolist()
             hint = ("token i's row goes to flat slot slot_mapping[i] of the cache viewed as "
                     "[num_blocks * block_size, Hkv, D]")
             if rows and torch.equal(flat_got[bad], other[rows[0]]):
                 hint = "keys go to k_cache and values to v_cache: did you swap them?"
+            elif rows and torch.equal(flat_got[bad], flat_old[bad]):
+                if bad == 0 and any(i > rows[0] for i in pads):      # a padding row came after the real one
+                    fail(tag, f"{name}: slot 0 kept its old contents although token {rows[0]} writes it [{where}]",
+                         "a padding row (slot -1) sent to slot 0 wrote slot 0's old contents back over the real "
+                         "write (of two writes to one slot, either may win): padding rows must write nothing, "
+                         "drop them (keep = slot_mapping >= 0) before indexing")
+                hint = ("slot 0 is a real slot (block 0, offset 0): only slot -1 means 'do not write'" if bad == 0
+                        else "every row whose slot is >= 0 is written")
             fail(tag, f"{name}: slot {bad} (block {bad // bs}, offset {bad % bs}) holds the wrong values "
                       f"[{where}]", hint)
     ok(tag)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+from nanovllm_course import export as _export  # noqa: E402
+
+PARTS = [
+    EnginePart("slot_mapping", "prepare_prefill", "E4.1", adapter=_export.prefill_with_slots,
+               check=lambda mod: check_slot_mapping(mod.slot_mapping)),
+    EnginePart("slot_mapping", "prepare_decode", "E4.1", adapter=_export.decode_with_slots,
+               check=lambda mod: check_slot_mapping(mod.slot_mapping)),
+    EnginePart("paged_decode", "attention_backend", "E4.2", adapter=_export.torch_backend_with_decode,
+               check=lambda mod: check_paged_decode(mod.paged_decode)),
+    EnginePart("store_kvcache", "store_kvcache", "E4.3", check=lambda mod: check_store_kvcache(mod.store_kvcache)),
+]

@@ -7,7 +7,8 @@
   ref counts through a shared table, RuntimeError on a refused allocate) and keeps the invariants of
   `nanovllm_ref.engine.invariants.check_block_manager` (scenarios, then random request streams).
 - `check_prefix_caching(cls)` (E5.3): a subclass that adds prefix caching, run with caching on: the same
-  comparisons plus block hashes, num_hashed_blocks and the hit pattern, on scenarios (one per caching rule,
+  comparisons plus block hashes, num_hashed_blocks (of every sequence, also after deallocate), the token ids
+  of hashed blocks and the hit pattern, on scenarios (one per caching rule,
   including a simulated hash collision) and random request streams under a tight block budget.
 
 Hints are chosen from what differs (which field, after which operation), not from the scenario's name.
@@ -176,7 +177,7 @@ class _Lockstep:
     def compare(self, default_hint=None):
         last = _op_name(self.ops[-1]) if self.ops else ""
         pairs = [(label, r, s, label in self.live) for label, (r, s) in sorted(self.pairs.items())]
-        found = _seq_diff(self.ref, self.stu, pairs, {last})
+        found = _seq_diff(self.ref, self.stu, pairs, {last}) or _tokens_diff(self.stu)
         if found:
             self.fail(found[0], found[1] or default_hint)
         try:
@@ -266,11 +267,11 @@ class _Lockstep:
             raise RuntimeError(f"reference allocate({label}) did not refuse")
         try:
             self.stu.allocate(s)
-        except RuntimeError:
-            self.ops.append(op + " -> RuntimeError")
-        except NotImplementedError as exc:
+        except NotImplementedError as exc:      # a subclass of RuntimeError: a stub is not a refusal
             fail(self.tag, f"not implemented yet ({exc}) [in {op}]",
                  "fill in the BlockManager methods above, run the cell, then this check")
+        except RuntimeError:
+            self.ops.append(op + " -> RuntimeError")
         except Exception as exc:
             self.ops.append(op)
             self.fail(f"{op} raised {type(exc).__name__}: {exc}, expected RuntimeError ({why})", _REFUSE_HINT)
@@ -313,10 +314,14 @@ def _seq_diff(ref_mgr, stu_mgr, pairs, ops, hashed=False):
     bs = ref_mgr.block_size
     for label, r, s, live in pairs:
         if hashed:
-            if live and getattr(s, "num_hashed_blocks", None) != r.num_hashed_blocks:
+            # Every sequence, with blocks or not: a freed one must have been reset too.
+            if getattr(s, "num_hashed_blocks", None) != r.num_hashed_blocks:
                 msg = f"sequence {label}: num_hashed_blocks {s.num_hashed_blocks}, expected {r.num_hashed_blocks}"
                 hint = None
-                if "hash_blocks" in ops:
+                if not live and not r.block_table and "deallocate" in ops:
+                    hint = ("deallocate resets the sequence completely: block_table = [], num_cached_tokens = 0 and "
+                            "num_hashed_blocks = 0 (its blocks, and so their hashes, are no longer its own)")
+                elif "hash_blocks" in ops:
                     hint = ("hash_blocks advances seq.num_hashed_blocks to num_cached_tokens // block_size, so that "
                             "its next call starts after the blocks already hashed")
                 elif "allocate" in ops:
@@ -353,6 +358,21 @@ def _seq_diff(ref_mgr, stu_mgr, pairs, ops, hashed=False):
             elif "allocate" in ops:
                 hint = "allocate sets num_cached_tokens = number of prefix-hit blocks * block_size (0 without hits)"
             return msg, hint
+    return None
+
+
+def _tokens_diff(stu_mgr):
+    """A block registered in the hash map must keep its token ids (every hit compares them)."""
+    try:
+        entries = list(stu_mgr.hash_to_block_id.items())
+        blocks = stu_mgr.blocks
+    except AttributeError:
+        return None                           # check_block_manager reports the missing attribute
+    for h, block_id in entries:
+        if 0 <= block_id < len(blocks) and blocks[block_id].hash == h and not getattr(blocks[block_id], "token_ids", None):
+            return (f"block {block_id} is in the hash map (hash {_hex(h)}) but holds no token ids",
+                    "hash_blocks stores each block's token ids with its hash (block.token_ids = seq.block(i)): a "
+                    "hit compares them with the new sequence's block, since 64-bit hashes can collide")
     return None
 
 
@@ -683,6 +703,7 @@ def _stream_compare(tag, ref, stu, pairs, ops, when, log):
     live = {id(s) for s in list(ref.running) + list(ref.waiting) if s.block_table}
     labelled = [(f"request {i}", r, s, id(r) in live) for i, (r, s) in enumerate(pairs)]
     found = (_seq_diff(ref.block_manager, stu.block_manager, labelled, ops)
+             or _tokens_diff(stu.block_manager)
              or _pool_diff(ref.block_manager, stu.block_manager, ops)
              or _hash_diff(ref.block_manager, stu.block_manager, ops)
              or _seq_diff(ref.block_manager, stu.block_manager, labelled, ops, hashed=True))
@@ -697,7 +718,7 @@ def check_block_manager_basics(cls) -> None:
     tag = "E5.2"
     rng = _rng()
     _scenarios_basic(tag, cls, rng, caching=False)
-    for _ in range(3):
+    for _ in range(6):
         _random_stream(tag, cls, rng, caching=False)
     ok(tag)
 
@@ -710,3 +731,14 @@ def check_prefix_caching(cls) -> None:
     for _ in range(4):
         _random_stream(tag, cls, rng, caching=True)
     ok(tag)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+# two exercises fill one field: the later (prefix caching) wins where both are done
+PARTS = [
+    EnginePart("BlockManager", "block_manager", "E5.2", check=lambda mod: check_block_manager_basics(mod.BlockManager)),
+    EnginePart("CachingBlockManager", "block_manager", "E5.3",
+               check=lambda mod: check_prefix_caching(mod.CachingBlockManager)),
+]

@@ -294,6 +294,8 @@ _HINT_CACHED_BUDGET = ("prefix-cache hits cost no budget: after allocate(), sche
                        "len(seq) - seq.num_cached_tokens tokens")
 _HINT_DEALLOCATE = ("preempt() must give back all the victim's blocks (block_manager.deallocate(seq)); otherwise "
                     "nobody can use them and the next sequence needs another victim")
+_HINT_FCFS = ("first come, first served: when the first waiting sequence cannot get its blocks (can_allocate is "
+              "False), stop admitting; do not skip ahead to a later one")
 _HINT_PREFILL_FIRST = ("prefill comes first: a step decodes only when the prefill phase scheduled nothing "
                        "(no unfinished chunk and no admissible waiting sequence)")
 _HINT_PARTIAL = ("after a partial prefill chunk (num_cached_tokens < len(seq)) the sampled token is "
@@ -414,6 +416,11 @@ class _Lockstep:
             self.fail(f"schedule() ran {got}, expected {desc}", hint)
         if preempted_stu != preempted_ref:
             hint = _HINT_VICTIM if preempted_stu and preempted_ref else None
+            queued = set(self.names(self.stu.waiting))
+            kept_running = [n for n in preempted_ref if n not in preempted_stu and n in queued]
+            if kept_running:
+                hint = (f"request {kept_running[0]} was put back in `waiting` but is still marked RUNNING: preempt() "
+                        "sets seq.status = SequenceStatus.WAITING")
             self.fail(f"schedule() preempted {preempted_stu}, expected {preempted_ref}", hint)
         for r, s in zip(ref_batch, stu_batch):
             if s.num_scheduled_tokens != r.num_scheduled_tokens:
@@ -443,7 +450,15 @@ class _Lockstep:
     def _schedule_hint(self, ref_batch, ref_pre, stu_batch, stu_pre, pre_ref, pre_stu):
         if ref_pre and not stu_pre:
             return _HINT_PREFILL_FIRST
+        decoding = [n for n in self.names(stu_batch) if stu_pre and self._was_running_decode.get(n)]
+        if decoding:
+            return (f"request {decoding[0]} has its prompt computed (only its newest token lacks K/V): it decodes, it "
+                    "does not join a prefill step; a prompt is unfinished while num_cached_tokens < len(seq) - 1 "
+                    "(seq.is_prefilling)")
         if not ref_pre and stu_pre:
+            jumped = [n for n in self.names(stu_batch) if self._was_waiting.get(id(self.pairs[self._index(n)][0]))]
+            if jumped and self.ref.waiting and self.name(self.ref.waiting[0]) not in self.names(stu_batch):
+                return _HINT_FCFS
             return ("this step has nothing to prefill (every running sequence has its prompt computed and no "
                     "waiting one can be admitted): decode every running sequence")
         if not ref_pre:
@@ -463,8 +478,7 @@ class _Lockstep:
             return ("admit only while budget > 0: once the budget is used up nobody else joins the step (a "
                     "sequence with 0 tokens to compute must not run)")
         if extra and self.ref.waiting and self.name(self.ref.waiting[0]) not in stu_ids:
-            return ("first come, first served: when the first waiting sequence cannot get its blocks "
-                    "(can_allocate is False), stop admitting; do not skip ahead to a later one")
+            return _HINT_FCFS
         missing = [n for n in ref_ids if n not in stu_ids]
         if missing and any(r.num_cached_tokens > 0 for r in admitted):
             return _HINT_CACHED_BUDGET
@@ -488,9 +502,7 @@ class _Lockstep:
             n = self.name(r)
             if list(s.block_table) != list(r.block_table):
                 hint = None
-                if not r.block_table and r.status == SequenceStatus.FINISHED:
-                    hint = "a finished sequence gives its blocks back: block_manager.deallocate(seq)"
-                elif not r.block_table and r.status == SequenceStatus.WAITING:
+                if not r.block_table and r.status == SequenceStatus.WAITING:
                     hint = _HINT_DEALLOCATE
                 self.fail(f"after {after}(): request {n} has block_table {list(s.block_table)}, expected "
                           f"{r.block_table}", hint)
@@ -510,6 +522,10 @@ class _Lockstep:
                     hint = _HINT_PARTIAL
                 elif len(s) < len(r):
                     hint = "when the whole sequence is computed (num_cached_tokens == len(seq)), append the sampled token"
+                if len(s) == len(r):
+                    i = next(i for i, (a, b) in enumerate(zip(s.token_ids, r.token_ids)) if a != b)
+                    self.fail(f"after postprocess(): request {n} holds token {s.token_ids[i]!r} at position {i}, "
+                              f"expected {r.token_ids[i]}", "append exactly token_ids[i], the token sampled for seqs[i]")
                 self.fail(f"after postprocess(): request {n} has {len(s)} tokens, expected {len(r)}", hint)
             if s.status != r.status:
                 self.fail(f"after postprocess(): request {n} is {s.status.name}, expected {r.status.name}",
@@ -561,6 +577,8 @@ class _Lockstep:
     def step(self):
         self.step_no += 1
         self._was_waiting = {id(r): r.status == SequenceStatus.WAITING for r, _ in self.pairs}
+        self._was_running_decode = {self.name(r): r.status == SequenceStatus.RUNNING and not r.is_prefilling
+                                    for r, _ in self.pairs}
         ref_batch, stu_batch = self.schedule()
         self.postprocess(ref_batch, stu_batch)
 
@@ -746,3 +764,14 @@ def check_schedule_decode(cls) -> None:
 def check_postprocess(cls) -> None:
     """E7.3: postprocess() (with the reference schedule())."""
     _check("E7.3", cls)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+# one class built over three exercises: E7.3's check runs it inside the engine once all three are done
+PARTS = [
+    EnginePart("Scheduler", "scheduler", "E7.1-E7.3",
+               check=lambda mod: (check_schedule_prefill(mod.Scheduler), check_schedule_decode(mod.Scheduler),
+                                  check_postprocess(mod.Scheduler))),
+]

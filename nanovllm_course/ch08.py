@@ -2,23 +2,27 @@
 
 - `check_temperature_probs(fn)` (E8.1): fn(logits [B, V] fp32 or bf16, temperatures [B] fp32) -> probs
   [B, V] fp32. Rows with temperature > 0: softmax(logits / T) computed in fp32, to atol 1e-6. Rows with
-  temperature 0: exactly one-hot at argmax(logits) (the first index on ties, as torch.argmax).
+  temperature 0: exactly one-hot at argmax(logits) (the first index on ties, as torch.argmax); every call has
+  greedy rows whose maximum is tied (two or three tokens share it), and logits and temperatures must come
+  back unchanged.
 - `check_exponential_race(fn)` (E8.2): fn(probs [B, V] fp32, noise [B, V] fp32 >= 0) -> [B] int64, exactly
-  argmax(probs / max(noise, tiny)) (tiny = fp32's smallest normal); then, with fresh Exp(1) noise, a
-  chi-squared test on 40,000 draws for each T in {0.5, 1, 2}; no host sync.
+  argmax(probs / max(noise, tiny)) (tiny = fp32's smallest normal), with draws of exactly 0 (on a token of
+  probability 0 and on a possible one) and a subnormal draw in every call; the inputs unchanged; no host sync.
 - `check_top_k_top_p(fn)` (E8.3): fn(probs [B, V] fp32, top_k [B] int64 or None, top_p [B] float64 or None)
   -> renormalised probs [B, V] fp32, dropped tokens exactly 0. Same kept tokens as the reference (HF's
   TopKLogitsWarper / TopPLogitsWarper rules; where top-p's boundary falls inside a run of equal
   probabilities, any of the tied tokens may go, but the number kept must match), probabilities to atol 1e-6;
-  no host sync.
+  a case where the order of the two filters changes the result; the inputs unchanged; no host sync.
 - `check_sample(fn)` (E8.4): fn(logits, nanovllm_ref.layers.sampler.SamplingMetadata) -> [B] int64: greedy
-  rows exactly argmax, no host sync (a dispatch spy watches for aten::_local_scalar_dense (`.item()`,
-  `int(t)`, `if t:`), aten::nonzero, masked_select, unique), and chi-squared tests on 40,000 draws each for
-  T in {0.5, 1, 2} and for top-k, top-p and both.
+  rows exactly argmax over 6 + 3 calls, most of them with a tied maximum; no host sync (a dispatch spy watches
+  for aten::_local_scalar_dense (`.item()`, `int(t)`, `if t:`), aten::nonzero, masked_select, unique); the
+  inputs unchanged; 200 calls of 200 rows at T = 1 that must not repeat each other and together pass a
+  chi-squared test (state across calls: a sampler that reseeds its generator draws the same noise every
+  step); and chi-squared tests on 40,000 draws each for T in {0.5, 1, 2} and for top-k, top-p and both.
 
 Statistics: each chi-squared test fails when its p-value is below 1e-6, so a correct sampler fails one test
-with probability about 1e-6 (the chi-squared approximation, with bins of expected count < 5 pooled); a
-check runs 3 (E8.2) or 6 (E8.4) tests, so it fails a correct answer about once in 300,000 runs or less.
+with probability about 1e-6 (the chi-squared approximation, with bins of expected count < 5 pooled); E8.4
+runs 7 tests, so it fails a correct answer about 7 times in a million runs.
 
 Every check draws fresh random inputs and prints `E8.n ok` and nothing else on success.
 `reference_temperature_probs`, `reference_exponential_race`, `reference_top_k_top_p`, `reference_sample` are
@@ -27,7 +31,7 @@ the reference answers.
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanovllm_course.common import call_student, check_close, fail, fresh_generator, ok
+from nanovllm_course.common import call_student, check_close, check_unchanged, fail, fresh_generator, ok
 from nanovllm_ref.layers import sampler as ref_sampler
 from nanovllm_ref.layers.sampler import SamplingMetadata
 
@@ -152,38 +156,74 @@ def _logits(g: torch.Generator, rows: int, vocab: int, scale: float = 2.0) -> to
 
 
 # -- E8.1 -----------------------------------------------------------------------------------------------------
+def _tie_rows(g: torch.Generator, logits: torch.Tensor, rows) -> None:
+    """Make each of `rows` of `logits` tie at its maximum: the largest value appears at two (or three) random
+    positions, exactly (also after a cast to bf16: the tied value is copied, not recomputed)."""
+    vocab = logits.shape[1]
+    for r in rows:
+        k = min(vocab, 2 + int(torch.randint(0, 2, (1,), generator=g)))
+        where = torch.randperm(vocab, generator=g)[:k]
+        logits[r, where] = logits[r].max() + 0.5
+
+
+def _greedy_hint(got_row: torch.Tensor, logits_row: torch.Tensor) -> str | None:
+    """Why a greedy row's probabilities are not the one-hot at the first argmax, when a tie explains it."""
+    lf = logits_row.float()
+    tied = (lf == lf.max()).nonzero().flatten().tolist()
+    if len(tied) < 2 or not torch.isfinite(got_row).all():
+        return None
+    if sorted((got_row == 1).nonzero().flatten().tolist()) == tied and float(got_row.sum()) == len(tied):
+        return ("this row's maximum is tied: every tied token got 1.0 (logits == max); the one-hot has a single 1.0, "
+                "at the FIRST of them, which is what argmax (and the engine's greedy) returns")
+    if torch.allclose(got_row, torch.zeros_like(got_row).index_fill_(0, torch.tensor(tied), 1 / len(tied)), atol=1e-3):
+        return ("this row's maximum is tied and your greedy row splits the probability between the tied tokens, as "
+                "softmax(logits / T) does for a tiny T: temperature 0 is not a small temperature, it is argmax "
+                "(one 1.0 at its first index)")
+    if float(got_row.sum()) == 1.0 and int((got_row == 1).sum()) == 1 and int(got_row.argmax()) in tied:
+        return (f"this row's maximum is tied at tokens {tied}: the 1.0 goes to the FIRST of them ({tied[0]}), "
+                "as torch.argmax returns")
+    return None
+
+
 def check_temperature_probs(fn) -> None:
     tag = "E8.1"
     g = fresh_generator()
     cases = [(1, 7, torch.float32), (5, 32, torch.float32), (6, 151, torch.bfloat16), (9, 1000, torch.bfloat16)]
     for rows, vocab, dtype in cases:
-        logits = _logits(g, rows, vocab, 3.0).to(dtype)
+        logits = _logits(g, rows, vocab, 3.0)
         temps = torch.rand(rows, generator=g) * 1.9 + 0.1
         temps[torch.arange(rows) % 3 == 1] = 0.0                        # greedy rows in the same batch
         temps[torch.arange(rows) % 3 == 2] *= 0.25                      # sharp rows: small probabilities matter
-        before = logits.clone()
-        got = call_student(tag, fn, logits, temps.clone())
+        _tie_rows(g, logits, [r for r in range(rows) if r % 2 == 1 or rows == 1])   # ties, greedy rows included
+        logits = logits.to(dtype)
+        before = {"logits": logits.clone(), "temperatures": temps.clone()}
+        got = call_student(tag, fn, logits, temps)
+        check_unchanged(tag, before, {"logits": logits, "temperatures": temps},
+                        "divide into a new tensor (logits / t) and pick the greedy rows with torch.where; never write "
+                        "into logits or temperatures (the engine still reads them)")
         want = reference_temperature_probs(logits, temps)
         case = f"{rows} rows x {vocab} tokens, {str(dtype).replace('torch.', '')} logits"
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             check_close(tag, got, want, rtol=0, atol=1e-6, what=f"probs ({case})")
-        if not torch.equal(logits, before):
-            fail(tag, "your function changed `logits` in place", "divide into a new tensor (logits / t)")
         if got.dtype != torch.float32:
             fail(tag, f"probs have dtype {got.dtype} ({case}), expected torch.float32",
                  "call .float() on the logits before dividing and taking the softmax")
         greedy = temps == 0
         if greedy.any() and not torch.equal(got[greedy], want[greedy]):
-            row = int(greedy.nonzero()[0])
+            bad = [int(r) for r in greedy.nonzero().flatten() if not torch.equal(got[r], want[r])]
+            row = bad[0]
+            tie_hint = _greedy_hint(got[row], logits[row])
             if not torch.isfinite(got[greedy]).all():
                 msg = "rows with temperature 0 contain NaN or inf (dividing by T = 0)"
+            elif tie_hint:
+                msg = "a row with temperature 0 and a tied maximum is not one-hot at the first argmax"
             else:
                 msg = "rows with temperature 0 must be exactly one-hot at argmax(logits) (1.0 there, 0.0 elsewhere)"
-            fail(tag, f"{msg}; first wrong row {row} ({case})",
+            fail(tag, f"{msg}; first wrong row {row} ({case})", tie_hint or
                  "pick those rows with torch.where(temperatures == 0, one_hot, probs), one_hot built with scatter_")
         sampled = ~greedy
         a, e = got[sampled], want[sampled]
-        if (a - e).abs().max() <= 1e-6:
+        if a.numel() == 0 or (a - e).abs().max() <= 1e-6:
             continue
         t = temps[sampled].unsqueeze(-1)
         lf = logits.float()[sampled]
@@ -210,69 +250,95 @@ def check_temperature_probs(fn) -> None:
 
 
 # -- E8.2 -----------------------------------------------------------------------------------------------------
+_RACE_MISTAKES = [   # (wrong race on (probs, noise), message, hint); the sign mistakes with the noise floored
+    (lambda p, e: (p / e).argmax(-1), "with a noise draw exactly 0 on a token of probability 0 your race picked "
+     "that token (0 / 0 = NaN, and argmax returns NaN's position)",
+     "floor the noise: noise.clamp_min(torch.finfo(torch.float32).tiny)"),
+    (lambda p, e: (p * e.clamp_min(TINY)).argmax(-1), "you multiplied by the noise: argmax(p * E) is the race with "
+     "the noise's sign flipped (in Gumbel terms, log p - G instead of log p + G)", "the winner is argmax(p / E)"),
+    (lambda p, e: (p / -e.clamp_min(TINY)).argmax(-1), "the noise has the wrong sign: argmax(p / -E) picks the "
+     "SLOWEST racer", "divide by E itself, E >= 0"),
+    (lambda p, e: (p / e.clamp_min(TINY)).argmin(-1), "argmin instead of argmax", "the winner has the largest p / E"),
+    (lambda p, e: (p.log() + e).argmax(-1), "log p + E is not Gumbel-max: Gumbel noise is -log(E), not E",
+     "use the race directly: argmax(p / E)"),
+]
+
+
 def check_exponential_race(fn) -> None:
     tag = "E8.2"
     g = fresh_generator()
+    results = []
     for rows, vocab in [(1, 5), (7, 64), (16, 1001)]:
         probs = torch.softmax(_logits(g, rows, vocab, 2.5), dim=-1)
-        probs[0, torch.randperm(vocab, generator=g)[: vocab // 3]] = 0.0       # impossible tokens in row 0
+        impossible = torch.randperm(vocab, generator=g)[: max(2, vocab // 3)]
+        probs[0, impossible] = 0.0                                            # impossible tokens in row 0
+        probs[0] /= probs[0].sum()
         noise = torch.empty(rows, vocab).exponential_(1.0, generator=g)
-        before = (probs.clone(), noise.clone())
+        # Draws that fp32 can produce: exactly 0 (on an impossible token of row 0, where 0 / 0 must not win, and
+        # on a possible token of the last row, which then wins) and a subnormal one.
+        noise[0, impossible[1]] = 0.0
+        if rows > 1:
+            noise[-1, int(torch.randint(vocab, (1,), generator=g))] = 0.0
+            noise[1, int(torch.randint(vocab, (1,), generator=g))] = TINY / 8
+        before = {"probs": probs.clone(), "noise": noise.clone()}
         got = call_student(tag, fn, probs, noise)
+        check_unchanged(tag, before, {"probs": probs, "noise": noise},
+                        "compute probs / noise.clamp_min(tiny) into a new tensor; an in-place clamp_min_ or div_ "
+                        "rewrites the caller's noise")
         _check_ids(tag, got, rows, "exponential_race")
-        if not (torch.equal(probs, before[0]) and torch.equal(noise, before[1])):
-            fail(tag, "your function changed `probs` or `noise` in place", "compute probs / noise into a new tensor")
-        want = reference_exponential_race(probs, noise)
-        if torch.equal(got, want):
-            continue
-        candidates = [
-            ((probs * noise).argmax(-1), "you multiplied by the noise: argmax(p * E) is the race with the noise's "
-             "sign flipped (in Gumbel terms, log p - G instead of log p + G)", "the winner is argmax(p / E)"),
-            ((probs / -noise).argmax(-1), "the noise has the wrong sign: argmax(p / -E) picks the SLOWEST racer",
-             "divide by E itself, E >= 0"),
-            ((probs / noise).argmin(-1), "argmin instead of argmax", "the winner has the largest p / E"),
-            ((probs.log() + noise).argmax(-1), "log p + E is not Gumbel-max: Gumbel noise is -log(E), not E",
-             "use the race directly: argmax(p / E)"),
-        ]
-        for cand, msg, hint in candidates:
-            if torch.equal(got, cand):
+        results.append((rows, vocab, probs, noise, got, reference_exponential_race(probs, noise)))
+    wrong = [r for r in results if not torch.equal(r[4], r[5])]
+    if wrong:
+        # The mistake that explains every case (one case alone may not tell two mistakes apart).
+        for race, msg, hint in _RACE_MISTAKES:
+            if all(torch.equal(got, race(probs, noise)) for _, _, probs, noise, got, _ in results):
+                rows, vocab = wrong[0][:2]
                 fail(tag, f"{msg} ({rows} rows x {vocab} tokens)", hint)
+        rows, vocab, _, _, got, want = wrong[0]
         fail(tag, f"token ids differ from argmax(probs / noise) in {int((got != want).sum())} of {rows} rows "
                   f"({rows} rows x {vocab} tokens)", "one argmax over the vocabulary of probs / noise")
-    # A zero draw must not let an impossible token win (0 / 0 = NaN, and argmax picks NaN).
     probs = torch.tensor([[0.0, 1.0, 0.0], [0.25, 0.0, 0.75]])
-    got = call_student(tag, fn, probs, torch.zeros(2, 3))
-    if got.tolist() != [1, 0] and got.tolist() != [1, 2]:
-        fail(tag, f"with noise exactly 0 your race picked token(s) {got.tolist()}, one with probability 0 "
-                  "(0 / 0 = NaN, and argmax returns NaN's position)",
-             "floor the noise: noise.clamp_min(torch.finfo(torch.float32).tiny)")
     with HostSyncSpy() as spy:
         call_student(tag, fn, probs, torch.ones(2, 3))
     if spy.seen:
         fail(tag, _sync_message(spy.seen), "one tensor expression: (probs / noise).argmax(dim=-1)")
-    # Statistics: fresh Exp(1) noise, 40k draws in one call per temperature.
-    vocab = 24
-    logits = _logits(g, 1, vocab, 1.5)
-    for t in (0.5, 1.0, 2.0):
-        probs = reference_temperature_probs(logits, torch.tensor([t])).expand(DRAWS, vocab)
-        ids = call_student(tag, fn, probs, torch.empty(DRAWS, vocab).exponential_(1.0))
-        counts = _draw_counts(ids, vocab)
-        p = chi_square_p(counts, probs[0])
-        if p < P_FAIL:
-            fail(tag, f"at T={t}, {DRAWS} draws do not follow the probabilities (chi-squared p = {p:.1e})",
-                 "argmax(p / E) with E ~ Exp(1) is a sample from p; check what you divide by what")
+    # No statistics here: a race that gives exactly argmax(p / max(E, tiny)) for every given noise draws from p
+    # (the notebook shows the frequencies); E8.4 tests the sampler's draws.
     ok(tag)
 
 
 # -- E8.3 -----------------------------------------------------------------------------------------------------
-def _kept_compare(tag, probs, got, want, case):
+def reference_top_p_then_k(probs, top_k, top_p):
+    """The filters in the wrong order (top-p on the whole distribution, then top-k), for the checks' hints."""
+    return reference_top_k_top_p(reference_top_k_top_p(probs, None, top_p), top_k, None)
+
+
+def _same_kept(got, variant, probs):
+    """True when `got` keeps the tokens `variant` keeps (up to ties at the boundary), as many per row."""
+    kept, kv = got > 0, variant > 0
+    if not torch.equal(kept.sum(-1), kv.sum(-1)):
+        return False
+    differ = kept ^ kv
+    boundary = torch.where(kv, probs, torch.full_like(probs, 2.0)).min(-1, keepdim=True).values
+    return bool((probs[differ] == boundary.expand_as(probs)[differ]).all())
+
+
+def _kept_compare(tag, probs, got, want, case, top_k=None, top_p=None):
     """Compare kept sets (tokens tied at top-p's boundary may swap) and renormalised probabilities."""
-    check_close(tag, got, want, rtol=0, atol=1e6, what=f"filtered probs ({case})")      # type / shape / dtype
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        check_close(tag, got, want, rtol=0, atol=1e6, what=f"filtered probs ({case})")  # type / shape / dtype
     if not torch.isfinite(got).all():
         fail(tag, f"filtered probs contain NaN or inf ({case})",
              "a row whose kept mass you divide by must keep at least one token")
     kept, kept_ref = got > 0, want > 0
     n, n_ref = kept.sum(-1), kept_ref.sum(-1)
+    if top_k is not None and top_p is not None and not _same_kept(got, want, probs) and \
+            _same_kept(got, reference_top_p_then_k(probs, top_k, top_p), probs):
+        row = int(((n != n_ref) | (kept ^ kept_ref).any(-1)).nonzero()[0])
+        fail(tag, f"row {row} keeps {int(n[row])} tokens, the reference {int(n_ref[row])}: the tokens of top-p "
+                  f"applied before top-k ({case})",
+             "top-k first, then top-p on the renormalised top-k distribution (HF's TopKLogitsWarper, then "
+             "TopPLogitsWarper): after top-k the kept mass is renormalised, so top-p may keep fewer tokens")
     if not torch.equal(n, n_ref):
         row = int((n != n_ref).nonzero()[0])
         if (n - n_ref).abs().max() == 1 and (n <= n_ref).all():
@@ -303,6 +369,17 @@ def _kept_compare(tag, probs, got, want, case):
                 hint="divide the kept probabilities by their sum")
 
 
+def _call_filter(tag, fn, probs, top_k, top_p):
+    """fn(probs, top_k, top_p) on the caller's own tensors, which must come back unchanged."""
+    given = {"probs": probs, "top_k": top_k, "top_p": top_p}
+    given = {k: v for k, v in given.items() if v is not None}
+    before = {k: v.clone() for k, v in given.items()}
+    got = call_student(tag, fn, probs, top_k, top_p)
+    check_unchanged(tag, before, given, "build the result with masked_fill / torch.where, and a per-row k or p "
+                                        "with torch.where(top_k > 0, top_k, vocab) into a new tensor")
+    return got
+
+
 def check_top_k_top_p(fn) -> None:
     tag = "E8.3"
     g = fresh_generator()
@@ -313,23 +390,24 @@ def check_top_k_top_p(fn) -> None:
         (torch.tensor([[0.5, 0.3, 0.2]]), None, [0.6], "top_p = 0.6 needs 0.5 and 0.3"),
         (torch.tensor([[0.25, 0.5, 0.25]]), [2], [0.99], "top_k = 2 keeps 3 (a tie), then top_p"),
         (torch.tensor([[0.7, 0.1, 0.1, 0.1]]), [0], [0.05], "a tiny top_p keeps the most likely token"),
+        (torch.tensor([[0.1, 0.2, 0.4, 0.3]]), None, [1e-8], "top_p = 1e-8: 1 - top_p rounds to 1.0 in fp32, and "
+         "the most likely token still stays"),
+        (torch.tensor([[0.125, 0.25, 0.5, 0.125]]), [2], [0.6],
+         "top_k = 2 keeps 0.5 and 0.25, renormalised 2/3 and 1/3; then top_p = 0.6 keeps only 2/3"),
     ]
     for probs, k, p, what in fixed:
         top_k = None if k is None else torch.tensor(k)
         top_p = None if p is None else torch.tensor(p, dtype=torch.float64)
-        got = call_student(tag, fn, probs.clone(), top_k, top_p)
-        _kept_compare(tag, probs, got, reference_top_k_top_p(probs, top_k, top_p), f"the case {what}")
+        got = _call_filter(tag, fn, probs, top_k, top_p)
+        _kept_compare(tag, probs, got, reference_top_k_top_p(probs, top_k, top_p), f"the case {what}", top_k, top_p)
     for rows, vocab in [(1, 2), (8, 17), (24, 300)]:
         probs = torch.softmax(_logits(g, rows, vocab, 2.5), dim=-1)
         ks = torch.tensor([0, 1, 2, 5, vocab, vocab + 7, 3, 0])[torch.arange(rows) % 8]
         ps = torch.tensor([1.0, 0.9, 0.5, 0.95, 0.3, 1.0, 0.8, 0.01], dtype=torch.float64)[torch.arange(rows) % 8]
         for top_k, top_p, what in [(ks, None, "top_k only"), (None, ps, "top_p only"), (ks, ps, "both")]:
-            before = probs.clone()
-            got = call_student(tag, fn, probs, top_k, top_p)
-            if not torch.equal(probs, before):
-                fail(tag, "your function changed `probs` in place", "build the result with masked_fill / where")
+            got = _call_filter(tag, fn, probs, top_k, top_p)
             _kept_compare(tag, probs, got, reference_top_k_top_p(probs, top_k, top_p),
-                          f"{rows} rows x {vocab} tokens, {what}")
+                          f"{rows} rows x {vocab} tokens, {what}", top_k, top_p)
     probs = torch.softmax(_logits(g, 4, 50), dim=-1)
     with HostSyncSpy() as spy:
         call_student(tag, fn, probs, torch.tensor([0, 3, 7, 1]), torch.tensor([0.5, 1.0, 0.9, 0.2], dtype=torch.float64))
@@ -340,41 +418,90 @@ def check_top_k_top_p(fn) -> None:
 
 
 # -- E8.4 -----------------------------------------------------------------------------------------------------
+def _call_sampler(tag, fn, logits, meta, batch):
+    """fn(logits, meta) on the caller's tensors, which must come back unchanged; returns the ids."""
+    given = {"logits": logits, "metadata.temperatures": meta.temperatures}
+    given.update({f"metadata.{k}": getattr(meta, k) for k in ("top_k", "top_p") if getattr(meta, k) is not None})
+    before = {k: v.clone() for k, v in given.items()}
+    ids = call_student(tag, fn, logits, meta)
+    check_unchanged(tag, before, given, "the sampler only reads its inputs: the engine keeps the metadata for the "
+                                        "next step, and the logits are the model's output buffer")
+    _check_ids(tag, ids, batch, "sample")
+    return ids
+
+
+REPEATS = 200          # calls of the repeated-draw test, each of REPEAT_ROWS rows
+REPEAT_ROWS = 200
+
+
 def check_sample(fn) -> None:
     tag = "E8.4"
     g = fresh_generator()
-    # Greedy rows exact, in a mixed batch and in an all-greedy one (bf16 logits, as the engine's).
-    logits = _logits(g, 8, 97, 3.0).bfloat16()
+    # Greedy rows exact, in a mixed batch and in an all-greedy one (bf16 logits, as the engine's). Every greedy
+    # row but one has a tied maximum (bf16 logits of a big vocabulary tie often): argmax is its first index.
+    logits = _logits(g, 8, 97, 3.0)
     temps = [0.0, 1.0, 0.0, 0.7, 0.0, 2.0, 0.0, 0.5]
+    _tie_rows(g, logits, [0, 2, 3, 4, 6])
+    logits = logits.bfloat16()
     meta = metadata(temps, [3, 5, 0, 0, 1, 2, 0, 0], [0.2, 1.0, 0.5, 0.9, 1.0, 0.5, 1.0, 0.7])
     greedy = torch.tensor([t == 0 for t in temps])
     argmax = logits.float().argmax(-1)
-    for _ in range(4):
-        ids = call_student(tag, fn, logits, meta)
-        _check_ids(tag, ids, 8, "sample")
+    tie_hint = ("a greedy row whose largest logit is tied (several tokens share it) must give the FIRST of them, "
+                "as argmax does, on every call: temperature 0 is not a tiny temperature (softmax(logits / 1e-5) "
+                "shares the probability between tied tokens), and the one-hot of E8.1 has one 1.0")
+    for _ in range(6):
+        ids = _call_sampler(tag, fn, logits, meta, 8)
         if not torch.equal(ids[greedy], argmax[greedy]):
-            fail(tag, "a row with temperature 0 did not get argmax(logits) in a batch that also samples",
-                 "greedy rows are one-hot (E8.1), so the race picks their argmax whatever the noise")
-    ids = call_student(tag, fn, logits, metadata([0.0] * 8))
-    _check_ids(tag, ids, 8, "sample")
-    if not torch.equal(ids, argmax):
-        fail(tag, "an all-greedy batch did not give argmax(logits)", "temperature 0 means argmax, exactly")
+            row = int(((ids != argmax) & greedy).nonzero()[0])
+            tied = int((logits[row] == logits[row].max()).sum()) > 1
+            fail(tag, f"a row with temperature 0 did not get argmax(logits) in a batch that also samples (row {row}"
+                      f"{', whose maximum is tied' if tied else ''})",
+                 tie_hint if tied else "greedy rows are one-hot (E8.1), so the race picks their argmax whatever "
+                                       "the noise")
+    # An all-greedy batch (the engine's fast path), 12 of its 16 rows tied at their maximum.
+    all_greedy = _logits(g, 16, 97, 3.0)
+    _tie_rows(g, all_greedy, range(12))
+    all_greedy = all_greedy.bfloat16()
+    all_argmax = all_greedy.float().argmax(-1)
+    for _ in range(3):
+        ids = _call_sampler(tag, fn, all_greedy, metadata([0.0] * 16), 16)
+        if not torch.equal(ids, all_argmax):
+            row = int((ids != all_argmax).nonzero()[0])
+            tied = int((all_greedy[row] == all_greedy[row].max()).sum()) > 1
+            fail(tag, f"an all-greedy batch did not give argmax(logits) (row {row}"
+                      f"{', whose maximum is tied' if tied else ''})",
+                 tie_hint if tied else "temperature 0 means argmax, exactly")
     with HostSyncSpy() as spy:
         call_student(tag, fn, logits, meta)
         call_student(tag, fn, logits, metadata([1.0] * 8))
     if spy.seen:
         fail(tag, _sync_message(spy.seen) + "; the engine's decode step (a CUDA graph) cannot wait for the host",
              "no .item(), no `if tensor:`, no Python loop over rows: tensor ops on the whole batch")
-    # Statistics: 40k draws per setting, in one call each.
+    # State across calls: each step must draw fresh noise. REPEATS calls of REPEAT_ROWS rows each.
     vocab = 40
     row = _logits(g, 1, vocab, 1.5)[0]
+    probs = torch.softmax(row, -1)
+    meta1 = metadata([1.0] * REPEAT_ROWS)
+    batch = row.expand(REPEAT_ROWS, vocab).contiguous()
+    draws = [_call_sampler(tag, fn, batch, meta1, REPEAT_ROWS) for _ in range(REPEATS)]
+    reseed_hint = ("draw fresh noise on every call from the global generator (torch.empty_like(probs).exponential_()"
+                   "): seeding a generator inside the sampler (torch.manual_seed, or a new torch.Generator with a "
+                   "fixed seed) makes every decode step draw the same noise")
+    if all(torch.equal(draws[0], d) for d in draws[1:3]):
+        fail(tag, f"three calls with the same {REPEAT_ROWS} rows at T=1 drew exactly the same tokens: the noise "
+                  "does not change from call to call", reseed_hint)
+    counts = _draw_counts(torch.stack(draws), vocab)
+    pv = chi_square_p(counts, probs)
+    if pv < P_FAIL:
+        fail(tag, f"{REPEATS} calls of {REPEAT_ROWS} rows at T=1 do not follow softmax(logits) together (chi-squared "
+                  f"p = {pv:.1e}): the calls' draws repeat or depend on each other", reseed_hint)
+    # Statistics: 40k draws per setting, in one call each.
     settings = [(0.5, 0, 1.0), (1.0, 0, 1.0), (2.0, 0, 1.0), (1.0, 8, 1.0), (1.0, 0, 0.7), (0.8, 12, 0.8)]
     for t, k, p in settings:
         meta = metadata([t] * DRAWS, [k] * DRAWS if k else None, [p] * DRAWS if p < 1 else None)
         want = reference_top_k_top_p(reference_temperature_probs(row[None], meta.temperatures[:1]),
                                      meta.top_k[:1] if k else None, meta.top_p[:1] if p < 1 else None)[0]
-        ids = call_student(tag, fn, row.expand(DRAWS, vocab), meta)
-        _check_ids(tag, ids, DRAWS, "sample")
+        ids = _call_sampler(tag, fn, row.expand(DRAWS, vocab), meta, DRAWS)
         counts = _draw_counts(ids, vocab)
         setting = f"T={t}" + (f", top_k={k}" if k else "") + (f", top_p={p}" if p < 1 else "")
         bad = impossible_draws(counts, want)
@@ -435,3 +562,12 @@ def your_sampler_in_the_engine(sample) -> None:
 
 
 HELPERS = ("temperature_probs", "top_k_top_p", "exponential_race")
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+# sample() calls the E8.1-E8.3 helpers; E8.4's check runs it inside the engine
+PARTS = [
+    EnginePart("sample", "sampler", "E8.1-E8.4", check=lambda mod: check_sample(mod.sample)),
+]

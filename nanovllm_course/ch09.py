@@ -4,15 +4,18 @@
   tp in {2, 4} and every rank, the reference layers of `nanovllm_ref.layers` are built inside
   `tensor_parallel(rank, tp)` (QKVParallelLinear with grouped-query heads, MergedColumnParallelLinear,
   RowParallelLinear with a bias, VocabParallelEmbedding), each parameter is filled with NaN, and the
-  student's loader copies fresh random checkpoint tensors into it. The result must equal, **exactly**
-  (bit for bit), what the reference `weight_loader` writes. Signatures:
+  student's loader copies fresh random checkpoint tensors into it (in another dtype than the parameter's, on
+  every rank: bf16 into fp32 and fp32 into bf16). The result must equal, **exactly** (bit for bit), what the
+  reference `weight_loader` writes, in the parameter's own memory and dtype (no `param.data = ...`), with the
+  checkpoint tensor unchanged. Signatures:
     load_qkv_shard(layer, param, loaded_weight, shard_id "q" | "k" | "v") -> None   (= Parts.qkv_weight_loader)
     load_gate_up_shard(layer, param, loaded_weight, shard_id 0 | 1) -> None       (= Parts.gate_up_weight_loader)
     load_row_shard(layer, param, loaded_weight) -> None        (weight [out, in/tp] or bias [out])
     load_vocab_shard(layer, param, loaded_weight) -> None      (rows [V/tp, hidden] of a [V, hidden] table)
 - `check_simulated_forward(column_forward, row_forward, vocab_embedding, lm_head)` (E9.2): the forward of
   each parallel layer simulated in one process from a list of per-rank shards (tp = 1, 2, 3, 4), against
-  the unsharded layer (F.linear / F.embedding on the whole weight), fp32, atol = rtol = 1e-5:
+  the unsharded layer (F.linear / F.embedding on the whole weight), fp32, atol = rtol = 1e-5; column and row
+  forward with a bias and with None for every tp; every input (tensors and the lists of shards) unchanged:
     column_forward(x [T, in], weight_shards [tp x [out/tp, in]], bias_shards [tp x [out/tp]] or None) -> [T, out]
     row_forward(x_shards [tp x [T, in/tp]], weight_shards [tp x [out, in/tp]], bias [out] or None) -> [T, out]
     vocab_embedding(ids [T] int64, weight_shards [tp x [V/tp, hidden]]) -> [T, hidden]
@@ -81,13 +84,20 @@ def reference_lm_head(hidden, weight_shards):
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------
-def build(cls, rank: int, tp: int, *args, **kwargs):
-    """A reference layer built for `rank` of `tp` (what each worker builds), its parameters filled with NaN."""
+def build(cls, rank: int, tp: int, *args, dtype=torch.float32, **kwargs):
+    """A reference layer built for `rank` of `tp` (what each worker builds), its parameters in `dtype` and
+    filled with NaN."""
     with tensor_parallel(rank, tp):
-        layer = cls(*args, **kwargs)
+        layer = cls(*args, **kwargs).to(dtype)
     for p in layer.parameters():
         p.data.fill_(float("nan"))
     return layer
+
+
+def _dtypes(rank: int):
+    """(parameter dtype, checkpoint dtype) for a rank: they differ on every rank, both ways round (a bf16 model
+    loading an fp32 checkpoint, an fp32 model loading a bf16 one), so a loader must copy (and cast), not rebind."""
+    return (torch.bfloat16, torch.float32) if rank % 2 else (torch.float32, torch.bfloat16)
 
 
 def _locate(block: torch.Tensor, sources: dict) -> str:
@@ -96,6 +106,7 @@ def _locate(block: torch.Tensor, sources: dict) -> str:
         return "nothing (never written)"
     n = block.shape[0]
     for name, src in sources.items():
+        src = src.to(block.dtype)
         for start in range(0, src.shape[0] - n + 1):
             if torch.equal(src[start:start + n], block):
                 return f"{name} rows {start}..{start + n - 1}"
@@ -104,7 +115,17 @@ def _locate(block: torch.Tensor, sources: dict) -> str:
     return "values that are not one run of rows of the checkpoint"
 
 
+_REBIND_HINT = ("copy into the parameter's own memory: param.data.narrow(...).copy_(loaded_weight.narrow(...)); "
+                "copy_ also casts to the parameter's dtype. `param.data = <a slice of loaded_weight>` swaps the "
+                "parameter for a view of the checkpoint: it keeps the checkpoint's dtype, ties the parameter to the "
+                "checkpoint's memory, and anything holding the old storage never sees the weights")
+
+
 def _run_loader(tag, fn, args, what, hint):
+    layer, param, loaded = args[0], args[1], args[2]
+    held = {n: p for n, p in layer.named_parameters()}
+    before = (param.dtype, tuple(param.shape), param.data_ptr())
+    source = loaded.clone()
     try:
         call_student(tag, fn, *args)
     except AssertionError:
@@ -112,10 +133,22 @@ def _run_loader(tag, fn, args, what, hint):
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:160]
         fail(tag, f"{what}: your loader raised {type(exc).__name__}: {first}", hint)
+    if {n: p for n, p in layer.named_parameters()}.keys() != held.keys() or \
+            any(p is not held[n] for n, p in layer.named_parameters()):
+        fail(tag, f"{what}: your loader replaced a parameter of the layer with a new one", _REBIND_HINT)
+    if (param.dtype, tuple(param.shape)) != before[:2]:
+        fail(tag, f"{what}: after loading, the parameter is {tuple(param.shape)} {param.dtype}, it was {before[1]} "
+                  f"{before[0]} (the checkpoint tensor is {tuple(loaded.shape)} {loaded.dtype})", _REBIND_HINT)
+    if param.data_ptr() != before[2]:
+        fail(tag, f"{what}: after loading, the parameter no longer uses its own memory (its data was rebound, "
+                  "e.g. to a view of the checkpoint tensor)", _REBIND_HINT)
+    if not torch.equal(loaded, source):
+        fail(tag, f"{what}: your loader changed the checkpoint tensor it was given",
+             "a loader only reads loaded_weight (other ranks read the same tensor)")
 
 
 def _compare_blocks(tag, got, want, blocks, sources, where, hint):
-    """blocks: [(name, start, size)] along dim 0 of the fused parameter."""
+    """blocks: [(name, start, size)] along dim 0 of the fused parameter (together they cover all of it)."""
     if torch.equal(got, want):
         return
     # A block never written says most about the mistake (its rows went somewhere else): report it first.
@@ -125,10 +158,13 @@ def _compare_blocks(tag, got, want, blocks, sources, where, hint):
         if not torch.equal(g, w):
             fail(tag, f"{where}: the {name} rows {start}..{start + size - 1} of the parameter hold "
                       f"{_locate(g, sources)}, expected {_locate(w, sources)}", hint)
-    fail(tag, f"{where}: the parameter differs from the reference", hint)
 
 
 # -- E9.1 ------------------------------------------------------------------------------------------------------
+def _dt(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 QKV_HINT = ("each rank keeps its own heads: q rows [rank * H/tp * d, ...) of q_proj and k/v rows "
             "[rank * Hkv/tp * d, ...) of k_proj / v_proj (fewer KV heads than q heads: their slice has its own "
             "size), stored q first, then k, then v")
@@ -145,14 +181,16 @@ def _check_qkv(tag, fn, g, tp, rank):
     d, hidden = 4, randint(g, 6, 12)
     kv = tp * randint(g, 1, 2)
     heads = kv * randint(g, 2, 3)             # grouped-query: more q heads than kv heads
-    bias = bool(randint(g, 0, 1))
-    ref = build(QKVParallelLinear, rank, tp, hidden, d, heads, kv, bias=bias)
-    mine = build(QKVParallelLinear, rank, tp, hidden, d, heads, kv, bias=bias)
-    ckpt = {s: torch.randn((h * d, hidden), generator=g) for s, h in (("q", heads), ("k", kv), ("v", kv))}
-    cbias = {s: torch.randn(t.shape[0], generator=g) for s, t in ckpt.items()}
+    bias = rank in (0, tp - 1)                # with a q/k/v bias on some ranks, without on others
+    pdt, cdt = _dtypes(rank)
+    ref = build(QKVParallelLinear, rank, tp, hidden, d, heads, kv, bias=bias, dtype=pdt)
+    mine = build(QKVParallelLinear, rank, tp, hidden, d, heads, kv, bias=bias, dtype=pdt)
+    ckpt = {s: torch.randn((h * d, hidden), generator=g).to(cdt) for s, h in (("q", heads), ("k", kv), ("v", kv))}
+    cbias = {s: torch.randn(t.shape[0], generator=g).to(cdt) for s, t in ckpt.items()}
     q, k = mine.num_heads * d, mine.num_kv_heads * d
     blocks = [("q", 0, q), ("k", q, k), ("v", q + k, k)]
-    where = f"rank {rank} of tp={tp} ({heads} q heads, {kv} kv heads, head_dim {d})"
+    where = (f"rank {rank} of tp={tp} ({heads} q heads, {kv} kv heads, head_dim {d}; {_dt(pdt)} parameters, "
+             f"{_dt(cdt)} checkpoint)")
     for name, source in [("weight", ckpt)] + ([("bias", cbias)] if bias else []):
         p_ref, p_mine = getattr(ref, name), getattr(mine, name)
         for s in ("q", "k", "v"):
@@ -166,11 +204,12 @@ def _check_qkv(tag, fn, g, tp, rank):
 
 def _check_gate_up(tag, fn, g, tp, rank):
     hidden, inter = randint(g, 5, 10), tp * randint(g, 2, 5)
-    ref = build(MergedColumnParallelLinear, rank, tp, hidden, [inter, inter])
-    mine = build(MergedColumnParallelLinear, rank, tp, hidden, [inter, inter])
-    ckpt = [torch.randn((inter, hidden), generator=g) for _ in range(2)]
+    pdt, cdt = _dtypes(rank)
+    ref = build(MergedColumnParallelLinear, rank, tp, hidden, [inter, inter], dtype=pdt)
+    mine = build(MergedColumnParallelLinear, rank, tp, hidden, [inter, inter], dtype=pdt)
+    ckpt = [torch.randn((inter, hidden), generator=g).to(cdt) for _ in range(2)]
     n = inter // tp
-    where = f"rank {rank} of tp={tp} (intermediate {inter})"
+    where = f"rank {rank} of tp={tp} (intermediate {inter}; {_dt(pdt)} parameters, {_dt(cdt)} checkpoint)"
     for s in (0, 1):
         load_gate_up_shard(ref, ref.weight, ckpt[s], s)
         _run_loader(tag, fn, (mine, mine.weight, ckpt[s].clone(), s),
@@ -181,16 +220,17 @@ def _check_gate_up(tag, fn, g, tp, rank):
 
 def _check_row(tag, fn, g, tp, rank):
     inp, out = tp * randint(g, 2, 5), randint(g, 3, 8)
-    ref = build(RowParallelLinear, rank, tp, inp, out, bias=True)
-    mine = build(RowParallelLinear, rank, tp, inp, out, bias=True)
-    w, b = torch.randn((out, inp), generator=g), torch.randn(out, generator=g)
-    where = f"rank {rank} of tp={tp} (in {inp}, out {out})"
+    pdt, cdt = _dtypes(rank)
+    ref = build(RowParallelLinear, rank, tp, inp, out, bias=True, dtype=pdt)
+    mine = build(RowParallelLinear, rank, tp, inp, out, bias=True, dtype=pdt)
+    w, b = torch.randn((out, inp), generator=g).to(cdt), torch.randn(out, generator=g).to(cdt)
+    where = f"rank {rank} of tp={tp} (in {inp}, out {out}; {_dt(pdt)} parameters, {_dt(cdt)} checkpoint)"
     reference_load_row_shard(ref, ref.weight, w)
     reference_load_row_shard(ref, ref.bias, b)
     _run_loader(tag, fn, (mine, mine.weight, w.clone()), f"{where}, loading the weight", ROW_HINT)
     _run_loader(tag, fn, (mine, mine.bias, b.clone()), f"{where}, loading the bias", ROW_HINT)
     if not torch.equal(mine.weight.data, ref.weight.data):
-        got = _locate(mine.weight.data.T.contiguous(), {"weight columns": w.T.contiguous()})
+        got = _locate(mine.weight.data.T.contiguous(), {"weight columns": w.T.contiguous().to(pdt)})
         n = inp // tp
         fail(tag, f"{where}: the weight holds {got.replace(' rows', '')}, expected weight columns "
                   f"{rank * n}..{(rank + 1) * n - 1}", ROW_HINT)
@@ -201,12 +241,14 @@ def _check_row(tag, fn, g, tp, rank):
 
 
 def _check_vocab(tag, fn, g, tp, rank):
-    vocab, hidden = tp * randint(g, 3, 8), randint(g, 2, 6)
-    ref = build(VocabParallelEmbedding, rank, tp, vocab, hidden)
-    mine = build(VocabParallelEmbedding, rank, tp, vocab, hidden)
-    table = torch.randn((vocab, hidden), generator=g)
+    vocab = tp * randint(g, 3, 8)
+    hidden = _distinct(g, vocab // tp, 2, 6)
+    pdt, cdt = _dtypes(rank)
+    ref = build(VocabParallelEmbedding, rank, tp, vocab, hidden, dtype=pdt)
+    mine = build(VocabParallelEmbedding, rank, tp, vocab, hidden, dtype=pdt)
+    table = torch.randn((vocab, hidden), generator=g).to(cdt)
     reference_load_vocab_shard(ref, ref.weight, table)
-    where = f"rank {rank} of tp={tp} (vocab {vocab}, hidden {hidden})"
+    where = f"rank {rank} of tp={tp} (vocab {vocab}, hidden {hidden}; {_dt(pdt)} parameters, {_dt(cdt)} checkpoint)"
     _run_loader(tag, fn, (mine, mine.weight, table.clone()), f"{where}, loading the embedding", VOCAB_HINT)
     n = vocab // tp
     _compare_blocks(tag, mine.weight.data, ref.weight.data,
@@ -233,11 +275,34 @@ def _near(a, b):
     return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(torch.allclose(a, b, rtol=RTOL, atol=ATOL))
 
 
-def _check_column(tag, fn, g, tp):
+def _call(tag, fn, name, *args):
+    """fn(*args) on the caller's tensors (lists of shards too), which must come back unchanged."""
+    flat = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            flat[f"argument {i + 1}"] = a
+        elif isinstance(a, list):
+            flat.update({f"argument {i + 1}[{r}]": t for r, t in enumerate(a)})
+    before = {k: v.clone() for k, v in flat.items()}
+    lists = [list(a) if isinstance(a, list) else None for a in args]
+    got = call_student(tag, fn, *args)
+    for i, (a, saved) in enumerate(zip(args, lists)):
+        if saved is not None and (len(a) != len(saved) or any(x is not y for x, y in zip(a, saved))):
+            fail(tag, f"{name} changed the list it was given as argument {i + 1} (the ranks' shards)",
+                 "read the lists; build new tensors and lists for your results")
+    for k, v in flat.items():
+        if not torch.equal(v, before[k]):
+            fail(tag, f"{name} changed its input ({k}) in place; each rank still needs it",
+                 "work on new tensors (ids - start, x @ w.T + b), not with -=, +=, .sub_() or .div_() on the "
+                 "inputs")
+    return got
+
+
+def _check_column(tag, fn, g, tp, with_bias):
     T, inp, out = randint(g, 1, 7), randint(g, 4, 12), tp * randint(g, 2, 6)
     x, w = torch.randn((T, inp), generator=g), torch.randn((out, inp), generator=g) / inp ** 0.5
-    b = torch.randn(out, generator=g) if randint(g, 0, 1) else None
-    got = call_student(tag, fn, x, list(w.chunk(tp)), None if b is None else list(b.chunk(tp)))
+    b = torch.randn(out, generator=g) if with_bias else None
+    got = _call(tag, fn, "column_forward", x, list(w.chunk(tp)), None if b is None else list(b.chunk(tp)))
     want = F.linear(x, w, b)
     hint = "each rank computes x @ W_r.T (+ b_r) for its out/tp features; concatenate the ranks' outputs along the last dim"
     if tp > 1 and isinstance(got, torch.Tensor) and got.shape == (T, out // tp):
@@ -245,34 +310,43 @@ def _check_column(tag, fn, g, tp):
                   f"{(T, out)}", hint)
     if b is not None and _near(got, F.linear(x, w)):
         fail(tag, f"column_forward with tp={tp}: the bias is missing", "rank r adds its own slice b_r of the bias")
-    _close(tag, got, want, f"column_forward output (tp={tp}, {T} tokens)", hint)
+    _close(tag, got, want, f"column_forward output (tp={tp}, {T} tokens{', with' if with_bias else ', no'} bias)",
+           hint)
 
 
-def _check_row_forward(tag, fn, g, tp):
+def _check_row_forward(tag, fn, g, tp, with_bias):
     T, inp, out = randint(g, 1, 7), tp * randint(g, 2, 6), randint(g, 3, 10)
     x, w = torch.randn((T, inp), generator=g), torch.randn((out, inp), generator=g) / inp ** 0.5
-    b = torch.randn(out, generator=g)
-    got = call_student(tag, fn, list(x.chunk(tp, dim=-1)), list(w.chunk(tp, dim=-1)), b)
+    b = torch.randn(out, generator=g) if with_bias else None
+    got = _call(tag, fn, "row_forward", list(x.chunk(tp, dim=-1)), list(w.chunk(tp, dim=-1)), b)
     want = F.linear(x, w, b)
     hint = ("each rank's x_r @ W_r.T is a partial sum over its input features; the all-reduce adds the ranks' "
             "partials, and the bias must be added once (on rank 0), not on every rank")
-    if tp > 1 and _near(got, want + (tp - 1) * b):
+    if b is not None and tp > 1 and _near(got, want + (tp - 1) * b):
         fail(tag, f"row_forward with tp={tp}: the bias was added {tp} times (on every rank)", hint)
-    if _near(got, F.linear(x, w)):
+    if b is not None and _near(got, F.linear(x, w)):
         fail(tag, f"row_forward with tp={tp}: the bias is missing", hint)
     if tp > 1 and isinstance(got, torch.Tensor) and got.shape == (T, out * tp):
         fail(tag, f"row_forward with tp={tp}: output has shape {tuple(got.shape)}: the partials were concatenated, "
                   f"not summed; expected {(T, out)}", hint)
-    _close(tag, got, want, f"row_forward output (tp={tp}, {T} tokens)", hint)
+    _close(tag, got, want, f"row_forward output (tp={tp}, {T} tokens{', with' if with_bias else ', no'} bias)",
+           hint if with_bias else "with bias=None there is nothing to add: the sum of the partials")
+
+
+def _distinct(g, n, low, high):
+    """A random int in [low, high] other than n: two sizes that coincide would hide one taken for the other."""
+    x = randint(g, low, high - 1)
+    return x + 1 if x >= n else x
 
 
 def _check_embedding(tag, fn, g, tp):
-    n, hidden = randint(g, 3, 9), randint(g, 2, 6)
+    n = randint(g, 3, 9)
+    hidden = _distinct(g, n, 2, 6)
     vocab = n * tp
     table = torch.randn((vocab, hidden), generator=g)
     ids = torch.cat([torch.arange(vocab), torch.randint(0, vocab, (randint(g, 1, 12),), generator=g)])
     ids = ids[torch.randperm(len(ids), generator=g)]
-    got = call_student(tag, fn, ids.clone(), list(table.chunk(tp)))
+    got = _call(tag, fn, "vocab_embedding", ids, list(table.chunk(tp)))
     want = F.embedding(ids, table)
     hint = ("rank r owns ids [r * V/tp, (r + 1) * V/tp) with V/tp = its shard's rows: it looks up ids - start for "
             "the ids it owns, writes zeros for the others, and the sum over ranks (the all-reduce) fills in the rest")
@@ -296,10 +370,11 @@ def _check_embedding(tag, fn, g, tp):
 
 
 def _check_lm_head(tag, fn, g, tp):
-    n, hidden, T = randint(g, 3, 9), randint(g, 2, 8), randint(g, 1, 5)
+    n, T = randint(g, 3, 9), randint(g, 1, 5)
+    hidden = _distinct(g, n, 2, 8)
     vocab = n * tp
     w, h = torch.randn((vocab, hidden), generator=g), torch.randn((T, hidden), generator=g)
-    got = call_student(tag, fn, h, list(w.chunk(tp)))
+    got = _call(tag, fn, "lm_head", h, list(w.chunk(tp)))
     want = F.linear(h, w)
     hint = "each rank computes logits for its V/tp ids; rank 0 gathers them in rank order along the last dim"
     if tp > 1 and isinstance(got, torch.Tensor) and got.shape == (T, n):
@@ -314,8 +389,13 @@ def _check_lm_head(tag, fn, g, tp):
 def check_simulated_forward(column_forward, row_forward, vocab_embedding, lm_head) -> None:
     tag = "E9.2"
     g = fresh_generator()
-    for check_one, fn in ((_check_column, column_forward), (_check_row_forward, row_forward),
-                          (_check_embedding, vocab_embedding), (_check_lm_head, lm_head)):
+    for tp in (1, 2, 3, 4):            # the optional bias both ways, every time
+        for with_bias in (True, False):
+            _check_column(tag, column_forward, g, tp, with_bias)
+    for tp in (1, 2, 3, 4):
+        for with_bias in (True, False):
+            _check_row_forward(tag, row_forward, g, tp, with_bias)
+    for check_one, fn in ((_check_embedding, vocab_embedding), (_check_lm_head, lm_head)):
         for tp in (1, 2, 3, 4):
             check_one(tag, fn, g, tp)
     ok(tag)
@@ -365,3 +445,18 @@ def tp2_equals_tp1(max_tokens: int = 6) -> tuple[list, list]:
         finally:
             llm1.exit()
     return tp2, tp1
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+# the rank-aware loaders have the Parts signature; the capstone checks them with the reference row and vocab
+# loaders (only these two are engine parts)
+PARTS = [
+    EnginePart("load_qkv_shard", "qkv_weight_loader", "E9.1",
+               check=lambda mod: check_shard_loaders(mod.load_qkv_shard, mod.load_gate_up_shard,
+                                                     reference_load_row_shard, reference_load_vocab_shard)),
+    EnginePart("load_gate_up_shard", "gate_up_weight_loader", "E9.1",
+               check=lambda mod: check_shard_loaders(mod.load_qkv_shard, mod.load_gate_up_shard,
+                                                     reference_load_row_shard, reference_load_vocab_shard)),
+]

@@ -11,10 +11,11 @@
 - `check_capture_safe_store(fn)` (E10.3): `fn(key, value, k_cache, v_cache, slot_mapping)`, the Parts
   `store_kvcache` signature. (1) A dispatch spy (`TorchDispatchMode`) records every ATen op it runs and fails
   on the ones that make the host wait for the device or give data-dependent shapes: `aten._local_scalar_dense`
-  (`.item()`, `.tolist()`, `int(t)`, `if t:`), `aten.nonzero`, `aten.masked_select`, indexing or index_put
+  (`.item()`, `.tolist()`, `int(t)`, `if t:`, and `x[t]` with a 0-d tensor t), `aten.nonzero`, `aten.masked_select`, indexing or index_put
   with a boolean mask, `aten.unique*`. (2) The caches must equal the reference store's **bit for bit** on
-  fp32 and bf16 cases with slots -1 (padding) anywhere, a real row writing slot 0 next to padding rows, no
-  padding, only padding, and non-contiguous key/value.
+  fp32 and bf16 cases with slots -1 (padding) anywhere and slot 0 written by a real row between padding rows,
+  a real row writing slot 0 followed by padding rows, no padding, only padding, and key and value in
+  different layouts (one contiguous, the other a view of the fused QKV output, each way round).
 - `check_graph_replay(fn)` (E10.4): `fn(run_step, batch_size, cuda) -> (graph, output)` captures one decode step
   of the tiny Qwen3 (`run_step(bs)` runs the model on the first bs rows of static buffers); replaying it with
   the buffers refilled for a smaller batch (the rest padding) must give the eager logits (fp32: atol = rtol =
@@ -250,26 +251,32 @@ def reference_store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def _store_cases(g):
-    """(name, key, value, k_cache, v_cache, slot_mapping) cases: padding anywhere, a real write to slot 0
-    beside padding rows, only padding, no padding, a non-contiguous key/value, fp32 and bf16."""
+    """(name, key, value, k_cache, v_cache, slot_mapping) cases: padding anywhere with slot 0 written by a real
+    row between padding rows, a real write to slot 0 followed by padding rows, only padding, no padding, key and
+    value in different layouts (as in the engine: K a new tensor, V a view of the fused QKV output), fp32 and bf16."""
+    from nanovllm_course.ch04 import edge_slots
     cases = []
     for name, n, blocks, bs, hkv, d, dtype, pattern in [
-            ("mixed, fp32", 9, 6, 4, 2, 8, torch.float32, "random"),
+            ("mixed, fp32, key contiguous, value a view of a fused QKV output", 9, 6, 4, 2, 8, torch.float32, "random"),
             ("slot 0 written by a real row, then padding rows", 6, 4, 4, 1, 4, torch.float32, "slot0"),
             ("only padding rows", 5, 3, 4, 2, 4, torch.float32, "none"),
             ("no padding, bf16", 7, 5, 5, 2, 16, torch.bfloat16, "all"),
-            ("padding first, bf16, non-contiguous key/value", 11, 8, 16, 2, 8, torch.bfloat16, "random")]:
+            ("padding first, bf16, key a view of a fused QKV output, value contiguous", 11, 8, 16, 2, 8,
+             torch.bfloat16, "first")]:
         k_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(dtype)
         v_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(dtype)
         fused = torch.randn(n, 3, hkv, d, generator=g).to(dtype)
         key, value = fused[:, 1], fused[:, 2]
-        if "non-contiguous" not in name:
-            key, value = key.contiguous(), value.contiguous()
+        if "key a view" not in name:
+            key = key.contiguous()
+        if "value a view" not in name:
+            value = value.contiguous()
         slots = torch.randperm(blocks * bs, generator=g)[:n].to(torch.int32)
-        if pattern == "random":
-            slots[torch.rand(n, generator=g) < 0.4] = -1
-            slots[0] = -1
-            slots[-1] = int(torch.randint(0, blocks * bs, (1,), generator=g)) if (slots >= 0).sum() == 0 else slots[-1]
+        if pattern == "random":                  # slot 0 and the last slot real, padding rows on both sides of 0
+            slots = edge_slots(g, n, blocks * bs, max(2, n // 3), end="real")
+        elif pattern == "first":
+            slots = torch.cat([torch.tensor([-1], dtype=torch.int32), edge_slots(g, n - 1, blocks * bs, n // 3,
+                                                                                end="pad")])
         elif pattern == "slot0":
             slots[0] = 0
             slots[1:][slots[1:] == 0] = 1
@@ -278,6 +285,25 @@ def _store_cases(g):
             slots[:] = -1
         cases.append((name, key, value, k_cache, v_cache, slots))
     return cases
+
+
+def _store_sync_failure(tag, op, why, ops, case):
+    """E10.3's verdict on a store that makes the host wait. Indexing with a 0-d tensor (`slots[first]`, where
+    `first = mask.argmax()`) is the trap that hides best: PyTorch turns `x[t]` into `x[t.item()]`, a host read
+    (aten._local_scalar_dense) followed by a select, without an `.item()` in sight."""
+    k = ops.index(op) if op in ops else -1
+    follows = ops[k + 1] if 0 <= k < len(ops) - 1 else None
+    if op == "_local_scalar_dense" and follows in ("select", "slice"):
+        fail(tag, f"your store indexes a tensor with a 0-d tensor (x[t] where t is, e.g., the result of argmax()): "
+                  f"PyTorch reads t's value on the host to pick the row (aten._local_scalar_dense, then aten.{follows}), "
+                  f"so the host waits for the GPU and a CUDA graph cannot capture it (case: {case})",
+             "index with a 1-element index tensor instead, which stays on the device: x.index_select(0, t.view(1)) "
+             "(or torch.gather)")
+    fail(tag, f"your store runs aten.{op}: it {why}, so the host waits for the GPU and a CUDA graph "
+              f"cannot capture it (case: {case})",
+         "keep every row and compute where each padding row goes with tensor ops (torch.where, index_select with a "
+         "1-element index tensor); never read a value on the host (.item(), .tolist(), int(t), `if t:`, or x[t] "
+         "with a 0-d tensor t) and never filter rows with a boolean mask")
 
 
 def check_capture_safe_store(fn) -> None:
@@ -293,10 +319,7 @@ def check_capture_safe_store(fn) -> None:
             call_student(tag, fn, key, value, k_cache, v_cache, slots)
         if spy.problems:
             op, why = spy.problems[0]
-            fail(tag, f"your store runs aten.{op}: it {why}, so the host waits for the GPU and a CUDA graph "
-                      f"cannot capture it (case: {name})",
-                 "keep every row and send the padding rows somewhere harmless with torch.where / clamp; do not "
-                 "filter rows with a mask or read values on the host")
+            _store_sync_failure(tag, op, why, spy.ops, name)
         check_unchanged(tag, before, dict(key=key, value=value, slot_mapping=slots))
         for what, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
             if torch.equal(got, want):
@@ -512,3 +535,13 @@ def check_graph_replay(fn, dtypes=None, device: str | None = None) -> None:
         finally:
             llm.exit()
     ok(tag)
+
+
+# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
+from nanovllm_course.common import EnginePart  # noqa: E402
+
+PARTS = [
+    EnginePart("graph_batch_sizes", "graph_batch_sizes", "E10.1",
+               check=lambda mod: check_graph_batch_sizes(mod.graph_batch_sizes)),
+    EnginePart("store_kvcache", "store_kvcache", "E10.3", check=lambda mod: check_capture_safe_store(mod.store_kvcache)),
+]

@@ -1,8 +1,9 @@
 """Checks and tools for chapter 11: benchmarking (the physical floor, throughput, the roofline, peers).
 
 - `check_workload_floor(fn)` (E11.1): the student's `workload_floor(prompts, max_tokens, config, bw_bytes_s,
-  flops_s)` against `nanovllm_ref.bench.physical_floor(prompts, max_tokens, model_stats(config), ...)` on
-  the upstream workload and on fresh random workloads and model shapes, every key within **rtol 1e-9**.
+  flops_s)` against `nanovllm_bench.floor.physical_floor(prompts, max_tokens, model_stats(config), ...)` on
+  the upstream workload and on fresh random workloads and model shapes (tied and untied embeddings; head_dim
+  never hidden / heads, nor twice or half that), every key within **rtol 1e-9**.
 - `check_throughput(fn)` (E11.2): the student's `throughput(trace)` against `reference_throughput` on fresh
   random step traces, **exactly** (the traces' seconds are multiples of 1/1024 s, so every sum is exact in
   float64 whatever the order of the additions).
@@ -11,7 +12,8 @@
   within **rtol 1e-2** (`math.inf` where decode never becomes compute-bound).
 
 Each check prints `E11.n ok` and nothing else on success and draws new inputs on every call. On a wrong
-answer it computes the usual wrong answers and names the one that matches.
+answer it computes the usual wrong answers and names the one that matches the student's answer in every case
+(one case alone can make two mistakes look alike), else the first that matches in a failing case.
 
 Tools: `Step` and `time_steps(llm, ...)` (a step trace of the real engine, the format of E11.2),
 `reference_*` answers, `h200_results()` (the committed H200 JSONs as one table), `PUBLISHED` (the
@@ -30,7 +32,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from nanovllm_course.common import call_student, fail, fresh_generator, ok, randint
-from nanovllm_ref.bench import QWEN3_06B, make_workload, model_stats, pct_of_floor, physical_floor
+from nanovllm_bench.floor import model_stats, pct_of_floor, physical_floor
+from nanovllm_bench.workload import QWEN3_06B, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -47,7 +50,7 @@ PUBLISHED = {
 
 def qwen3_06b_config():
     """The Qwen3-0.6B shape as a transformers config (what the GPU bench builds, with random weights)."""
-    from nanovllm_ref.tiny import tiny_config
+    from nanovllm_models.tiny import tiny_config
     return tiny_config("qwen3", **QWEN3_06B)
 
 
@@ -56,8 +59,9 @@ def reference_workload_floor(prompts, max_tokens, config, bw_bytes_s, flops_s) -
     return physical_floor(prompts, max_tokens, model_stats(config), bw_bytes_s, flops_s)
 
 
-def _floor_mutants(prompts, max_tokens, config, bw, flops) -> list[tuple[str, str, str, dict]]:
-    """(key it shows in, message, hint, wrong floor) for the usual mistakes."""
+def _floor_mutants(prompts, max_tokens, config, bw, flops) -> list[tuple[str, str, str, str, dict]]:
+    """(mistake id, key it shows in first, message, hint, wrong floor) for the usual mistakes; a mistake's id is
+    the same in every case (its message may name the case's numbers)."""
     st = model_stats(config)
     out = []
 
@@ -66,20 +70,44 @@ def _floor_mutants(prompts, max_tokens, config, bw, flops) -> list[tuple[str, st
         f = physical_floor(prompts, max_tokens, s, bw, flops)
         return f
 
+    # whole-model slips: the same formulas fed a wrong shape
+    hd = config.hidden_size // config.num_attention_heads
+    if hd != config.head_dim:
+        wrong_hd = model_stats(_with(config, head_dim=hd))
+        out.append(("head_dim", "kv_bytes", f"head_dim taken as hidden_size / num_attention_heads = {hd}: Qwen3's head_dim "
+                    f"is its own config field ({config.head_dim} here)",
+                    "use config.head_dim for the K/V vectors (and the q/k/v/o projections); Qwen3-0.6B has hidden 1024 "
+                    "and 16 heads but head_dim 128, not 64", physical_floor(prompts, max_tokens, wrong_hd, bw, flops)))
+        out.append(("kv_head_dim", "kv_bytes", f"kv_bytes uses head_dim = hidden_size / num_attention_heads = {hd}: Qwen3's "
+                    f"head_dim is its own config field ({config.head_dim} here)",
+                    "bytes per cached token = 2 (K and V) x layers x KV heads x config.head_dim x 2 bytes",
+                    variant(kv_bytes_per_token=wrong_hd["kv_bytes_per_token"])))
+    untied = model_stats(_with(config, tie_word_embeddings=not config.tie_word_embeddings))
+    out.append(("tied", "weight_bytes", "the parameter count " + ("adds a separate LM head, but the embeddings are tied "
+                "(one [vocab, hidden] matrix serves both)" if config.tie_word_embeddings else "counts the [vocab, "
+                "hidden] matrix once, but the embeddings are not tied: the LM head is a second one"),
+                "params = layers x per-layer params + vocab x hidden x (1 if tie_word_embeddings else 2)",
+                physical_floor(prompts, max_tokens, dict(st, params=untied["params"],
+                                                         weight_bytes=untied["weight_bytes"]), bw, flops)))
+    summed = dict(physical_floor(prompts, max_tokens, st, bw, flops))
+    summed["weight_bytes"] = sum(m - 1 for m in max_tokens) * st["weight_bytes"]
+    out.append(("summed", "weight_bytes", "weight_bytes counts one read of the weights per request's decode token; the batch "
+                "decodes together, so each step reads them once for everyone",
+                "decode steps = max(max_tokens) - 1 (the longest request), weight_bytes = steps x 2 x params", summed))
     once = dict(physical_floor(prompts, max_tokens, st, bw, flops))
     once["weight_bytes"] = st["weight_bytes"]
-    out.append(("weight_bytes", "weight_bytes is one copy of the weights: decode reads them again at every step",
+    out.append(("once", "weight_bytes", "weight_bytes is one copy of the weights: decode reads them again at every step",
                 "every decode step streams all weights from memory once; there are max(max_tokens) - 1 steps",
                 once))
     steps_all = dict(physical_floor(prompts, max_tokens, st, bw, flops))
     steps_all["weight_bytes"] = max(max_tokens) * st["weight_bytes"]
-    out.append(("weight_bytes", "weight_bytes counts max(max_tokens) decode steps, one too many",
+    out.append(("steps", "weight_bytes", "weight_bytes counts max(max_tokens) decode steps, one too many",
                 "the first output token comes out of the prefill, so decode runs max(max_tokens) - 1 steps",
                 steps_all))
-    out.append(("kv_bytes", "kv_bytes is half the reference's: the cache holds a K and a V vector per token, layer "
+    out.append(("kv_half", "kv_bytes", "kv_bytes is half the reference's: the cache holds a K and a V vector per token, layer "
                 "and KV head", "bytes per cached token = 2 (K and V) x layers x KV heads x head_dim x 2 bytes (bf16)",
                 variant(kv_bytes_per_token=st["kv_bytes_per_token"] // 2)))
-    out.append(("kv_bytes", "kv_bytes uses the query heads, not the KV heads (GQA shares each K/V head)",
+    out.append(("kv_query_heads", "kv_bytes", "kv_bytes uses the query heads, not the KV heads (GQA shares each K/V head)",
                 "Qwen3 caches num_key_value_heads heads per layer, not num_attention_heads",
                 variant(kv_bytes_per_token=st["kv_bytes_per_token"] * config.num_attention_heads
                         // config.num_key_value_heads)))
@@ -112,12 +140,22 @@ def _floor_mutants(prompts, max_tokens, config, bw, flops) -> list[tuple[str, st
                     f = dict(base)
                     f["prefill_flops"] = lin * st["layer_params"] * sum(lens) + \
                         head * st["lm_head_params"] * (sum(lens) if lm_all else len(lens)) + a_factor * attn
-                    out.append(("prefill_flops", "; ".join(mistakes[n][0] for n in names), mistakes[names[0]][1], f))
-    for _, _, _, f in out:
+                    out.append(("prefill:" + "+".join(f"{lin}{head}" if n == "one" else n for n in names),
+                                "prefill_flops", "; ".join(mistakes[n][0] for n in names), mistakes[names[0]][1], f))
+    for *_, f in out:
         f["kv_read_s"], f["weight_read_s"] = f["kv_bytes"] / bw, f["weight_bytes"] / bw
         f["prefill_s"] = f["prefill_flops"] / flops
         f["floor_s"] = f["kv_read_s"] + f["weight_read_s"] + f["prefill_s"]
     return out
+
+
+def _with(config, **fields):
+    """A copy of the transformers config with some fields changed."""
+    import copy
+    c = copy.deepcopy(config)
+    for k, v in fields.items():
+        setattr(c, k, v)
+    return c
 
 
 def _fmt(x) -> str:
@@ -129,14 +167,20 @@ def _close(a, e, rtol):
         and abs(a - e) <= rtol * abs(e)
 
 
-def _random_config(g):
-    from nanovllm_ref.tiny import tiny_config
+def _random_config(g, tie=None):
+    """A random Qwen3 shape whose head_dim is neither hidden / heads nor twice or half that (so a head_dim taken
+    from hidden_size, or a factor 2 dropped, cannot pass for the other)."""
+    from nanovllm_models.tiny import tiny_config
     hkv = randint(g, 1, 4)
     heads = hkv * randint(g, 1, 4)
-    return tiny_config("qwen3", vocab_size=randint(g, 500, 4000), hidden_size=16 * randint(g, 2, 12),
+    hidden = 16 * randint(g, 2, 12)
+    head_dim = 8 * randint(g, 1, 8)
+    while head_dim * heads in (hidden, 2 * hidden, hidden // 2):
+        head_dim = 8 * randint(g, 1, 8)
+    return tiny_config("qwen3", vocab_size=randint(g, 500, 4000), hidden_size=hidden,
                        intermediate_size=16 * randint(g, 3, 30), num_hidden_layers=randint(g, 1, 6),
-                       num_attention_heads=heads, num_key_value_heads=hkv, head_dim=8 * randint(g, 1, 8),
-                       tie_word_embeddings=bool(randint(g, 0, 1)))
+                       num_attention_heads=heads, num_key_value_heads=hkv, head_dim=head_dim,
+                       tie_word_embeddings=bool(randint(g, 0, 1)) if tie is None else tie)
 
 
 def _check_keys(tag: str, got, name: str, keys) -> None:
@@ -153,21 +197,36 @@ def check_workload_floor(fn) -> None:
     g = fresh_generator()
     cases = [("the bench workload (256 requests) on Qwen3-0.6B at 4.25 TB/s, 796 TFLOP/s",
               *make_workload(256), qwen3_06b_config(), 4.25e12, 796e12)]
-    for _ in range(4):
+    for i in range(4):
         n = randint(g, 1, 12)
         prompts, max_tokens = make_workload(n, seed=randint(g, 0, 10**6), min_len=1, max_len=300, min_out=1,
                                             max_out=200)
-        cfg = _random_config(g)
+        cfg = _random_config(g, tie=(i % 2 == 0))          # tied and untied embeddings, every call
         cases.append((f"{n} random requests on a random {cfg.num_hidden_layers}-layer model", prompts, max_tokens,
                       cfg, float(randint(g, 50, 5000)) * 1e9, float(randint(g, 1, 1000)) * 1e12))
+    results = []
     for what, prompts, max_tokens, cfg, bw, flops in cases:
         expected = reference_workload_floor(prompts, max_tokens, cfg, bw, flops)
         got = call_student(tag, fn, [list(p) for p in prompts], list(max_tokens), cfg, bw, flops)
         _check_keys(tag, got, "workload_floor", FLOOR_KEYS)
-        bad = [k for k in FLOOR_KEYS if not _close(got[k], expected[k], RTOL_FLOOR)]
-        if not bad:
+        results.append((what, prompts, max_tokens, cfg, bw, flops, got, expected,
+                        [k for k in FLOOR_KEYS if not _close(got[k], expected[k], RTOL_FLOOR)]))
+    failing = [r for r in results if r[-1]]
+    if not failing:
+        ok(tag)
+        return
+    # A mistake that explains every case, every key (one case alone can hide one mistake behind another: on
+    # Qwen3-0.6B, hidden / heads is exactly half of head_dim).
+    per_case = [{m[0]: m for m in _floor_mutants(*r[1:6])} for r in results]
+    for mistake, (_, key, message, hint, _) in per_case[0].items():
+        if all(_explains(r, m.get(mistake)) for r, m in zip(results, per_case)):
+            mine = per_case[results.index(failing[0])].get(mistake)
+            fail(tag, f"{(mine or per_case[0][mistake])[2]} ({failing[0][0]})", hint)
+    for r, mutants in zip(results, per_case):
+        if not r[-1]:
             continue
-        for key, message, hint, wrong in _floor_mutants(prompts, max_tokens, cfg, bw, flops):
+        what, got, expected, bad = r[0], r[6], r[7], r[8]
+        for _, key, message, hint, wrong in mutants.values():
             if key in bad and _close(got[key], wrong[key], 1e-6):
                 fail(tag, f"{message} ({what})", hint)
         first = bad[0]
@@ -178,7 +237,14 @@ def check_workload_floor(fn) -> None:
                       "is the sum of the three parts")
         fail(tag, f"{first} is {_fmt(got[first])}, expected {expected[first]:.6g} ({what}; rtol {RTOL_FLOOR:g})",
              "count per decode token the K/V it reads, per decode step the weights, per prompt the prefill FLOPs")
-    ok(tag)
+
+
+def _explains(result, mutant) -> bool:
+    """True when `mutant` (None: that mistake changes nothing in this case) gives the student's whole dict."""
+    got, bad = result[6], result[8]
+    if mutant is None:
+        return not bad
+    return all(_close(got[k], mutant[4][k], 1e-6) for k in FLOOR_KEYS)
 
 
 # -- E11.2 throughput from a step trace ----------------------------------------------------------------------
@@ -208,7 +274,8 @@ def reference_throughput(trace) -> dict:
 
 def time_steps(llm, prompts, sampling_params, warmup_prompts=None, warmup_params=None) -> list[Step]:
     """Run `prompts` through `llm` step by step (after an optional warm-up run, marked warmup=True) and
-    return one Step per `llm.step()`: its kind and tokens from step()'s return value, its wall time."""
+    return one Step per `llm.step()`: its kind and tokens from `llm.last_step` (the step's StepStats), its wall
+    time."""
     import torch
     sync = torch.cuda.synchronize if llm.model_runner.device_type == "cuda" else (lambda: None)
     trace = []
@@ -220,9 +287,9 @@ def time_steps(llm, prompts, sampling_params, warmup_prompts=None, warmup_params
         while not llm.is_finished():
             sync()
             t = time.perf_counter()
-            _, n = llm.step()
+            llm.step()
             sync()
-            trace.append(Step("prefill" if n > 0 else "decode", abs(n), time.perf_counter() - t, warm))
+            trace.append(Step(llm.last_step.kind, llm.last_step.num_tokens, time.perf_counter() - t, warm))
     return trace
 
 
@@ -345,25 +412,40 @@ def check_compute_bound_batch(fn) -> None:
     h200 = model_stats(qwen3_06b_config())
     cases = [("Qwen3-0.6B on the H200, context 0", h200, 4.25e12, 796e12, 0),
              ("Qwen3-0.6B on the H200, context 512", h200, 4.25e12, 796e12, 512)]
-    for _ in range(5):
+    for i in range(5):
         st = model_stats(_random_config(g))
-        ctx = [0, 0, randint(g, 1, 64), randint(g, 1, 4000)][randint(g, 0, 3)]
+        # contexts 0, 0, short, long, any: the K/V and attention terms matter in three cases of every call
+        ctx = [0, 0, randint(g, 1, 64), randint(g, 65, 4000), [0, randint(g, 1, 4000)][randint(g, 0, 1)]][i]
+        if i == 3:              # a long context whose attention FLOPs are at least half the weights' FLOPs
+            ctx = max(ctx, -(-st["params"] // st["attn_flops_coef"]))
         bw, flops = randint(g, 100, 5000) * 1e9, randint(g, 10, 2000) * 1e12
-        if ctx and randint(g, 0, 1):            # a case that turns compute-bound: low KV, slow FLOPs
+        if ctx and (i in (2, 3) or randint(g, 0, 1)):     # a case that turns compute-bound: low KV, slow FLOPs
             st = dict(st, kv_bytes_per_token=max(1, st["kv_bytes_per_token"] // 64))
             flops = bw * randint(g, 20, 200)
+        if i == 3:              # compute-bound for sure: a sequence's K/V reads take half the time of its FLOPs
+            flop_per_seq = 2 * st["params"] + st["attn_flops_coef"] * ctx
+            flops = bw * flop_per_seq / (2 * ctx * st["kv_bytes_per_token"])
         cases.append((f"a random model, context {ctx}, {bw / 1e12:.2g} TB/s, {flops / 1e12:.3g} TFLOP/s",
                       st, bw, flops, ctx))
+    def same(got, want, rtol):
+        return (math.isinf(want) and math.isinf(got) and got > 0) or (math.isfinite(want) and _close(got, want, rtol))
+    results = []
     for what, st, bw, flops, ctx in cases:
         expected = reference_compute_bound_batch(st, bw, flops, ctx)
         got = call_student(tag, fn, dict(st), bw, flops, ctx)
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             fail(tag, f"compute_bound_batch should return a float, got {type(got).__name__}",
                  "return the batch size as a float (math.inf when never compute-bound)")
-        if math.isinf(expected) and math.isinf(got) and got > 0 or _close(got, expected, RTOL_ROOFLINE):
-            continue
-        for message, hint, wrong in _roofline_mutants(st, bw, flops, ctx):
-            if (math.isinf(wrong) and math.isinf(got)) or (math.isfinite(wrong) and _close(got, wrong, 1e-3)):
+        results.append((what, got, expected, _roofline_mutants(st, bw, flops, ctx)))
+    failing = [r for r in results if not same(r[1], r[2], RTOL_ROOFLINE)]
+    if failing:
+        # The usual mistake that gives the student's answer in every case, if one does.
+        for i, (message, hint, _) in enumerate(results[0][3]):
+            if all(same(got, mutants[i][2], 1e-3) for _, got, _, mutants in results):
+                fail(tag, f"{message} ({failing[0][0]})", hint)
+    for what, got, expected, mutants in failing:
+        for message, hint, wrong in mutants:
+            if same(got, wrong, 1e-3):
                 fail(tag, f"{message} ({what})", hint)
         if math.isinf(expected):
             fail(tag, f"returned {_fmt(got)} where decode never becomes compute-bound ({what})",
@@ -413,6 +495,44 @@ def h200_result(fname="bench_h200.json", folder: Path = RESULTS) -> dict:
     return json.loads((Path(folder) / fname).read_text())
 
 
+def peer_rows(record: dict) -> list[dict]:
+    """One row per peer of a benchmark record (nanovllm_bench's JSON): name, family (nanovllm_ref, vllm,
+    nano-vllm, hf), tok/s median with min and max, batch-1 tok/s, % of floor, start-up seconds, the peer's
+    version (nanovllm_ref: its commit), torch / transformers versions, the record's date and machine; a peer
+    that did not run keeps its status and reason."""
+    rows = []
+    for r in record["runs"]:
+        v = r.get("versions") or {}
+        family = r.get("peer") or next((f for f in ("nanovllm_ref", "vllm", "nano-vllm", "hf")
+                                        if r["name"].startswith(f if f != "hf" else "hf_")), "other")
+        rows.append(dict(name=r["name"], family=family, status=r.get("status", "ok" if r.get("tok_s") else "failed"),
+                         tok_s=r.get("tok_s"), min_tok_s=r.get("min_tok_s"), max_tok_s=r.get("max_tok_s"),
+                         repeats=r.get("repeats"), batch1_tok_s=r.get("batch1_tok_s"), pct_of_floor=r.get("pct_of_floor"),
+                         startup_s=r.get("startup_s"), version=v.get("peer") if family != "nanovllm_ref" else
+                         (v.get("commit") or v.get("peer")), torch=v.get("torch"), transformers=v.get("transformers"),
+                         reason=r.get("reason") or r.get("error"), date=record["date"],
+                         machine=record["machine"].get("device_name")))
+    return rows
+
+
+def peers_markdown(record: dict) -> str:
+    """The record's peers as a markdown table (what chapter 11 and the README show)."""
+    lines = [f"{record['machine'].get('device_name')}, {record['date']}, {record['workload']['num_requests']} requests, "
+             f"{record['workload']['output_tokens']:,} output tokens",
+             "", "| engine | version | tok/s, median (min-max) | % of floor | batch-1 tok/s | start-up |",
+             "|---|---|---|---|---|---|"]
+    for r in peer_rows(record):
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['version'] or ''} | {r['status']}: "
+                         f"{(r['reason'] or '').splitlines()[0][:80]} | | | |")
+            continue
+        pct = f"{r['pct_of_floor']:.1f} %" if r["pct_of_floor"] else ""
+        b1 = f"{r['batch1_tok_s']:,.0f}" if r["batch1_tok_s"] else ""
+        lines.append(f"| {r['name']} | {r['version'] or ''} | {r['tok_s']:,.0f} ({r['min_tok_s']:,.0f}-"
+                     f"{r['max_tok_s']:,.0f}) | {pct} | {b1} | {r['startup_s']:.0f} s |")
+    return "\n".join(lines)
+
+
 # -- the vLLM peer -------------------------------------------------------------------------------------------
 def run_vllm(model_path, prompts, max_tokens, temperature=0.6, *, vllm_module=None, max_model_len=4096,
              tensor_parallel_size=1, enforce_eager=False, max_num_seqs=512, max_num_batched_tokens=16384):
@@ -448,7 +568,8 @@ def main(argv=None) -> int:
     import tempfile
 
     import torch
-    from nanovllm_ref.bench import make_model_folder, measure_machine
+    from nanovllm_bench.machine import measure_machine
+    from nanovllm_bench.workload import make_model_folder
     if not torch.cuda.is_available():
         print("vllm: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Chapter 12 (capstone): your exercises, exported into importable modules, assembled into one engine.
 
-    capstone = ch12.assemble("../chapters")     # export + Parts + the table of whose part runs
+    capstone = ch12.assemble(".", choose_parts)  # export + each part's own check + your E12.1 choice + the table
     ch12.tiny_vs_hf(capstone)                   # C.1 greedy ids == HF on the tiny Qwen3
     ch12.stream_vs_reference(capstone)          # C.1 a random stream under a tight block budget == reference
     ch12.tensor_parallel_2(capstone)            # C.1 the same parts with tp=2 over gloo == HF
@@ -8,23 +8,33 @@
     ch12.smollm2_throughput(capstone)           # C.2 both engines' output tok/s on this CPU (not graded)
     ch12.first_token_chi2(capstone)             # C.3 a chi-squared test of your sampler at T > 0
     with check("E12.1"):
-        ch12.check_capstone(your_notebooks, capstone)
+        ch12.check_capstone(choose_parts, capstone)
 
-What the check decides (E12.1):
-- every part that is yours passes its own chapter's check again, run on the exported module (so the part
-  that is wrong is named: e.g. `scheduler (ch07 E7.1-E7.3)`);
-- every engine comparison above passed; a failing one is traced to a part by running the reference engine
-  with one of your parts at a time;
-- `E12.1 ok` only when every part is yours; otherwise it prints `still the reference's: ...` and the
-  verdict `E12.1 not done yet`.
+E12.1, `choose_parts(candidates, cuda) -> {Parts field: Candidate}`: the student decides which of their
+exported parts runs. `assemble` exports the chapter notebooks of a folder into a fresh package (each call its
+own: `export.fresh_package_dir`, so two students, or two graders at once, never share one), runs each finished
+part's own chapter check again on the exported module (the check each chapter declares in `PARTS`), and
+describes every declared part as a `Candidate` whose status is "ok" (its check passed here), "failed",
+"stub" or "missing". The rules (the reference is `reference_choose_parts`):
+- only a candidate with status "ok" runs;
+- on a machine without CUDA a Triton candidate (chapter 06) does not run: Triton only interprets it there, far
+  too slowly for an engine (C.2 would take minutes), so the next candidate runs in its place;
+- among the candidates left for a field, the highest `rank` (chapter, exercise) wins: chapter 10's store over
+  06's over 04's, E5.3's caching block manager over E5.2's;
+- a field with no candidate left is not in the result (the engine keeps the reference's part).
+`assemble` runs the student's choice (cuda=False for C.1-C.3, the machine's for C.4) when it is a valid one,
+and otherwise the reference's, saying why; the printed table names, for each field, whose part runs and, for
+each better-ranked candidate that does not, why not.
+
+What the check decides (E12.1): `choose_parts` equals the reference on fresh random candidate lists (statuses,
+Triton kernels, ties within a chapter, cuda on and off; the message says which rule a difference breaks), the
+capstone above was assembled with it, and the engine it assembled passed sections C.1-C.3 (a failing section is
+traced to a part by running the reference engine with one of the student's parts at a time). Parts still
+missing are listed, not held against E12.1: each chapter grades its own.
 Tolerances: tiny-model greedy ids exactly equal (HF and the reference); the stream's schedule (running and
 waiting queues after every step, preemption count) exactly equal; SmolLM2 fp32 ids (4 chats x 32 tokens, the
 reference engine run alongside) equal up to the first step whose reference top-2 logit margin is below 1e-3;
 chi-squared p-value above 1e-6 (bins with >= 5 expected; a fixed seed, so the printed p-values repeat).
-
-On a CPU the engine runs chapter 04's PyTorch decode attention where chapter 06's Triton kernel is yours
-(the kernel in Triton's interpreter would take minutes per generation); chapter 06's kernel is checked on its
-own here and runs inside the engine on a GPU (section C.4).
 """
 import contextlib
 import dataclasses
@@ -38,152 +48,197 @@ from pathlib import Path
 import torch
 
 from nanovllm_course import export as ex
-from nanovllm_course.common import NotDone, CheckFailed, fail, ok, tiny_model_dir
+from nanovllm_course.common import CheckFailed, call_student, check_type, fail, fresh_generator, ok, \
+    tiny_model_dir
 
 TAG = "E12.1"
 REPO = Path(__file__).resolve().parents[1]
-STUB_FOLDER = "../chapters"                   # where a student's filled notebooks live, seen from chapters/
-SOLUTIONS = str(REPO / "solutions")           # the course's answers (the solution notebook assembles these)
-STUDENT = str(REPO / "student")               # where `python -m nanovllm_course export` writes (git-ignored)
+SOLUTIONS = str(REPO / "solutions")           # the course's answers (tests assemble these)
+STATUSES = ("ok", "failed", "stub", "missing")
 
 
-# -- each part's own chapter check (run again on the exported module) ---------------------------------------
-def _part_checks():
-    from nanovllm_course import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch10
-    return {
-        ("01", "rms_norm"): lambda mod: ch01.check_rms_norm(mod.rms_norm),
-        ("01", "fused_add_rms_norm"): lambda mod: ch01.check_fused_add_rms_norm(mod.fused_add_rms_norm),
-        ("02", "rope_cos_sin"): lambda mod: ch02.check_rope_cos_sin(mod.rope_cos_sin),
-        ("02", "apply_rope"): lambda mod: ch02.check_apply_rope(mod.apply_rope),
-        ("03", "qkv_weight_loader"): lambda mod: ch03.check_packed_loaders(mod.qkv_weight_loader,
-                                                                           mod.gate_up_weight_loader),
-        ("04", "slot_mapping"): lambda mod: ch04.check_slot_mapping(mod.slot_mapping),
-        ("04", "paged_decode"): lambda mod: ch04.check_paged_decode(mod.paged_decode),
-        ("04", "store_kvcache"): lambda mod: ch04.check_store_kvcache(mod.store_kvcache),
-        ("05", "BlockManager"): lambda mod: ch05.check_block_manager_basics(mod.BlockManager),
-        ("05", "CachingBlockManager"): lambda mod: ch05.check_prefix_caching(mod.CachingBlockManager),
-        ("06", "store_kvcache"): lambda mod: ch06.check_store_kvcache(mod.store_kvcache),
-        ("06", "paged_decode"): lambda mod: ch06.check_paged_decode(mod.paged_decode),
-        ("07", "Scheduler"): lambda mod: (ch07.check_schedule_prefill(mod.Scheduler),
-                                          ch07.check_schedule_decode(mod.Scheduler),
-                                          ch07.check_postprocess(mod.Scheduler)),
-        ("08", "sample"): lambda mod: ch08.check_sample(mod.sample),
-        # chapter 09's loaders are checked inside the engine with tp=2 (tensor_parallel_2)
-        ("10", "graph_batch_sizes"): lambda mod: ch10.check_graph_batch_sizes(mod.graph_batch_sizes),
-        ("10", "store_kvcache"): lambda mod: ch10.check_capture_safe_store(mod.store_kvcache),
-    }
+# -- E12.1: which part runs -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    """One exported exercise part that could fill a Parts field."""
+    field: str            # the nanovllm_ref.Parts field it would fill: "store_kvcache"
+    exercise: str         # where it comes from: "E10.3", or "E7.1-E7.3" for a part built over three exercises
+    name: str             # the notebook's function or class: "store_kvcache"
+    status: str           # "ok" (passed its chapter's check here), "failed", "stub" or "missing"
+    triton: bool          # a Triton kernel (chapter 06): on a machine without CUDA only interpreted
+    rank: tuple           # (chapter, exercise number): the higher rank is the later part, (10, 3) > (6, 1)
+
+    @property
+    def chapter(self) -> str:
+        return f"{self.rank[0]:02d}"
+
+    @property
+    def label(self) -> str:
+        """`ch10 E10.3 store_kvcache`."""
+        return f"ch{self.chapter} {self.exercise} {self.name}"
 
 
-def part_label(row: dict) -> str:
-    """`sampler (ch08 E8.1-E8.4)`: a Parts field and the exercise it comes from."""
-    return f"{row['field']} (ch{row['chapter']} {row['exercise']})"
+def candidate_of(part, status: str) -> Candidate:
+    """The Candidate of a declared part (common.EnginePart) with the given status."""
+    last = part.graded_by                         # "E7.3" for "E7.1-E7.3"
+    return Candidate(part.field, part.exercise, part.name, status, part.triton,
+                     (int(last[1:].split(".")[0]), int(last.split(".")[1])))
+
+
+def reference_choose_parts(candidates, cuda: bool) -> dict:
+    """The answer to E12.1: {Parts field: the Candidate that runs}, by the rules in the module doc."""
+    chosen = {}
+    for c in candidates:
+        if c.status != "ok" or (c.triton and not cuda):
+            continue
+        if c.field not in chosen or c.rank > chosen[c.field].rank:
+            chosen[c.field] = c
+    return chosen
+
+
+def _clean_choice(choice) -> dict:
+    """A choice without the fields mapped to None (the spec lets either mean "the reference's")."""
+    return {k: v for k, v in choice.items() if v is not None}
+
+
+def _candidate_sets(g: torch.Generator):
+    """(name, candidates, cuda) cases: every declared part with random statuses, shuffled, cuda on and off; and
+    the fixed cases a rule hides in (the capstone's issue: chapter 10's store a stub, 06's a Triton kernel on a
+    CPU, 04's ok)."""
+    parts = ex.all_parts()
+    rng = random.Random(int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
+
+    def of(statuses):
+        return [candidate_of(p, statuses.get((p.chapter, p.name), "ok")) for p in parts]
+
+    cases = [("every part ok, no CUDA", of({}), False), ("every part ok, CUDA", of({}), True),
+             ("every part a stub", of({(p.chapter, p.name): "stub" for p in parts}), False),
+             ("no candidate at all", [], True),
+             ("E10.3 a stub, E6.1 and E4.3 ok, no CUDA", of({("10", "store_kvcache"): "stub"}), False),
+             ("E10.3 a stub, E6.1 and E4.3 ok, CUDA", of({("10", "store_kvcache"): "stub"}), True),
+             ("E5.3 failed its check, E5.2 ok", of({("05", "CachingBlockManager"): "failed"}), False),
+             ("E6.3 ok, E4.2 missing, no CUDA", of({("04", "paged_decode"): "missing"}), False)]
+    for k in range(24):
+        statuses = {(p.chapter, p.name): rng.choice(STATUSES[:1] * 3 + STATUSES[1:]) for p in parts}
+        cands = of(statuses)
+        rng.shuffle(cands)
+        cases.append((f"random statuses, shuffled (case {k + 1})", cands, bool(k % 2)))
+    return cases
+
+
+def _choice_problem(got: dict, want: dict, cands: list, cuda: bool):
+    """(message, hint) for the first field where `got` differs from `want`, or None."""
+    fields = [f.name for f in dataclasses.fields(__import__("nanovllm_ref").Parts)]
+    keys = [f for f in fields if f in got or f in want] + sorted(k for k in got if k not in fields)
+    device = "with CUDA" if cuda else "without CUDA"
+    for f, g in got.items():
+        if not any(g is c for c in cands):
+            return (f"the value for {f!r} is not one of the candidates you were given (got {type(g).__name__})",
+                    "map each field to the Candidate object itself, e.g. chosen[c.field] = c")
+        if g.field != f:
+            return (f"you put {g.label} (a {g.field} part) under {f!r}",
+                    "key the dict by each candidate's field: chosen[c.field] = c")
+    if cuda and got != want and got == reference_choose_parts([c for c in cands if not c.triton], cuda):
+        f = next(f for f in keys if got.get(f) is not want.get(f))
+        return (f"{f}: {device} you chose {got[f].label if f in got else 'the reference'}, the right one is the "
+                f"Triton kernel {want[f].label}", "skip Triton candidates only when cuda is False: on a GPU they run")
+    for f in keys:
+        g, w = got.get(f), want.get(f)
+        if g is w:
+            continue
+        if g is not None and g.status != "ok":
+            return (f"{f}: you chose {g.label}, whose status is {g.status!r}",
+                    "only a candidate with status 'ok' (it passed its chapter's check) may run; a stub, a missing "
+                    "part or one that failed its check falls back to the next candidate")
+        if g is not None and g.triton and not cuda:
+            return (f"{f}: {device} you chose the Triton kernel {g.label}",
+                    "without CUDA a Triton kernel only runs in Triton's interpreter, far too slowly: skip Triton "
+                    "candidates when cuda is False")
+        if g is None:
+            if w.triton:
+                return (f"{f}: {device} you left it to the reference, but the Triton kernel {w.label} may run",
+                        "skip Triton candidates only when cuda is False: on a GPU they run")
+            better = [c for c in cands if c.field == f and c.rank > w.rank]
+            return (f"{f}: you left it to the reference, but {w.label} is ok and may run",
+                    "when the best-ranked candidate cannot run, fall back to the next one, not straight to the "
+                    "reference" if better else "every field that has a candidate with status 'ok' gets one")
+        if w is None:       # g is ok, no Triton on a CPU: only a field the reference leaves empty gets here
+            return (f"{f}: you chose {g.label}, but no candidate may run there", None)
+        same_chapter = g.rank[0] == w.rank[0]
+        return (f"{f}: {device} you chose {g.label}, the right one is {w.label}",
+                f"within one chapter the later exercise wins ({w.exercise} over {g.exercise}): compare c.rank, "
+                "whatever order the candidates come in"
+                if same_chapter else
+                f"the highest chapter wins (chapter {w.chapter} over chapter {g.chapter}): compare c.rank, "
+                "whatever order the candidates come in")
+    return None
+
+
+def check_choose_parts(fn) -> None:
+    """E12.1's own check (the first half of check_capstone): fn against reference_choose_parts on fresh cases."""
+    g = fresh_generator()
+    for name, cands, cuda in _candidate_sets(g):
+        given = list(cands)
+        got = call_student(TAG, fn, cands, cuda)
+        check_type(TAG, got, dict, f"choose_parts(...) ({name})", "return a dict {field: Candidate}")
+        if len(cands) != len(given) or any(a is not b for a, b in zip(cands, given)):
+            fail(TAG, f"choose_parts changed the list it was given ({name}): sorted or removed items in place",
+                 "work on a copy (sorted(candidates, ...)) or just loop over it")
+        problem = _choice_problem(_clean_choice(got), reference_choose_parts(cands, cuda), cands, cuda)
+        if problem:
+            fail(TAG, f"{problem[0]} (case: {name})", problem[1])
+
+
+# -- assembling ------------------------------------------------------------------------------------------------
+def part_label(c: Candidate) -> str:
+    """`sampler (ch08 E8.1-E8.4)`: a Parts field and the exercise its Candidate comes from."""
+    return f"{c.field} (ch{c.chapter} {c.exercise})"
 
 
 @dataclass
 class Capstone:
     folder: str                    # the notebooks the parts were exported from
-    rows: list                     # manifest rows (export.parts_from_student), with "source"
-    parts: object                  # Parts as exported (chapter 06's kernel where yours)
-    cpu_parts: object              # what runs on a CPU: chapter 04's PyTorch decode instead of the Triton kernel
-    objects: dict                  # Parts field -> (row, your exported object) for each field that is yours
+    package: str                   # the exported package's import name (student_<hex>, in a temp folder)
+    candidates: list               # [Candidate], every declared part, in the chapters' order
+    problems: dict                 # (chapter, exercise) -> why its check failed (status "failed")
+    objects: dict                  # (chapter, name) -> the exported object, for every part that is ok
+    chooser: str                   # "yours", or why the course's choice ran ("E12.1 is still a stub", ...)
+    choice: dict                   # {field: Candidate}: what C.1-C.3 run (always on the CPU)
+    gpu_choice: dict               # {field: Candidate}: what C.4 runs (this machine with CUDA, if it has one)
+    cpu_parts: object = None       # nanovllm_ref.Parts built from `choice`
+    gpu_parts: object = None       # and from `gpu_choice`
     results: dict = field(default_factory=dict)     # section -> (passed, part blamed or None, message)
-    stub: bool = False             # your_notebooks() was still the stub
 
-    def shown(self) -> dict:
-        return ex.shown_rows(self.rows)
+    def cpu_objects(self) -> dict:
+        """Parts field -> (Candidate, your exported object) for each field C.1-C.3 run your code in."""
+        return {f: (c, self.objects[(c.chapter, c.name)]) for f, c in self.choice.items()}
 
-    @property
-    def cpu_swaps_kernel(self) -> bool:
-        """True when the CPU sections (C.1-C.3) run something else in place of your chapter 06 kernel."""
-        return self.cpu_parts.attention_backend is not self.parts.attention_backend
+    def yours(self) -> list:
+        """Exercise labels whose parts are all ok, in order."""
+        return [e for e, cs in _by_exercise(self.candidates).items() if all(c.status == "ok" for c in cs)]
 
-    def missing(self) -> list[str]:
-        """Labels of the Parts fields an exercise could fill that still run the reference."""
-        return [part_label(r) for f, r in self.shown().items() if r["status"] != "done"]
+    def missing(self) -> list:
+        """Labels (`sampler (ch08 E8.1-E8.4)`) of the exercise parts that are not yours and ok."""
+        return [part_label(cs[0]) for e, cs in _by_exercise(self.candidates).items()
+                if any(c.status != "ok" for c in cs)]
 
     def plant(self, field_name: str, obj) -> "Capstone":
-        """A copy with `obj` as your part for `field_name` (tests: a deliberately wrong part)."""
-        row = dict(self.shown()[field_name], status="done", source="yours")
-        objects = dict(self.objects, **{field_name: (row, obj)})
-        rows = [r for r in self.rows if r["field"] != field_name] + [row]
-        parts = dataclasses.replace(self.parts, **{field_name: ex._adapt(field_name, obj, row["name"])})
-        cpu = dataclasses.replace(self.cpu_parts, **{field_name: ex._adapt(field_name, obj, row["name"])})
-        return Capstone(self.folder, rows, parts, cpu, objects, {}, self.stub)
+        """A copy whose C.1-C.3 run `obj` as your part for `field_name`, as if your chosen candidate there were
+        it (tests: a wrong part that passed its own check)."""
+        c = self.choice[field_name]
+        objects = {**self.objects, (c.chapter, c.name): obj}
+        part = ex.part_for(c.chapter, c.name, field_name)
+        cpu = dataclasses.replace(self.cpu_parts, **{field_name: part.value(obj)})
+        return dataclasses.replace(self, objects=objects, cpu_parts=cpu, results={})
 
 
-def _cpu_parts(rows: list, parts):
-    """Parts for CPU runs: where the attention back-end is chapter 06's Triton kernel, use chapter 04's
-    PyTorch paged_decode if that is done, else the reference's PyTorch back-end."""
-    shown = ex.shown_rows(rows)
-    row = shown.get("attention_backend")
-    if row is None or row["status"] != "done" or row["chapter"] != "06":
-        return parts
-    import importlib
-    ch04 = [r for r in rows if r["field"] == "attention_backend" and r["chapter"] == "04" and r["status"] == "done"]
-    if ch04:
-        package = Path(_PACKAGE[0]).name
-        fn = getattr(importlib.import_module(f"{package}.ch04"), "paged_decode")
-        return dataclasses.replace(parts, attention_backend=ex._adapt("attention_backend", fn, "paged_decode"))
-    return dataclasses.replace(parts, attention_backend=None)
+def _by_exercise(candidates) -> dict:
+    out = {}
+    for c in candidates:
+        out.setdefault((c.chapter, c.exercise), []).append(c)
+    return {f"ch{k[0]} {k[1]}": v for k, v in out.items()}
 
 
-_PACKAGE = ["student"]
-
-
-def cpu_rows(cap: Capstone) -> list[dict]:
-    """The manifest rows as sections C.1-C.3 run them (always on the CPU): where chapter 06's kernel is yours,
-    the attention row names what runs in its place, chapter 04's paged_decode or the reference back-end."""
-    if not cap.cpu_swaps_kernel:
-        return cap.rows
-    rows = [r for r in cap.rows if r["field"] != "attention_backend" or r["chapter"] != "06"]
-    if cap.cpu_parts.attention_backend is None:        # chapter 04's decode is still a stub
-        kernel = ex.shown_rows(cap.rows)["attention_backend"]
-        rows.append(dict(kernel, source="reference", status="ch06 kernel: GPU only"))
-    return rows
-
-
-def cpu_kernel_note(cap: Capstone) -> str | None:
-    """One line saying where chapter 06's kernel runs when the table above does not show it."""
-    if not cap.cpu_swaps_kernel:
-        return None
-    row = ex.shown_rows(cap.rows)["attention_backend"]
-    return (f"C.1-C.3 run on the CPU, where Triton only interprets: your ch{row['chapter']} {row['exercise']} "
-            f"{row['name']} kernel is checked on its own there and runs in the engine in C.4 (GPU)")
-
-
-def assemble(notebooks_fn=None, out: str = STUDENT) -> Capstone:
-    """Export the notebooks named by `notebooks_fn()` (your E12.1; while it is the stub: ../chapters) into the
-    importable package `out`, build Parts from it and print which parts are yours."""
-    import importlib
-    stub = False
-    folder = STUB_FOLDER
-    if notebooks_fn is not None:
-        try:
-            folder = str(notebooks_fn())
-        except NotImplementedError:
-            stub = True
-    out_dir = Path(out).resolve()
-    _PACKAGE[0] = str(out_dir)
-    rows = ex.export(Path(folder), out_dir)
-    parts, rows = ex.parts_from_student(out_dir)
-    objects = {}
-    for f, row in ex.shown_rows(rows).items():
-        if row["status"] == "done":
-            objects[f] = (row, getattr(importlib.import_module(f"{out_dir.name}.ch{row['chapter']}"), row["name"]))
-    cap = Capstone(folder, rows, parts, _cpu_parts(rows, parts), objects, {}, stub)
-    print(f"exported {len({r['chapter'] for r in rows})} chapters from {Path(folder).name}/ into {out_dir.name}/")
-    print(ex.part_table(cpu_rows(cap)))
-    gpu_only = cpu_kernel_note(cap)
-    if gpu_only:
-        print(gpu_only)
-    yours = len(cap.objects)
-    print(f"{yours} of {len(cap.shown())} exercise parts are yours")
-    if cap.missing():
-        print("still the reference's: " + ", ".join(cap.missing()))
-    return cap
-
-
-# -- running engines ----------------------------------------------------------------------------------------
 def _quiet():
     stack = contextlib.ExitStack()
     stack.enter_context(warnings.catch_warnings())
@@ -194,6 +249,160 @@ def _quiet():
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+def run_part_check(part, module) -> str | None:
+    """Run `part`'s declared chapter check on `module` with its output hidden: None when it passes, else the
+    first line of why not."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), _quiet():
+            part.check(module)
+    except CheckFailed as exc:
+        return exc.message.splitlines()[0] if exc.message else "failed"
+    except Exception as exc:
+        return f"raised {_first_line(exc)}"
+    return None
+
+
+def statuses(rows: list, package: str) -> tuple[list, dict, dict]:
+    """From export manifest rows: ([Candidate], {(chapter, exercise): why it failed}, {(chapter, name): obj}).
+    Each exercise whose rows are all done has its chapter's check run once on the exported module."""
+    import importlib
+    by_key = {(r["chapter"], r["name"], r["field"]): r for r in rows}
+    done_ex = {}
+    for part in ex.all_parts():
+        row = by_key.get((part.chapter, part.name, part.field))
+        done_ex.setdefault((part.chapter, part.exercise), []).append(row is not None and row["status"] == "done")
+    problems, objects, checked = {}, {}, set()
+    for part in ex.all_parts():
+        key = (part.chapter, part.exercise)
+        if not all(done_ex[key]) or key in checked:
+            continue
+        checked.add(key)
+        module = importlib.import_module(f"{package}.ch{part.chapter}")
+        why = run_part_check(part, module) if part.check is not None else None
+        if why is not None:
+            problems[key] = why
+    candidates = []
+    for part in ex.all_parts():
+        row = by_key.get((part.chapter, part.name, part.field))
+        key = (part.chapter, part.exercise)
+        if row is None or row["status"] == "missing":
+            status = "missing"
+        elif not all(done_ex[key]):            # this part, or another of its exercise, still a stub
+            status = "stub"
+        else:
+            status = "failed" if key in problems else "ok"
+        candidates.append(candidate_of(part, status))
+        if status == "ok":
+            module = importlib.import_module(f"{package}.ch{part.chapter}")
+            objects[(part.chapter, part.name)] = getattr(module, part.name)
+    return candidates, problems, objects
+
+
+def _valid_choice(choice, candidates, cuda: bool) -> str | None:
+    """Why `choice` (a student's) cannot be run as it is, or None."""
+    if not isinstance(choice, dict):
+        return f"it returned a {type(choice).__name__}, not a dict"
+    for f, c in _clean_choice(choice).items():
+        if not any(c is k for k in candidates):
+            return f"the value for {f!r} is not one of the candidates"
+        if c.field != f:
+            return f"it put {c.label} under {f!r}"
+        if c.status != "ok":
+            return f"it chose {c.label}, whose status is {c.status!r}"
+        if c.triton and not cuda:
+            return f"it chose the Triton kernel {c.label} for a run without CUDA"
+    return None
+
+
+def parts_of(choice: dict, objects: dict):
+    """nanovllm_ref.Parts with each chosen Candidate's exported object (adapted) in its field."""
+    from nanovllm_ref import Parts
+    return Parts(**{f: ex.part_for(c.chapter, c.name, f).value(objects[(c.chapter, c.name)])
+                    for f, c in choice.items()})
+
+
+def _choose(choose_parts, candidates, cuda: bool) -> tuple[dict, str]:
+    """(choice, who chose): the student's choice when it is done and valid, else the reference's and why."""
+    if choose_parts is None:
+        return reference_choose_parts(candidates, cuda), "the course's"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            choice = choose_parts(list(candidates), cuda)
+    except NotImplementedError:
+        return reference_choose_parts(candidates, cuda), "E12.1 is still a stub, so the course's choose_parts chose"
+    except Exception as exc:
+        return reference_choose_parts(candidates, cuda), f"your choose_parts raised {_first_line(exc)}; the course's chose"
+    why = _valid_choice(choice, candidates, cuda)
+    if why:
+        return reference_choose_parts(candidates, cuda), f"your choose_parts cannot run as it is ({why}); the course's chose"
+    return _clean_choice(choice), "yours"
+
+
+def _why_not(c: Candidate, cap_problems: dict, cuda: bool) -> str:
+    if c.status == "stub":
+        return "still a stub"
+    if c.status == "missing":
+        return "not in the notebooks" 
+    if c.status == "failed":
+        return f"fails its chapter's check ({cap_problems.get((c.chapter, c.exercise), '')})"
+    if c.triton and not cuda:
+        return "a Triton kernel: C.1-C.3 run on the CPU, where Triton only interprets; it runs on a GPU (C.4)"
+    return "not chosen"
+
+
+def part_table(cap: Capstone) -> str:
+    """One line per Parts field: whose part C.1-C.3 run and from which exercise; under it, each better-ranked
+    candidate that does not run and why (what fell back to what)."""
+    from nanovllm_ref import Parts
+    lines = [f"{'part':<22} {'runs':<10} from"]
+    by_field = {}
+    for c in cap.candidates:
+        by_field.setdefault(c.field, []).append(c)
+    for f in (f.name for f in dataclasses.fields(Parts)):
+        chosen = cap.choice.get(f)
+        offered = sorted(by_field.get(f, []), key=lambda c: c.rank, reverse=True)
+        if not offered:
+            lines.append(f"{f:<22} {'reference':<10} (no exercise)")
+            continue
+        lines.append(f"{f:<22} {'yours':<10} {chosen.label}" if chosen else f"{f:<22} {'reference':<10}")
+        for c in offered:
+            if chosen is not None and c.rank <= chosen.rank:
+                break
+            lines.append(f"{'':<22} {'':<10} not {c.label}: {_why_not(c, cap.problems, False)}")
+    return "\n".join(lines)
+
+
+def assemble(folder: str = ".", choose_parts=None) -> Capstone:
+    """Export the chapter notebooks in `folder` (relative to the notebook: "." is the notebook's own folder)
+    into a fresh package, check each finished part, let `choose_parts` (your E12.1; the course's while it is
+    the stub) choose what runs, build the Parts and print the table: whose part runs, and what fell back to
+    what."""
+    import importlib
+    out_dir = ex.fresh_package_dir()
+    rows = ex.export(Path(folder), out_dir)
+    package = ex.import_package(out_dir).__name__
+    candidates, problems, objects = statuses(rows, package)
+    choice, chooser = _choose(choose_parts, candidates, cuda=False)
+    cuda = torch.cuda.is_available()
+    gpu_choice = _choose(choose_parts, candidates, cuda=cuda)[0] if cuda else choice
+    cap = Capstone(str(folder), package, candidates, problems, objects, chooser, choice, gpu_choice)
+    cap.cpu_parts = parts_of(choice, objects)
+    cap.gpu_parts = parts_of(gpu_choice, objects) if cuda else cap.cpu_parts
+    importlib.invalidate_caches()
+    print(f"exported {len({r['chapter'] for r in rows})} chapter notebooks from {Path(folder).resolve().name}/")
+    print(f"which parts run: {chooser}" + ("" if chooser == "yours" else " (the check says why)"))
+    print(part_table(cap))
+    print(f"{len(cap.yours())} of {len(_by_exercise(candidates))} exercise parts are yours and pass their "
+          f"chapter's check; C.1-C.3 run your code in {len(choice)} of {len(dataclasses.fields(cap.cpu_parts))} "
+          "Parts fields")
+    if cap.missing():
+        print("still the reference's: " + ", ".join(cap.missing()))
+    return cap
+
+
+# -- running engines ----------------------------------------------------------------------------------------
 
 
 TINY = dict(kvcache_block_size=4, max_num_batched_tokens=16, max_model_len=64, enforce_eager=True, device="cpu")
@@ -250,13 +459,12 @@ def run_traced(parts, path, prompts, max_tokens=10):
         llm = LLM(path, parts=parts, **TIGHT)
         try:
             ids = [llm.add_request(p, sp) for p in prompts]
-            index = {sid: i for i, sid in enumerate(ids)}
+            index = {rid: i for i, rid in enumerate(ids)}
             done, trace = {}, []
             while not llm.is_finished():
-                finished, _ = llm.step()
-                done.update(finished)
+                done.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
                 s = llm.scheduler
-                trace.append(([index[q.seq_id] for q in s.running], [index[q.seq_id] for q in s.waiting],
+                trace.append(([index[q.request_id] for q in s.running], [index[q.request_id] for q in s.waiting],
                               s.num_preemptions))
                 if len(trace) > 500:
                     raise RuntimeError("the stream did not finish in 500 steps")
@@ -288,15 +496,15 @@ def _blame(cap: Capstone, prompts=None) -> str | None:
     path = tiny_model_dir("qwen3")
     prompts = prompts or random_stream(random.Random(0))
     want = run_traced(Parts(), path, prompts)
-    for f, (row, _) in cap.objects.items():
+    for f, (cand, _) in cap.cpu_objects().items():
         one = dataclasses.replace(Parts(), **{f: getattr(cap.cpu_parts, f)})
         if one == Parts():
             continue
         try:
             if _diff(run_traced(one, path, prompts), want) is not None:
-                return part_label(row)
+                return part_label(cand)
         except Exception:
-            return part_label(row)
+            return part_label(cand)
     return None
 
 
@@ -335,13 +543,13 @@ def tensor_parallel_2(cap: Capstone) -> None:
                         tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64, device="cpu")
     except Exception as exc:
         print(f"C.1 tp=2: the engine failed: {_first_line(exc)}")
-        row = ex.shown_rows(cap.rows).get("qkv_weight_loader")
-        return _record(cap, "C.1 tp=2", False, part_label(row) if row else None, _first_line(exc))
+        cand = cap.choice.get("qkv_weight_loader")
+        return _record(cap, "C.1 tp=2", False, part_label(cand) if cand else None, _first_line(exc))
     same = sum(g == _hf_greedy(path, p) for g, p in zip(got, prompts))
     print(f"C.1 tp=2 over gloo (your parts pickled into 2 workers): {same}/{len(prompts)} prompts equal HF")
     blamed = None
     if same != len(prompts):
-        blamed = next((part_label(r) for f, (r, _) in cap.objects.items() if r["chapter"] == "09"), None)
+        blamed = next((part_label(c) for f, c in cap.choice.items() if f.endswith("weight_loader")), None)
     return _record(cap, "C.1 tp=2", same == len(prompts), blamed, f"tp=2 ids differ from HF on {len(prompts) - same} prompt(s)")
 
 
@@ -410,7 +618,7 @@ def reference_smollm2(max_tokens: int = SMOL_TOKENS, path: str | None = None) ->
     """Per chat prompt: the reference engine's greedy ids and, at each of those steps, the top-2 margin of the
     logits the reference engine itself sampled from (fp32, CPU). About 2 s for 4 x 32 tokens."""
     from nanovllm_ref import SamplingParams
-    from nanovllm_ref.download import ensure_model
+    from nanovllm_models.download import ensure_model
     path = path or str(ensure_model())
     prompts = smollm2_prompts(path)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -436,7 +644,7 @@ def smollm2_vs_reference(cap: Capstone, max_tokens: int = SMOL_TOKENS) -> None:
     reference engine's (run here, live), compared up to the first step whose reference top-2 logit margin is
     below MARGIN; there the float order of two engines may legitimately pick the other token."""
     from nanovllm_ref import SamplingParams
-    from nanovllm_ref.download import ensure_model
+    from nanovllm_models.download import ensure_model
     path = str(ensure_model())
     prompts = smollm2_prompts(path)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -481,7 +689,7 @@ def smollm2_throughput(cap: Capstone, max_tokens: int = SMOL_TOKENS, repeats: in
     import statistics
     import time
     from nanovllm_ref import LLM, Parts, SamplingParams
-    from nanovllm_ref.download import ensure_model
+    from nanovllm_models.download import ensure_model
     path = str(ensure_model())
     prompts = smollm2_prompts(path)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -550,67 +758,41 @@ def first_token_chi2(cap: Capstone, temperatures=(0.6, 1.5), draws: int = 20000,
                    "first-token frequencies do not follow softmax(logits / T)")
 
 
-def _sampler_label(cap: Capstone) -> str:
-    return part_label(ex.shown_rows(cap.rows)["sampler"])
+def _sampler_label(cap: Capstone) -> str | None:
+    cand = cap.choice.get("sampler")
+    return part_label(cand) if cand else None
 
 
 # -- E12.1 -------------------------------------------------------------------------------------------------
-def check_parts(cap: Capstone) -> None:
-    """Every part of yours passes its own chapter's check again (output hidden); fail naming the first that
-    does not."""
-    checks = _part_checks()
-    done = set()
-    todo = list(cap.objects.items())
-    if cap.cpu_swaps_kernel and cap.cpu_parts.attention_backend:
-        # on a CPU chapter 04's paged_decode runs in place of chapter 06's kernel: check it too
-        row04 = next(r for r in cap.rows if r["field"] == "attention_backend" and r["chapter"] == "04")
-        todo.append(("attention_backend", (row04, cap.cpu_parts.attention_backend.paged_decode)))
-    for f, (row, obj) in todo:
-        key = (row["chapter"], row["name"])
-        if key not in checks or key in done:
-            continue
-        done.add(key)
-        mod = _PlantedModule(row, obj)
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), _quiet():
-                checks[key](mod)
-        except CheckFailed as exc:
-            fail(TAG, f"your {part_label(row)} fails its chapter's check: {exc.message.splitlines()[0]}",
-                 f"open chapter {row['chapter']}, fix {row['name']} until its check says ok, then run this "
-                 "notebook again (it exports your chapters afresh)")
-        except Exception as exc:
-            fail(TAG, f"your {part_label(row)} raised {_first_line(exc)} in its chapter's check",
-                 f"open chapter {row['chapter']} and run its check cell")
+SECTIONS = ("C.1 HF", "C.1 stream", "C.1 tp=2", "C.2 SmolLM2", "C.3 sampling")
 
 
-class _PlantedModule:
-    """The exported module of a row, with `obj` in place of the row's name (a planted part in tests)."""
-
-    def __init__(self, row, obj):
-        import importlib
-        self._mod = importlib.import_module(f"{Path(_PACKAGE[0]).name}.ch{row['chapter']}")
-        self._name, self._obj = row["name"], obj
-
-    def __getattr__(self, name):
-        return self._obj if name == self._name else getattr(self._mod, name)
-
-
-def check_capstone(notebooks_fn, cap: Capstone) -> None:
-    """E12.1: your parts pass their chapters' checks, the engine sections passed, and every part is yours."""
-    try:
-        folder = str(notebooks_fn())
-    except NotImplementedError:
-        folder = None
-    check_parts(cap)
-    for section, (passed, blamed, message) in cap.results.items():
+def check_capstone(choose_parts, cap: Capstone) -> None:
+    """E12.1: your choose_parts follows the rules (fresh random candidate lists), the capstone above was
+    assembled with it, and the engine it assembled passed every section C.1-C.3."""
+    check_choose_parts(choose_parts)
+    if cap.chooser != "yours":
+        fail(TAG, "your choose_parts is right now, but the capstone above was assembled without it "
+                  f"({cap.chooser.split(';')[0].split(', so')[0]})",
+             "run the cell `capstone = ch12.assemble(...)` and the sections after it again")
+    for cuda, used in ((False, cap.choice),) + (((True, cap.gpu_choice),) if torch.cuda.is_available() else ()):
+        want = reference_choose_parts(cap.candidates, cuda)
+        problem = _choice_problem(used, want, cap.candidates, cuda)
+        if problem:
+            fail(TAG, f"the capstone above ran a choice that breaks a rule: {problem[0]}",
+                 "run the cell `capstone = ch12.assemble(...)` again after fixing choose_parts")
+    for section in SECTIONS:
+        if section not in cap.results:
+            fail(TAG, f"section {section} has not run on this capstone", "run the cells of sections C.1-C.3 above, "
+                 "after the cell that assembles the capstone, then this check")
+        passed, blamed, message = cap.results[section]
         if not passed:
+            where = blamed.split(" ")[1].strip("(") if blamed else None
             fail(TAG, f"{section}: {message}" + (f"; the part that does it: {blamed}" if blamed else ""),
-                 f"run {blamed.split(' ')[0] if blamed else 'each part'}'s chapter check again" if blamed else
-                 "run the section's cell again and read what it printed")
+                 f"your part passes chapter {where[2:]}'s check, yet breaks the engine in company: run that "
+                 "chapter's check cell again, then compare your code with what this section feeds it"
+                 if blamed else "read what the section's cell printed above")
     missing = cap.missing()
-    if folder is None or missing:
-        if missing:
-            print("still the reference's: " + ", ".join(missing))
-        raise NotDone(TAG, "not implemented yet (" + ("your_notebooks() is still the stub" if folder is None
-                                                      else f"{len(missing)} part(s) are the reference's") + ")")
+    if missing:
+        print("still the reference's (each chapter grades its own): " + ", ".join(missing))
     ok(TAG)

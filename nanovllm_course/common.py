@@ -15,6 +15,7 @@ prints `E1.1 ok` (the helper's own line), `E1.1 not done yet`, or `E1.1 failed: 
 Run All goes on and the student sees no traceback of the course's internals. Graders compare that output
 with the solution's (`python -m nanovllm_course grade`).
 """
+import dataclasses
 import functools
 import os
 import sys
@@ -136,18 +137,42 @@ class check:
 
     `E1.1 ok` is printed by the helper itself; on a failure this prints `E1.1 not done yet` or
     `E1.1 failed: <message> (hint: ...)` and swallows the exception, so Run All continues. Only
-    Exceptions are turned into verdicts (a KeyboardInterrupt still stops the cell)."""
+    Exceptions are turned into verdicts (a KeyboardInterrupt still stops the cell).
+
+    What the block prints is held back until it ends, so that a later statement can still fail the
+    exercise: in
+
+        with check("E4.3"):
+            ch04.check_store_kvcache(store_kvcache)              # prints "E4.3 ok" (held back)
+            in_the_engine("E4.3", store_kvcache=store_kvcache)   # raises: the part breaks the engine
+
+    the cell prints only `E4.3 failed: ...`, never an `E4.3 ok` above it."""
 
     def __init__(self, tag: str):
         self.tag = tag
+        self._held = None
 
     def __enter__(self):
+        import contextlib
+        import io
+        self._held = io.StringIO()
+        self._redirect = contextlib.redirect_stdout(self._held)
+        self._redirect.__enter__()
         return self
+
+    def _release(self, drop_ok: bool) -> None:
+        self._redirect.__exit__(None, None, None)
+        text = self._held.getvalue()
+        if drop_ok:
+            text = "".join(line for line in text.splitlines(keepends=True) if line.strip() != f"{self.tag} ok")
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
     def __exit__(self, etype, exc, tb):
         if exc is None or not isinstance(exc, Exception):
+            self._release(drop_ok=exc is not None)
             return False
-        sys.stdout.flush()
+        self._release(drop_ok=True)
         print(verdict_line(self.tag, exc, tb), flush=True)
         return True
 
@@ -165,7 +190,7 @@ def fresh_generator(seed: int | None = None) -> torch.Generator:
 @functools.lru_cache(maxsize=None)
 def tiny_model_dir(arch: str = "qwen3") -> str:
     """A tiny random checkpoint (+ tokenizer), made once per process in a temp folder."""
-    from nanovllm_ref.tiny import make_tiny_model
+    from nanovllm_models.tiny import make_tiny_model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return make_tiny_model(tempfile.mkdtemp(prefix=f"nanovllm_tiny_{arch}_"), arch)
@@ -194,3 +219,42 @@ def check_type(tag: str, value, types, what: str, hint: str | None = None) -> No
 def randint(g: torch.Generator, low: int, high: int) -> int:
     """A random int in [low, high] (inclusive) drawn from generator `g`."""
     return int(torch.randint(low, high + 1, (1,), generator=g).item())
+
+
+# -- the engine parts a chapter declares (read by export, engine_check and the capstone) -----------------------
+@dataclasses.dataclass(frozen=True)
+class EnginePart:
+    """One engine part a chapter's exercise provides; each chapter module lists its own in `PARTS`.
+
+    name      the function or class the notebook defines ("store_kvcache", "Scheduler")
+    field     the nanovllm_ref.Parts field it fills ("store_kvcache", "scheduler")
+    exercise  the exercise it comes from: "E4.3", or a range "E7.1-E7.3" for a part built over several
+              exercises (the last of them grades it inside the engine: `graded_by`)
+    adapter   None when the notebook's signature is the field's; else adapter(fn) -> the field's value,
+              a module-level function of the course (so the result pickles into tensor-parallel workers)
+    check     check(module) -> None, raising as the chapter's check does: the chapter's check run again on a
+              module that holds the part (the capstone passes the exported student/chNN.py); None when the
+              chapter's check needs more than the exported part
+    triton    True for a Triton kernel: on a machine without CUDA it runs in Triton's interpreter, far too
+              slowly for the capstone's engine runs (the chapter's own check still runs it)
+    """
+    name: str
+    field: str
+    exercise: str
+    adapter: object = None
+    check: object = None
+    triton: bool = False
+
+    @property
+    def graded_by(self) -> str:
+        """The exercise whose check cell runs this part inside the engine: the last of a range."""
+        return self.exercise.split("-")[-1]
+
+    @property
+    def chapter(self) -> str:
+        """The part's chapter as two digits, "04"."""
+        return f"{int(self.exercise[1:].split('.')[0]):02d}"
+
+    def value(self, obj):
+        """What goes into the Parts field for the notebook's (or exported module's) `obj`."""
+        return self.adapter(obj) if self.adapter is not None else obj

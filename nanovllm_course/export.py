@@ -1,14 +1,20 @@
 """Export a student's exercises from the chapter notebooks into importable modules, and build the engine's
 `Parts` from them (nbdev-style; course machinery).
 
-    python -m nanovllm_course export                    # chapters/ -> student/chNN.py + student/manifest.json
-    python -m nanovllm_course export --notebooks solutions --out /tmp/ref_student
+    python -m nanovllm_course export                    # chapters/ -> chapters/student/chNN.py + manifest.json
+    python -m nanovllm_course export --notebooks path/to/student --out /tmp/their_parts
 
 Why a file and not the notebook's functions: a tensor-parallel engine starts worker processes, which receive
 the parts pickled, and Python pickles a function by its module and name. A function defined in a notebook
 cell has no importable module, so it cannot reach a worker; the same function in `student/ch01.py` can.
 
-What is exported, per chapter notebook: for every part in EXPORTS (and every helper function it names), the
+Which parts a chapter has is declared once, in the `PARTS` list at the end of nanovllm_course/chNN.py
+(common.EnginePart: name, Parts field, exercise, adapter, the check the capstone runs); `declared_parts()`
+reads them. The export writes beside the notebooks it reads (`<notebooks>/student/`) unless told where, and
+the capstone exports into a fresh temporary package each time (`fresh_package_dir`), so grading one student's
+folder never overwrites another's parts.
+
+What is exported, per chapter notebook: for every declared part (and every helper function it names), the
 *last* code cell that defines that function or class (so a student who redefines it further down is taken at their latest version), reduced to
 its top-level imports, constants, functions and classes (demo code in the cell does not run on import),
 plus every top-level import of the notebook. A part whose body still holds the release's
@@ -23,45 +29,68 @@ import dataclasses
 import functools
 import importlib
 import json
+import secrets
 import sys
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
+from nanovllm_course.common import EnginePart
 from nanovllm_ref.parts import Parts
 
 STUB_MARK = 'raise NotImplementedError("Exercise'
+PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-@dataclass(frozen=True)
-class Export:
-    name: str         # the function or class the notebook defines
-    field: str        # the Parts field it fills
-    exercise: str     # "E1.1"
+# -- the registry: each chapter module declares its engine parts once, in `PARTS` ----------------------------
+@functools.lru_cache(maxsize=None)
+def declared_parts() -> dict:
+    """chapter ("04") -> [common.EnginePart, ...]: the `PARTS` list at the end of each nanovllm_course/chNN.py,
+    in chapter order. This is the one place a chapter registers a part: the export, the capstone and the
+    graded engine runs (engine_check) all read it."""
+    found = {}
+    for path in sorted(PACKAGE_DIR.glob("ch[0-9][0-9].py")):
+        module = importlib.import_module(f"nanovllm_course.{path.stem}")
+        parts = getattr(module, "PARTS", None)
+        if parts:
+            found[path.stem[2:]] = list(parts)
+    return found
 
 
-# chapter -> the parts its exercises provide. Each entry's adapter (ADAPTERS) turns the notebook's function
-# into the Parts field's signature.
-EXPORTS: dict[str, list[Export]] = {
-    "01": [Export("rms_norm", "rms_norm", "E1.1"), Export("fused_add_rms_norm", "add_rms_norm", "E1.2")],
-    "02": [Export("rope_cos_sin", "rope_cos_sin", "E2.1"), Export("apply_rope", "rotary", "E2.2")],
-    "03": [Export("qkv_weight_loader", "qkv_weight_loader", "E3.3"),
-           Export("gate_up_weight_loader", "gate_up_weight_loader", "E3.3")],
-    "04": [Export("slot_mapping", "prepare_prefill", "E4.1"), Export("slot_mapping", "prepare_decode", "E4.1"),
-           Export("paged_decode", "attention_backend", "E4.2"), Export("store_kvcache", "store_kvcache", "E4.3")],
-    "05": [Export("BlockManager", "block_manager", "E5.2"), Export("CachingBlockManager", "block_manager", "E5.3")],
-    "06": [Export("store_kvcache", "store_kvcache", "E6.1"), Export("paged_decode", "attention_backend", "E6.3")],
-    "07": [Export("Scheduler", "scheduler", "E7.1-E7.3")],
-    "08": [Export("sample", "sampler", "E8.1-E8.4")],
-    # Chapter 09's loaders have the Parts signature (layer, param, loaded_weight, shard_id) and know the rank.
-    "09": [Export("load_qkv_shard", "qkv_weight_loader", "E9.1"),
-           Export("load_gate_up_shard", "gate_up_weight_loader", "E9.1")],
-    "10": [Export("graph_batch_sizes", "graph_batch_sizes", "E10.1"), Export("store_kvcache", "store_kvcache", "E10.3")],
-}
-# A part counts as done only when it and every notebook function it calls (directly or not: chapter 06's kernel
-# factories, chapter 08's helpers) hold no stub; those functions are exported with it.
+class _Exports(Mapping):
+    """`EXPORTS["04"]`: chapter 04's declared parts (read lazily from the chapter modules)."""
+
+    def __getitem__(self, chapter):
+        return declared_parts()[chapter]
+
+    def __iter__(self):
+        return iter(declared_parts())
+
+    def __len__(self):
+        return len(declared_parts())
+
+
+EXPORTS = _Exports()
+Export = EnginePart          # the old name of a registry entry
+
+
+def all_parts() -> list:
+    """Every declared part of every chapter, in chapter order."""
+    return [part for parts in declared_parts().values() for part in parts]
+
+
+def part_for(chapter: str, name: str, field: str | None = None):
+    """The declared part of `chapter` named `name` (and filling `field`, where one name fills two)."""
+    for part in declared_parts().get(chapter, []):
+        if part.name == name and (field is None or part.field == field):
+            return part
+    raise KeyError(f"chapter {chapter} declares no part named {name!r}" + (f" for {field}" if field else ""))
+
+
 # Several exercises may fill one field (04 in PyTorch, 06 in Triton, 10 capture-safe in PyTorch; 05's block
-# manager without and with prefix caching): the highest chapter whose part is done wins, and within a chapter the later exercise, in
-# parts_from_student, parts_from_functions and part_table alike.
+# manager without and with prefix caching): the highest chapter whose part is done wins, and within a chapter
+# the later exercise, in parts_from_student, parts_from_functions and part_table alike. The capstone (ch12)
+# lets the student write that choice (E12.1) and adds the fallbacks.
 
 
 # -- adapters: notebook signature -> Parts signature (module-level, so the results pickle) ------------------
@@ -83,33 +112,43 @@ def _gate_up_loader(fn, layer, param, loaded_weight, shard_id):
     fn(param, loaded_weight.narrow(0, layer.tp_rank * size, size), shard_id, size)
 
 
-# Exported names that already have their Parts field's signature (chapter 09's rank-aware loaders).
-AS_IS = {"load_qkv_shard", "load_gate_up_shard"}
+def one_rank_qkv_loader(fn):
+    """Adapter (ch03 E3.3): qkv_weight_loader(param, w, shard_id, q_size, kv_size) -> the Parts loader."""
+    return functools.partial(_qkv_loader, fn)
 
 
-def _adapt(field: str, fn, name: str | None = None):
-    from nanovllm_ref.attn import FunctionBackend
+def one_rank_gate_up_loader(fn):
+    """Adapter (ch03 E3.3): gate_up_weight_loader(param, w, shard_id, intermediate_size) -> the Parts loader."""
+    return functools.partial(_gate_up_loader, fn)
+
+
+def prefill_with_slots(fn):
+    """Adapter (ch04 E4.1): slot_mapping(block_table, start, end, block_size) -> Parts.prepare_prefill."""
     from nanovllm_ref.engine import inputs
-    if name in AS_IS:
-        return fn
-    if field == "qkv_weight_loader":
-        return functools.partial(_qkv_loader, fn)
-    if field == "gate_up_weight_loader":
-        return functools.partial(_gate_up_loader, fn)
-    if field == "prepare_prefill":
-        return functools.partial(inputs.prepare_prefill, slot_fn=fn)
-    if field == "prepare_decode":
-        return functools.partial(inputs.prepare_decode, slot_fn=fn)
-    if field == "attention_backend":
-        return dataclasses.replace(FunctionBackend.of("torch"), paged_decode=fn)
-    return fn
+    return functools.partial(inputs.prepare_prefill, slot_fn=fn)
+
+
+def decode_with_slots(fn):
+    """Adapter (ch04 E4.1): slot_mapping -> Parts.prepare_decode."""
+    from nanovllm_ref.engine import inputs
+    return functools.partial(inputs.prepare_decode, slot_fn=fn)
+
+
+def torch_backend_with_decode(fn):
+    """Adapter (ch04 E4.2, ch06 E6.3): paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale) ->
+    the PyTorch attention back-end with that decode."""
+    from nanovllm_ref.attn import FunctionBackend
+    return dataclasses.replace(FunctionBackend.of("torch"), paged_decode=fn)
 
 
 def parts_from_functions(**functions) -> tuple[Parts, list[str]]:
-    """Parts from notebook-level objects named as in EXPORTS (e.g. rms_norm=..., BlockManager=...).
-    An object that is still the release's stub (or calls a function of its notebook that still is) is
-    skipped. Returns (parts, names of the objects used)."""
-    by_name = {e.name: e for chapter in EXPORTS.values() for e in chapter}
+    """Parts from notebook-level objects named as the chapters declare them (e.g. rms_norm=...,
+    BlockManager=...). An object that is still the release's stub (or calls a function of its notebook that
+    still is) is skipped. Where two chapters declare the same name (store_kvcache: 04, 06, 10), the highest
+    chapter's declaration is used. Returns (parts, names of the objects used)."""
+    by_name = {}
+    for part in all_parts():
+        by_name.setdefault(part.name, {})[part.chapter] = part
     changes, used = {}, []
     for name, obj in functions.items():
         if name not in by_name:
@@ -117,8 +156,10 @@ def parts_from_functions(**functions) -> tuple[Parts, list[str]]:
         if is_stub(obj):
             continue
         used.append(name)
-        for e in (e for chapter in EXPORTS.values() for e in chapter if e.name == name):
-            changes[e.field] = _adapt(e.field, obj, name)
+        chapter = max(by_name[name])
+        for part in declared_parts()[chapter]:
+            if part.name == name:
+                changes[part.field] = part.value(obj)
     return Parts(**changes), used
 
 
@@ -212,13 +253,33 @@ def export_notebook(path: Path, out_dir: Path) -> list[dict]:
             text = "".join(ast.get_source_segment(cells[chosen[name]], defs[name])
                            for name in sorted(_with_dependencies({e.name}, defs)))
             status = "stub" if STUB_MARK in text else "done"
-        rows.append(dict(chapter=chapter, exercise=e.exercise, name=e.name, field=e.field, status=status))
+        rows.append(dict(chapter=chapter, exercise=e.exercise, name=e.name, field=e.field, status=status,
+                         triton=e.triton))
     return rows
 
 
-def export(notebooks_dir: Path, out_dir: Path, chapters=None) -> list[dict]:
+def default_out(notebooks_dir: Path) -> Path:
+    """Where `export` writes when not told: `student/` beside the notebooks it reads, so exporting (or
+    grading) one student's folder never touches another's parts."""
+    return Path(notebooks_dir) / "student"
+
+
+def fresh_package_dir(prefix: str = "nanovllm_parts_") -> Path:
+    """A new, empty place for one export: <temp>/<prefix>XXXX/student_<hex>. The package name is unique too,
+    so two exports imported into one process (two capstones, a test) never share modules, and two graders
+    running at once never write into the same folder. The folder is removed when the process exits."""
+    import atexit
+    import shutil
+    parent = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, parent, True)
+    return parent / f"student_{secrets.token_hex(4)}"
+
+
+def export(notebooks_dir: Path, out_dir: Path | None = None, chapters=None) -> list[dict]:
     """Export every chapter notebook in `notebooks_dir` that has parts (or those in `chapters`) into the
-    package folder `out_dir` (created, with __init__.py and manifest.json). Returns the manifest rows."""
+    package folder `out_dir` (default: `<notebooks_dir>/student`; created, with __init__.py and
+    manifest.json). Returns the manifest rows."""
+    out_dir = Path(out_dir) if out_dir is not None else default_out(notebooks_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "__init__.py").write_text('"""Your exercises, exported from the chapter notebooks."""\n')
     rows = []
@@ -236,20 +297,28 @@ def parts_from_student(out_dir: Path) -> tuple[Parts, list[dict]]:
     Returns (parts, rows) where each row also has "source": "yours" (done) or "reference"."""
     out_dir = Path(out_dir).resolve()
     rows = json.loads((out_dir / "manifest.json").read_text())
-    if str(out_dir.parent) not in sys.path:
-        sys.path.insert(0, str(out_dir.parent))
-    package = out_dir.name
-    for mod in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
-        del sys.modules[mod]                  # a fresh export replaces an earlier import
-    importlib.invalidate_caches()
+    package = import_package(out_dir).__name__        # a fresh export replaces an earlier import
     changes = {}
     for row in rows:
         row["source"] = "yours" if row["status"] == "done" else "reference"
     for field, row in shown_rows(rows).items():     # where chapters share a field, the highest done one runs
         if row["status"] == "done":
             module = importlib.import_module(f"{package}.ch{row['chapter']}")
-            changes[field] = _adapt(field, getattr(module, row["name"]), row["name"])
+            changes[field] = part_for(row["chapter"], row["name"], field).value(getattr(module, row["name"]))
     return Parts(**changes), rows
+
+
+def import_package(out_dir: Path):
+    """Import the exported package `out_dir` afresh (its parent goes on sys.path; an earlier import of the
+    same name is dropped) and return it."""
+    out_dir = Path(out_dir).resolve()
+    if str(out_dir.parent) not in sys.path:
+        sys.path.insert(0, str(out_dir.parent))
+    package = out_dir.name
+    for mod in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        del sys.modules[mod]
+    importlib.invalidate_caches()
+    return importlib.import_module(package)
 
 
 def shown_rows(rows: list[dict]) -> dict[str, dict]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from nanovllm_course import ch11
 from nanovllm_course.figures import figure, save
-from nanovllm_ref.bench import model_stats
+from nanovllm_bench.floor import model_stats
 
 BLUE, ORANGE, GREY, GREEN, RED, PURPLE = "#3182bd", "#e6550d", "#969696", "#31a354", "#de2d26", "#756bb1"
 

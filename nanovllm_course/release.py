@@ -152,6 +152,87 @@ def is_gpu_cell(cell) -> bool:
     return cell.cell_type == "code" and GPU_TAG in tags(cell)
 
 
+# The course's helpers that run a student's code inside the engine: a cell calling one shows the student's work.
+ENGINE_HELPERS = frozenset({"in_the_engine", "your_part_in_the_engine", "your_sampler_in_the_engine"})
+
+
+def _parse_cell(source: str):
+    """ast of a code cell with IPython's `%magic` and `!shell` lines blanked, or None if it still does not parse."""
+    import ast
+    lines = ["pass" if l.lstrip().startswith(("%", "!")) else l for l in source.split("\n")]
+    try:
+        return ast.parse("\n".join(lines))
+    except SyntaxError:
+        return None
+
+
+def _bound_names(tree) -> set[str]:
+    """Names a cell binds at its top level (assignments, defs, classes, imports, for/with targets)."""
+    import ast
+    found = set()
+
+    def targets(node):
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name):
+                found.add(n.id)
+
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                targets(t)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets(node.target)
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            targets(node.target)
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                if item.optional_vars is not None:
+                    targets(item.optional_vars)
+    return found
+
+
+def student_dependent_cells(nb) -> list[int]:
+    """Indices of the code cells whose output depends on the student's code, besides exercise and check cells:
+    a cell tagged `yours`; a cell that calls an engine helper (ENGINE_HELPERS); a cell that reads a name an
+    exercise cell defines (its functions, classes and top-level assignments), or a name bound by such a cell
+    (`capstone = assemble(...)` taints `capstone`), until a cell rebinds it without reading one
+    (`from nanovllm_ref... import store_kvcache` after the exercise). A cell that does not parse counts as
+    dependent when it mentions a tainted name. The release clears these cells' outputs: the solution's
+    output there would claim the student's code works before it has run."""
+    import ast
+    tainted: set[str] = set()
+    found = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        tree = _parse_cell(cell.source)
+        if is_exercise_cell(cell):
+            if tree is not None:
+                tainted |= _bound_names(tree) - {n for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                                                 for n in _bound_names(ast.Module([node], []))}
+            continue
+        if tree is None:
+            words = set(re.findall(r"[A-Za-z_]\w*", cell.source))
+            if words & (tainted | ENGINE_HELPERS) or shows_student_work(cell):
+                found.append(i)
+            continue
+        reads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        dependent = bool(reads & tainted) or bool((reads | attrs) & ENGINE_HELPERS) or shows_student_work(cell)
+        if is_check_cell(cell):
+            continue
+        if dependent:
+            found.append(i)
+            tainted |= _bound_names(tree)
+        else:
+            tainted -= _bound_names(tree)
+    return found
+
+
 def exercises_of(cell) -> list[str]:
     """Exercise ids defined (marked) in one cell, in order, without repeats."""
     seen = []
@@ -271,11 +352,12 @@ def release_notebook(nb, name: str = "notebook"):
     """The student version of a solution notebook (a new object; `nb` is not changed)."""
     validate_solution(nb, name)
     out = normalize(copy.deepcopy(nb))
+    dependent = set(student_dependent_cells(out))
     for i, cell in enumerate(out.cells):
         exercise = is_exercise_cell(cell)
         if exercise:
             cell.source = stub_source(cell.source, f"{name} cell {i}")
-        if exercise or is_check_cell(cell) or shows_student_work(cell):
+        if exercise or is_check_cell(cell) or i in dependent:
             cell.outputs = []
             cell.execution_count = None
     return normalize(out)
@@ -487,6 +569,22 @@ def _stdout(cell) -> str:
                    if o.get("output_type") == "stream" and o.get("name") == "stdout")
 
 
+def verdict_of(exercise: str, stdout: str, error: tuple[str, str] | None = None) -> str:
+    """The verdict line of `exercise` from what its check cell printed on stdout, or raised (error =
+    (ename, evalue)): the first of its verdict lines that is not `ok`, else `Ex.y ok`, else a line saying the
+    cell printed none. `grade` and the pytest --nbval grading (nbval_grading.py) both decide with this."""
+    if error is not None:
+        return f"{exercise} failed: its check cell raised {error[0]}: {_first_line(error[1])}"
+    said = [l.strip() for l in stdout.splitlines() if VERDICT.match(l.strip()) and l.strip().split(" ")[0] == exercise]
+    wrong = [l for l in said if l != f"{exercise} ok"]
+    return wrong[0] if wrong else f"{exercise} ok" if said else f"{exercise} failed: its check cell printed no verdict"
+
+
+def match_check_cells(student_nb, reference_nb) -> list[tuple[object, int | None]]:
+    """[(reference check cell, index of the student's cell or None)]: see _match_check_cells."""
+    return _match_check_cells(student_nb, reference_nb)
+
+
 def _match_check_cells(student_nb, reference_nb) -> list[tuple[object, int | None]]:
     """[(reference check cell, index of the student's cell or None)]: matched by cell id, else by order
     among the cells tagged `check`."""
@@ -529,14 +627,8 @@ def grade_notebook(student_nb, reference_nb=None, cwd: str | Path = CHAPTERS, *,
                 verdicts.append(Verdict(ex, f"{ex} failed: its check cell is missing from the notebook", expected))
                 continue
             check_index.add(i)
-            if i in errors_at:
-                e = errors_at[i]
-                line = f"{ex} failed: its check cell raised {e.ename}: {_first_line(e.evalue)}"
-            else:
-                said = [l.strip() for l in _stdout(done.cells[i]).splitlines()
-                        if VERDICT.match(l.strip()) and l.strip().split(" ")[0] == ex]
-                wrong = [l for l in said if l != expected]
-                line = wrong[0] if wrong else expected if said else f"{ex} failed: its check cell printed no verdict"
+            e = errors_at.get(i)
+            line = verdict_of(ex, _stdout(done.cells[i]), (e.ename, e.evalue) if e else None)
             verdicts.append(Verdict(ex, line, expected))
     notes = []
     for i, e in sorted(errors_at.items()):

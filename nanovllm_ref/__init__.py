@@ -2,15 +2,17 @@
 
     from nanovllm_ref import LLM, SamplingParams
     llm = LLM("path/to/model")
-    llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))[0]
+    out.outputs[0].text                              # a RequestOutput (nanovllm_ref/outputs.py)
 
 Swap parts of the engine for your own (the course's exercises) with `LLM(path, parts=Parts(...))`; see
 nanovllm_ref/parts.py. Importing this package changes no environment variable: to run the Triton kernels on
 a CPU, start Python with TRITON_INTERPRET=1 (nanovllm_ref/kernels/__init__.py says why).
 """
 from nanovllm_ref.llm import LLM
+from nanovllm_ref.outputs import CompletionOutput, RequestOutput
 from nanovllm_ref.parts import Parts
 from nanovllm_ref.sampling_params import SamplingParams
 
-__all__ = ["LLM", "Parts", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Parts", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""Command line: `python -m nanovllm_ref {demo,generate,serve,chat,download,doctor,bench}`.
+"""Command line: `python -m nanovllm_ref {demo,generate,serve,chat,doctor}`, plus the commands other installed
+packages register (nanovllm_ref/plugins.py): this project registers `download` (checkpoint tooling) and `bench`.
 
     python -m nanovllm_ref download smollm2          # fetch + convert the real model (once)
     python -m nanovllm_ref demo                      # answer a few chat prompts with SmolLM2
@@ -26,10 +27,8 @@ DEMO_PROMPTS = [
 
 
 def _model_path(name_or_path: str) -> str:
-    from nanovllm_ref import download
-    if name_or_path in download.MODELS:
-        return str(download.ensure_model(name_or_path))
-    return name_or_path
+    from nanovllm_ref import plugins
+    return plugins.model_path(name_or_path)
 
 
 def _engine_args(args) -> dict:
@@ -60,48 +59,55 @@ DEMO_NOTE = ("SmolLM2-135M-Instruct is a very small model (135 M parameters), he
              "answers run a larger Qwen3 or Llama folder with --model.")
 
 
-def _load_tokenizer(path: str):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from transformers import AutoTokenizer
-        try:
-            return AutoTokenizer.from_pretrained(path)
-        except Exception as exc:
-            raise ValueError(f"could not load a tokenizer from {path!r}: {exc}") from exc
+def _sampling_params(args):
+    from nanovllm_ref import SamplingParams
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=getattr(args, "top_k", 0),
+                          top_p=getattr(args, "top_p", 1.0), n=getattr(args, "n", 1),
+                          min_tokens=getattr(args, "min_tokens", 0), stop=getattr(args, "stop", None),
+                          stop_token_ids=getattr(args, "stop_token_ids", None),
+                          include_stop_str_in_output=getattr(args, "include_stop_str_in_output", False),
+                          skip_special_tokens=getattr(args, "skip_special_tokens", True))
 
 
 def cmd_generate(args, prompts=None, chat=None, note=None):
-    from nanovllm_ref import LLM, SamplingParams
+    from nanovllm_ref import LLM
     from nanovllm_ref.config import Config
+    from nanovllm_ref.engine.request import check_request, load_tokenizer
+    from nanovllm_ref.engine.scheduler import Scheduler
     from nanovllm_ref.llm import chat_token_ids
-    # Cheap checks first: sampling settings, engine arguments and config.json, then prompt lengths with
-    # the tokenizer; only then load the weights (tens of seconds on a CPU).
-    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                        top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0))
+    # Cheap checks first: sampling settings, engine arguments and config.json, the tokenizer, then every
+    # prompt and its settings as the engine will check them; only then load the weights (tens of seconds on
+    # a CPU).
+    sp = _sampling_params(args)
     prompts = prompts or args.prompt
     chat = args.chat if chat is None else chat
     path, engine_args = _model_path(args.model), _engine_args(args)
-    max_len = Config(path, **engine_args).max_model_len
-    tokenizer = _load_tokenizer(path)
+    config = Config(path, **engine_args)
+    max_len = config.max_model_len
+    tokenizer = load_tokenizer(path, config.hf_config.vocab_size)
     token_ids = [chat_token_ids(tokenizer, [{"role": "user", "content": p}], where=f"prompt {i + 1}") if chat
                  else tokenizer.encode(p) for i, p in enumerate(prompts)]
     for i, ids in enumerate(token_ids):
-        if not ids:
-            raise ValueError(f"prompt {i + 1} is empty")
         if len(ids) > max_len:
             raise ValueError(f"prompt {i + 1} has {len(ids)} tokens{' with the chat template' if chat else ''}, "
                              f"more than max_model_len={max_len} (--max-model-len)")
+        check_request(ids, sp, tokenizer=tokenizer, config=config, scheduler_cls=Scheduler, where=f"prompt {i + 1}",
+                      sp_where="the sampling flags")
     llm = LLM(path, **engine_args)
     t = time.perf_counter()
     outputs = llm.generate(token_ids, sp, use_tqdm=True)
     dt = time.perf_counter() - t
     for prompt, ids, out in zip(prompts, token_ids, outputs):
-        print(f"\n>>> {prompt}\n{out['text'].strip()}")
-        if out["finish_reason"] == "length":
-            limit = (f"max_model_len={max_len} (--max-model-len)" if len(ids) + len(out["token_ids"]) >= max_len
-                     else f"max_tokens={sp.max_tokens} (--max-tokens)")
-            print(f"[cut short: reached {limit}]")
-    n = sum(len(o["token_ids"]) for o in outputs)
+        print(f"\n>>> {prompt}")
+        for sample in out.outputs:
+            if len(out.outputs) > 1:
+                print(f"[sample {sample.index + 1} of {len(out.outputs)}]")
+            print(sample.text.strip())
+            if sample.finish_reason == "length":
+                limit = (f"max_model_len={max_len} (--max-model-len)" if len(ids) + len(sample.token_ids) >= max_len
+                         else f"max_tokens={sp.max_tokens} (--max-tokens)")
+                print(f"[cut short: reached {limit}]")
+    n = sum(len(s.token_ids) for o in outputs for s in o.outputs)
     print(f"\n{len(outputs)} prompts, {n} output tokens in {dt:.2f} s: {n / dt:.1f} output tokens/s "
           f"({llm.model_runner.device_type}, {str(llm.model_runner.dtype).replace('torch.', '')}, "
           f"attention={llm.model_runner.backend_name}, cuda_graphs={not llm.model_runner.enforce_eager})")
@@ -110,17 +116,12 @@ def cmd_generate(args, prompts=None, chat=None, note=None):
     llm.exit()
 
 
-def cmd_download(args):
-    from nanovllm_ref import download
-    path = download.download(args.name, force=args.force)
-    print(path)
-
-
 def cmd_doctor(args):
     import platform
 
     import torch
-    from nanovllm_ref.attn import flash_attn_available, resolve_backend, triton_available
+    from nanovllm_ref import plugins
+    from nanovllm_ref.attn import flash_attn_impl, resolve_backend, triton_available
     print(f"python       {platform.python_version()}")
     print(f"torch        {torch.__version__}")
     cuda = torch.cuda.is_available()
@@ -131,21 +132,37 @@ def cmd_doctor(args):
         print(f"triton       {triton.__version__}, {mode}")
     else:
         print("triton       not installed")
-    print(f"flash-attn   {'installed' if flash_attn_available() else 'not installed (optional)'}")
+    impl = flash_attn_impl()
+    print(f"flash-attn   {impl.describe() if impl else 'none found (optional: flash-attn, vLLM or flash-attn-4)'}")
     import transformers
     print(f"transformers {transformers.__version__}")
     print(f"attention    auto -> {resolve_backend('auto', 'cuda' if cuda else 'cpu')}")
-    from nanovllm_ref import download
-    path = download.model_dir("smollm2")
-    print(f"smollm2      {'ready at ' + str(path) if download.is_complete(path) else 'not downloaded'}")
+    for name in sorted(plugins.registered(plugins.MODELS)):
+        path = plugins.model_path(name, download=False)
+        print(f"{name:12s} {'ready at ' + path if path else 'not downloaded'}")
+    print(f"commands     {', '.join(sorted(plugins.registered(plugins.COMMANDS))) or 'none registered'} "
+          "(from other installed packages)")
+
+
+# The engine's own commands; a registered command of the same name does not replace them.
+ENGINE_COMMANDS = ("generate", "demo", "serve", "chat", "doctor")
 
 
 def main(argv=None):
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:                                 # Ctrl-C: one line, the shell's status for SIGINT
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv):
     warnings.filterwarnings("ignore")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:                 # the benchmark has its own parser
-        from nanovllm_ref.bench import main as bench_main
-        return bench_main(argv[1:])
+    from nanovllm_ref import plugins
+    commands = {k: v for k, v in plugins.registered(plugins.COMMANDS).items() if k not in ENGINE_COMMANDS}
+    if argv[:1] and argv[0] in commands:     # another package's command (bench, download): its own parser
+        return plugins.run_command(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="python -m nanovllm_ref", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -160,6 +177,16 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 or -1 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set with this much "
                    "probability; 1 = off")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt (they share the prompt's KV blocks)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no stop of any kind before this many new tokens")
+    p.add_argument("--stop", action="append", default=None, help="stop at this string (repeat for several); "
+                   "the text is cut before it")
+    p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=None,
+                   help="stop at this token id (repeat for several)")
+    p.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the stop string / stop token's text in the output")
+    p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave special tokens out of the text")
 
     p = sub.add_parser("demo", help="the README demo: SmolLM2 answers a few chat prompts", formatter_class=defaults)
     _add_engine_flags(p)
@@ -174,12 +201,9 @@ def main(argv=None):
     _add_engine_flags(p)
     cli_args.add_chat_flags(p)
 
-    p = sub.add_parser("download", help="fetch and convert a real model (no model hub needed)")
-    p.add_argument("name", nargs="?", default="smollm2")
-    p.add_argument("--force", action="store_true")
-
     sub.add_parser("doctor", help="torch / CUDA / Triton / flash-attn status")
-    sub.add_parser("bench", help="throughput benchmark (output tokens/s); see `bench --help`")
+    for name, ep in sorted(commands.items()):
+        sub.add_parser(name, help=f"from {ep.value.split(':')[0]}; see `{name} --help`")
 
     args = parser.parse_args(argv)
     try:
@@ -194,8 +218,6 @@ def main(argv=None):
                 return run_server(args, _model_path(args.model), engine_args)
             from nanovllm_ref.entrypoints.chat import run_chat
             return run_chat(args, _model_path(args.model), engine_args)
-        elif args.cmd == "download":
-            cmd_download(args)
         elif args.cmd == "doctor":
             cmd_doctor(args)
     except (ValueError, TypeError, RuntimeError) as exc:     # a user error: one line, not a traceback

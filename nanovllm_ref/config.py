@@ -39,6 +39,10 @@ class Config:
     gpu_memory_utilization: fraction of GPU memory the engine may use in all (weights + activations + KV).
     tensor_parallel_size: number of processes (GPUs, or CPU ranks over gloo) sharing each layer.
     enforce_eager: never use CUDA graphs.
+    decode_kernels: "auto" (default): on CUDA the decode step uses the hand-written Triton kernels (fused add +
+        RMSNorm, q/k-norm + RoPE + KV store, small-batch GEMMs with split-K and SiLU epilogues,
+        models/decode_kernels.py) wherever the parts are the reference ones; "off": the same model with
+        cuBLAS GEMMs and the compiled element-wise ops only (for comparisons). CPU engines use neither.
     async_scheduling: schedule and launch step n+1 while the device still runs step n, the sampled ids staying
         on the device (engine/llm_engine.py). None (default): on with CUDA when the engine can (one process,
         the reference scheduler), else off; True: on (refused by name where it cannot run); False: off.
@@ -63,6 +67,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    decode_kernels: str = "auto"
     async_scheduling: bool | None = None
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
@@ -120,6 +125,8 @@ class Config:
             if not math.isfinite(v) or not ok(v):
                 raise ValueError(f"{name} must be a number {rng}, got {v!r}")
             _set(name, float(v))
+        if self.decode_kernels not in ("auto", "off"):
+            raise ValueError(f"decode_kernels must be 'auto' or 'off', got {self.decode_kernels!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in DEVICES:
@@ -145,8 +152,9 @@ class Config:
         from transformers import AutoConfig
         try:
             hf = AutoConfig.from_pretrained(self.model)
-        except Exception as exc:          # transformers' own validation: say which file, as a ValueError
-            raise ValueError(f"{config_path} is not a valid {archs[0]} config: {exc}") from exc
+        except Exception as exc:      # transformers' own validation errors are not ValueErrors
+            reason = " ".join(str(exc).split())
+            raise ValueError(f"{config_path} is not a valid {archs[0]} config (transformers: {reason})") from exc
         _set("hf_config", hf)
         if self.max_model_len is None:
             _set("max_model_len", min(4096, hf.max_position_embeddings))

@@ -21,8 +21,10 @@ Field → signature (shapes as in the chapters; T tokens, H/Hkv heads, d head si
 - attention_backend: an attn.AttentionBackend (e.g. attn.FunctionBackend), or None for the engine's choice
   by its `attention_backend` argument (which must then stay "auto" when this is set)         (ch04, ch06)
 - store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None, or None for the engine's choice (ch04, ch06)
-- block_manager: a class like engine.block_manager.BlockManager(num_blocks, block_size, enable_prefix_caching) (ch05)
-- scheduler: a class like engine.scheduler.Scheduler(config, block_manager_cls)              (ch07)
+- block_manager: a class like engine.block_manager.BlockManager(num_blocks, block_size, enable_prefix_caching) (ch05);
+  without a `fork` method the samples of an n > 1 request queue as requests of their own
+- scheduler: a class like engine.scheduler.Scheduler(config, block_manager_cls)              (ch07);
+  with a postprocess of its own, requests using n, stop, stop_token_ids or min_tokens are refused
 - sampler(logits [B, V], layers.sampler.SamplingMetadata) -> [B] int64                        (ch08)
 - graph_batch_sizes(max_num_seqs) -> sorted list of batch sizes to capture as CUDA graphs     (ch10)
 

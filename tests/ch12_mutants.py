@@ -29,3 +29,11 @@ def store_writing_slot_minus_one(key, value, k_cache, v_cache, slot_mapping):
     slots = slot_mapping.long()
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value
+
+
+def store_reading_v_with_k_strides(key, value, k_cache, v_cache, slot_mapping):
+    """Reads V through K's strides: right while both are contiguous, wrong in the engine, where V is a strided
+    view of the fused QKV projection and K is not."""
+    from nanovllm_ref.attn.torch_backend import store_kvcache
+    store_kvcache(key, value.as_strided(value.shape, key.stride(), value.storage_offset()), k_cache, v_cache,
+                  slot_mapping)

@@ -2,7 +2,10 @@
 
 `LLM` here is nanovllm_ref.LLM with extra default engine arguments taken from the JSON in the environment
 variable NANOVLLM_TEST_ENGINE_ARGS, so the GPU run (bench/gpu_run.sh) can repeat the same equivalence tests
-with, e.g., {"dtype": "float32", "attention_backend": "triton", "enforce_eager": false}.
+with, e.g., {"dtype": "float32", "attention_backend": "triton", "enforce_eager": false}, or the FlashAttention
+back-end, {"dtype": "bfloat16", "attention_backend": "flash_attn"}. Then a test whose own block size the
+installed FlashAttention cannot take (flash-attn: multiples of 256; vLLM's FA3, flash-attn-4: of 16) is
+skipped with that reason, and the HF oracle runs in the same half dtype (FlashAttention has no float32).
 """
 import functools
 import json
@@ -10,17 +13,31 @@ import os
 import tempfile
 import warnings
 
+import pytest
 import torch
 
 import nanovllm_ref
+from nanovllm_models.tiny import make_tiny_model
 from nanovllm_ref.engine.invariants import check_block_manager
-from nanovllm_ref.tiny import make_tiny_model
 
 
 TEST_ENGINE_ARGS = json.loads(os.environ.get("NANOVLLM_TEST_ENGINE_ARGS") or "{}")
+ORACLE_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(TEST_ENGINE_ARGS.get("dtype"), torch.float32)
+
+
+def skip_unless_env_backend_takes(engine_args: dict) -> None:
+    """Skip when the back-end named by NANOVLLM_TEST_ENGINE_ARGS (not by the test) is flash_attn and the
+    installed FlashAttention cannot take the test's block size (the engine would refuse it by name)."""
+    if TEST_ENGINE_ARGS.get("attention_backend") != "flash_attn" or "attention_backend" in engine_args:
+        return
+    from nanovllm_ref.attn import flash_attn_impl
+    impl, block_size = flash_attn_impl(), engine_args.get("kvcache_block_size")
+    if impl is not None and block_size and block_size % impl.block_multiple:
+        pytest.skip(f"{impl.name} takes KV blocks of a multiple of {impl.block_multiple}; this test uses {block_size}")
 
 
 def LLM(model, **engine_args):
+    skip_unless_env_backend_takes(engine_args)
     return nanovllm_ref.LLM(model, **{**TEST_ENGINE_ARGS, **engine_args})
 
 
@@ -34,7 +51,7 @@ def hf_model(path: str):
     from transformers import AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(path, dtype=ORACLE_DTYPE).eval()
 
 
 def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, eos: list[int] | None = None) -> list[int]:
@@ -62,9 +79,9 @@ def run_checked(llm, prompts, sampling_params):
     sched = llm.scheduler
     done, steps = {}, 0
     while not llm.is_finished():
-        finished, _ = llm.step()
+        outs = llm.step()
         steps += 1
-        done.update(finished)
+        done.update((o.request_id, o.outputs[0].token_ids) for o in outs if o.finished)
         check_block_manager(sched.block_manager, list(sched.running) + list(sched.waiting))
     bm = sched.block_manager
     assert not sched.running and not sched.waiting

@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 def make_tokenizer_dir(path) -> str:
-    from nanovllm_ref.tiny import make_tokenizer
+    from nanovllm_models.tiny import make_tokenizer
     make_tokenizer(str(path))
     return str(path)
 

@@ -134,3 +134,46 @@ def test_async_scheduling_true_is_refused_where_it_cannot_run():
         LLM(tiny_dir("qwen3"), async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(TypeError, match="async_scheduling must be"):
         LLM(tiny_dir("qwen3"), async_scheduling="yes")
+
+
+def test_async_equals_sync_with_stops_min_tokens_and_parallel_samples():
+    """The request-level features run through the async path: stop strings and stop ids (checked one step
+    late, once per token), min_tokens (masked after the graph), n > 1 (forked one step late), texts."""
+    path = tiny_dir("qwen3")
+    prompts = _prompts(6, n=5)
+    free = LLM(path).generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    sps = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free[0].outputs[0].token_ids[5]]),
+           SamplingParams(temperature=0, max_tokens=12, min_tokens=6),
+           SamplingParams(temperature=0, max_tokens=12, stop=[free[2].outputs[0].text[3:6] or "x"]),
+           SamplingParams(temperature=0.8, max_tokens=9, n=3, seed=11, ignore_eos=True),
+           SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True)]
+    a, s = _pair(**TIGHT)
+    oa, os_ = a.generate(prompts, sps, use_tqdm=False), s.generate(prompts, sps, use_tqdm=False)
+    got = [[(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in r.outputs] for r in oa]
+    want = [[(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in r.outputs] for r in os_]
+    assert got == want
+    assert oa[0].outputs[0].stop_reason == free[0].outputs[0].token_ids[5]
+    assert oa[4].outputs[0].token_ids == oa[4].outputs[1].token_ids == hf_greedy(path, prompts[4], 12)
+    assert not a.scheduler.block_manager.used_block_ids
+    a.exit(), s.exit()
+
+
+def test_async_abort_request_mid_flight_leaves_the_others_exact():
+    path = tiny_dir("qwen3")
+    a = LLM(path, async_scheduling=True, **TIGHT)
+    prompts = _prompts(7, n=4)
+    ids = [a.add_request(p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)) for p in prompts]
+    done = {}
+    for i in range(200):
+        if i == 4:
+            assert a._in_flight is not None
+            a.abort_request(ids[1])
+        done.update((o.request_id, o) for o in a.step() if o.finished)
+        if a.is_finished() and a._in_flight is None:
+            break
+    assert ids[1] not in done and set(done) == {ids[0], ids[2], ids[3]}
+    for rid, p in zip(ids, prompts):
+        if rid in done:
+            assert done[rid].outputs[0].token_ids == hf_greedy(path, p, 10)
+    assert not a.scheduler.block_manager.used_block_ids
+    a.exit()

@@ -3,8 +3,10 @@ import json
 
 import pytest
 
-from nanovllm_ref.bench import QWEN3_06B, main, make_workload, model_stats, physical_floor
-from nanovllm_ref.tiny import tiny_config
+from nanovllm_bench.cli import main
+from nanovllm_bench.floor import model_stats, physical_floor
+from nanovllm_bench.workload import QWEN3_06B, make_workload
+from nanovllm_models.tiny import tiny_config
 
 
 def test_default_workload_matches_upstream_bench_totals():
@@ -27,25 +29,144 @@ def test_qwen3_06b_shape_and_physical_floor_match_hand_counts():
     assert 133_966 / floor["floor_s"] == pytest.approx(35_700, rel=0.03)
 
 
-def test_cpu_tiny_mode_runs_and_writes_results(tmp_path):
-    assert main(["--cpu-tiny", "--num-requests", "6", "--out", str(tmp_path), "--figures", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "bench_cpu.json").read_text())
-    run = result["runs"][0]
-    assert run["name"] == "nanovllm_ref[torch]"
-    assert run["output_tokens"] == result["workload"]["output_tokens"] > 0
-    assert run["tok_s"] > 0 and 0 < run["pct_of_floor"] < 100
-    assert (tmp_path / "bench_cpu.csv").read_text().startswith("name,output_tokens")
-    assert (tmp_path / "bench_throughput_cpu.png").stat().st_size > 1000
+def test_cpu_tiny_mode_runs_every_peer_through_the_harness_and_writes_the_record(tmp_path):
+    """The tiny CPU workload end to end: our row measured in its own process (median of 2 fresh engines, each
+    timed run computing every prompt token, i.e. finding nothing cached), the GPU peers as rows with their
+    reason, one record (JSON + CSV) with machine, date, floor and % of floor, and its figures."""
+    assert main(["--cpu-tiny", "--num-requests", "6", "--repeats", "2", "--out", str(tmp_path),
+                 "--figures", str(tmp_path), "--logs", str(tmp_path / "logs")]) == 0
+    record = json.loads((tmp_path / "bench_cpu.json").read_text())
+    assert {"tag", "date", "machine", "workload", "floor", "runs"} <= set(record)
+    assert record["machine"]["device"] == "cpu" and record["machine"]["torch"] and record["machine"]["transformers"]
+    assert [r["name"] for r in record["runs"]] == ["nanovllm_ref[cpu:eager]", "vllm", "nano-vllm",
+                                                   "hf_transformers[continuous_batching]"]
+    ours, *others = record["runs"]
+    assert ours["status"] == "ok" and ours["output_tokens"] == record["workload"]["output_tokens"] > 0
+    assert ours["repeats"] == 2 and len(ours["run_tok_s"]) == 2
+    assert ours["min_tok_s"] <= ours["tok_s"] <= ours["max_tok_s"]
+    assert ours["pct_of_floor"] == pytest.approx(100 * record["floor"]["floor_s"] / ours["seconds"])
+    assert 0 < ours["pct_of_floor"] < 100
+    assert ours["fresh_engine_per_run"] and len(ours["startup_seconds"]) == 2 and ours["startup_s"] > 0
+    for run in ours["per_run"]:                       # nothing cached: every prompt token was computed
+        assert run["preemptions"] == 0 and run["prefill_tokens"] == run["prompt_tokens"] == record["workload"]["prompt_tokens"]
+    assert ours["batch1_tok_s"] > 0 and len(ours["batch1_runs"]) == 3
+    assert ours["batch1"] == dict(prompt_tokens=16, new_tokens=32)
+    assert {"torch", "triton", "transformers"} <= set(ours["versions"])
+    assert (tmp_path / "logs" / ours["log"]).exists()
+    for r in others:
+        assert r["status"] == "missing" and r["reason"] == "needs CUDA"
+    csv_rows = (tmp_path / "bench_cpu.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("name,status,output_tokens,seconds,tok_s,min_tok_s,max_tok_s")
+    assert csv_rows[2].startswith("vllm,missing,") and csv_rows[2].endswith("needs CUDA")
+    for fig in ("bench_throughput_cpu.png", "bench_batch1_cpu.png"):
+        assert (tmp_path / fig).stat().st_size > 1000
 
 
 def test_cpu_tiny_mode_at_tensor_parallel_2_measures_against_two_devices_floor(tmp_path):
     """A TP=2 run reads weights and K/V on two devices at once: its % of floor is against half the one-device
     floor time (it was against one device's, which made TP=2 look twice as close to the floor as it was)."""
-    assert main(["--cpu-tiny", "--num-requests", "4", "--tensor-parallel-size", "2", "--out", str(tmp_path)]) == 0
+    assert main(["--cpu-tiny", "--num-requests", "4", "--repeats", "1", "--batch1-repeats", "1",
+                 "--tensor-parallel-size", "2", "--peers", "nanovllm_ref", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "bench_cpu.json").read_text())
     run = result["runs"][0]
-    assert run["floor_gpus"] == 2
+    assert run["name"] == "nanovllm_ref[cpu:eager,tp2]" and run["floor_gpus"] == 2
     assert run["pct_of_floor"] == pytest.approx(100 * result["floor"]["floor_s"] / 2 / run["seconds"])
+
+
+def test_cpu_tiny_honours_max_num_seqs_and_kvcache_block_size(tmp_path):
+    assert main(["--cpu-tiny", "--num-requests", "5", "--repeats", "1", "--batch1-repeats", "0",
+                 "--peers", "nanovllm_ref", "--max-num-seqs", "2", "--kvcache-block-size", "8",
+                 "--max-num-batched-tokens", "512", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "bench_cpu.json").read_text())
+    args = record["runs"][0]["info"]["engine_args"]
+    assert (args["max_num_seqs"], args["kvcache_block_size"], args["max_num_batched_tokens"]) == (2, 8, 512)
+    assert record["workload"]["engine_args"]["max_num_seqs"] == 2
+
+
+@pytest.mark.parametrize("argv,flag,words", [
+    (["--cpu", "--workloads", "banana"], "--workloads", ["chat8", "chat32_eos"]),
+    (["--cpu", "--threads", "abc"], "--threads", ["thread counts"]),
+    (["--cpu-tiny", "--num-requests", "-3"], "--num-requests", [">= 1"]),
+    (["--cpu-tiny", "--max-num-seqs", "0"], "--max-num-seqs", [">= 1"]),
+    (["--cpu-tiny", "--kvcache-block-size", "x"], "--kvcache-block-size", ["whole number"]),
+    (["--cpu-tiny", "--peers", "nanovllm_ref,sglang"], "--peers", ["sglang", "nano-vllm"]),
+    (["--runs", "triton:fast"], "--runs", ["graph or eager"]),
+    (["--cpu", "--cpu-tiny"], "--cpu-tiny", ["not allowed"]),
+])
+def test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed(capsys, argv, flag, words):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and "Traceback" not in err
+    for w in words:
+        assert w in err
+
+
+def test_row_names_begin_with_the_peer_family():
+    from nanovllm_bench.harness import plan_peers, ref_row_name
+    assert ref_row_name("triton", False) == "nanovllm_ref[triton:graph]"
+    assert ref_row_name("flash_attn", True, tp=2) == "nanovllm_ref[flash_attn:eager,tp2]"
+    specs = plan_peers(["nanovllm_ref", "vllm", "nano-vllm", "hf"], [("triton", False), ("flash_attn", False)],
+                       dict(tensor_parallel_size=1), cuda=True, repeats=3, hf_repeats=1, batch1_repeats=3,
+                       nanovllm_src="/tmp/upstream")
+    assert [s.name for s in specs] == ["nanovllm_ref[triton:graph]", "nanovllm_ref[flash_attn:graph]", "vllm",
+                                       "nano-vllm", "hf_transformers[continuous_batching]"]
+    assert specs[3].sys_path == ("/tmp/upstream",) and specs[3].options["src"] == "/tmp/upstream"
+    assert specs[2].sys_path == ()          # nothing of nano-vllm's (its flash_attn stand-in) on vLLM's path
+    assert specs[4].repeats == 1 and specs[0].repeats == 3
+
+
+def _fake(name, kind, **kw):
+    from pathlib import Path
+
+    from nanovllm_bench.harness import PeerSpec
+    return PeerSpec(name, "fake", "bench_fake_peers", dict(kind=kind), sys_path=(str(Path(__file__).parent),),
+                    repeats=2, batch1_repeats=1, **kw)
+
+
+def test_a_missing_or_failing_peer_gets_a_row_with_the_reason_and_the_others_still_run(tmp_path):
+    from nanovllm_bench.harness import run_all
+    from nanovllm_bench.workload import cpu_tiny_workload
+    specs = [_fake("vllm", "ok", needs="vllm_not_installed_anywhere"), _fake("nano-vllm", "unavailable"),
+             _fake("fake[first]", "ok"), _fake("fake[raises]", "raises"), _fake("fake[dies]", "dies"),
+             _fake("fake[last]", "ok")]
+    wl = cpu_tiny_workload(4)
+    rows = run_all(specs, wl, str(tmp_path), cuda=False, log_dir=str(tmp_path / "logs"), floor_s=0.01,
+                   log=lambda _: None)
+    by = {r["name"]: r for r in rows}
+    assert [r["name"] for r in rows] == [s.name for s in specs]
+    assert by["vllm"]["status"] == "missing" and "vllm_not_installed_anywhere" in by["vllm"]["reason"]
+    assert by["nano-vllm"]["status"] == "missing" and by["nano-vllm"]["reason"] == "fake engine is not installed here"
+    assert by["fake[raises]"]["status"] == "failed"
+    assert "RuntimeError: fake engine blew up while starting" in by["fake[raises]"]["reason"]
+    assert by["fake[dies]"]["status"] == "failed" and by["fake[dies]"]["reason"].startswith("exit 7")
+    assert "fake engine: out of memory" in by["fake[dies]"]["reason"]
+    _, max_tokens = wl.draw()
+    for name in ("fake[first]", "fake[last]"):
+        r = by[name]
+        assert r["status"] == "ok" and r["output_tokens"] == sum(max_tokens) and r["repeats"] == 2
+        assert r["versions"]["peer"] == "fake-1.0" and r["pct_of_floor"] > 0
+        # one engine for both timed runs: reset before each timed run and each batch-1 run (2 + 1)
+        assert r["info"]["starts"] == 1 and r["info"]["resets"] == 3 and not r["fresh_engine_per_run"]
+
+
+def test_a_peer_past_its_time_limit_is_a_timeout_row(tmp_path):
+    from nanovllm_bench.harness import run_peer
+    from nanovllm_bench.workload import cpu_tiny_workload
+    row = run_peer(_fake("fake[hangs]", "hangs"), cpu_tiny_workload(2), str(tmp_path), cuda=False, timeout_s=5,
+                   log_dir=str(tmp_path))
+    assert row["status"] == "timeout" and "ran past 5 s" in row["reason"] and row["wall_s"] < 30
+
+
+def test_the_bench_commands_forward_from_the_engine_cli():
+    """`python -m nanovllm_ref bench|download` reach the packages that register them (entry points)."""
+    import subprocess
+    import sys
+    for cmd, text in (("bench", "nanovllm_bench"), ("download", "fetch and convert")):
+        out = subprocess.run([sys.executable, "-m", "nanovllm_ref", cmd, "--help"], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and text in out.stdout, out.stderr[-1000:]
 
 
 def test_cpu_bench_records_median_min_max_load_and_equality_with_hf(tmp_path):
@@ -95,9 +216,9 @@ def test_tp_comm_cpu_smoke_counts_one_decode_steps_collectives(tmp_path):
 def test_step_profile_at_tensor_parallel_2_times_whole_steps_over_gloo():
     """--profile at TP=2 (the H200 pair's breakdown): every workload step is timed and each decode batch gets
     its whole-step time; the eager kernel profile, which would switch graphs off on rank 0 alone, is left out."""
-    from nanovllm_ref.bench import step_profile
+    from nanovllm_bench.profile import step_profile
     import tempfile
-    from nanovllm_ref.tiny import make_tiny_model
+    from nanovllm_models.tiny import make_tiny_model
     path = make_tiny_model(tempfile.mkdtemp(), "qwen3")
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     res = step_profile(path, dict(tensor_parallel_size=2, device="cpu", enforce_eager=True, max_model_len=64,
@@ -108,3 +229,19 @@ def test_step_profile_at_tensor_parallel_2_times_whole_steps_over_gloo():
     assert set(res["decode_steps"]) == {"bs1_ctx16", "bs3_ctx16"}
     for v in res["decode_steps"].values():
         assert v["tensor_parallel_size"] == 2 and v["graph_step_ms"] > 0 and "kernel_ms" not in v
+
+
+def test_run_options_set_engine_arguments_and_name_the_row():
+    """`--runs triton:graph:sync:nokernels` measures the same engine with async scheduling and the decode
+    kernels off, in a row of its own; an unknown option is refused by name."""
+    import argparse
+    from nanovllm_bench.cli import _runs
+    from nanovllm_bench.harness import plan_peers
+    runs = _runs("triton:graph,triton:graph:sync:nokernels")
+    assert runs == [("triton", False, ()), ("triton", False, ("sync", "nokernels"))]
+    specs = plan_peers(["nanovllm_ref"], runs, {"max_num_seqs": 8}, cuda=True, repeats=1, hf_repeats=1, batch1_repeats=0)
+    assert [s.name for s in specs] == ["nanovllm_ref[triton:graph]", "nanovllm_ref[triton:graph:sync:nokernels]"]
+    assert specs[1].options["engine_args"] == {"max_num_seqs": 8, "async_scheduling": False, "decode_kernels": "off"}
+    assert specs[0].options["engine_args"] == {"max_num_seqs": 8}
+    with pytest.raises(argparse.ArgumentTypeError, match="OPTION one of sync, nokernels"):
+        _runs("triton:graph:fast")

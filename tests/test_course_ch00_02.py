@@ -358,7 +358,7 @@ def test_ch00_decode_step_is_not_weight_bound():
 
 
 def test_ch00_says_the_model_is_dequantized_q4_1():
-    from nanovllm_ref import download
+    from nanovllm_models import download
     assert download.MODELS["smollm2"]["gguf_member"].endswith(".Q4_1.gguf")
     text = _markdown("00_setup_and_tour.ipynb")
     assert "Q4_1" in text and "dequantized" in text
@@ -383,3 +383,12 @@ def test_ch02_slowest_pair_periods():
     assert abs(torch.atan2(sin[1, -1], cos[1, -1]).item() - 2 * 3.141592653589793 / periods["SmolLM2-135M"]) < 1e-9
     text = _markdown("02_rope.ipynb")
     assert "tens of thousands" not in text and "438,000" in text and "5.1 million" in text
+
+
+# -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
+def test_e2_2_hints_for_the_result_type_and_shape():
+    fails(ch02.check_apply_rope, lambda positions, q, k, cos, sin: [*ch02.reference_apply_rope(positions, q, k, cos, sin)],
+          "E2.2", match="return a tuple")
+    msg = fails(ch02.check_apply_rope, lambda positions, q, k, cos, sin: tuple(
+        t.transpose(0, 1) for t in ch02.reference_apply_rope(positions, q, k, cos, sin)), "E2.2", match="shape")
+    assert "q_rot has the shape of q" in msg

@@ -220,6 +220,25 @@ def test_e3_3(capsys):
     fails(ch03.check_packed_loaders, qkv_ref, gate_up_swapped, match="gate_up_proj")
 
 
+def qkv_rebuilt(param, loaded_weight, shard_id, q_size, kv_size):
+    """Right rows, but param.data is rebound to a new tensor (torch.cat) instead of written in place."""
+    offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+    param.data = torch.cat([param.data[:offset], loaded_weight.to(param.dtype), param.data[offset + size:]])
+
+
+def gate_up_in_checkpoint_dtype(param, loaded_weight, shard_id, intermediate_size):
+    """Rebinds the parameter to the checkpoint's dtype when they differ."""
+    if param.dtype != loaded_weight.dtype:
+        param.data = param.data.to(loaded_weight.dtype)
+    param.data.narrow(0, shard_id * intermediate_size, intermediate_size).copy_(loaded_weight)
+
+
+def test_e3_3_loaders_must_keep_the_parameter():
+    for _ in range(3):
+        fails(ch03.check_packed_loaders, qkv_rebuilt, gate_up_ref, match="no longer uses its own memory")
+        fails(ch03.check_packed_loaders, qkv_ref, gate_up_in_checkpoint_dtype, match="after loading, the parameter is")
+
+
 def test_e3_4(capsys):
     passes(ch03.check_prefill_logits, make_prefill_logits(), make_build_model(), tag="E3.4", capsys=capsys)
     fails(ch03.check_prefill_logits, stub, make_build_model(), match="not implemented yet")
@@ -447,6 +466,42 @@ def test_e4_3(capsys):
     fails(ch04.check_store_kvcache, store_not_in_place, match="k_cache is unchanged")
     msg = fails(ch04.check_store_kvcache, store_forgets_v, match="v_cache is unchanged")
     assert "v_cache must receive `value` at the same slots as k_cache receives `key`" in msg
+
+
+def store_clamped_write_back(key, value, k_cache, v_cache, slot_mapping):
+    """No boolean filter: padding rows go to slot 0 and write slot 0's old contents back (a write that races
+    with the real row writing slot 0)."""
+    idx = slot_mapping.long().clamp(min=0)
+    valid = (slot_mapping >= 0)[:, None, None]
+    for cache, src in ((k_cache, key), (v_cache, value)):
+        flat = cache.view(-1, *cache.shape[2:])
+        flat[idx] = torch.where(valid, src, flat[idx])
+
+
+def store_skips_slot_0(key, value, k_cache, v_cache, slot_mapping):
+    keep = slot_mapping > 0
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep].long()] = key[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep].long()] = value[keep]
+
+
+def store_values_as_contiguous(key, value, k_cache, v_cache, slot_mapping):
+    """Reads value's memory as if it were a contiguous [N, Hkv, D] tensor (as_strided over its storage)."""
+    keep = slot_mapping >= 0
+    n, h, d = value.shape
+    flat_v = torch.as_strided(value, (n, h, d), (h * d, d, 1))
+    k_cache.view(-1, h, d)[slot_mapping[keep].long()] = key[keep]
+    v_cache.view(-1, h, d)[slot_mapping[keep].long()] = flat_v[keep]
+
+
+@pytest.mark.parametrize("fn,says", [
+    (store_clamped_write_back, "wrote slot 0's old contents back"),
+    (store_skips_slot_0, "slot 0 is a real slot"),
+    (store_writes_minus_one, "slot -1 means"),
+    (store_values_as_contiguous, "holds the wrong values"),
+])
+def test_e4_3_edge_slots_and_layouts_are_drawn_every_time(fn, says):
+    for _ in range(5):
+        fails(ch04.check_store_kvcache, fn, match=says)
 
 
 def test_ch04_paged_figure_arrows_end_on_their_blocks():
@@ -690,6 +745,14 @@ class HashBlocksNoAdvance(BlockManager):
         seq.num_hashed_blocks = n
 
 
+class KeepsHashedBlocks(BlockManager):
+    """deallocate forgets to reset num_hashed_blocks (block_table and num_cached_tokens are reset)."""
+    def deallocate(self, seq):
+        n = seq.num_hashed_blocks
+        super().deallocate(seq)
+        seq.num_hashed_blocks = n
+
+
 class StubManager:
     def __init__(self, num_blocks, block_size, enable_prefix_caching=True):
         raise NotImplementedError("Exercise 5.2: fill in this code")
@@ -753,6 +816,12 @@ def test_e5_3(capsys):
     fails(ch05.check_prefix_caching, StaleHashOnReuse, match="reset an old one")
     fails(ch05.check_prefix_caching, NoTokenCompare, match="compare the block's token_ids")
     fails(ch05.check_prefix_caching, HashBlocksNoAdvance, match="advances seq.num_hashed_blocks")
+
+
+def test_e5_3_deallocate_must_reset_num_hashed_blocks():
+    for _ in range(3):
+        msg = fails(ch05.check_prefix_caching, KeepsHashedBlocks, match="num_hashed_blocks")
+        assert "num_hashed_blocks = 0" in msg.split("hint:")[1], msg
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -840,3 +909,262 @@ def test_spec_is_not_a_transcription_of_the_solution(name, exercises):
             elif inside and len(line.strip()) >= 20 and re.sub(r"\s+", " ", line.strip()) in markdown:
                 copied.append(line.strip())
     assert not copied, copied
+
+
+# == every hint of chapters 03-05 has a mutant that reaches it =============================================
+
+def gqa_scaled_in_place(q, k, v, scale):
+    q.mul_(scale)                                              # pre-scale q "to save a multiply"
+    return ch03.reference_gqa_attention(q, k, v, 1.0)
+
+
+def gqa_uniform(q, k, v, scale):
+    """No mask, no scale, no query: the mean of the values (nothing the usual mistakes explain)."""
+    group = q.shape[1] // k.shape[1]
+    return v.float().repeat_interleave(group, 1).mean(0, keepdim=True).expand(q.shape).to(q.dtype)
+
+
+def attn_no_o_proj(attn, positions, x):
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = attn.q_norm(q.reshape(-1, attn.num_heads, attn.head_dim))
+    k = attn.k_norm(k.reshape(-1, attn.num_kv_heads, attn.head_dim))
+    q, k = attn.rotary_emb(positions, q, k)
+    return attn.attn(q.flatten(1), k.flatten(1), v)           # o_proj forgotten (same width in some configs)
+
+
+def mlp_no_silu(mlp, x):
+    gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+    return mlp.down_proj(gate * up)
+
+
+def qkv_skips_v(param, w, shard_id, q_size, kv_size):
+    if shard_id != "v":
+        qkv_ref(param, w, shard_id, q_size, kv_size)
+
+
+def qkv_scaled(param, w, shard_id, q_size, kv_size):
+    qkv_ref(param, w * 0.5, shard_id, q_size, kv_size)
+
+
+def qkv_frees_checkpoint(param, w, shard_id, q_size, kv_size):
+    qkv_ref(param, w, shard_id, q_size, kv_size)
+    w.zero_()
+
+
+def test_ch03_hints_are_reached():
+    for _ in range(3):
+        fails(ch03.check_gqa_attention, gqa_scaled_in_place, match="gqa_attention changed its input q")
+        msg = fails(ch03.check_gqa_attention, gqa_uniform, match="output differs from the reference")
+        assert "out[i, h] = softmax(scale" in msg
+        msg = fails(ch03.check_decoder_blocks, attn_no_o_proj, mlp_ref, match="attention_forward")
+        assert "-> o_proj" in msg
+        msg = fails(ch03.check_decoder_blocks, attn_ref, mlp_no_silu, match="mlp_forward differs")
+        assert "down_proj(silu(gate) * up)" in msg
+        fails(ch03.check_packed_loaders, qkv_skips_v, gate_up_ref, match="where shard 'v' belongs, were never written")
+        fails(ch03.check_packed_loaders, qkv_scaled, gate_up_ref, match="hold the wrong values")
+        fails(ch03.check_packed_loaders, qkv_frees_checkpoint, gate_up_ref, match="changed the checkpoint tensor")
+
+
+def test_e3_4_hints_are_reached():
+    base = make_prefill_logits()
+
+    def prompts_by_length(model, prompts):          # packs the prompts sorted by length: ids in another order
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out = base(model, [prompts[i] for i in order])
+        return out[torch.tensor(order).argsort()]
+
+    def positions_from_one(model, prompts):
+        ids = torch.tensor([t for p in prompts for t in p])
+        pos = torch.tensor([i + 1 for p in prompts for i in range(len(p))])
+        lens = [len(p) for p in prompts]
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        with attention_metadata(AttentionMetadata(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                  max_seqlen_q=max(lens), max_seqlen_k=max(lens))):
+            hidden = model(ids, pos)
+        return model.compute_logits(hidden[torch.tensor(lens).cumsum(0) - 1])
+
+    build = make_build_model()
+    fails(ch03.check_prefill_logits, prompts_by_length, build, match="the input_ids handed to the model")
+    msg = fails(ch03.check_prefill_logits, positions_from_one, build, match="the positions handed to the model")
+    assert "positions = 0, 1, ..., len(prompt) - 1" in msg
+    fails(ch03.check_prefill_logits, base, lambda d: build(d).state_dict(), match="expected the model")
+    fails(ch03.check_prefill_logits, base, lambda d: build(d).to(torch.bfloat16), match="expected torch.float32")
+
+    def hf_model(model_dir):
+        return ch03.hf_model(model_dir)
+    fails(ch03.check_prefill_logits, base, hf_model, match="has no parameter")
+
+
+def slots_2d(block_table, start, end, block_size):
+    return torch.tensor(slots_ref(block_table, start, end, block_size))[None]
+
+
+def slots_floats(block_table, start, end, block_size):
+    return [float(s) for s in slots_ref(block_table, start, end, block_size)]
+
+
+def slots_numpy(block_table, start, end, block_size):
+    import numpy as np
+    return np.array(slots_ref(block_table, start, end, block_size))
+
+
+def slots_stride_plus_one(block_table, start, end, block_size):
+    return [block_table[p // block_size] * (block_size + 1) + p % block_size for p in range(start, end)]
+
+
+def decode_scales_q_in_place(q, k_cache, v_cache, block_tables, context_lens, scale):
+    q.mul_(scale)
+    return torch_backend.paged_decode(q, k_cache, v_cache, block_tables, context_lens, 1.0)
+
+
+def store_drops_last_token(key, value, k_cache, v_cache, slot_mapping):
+    store_kvcache_torch(key[:-1], value[:-1], k_cache, v_cache, slot_mapping[:-1])
+
+
+def test_ch04_hints_are_reached():
+    for _ in range(3):
+        fails(ch04.check_slot_mapping, slots_2d, match="should be a 1-D integer tensor")
+        fails(ch04.check_slot_mapping, slots_floats, match="should hold ints")
+        fails(ch04.check_slot_mapping, slots_numpy, match="got ndarray")
+        msg = fails(ch04.check_slot_mapping, slots_stride_plus_one, match="went to slot")
+        assert "slot(p) = block_table[p // block_size] * block_size + p % block_size" in msg
+        fails(ch04.check_paged_decode, decode_scales_q_in_place, match="paged_decode modified its input q")
+        msg = fails(ch04.check_store_kvcache, store_drops_last_token, match="holds the wrong values|was not written")
+        assert "every row whose slot is >= 0 is written" in msg or "slot 0 is a real slot" in msg
+
+
+def hash_prefix_default_zero(token_ids, prefix_hash=0):
+    """Right for an explicit -1, but the default prefix is 0, not -1."""
+    return compute_block_hash(token_ids, prefix_hash)
+
+
+class CanAllocateRaises(BlockManager):
+    """can_allocate indexes the pool with the table it does not have yet."""
+    def can_allocate(self, seq):
+        return self.blocks[seq.block_table[0]].ref_count >= 0 or super().can_allocate(seq)
+
+
+class AllocateRaisesValueError(BlockManager):
+    def allocate(self, seq):
+        if seq.block_table or not self.can_allocate(seq):
+            raise ValueError("no room")
+        super().allocate(seq)
+
+
+class AllocateRefusalNotDone(BlockManager):
+    """The refusal branch of allocate is still a stub."""
+    def allocate(self, seq):
+        if seq.block_table or not self.can_allocate(seq):
+            raise NotImplementedError("Exercise 5.2: refuse")
+        super().allocate(seq)
+
+
+class HitNoRef(BlockManager):
+    """A prefix hit is put in the table without taking a reference on it."""
+    def allocate(self, seq):
+        super().allocate(seq)
+        for block_id in seq.block_table[:seq.num_cached_tokens // self.block_size]:
+            self.blocks[block_id].ref_count -= 1
+
+
+def _called_from_the_invariant_checker():
+    import sys
+    return sys._getframe(2).f_code.co_name == "check_block_manager"
+
+
+class NoBlocksAttribute(BlockManager):
+    """Keeps its blocks under another name (`pool`): the invariant checker finds no `blocks`."""
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.pool = self.__dict__.pop("blocks")
+
+    @property
+    def blocks(self):
+        if _called_from_the_invariant_checker():
+            raise AttributeError("'NoBlocksAttribute' object has no attribute 'blocks'")
+        return self.pool
+
+    @blocks.setter
+    def blocks(self, value):
+        self.__dict__["blocks"] = value
+
+
+class HitsNotHashedCount(BlockManager):
+    """allocate leaves num_hashed_blocks at 0 after prefix hits."""
+    def allocate(self, seq):
+        super().allocate(seq)
+        seq.num_hashed_blocks = 0
+
+
+class KeepsTable(BlockManager):
+    """deallocate frees the blocks but leaves the sequence's table in place."""
+    def deallocate(self, seq):
+        table = list(seq.block_table)
+        super().deallocate(seq)
+        seq.block_table = table
+
+
+class HitsCountBlocks(BlockManager):
+    """num_cached_tokens set to the number of hit blocks, not hit tokens."""
+    def allocate(self, seq):
+        super().allocate(seq)
+        seq.num_cached_tokens //= self.block_size
+
+
+class RevivesBySorting(BlockManager):
+    """Takes a revived hit out of the free pool by rebuilding the pool, sorted: the tables are right, the order of
+    the blocks left in the pool is not."""
+    def allocate(self, seq):
+        super().allocate(seq)
+        from collections import OrderedDict
+        self.free_block_ids = OrderedDict((b, None) for b in sorted(self.free_block_ids))
+
+
+class KeepsCachedWhenPreemptedMidPrompt(BlockManager):
+    """deallocate of a sequence preempted in the middle of its prompt (chunked prefill) keeps num_cached_tokens:
+    only the random streams (preemption under chunked prefill) get there."""
+    def deallocate(self, seq):
+        partial = 0 < seq.num_cached_tokens < len(seq) and seq.num_cached_tokens % self.block_size
+        n = seq.num_cached_tokens
+        super().deallocate(seq)
+        if partial:
+            seq.num_cached_tokens = n
+
+
+def test_e5_random_streams_catch_what_the_scenarios_do_not():
+    msg = fails(ch05.check_block_manager_basics, KeepsCachedWhenPreemptedMidPrompt, match="random request stream")
+    assert "num_cached_tokens" in msg and "deallocate resets the sequence" in msg
+
+
+class HashBlocksNoTokenIds(BlockManager):
+    """hash_blocks registers the hash but leaves the block's token_ids empty: no hit can be verified."""
+    def hash_blocks(self, seq):
+        super().hash_blocks(seq)
+        for b in seq.block_table:
+            self.blocks[b].token_ids = []
+
+
+def test_e5_3_hashed_blocks_keep_their_token_ids():
+    for _ in range(3):
+        msg = fails(ch05.check_prefix_caching, HashBlocksNoTokenIds, match="holds no token ids")
+        assert "block.token_ids = seq.block(i)" in msg
+
+
+def test_ch05_hints_are_reached():
+    for _ in range(3):
+        fails(ch05.check_compute_block_hash, hash_prefix_default_zero, match="without a prefix differs")
+        fails(ch05.check_block_manager_basics, CanAllocateRaises, match="can_allocate\\(A\\) raised IndexError")
+        fails(ch05.check_block_manager_basics, AllocateRaisesValueError, match="raised ValueError: no room, expected "
+                                                                               "RuntimeError")
+        fails(ch05.check_block_manager_basics, AllocateRefusalNotDone, match=r"not implemented yet .* \[in allocate")
+        msg = fails(ch05.check_prefix_caching, HitNoRef, match="invariant broken")
+        assert "allocate adds one reference to every block" in msg
+        fails(ch05.check_block_manager_basics, NoBlocksAttribute, match="check_block_manager could not read the manager")
+        msg = fails(ch05.check_prefix_caching, HitsNotHashedCount, match="num_hashed_blocks")
+        assert "allocate sets num_hashed_blocks to the number of prefix-hit blocks" in msg
+        msg = fails(ch05.check_block_manager_basics, KeepsTable, match="block_table")
+        assert "deallocate empties the sequence's table" in msg
+        msg = fails(ch05.check_prefix_caching, HitsCountBlocks, match="num_cached_tokens")
+        assert "allocate sets num_cached_tokens = number of prefix-hit blocks * block_size" in msg
+        msg = fails(ch05.check_prefix_caching, RevivesBySorting, match="free pool in the order")
+        assert "take from its front" in msg

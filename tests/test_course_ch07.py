@@ -328,7 +328,7 @@ def test_e7_1_mutants():
     fails("E7.1", DecodeBeforePrefill, "ran decode", "expected prefill", "prefill comes first")
     fails("E7.1", NoSeqCap, "scenario 'the max_num_seqs cap'", "max_num_seqs (2)")
     fails("E7.1", AdmitsAtZeroBudget, "0 tokens to compute")
-    fails("E7.1", SkipsBlockedHead, "scenario 'first come, first served'", "first come, first served")
+    fails("E7.1", SkipsBlockedHead, "scenario 'first come, first served'", "hint: first come, first served")
 
 
 def test_e7_2_mutants(monkeypatch):
@@ -414,3 +414,231 @@ def test_at_most_one_sequence_is_mid_prefill_when_a_step_starts():
     for seed in range(60):
         ch07._random_stream("E7.x", Spy, random.Random(seed))
     assert most == 1
+
+
+# -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
+class DecodeForgetsReturn(Ref):
+    def _schedule_decode(self):
+        super()._schedule_decode()                  # the list is built, but not returned
+
+
+class PreemptRemovesAgain(Ref):
+    """Removes the victim from `running` although the decode loop already popped it."""
+    def preempt(self, seq):
+        super().preempt(seq)
+        self.running.remove(seq)
+
+
+class ScheduleReturnsList(Ref):
+    def schedule(self):
+        return super().schedule()[0]
+
+
+class PromptNotCut(Ref):
+    """Schedules a whole prompt even past the budget (no chunking)."""
+    def _admit_waiting(self, budget):
+        admitted = super()._admit_waiting(budget)
+        for seq in admitted:
+            seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+        return admitted
+
+
+class PreemptNotCounted(Ref):
+    def preempt(self, seq):
+        super().preempt(seq)
+        self.num_preemptions -= 1
+
+
+class PreemptFreesByHand(Ref):
+    """Puts the victim's blocks back in the free pool by hand, without dropping their references."""
+    def preempt(self, seq):
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        bm = self.block_manager
+        for block_id in reversed(seq.block_table):
+            bm.used_block_ids.discard(block_id)
+            bm.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+        self.waiting.appendleft(seq)
+
+
+class PreemptKeepsStatus(Ref):
+    def preempt(self, seq):
+        super().preempt(seq)
+        seq.status = SequenceStatus.RUNNING
+
+
+class AdmitsBeforeChunks(Ref):
+    """Admits waiting sequences before continuing the unfinished prefill chunks."""
+    def _schedule_prefill(self):
+        budget = self.max_num_batched_tokens
+        admitted = self._admit_waiting(budget)
+        budget -= sum(s.num_scheduled_tokens for s in admitted)
+        chunks = []
+        for seq in list(self.running):
+            if seq.is_prefilling and seq not in admitted and budget > 0:
+                seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+                budget -= seq.num_scheduled_tokens
+                chunks.append(seq)
+        return admitted + chunks
+
+
+class NeverAppends(Ref):
+    """Advances the cache but never appends the sampled token."""
+    def postprocess(self, seqs, token_ids):
+        for seq in seqs:
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.hash_blocks(seq)
+        return []
+
+
+class TokensShifted(Ref):
+    """Appends the token sampled for the next sequence of the step (an off-by-one in the zip)."""
+    def postprocess(self, seqs, token_ids):
+        return super().postprocess(seqs, list(token_ids[1:]) + list(token_ids[:1]))
+
+
+class KeepsScheduledTokens(Ref):
+    def postprocess(self, seqs, token_ids):
+        counts = [s.num_scheduled_tokens for s in seqs]
+        finished = super().postprocess(seqs, token_ids)
+        for s, n in zip(seqs, counts):
+            if s not in finished:
+                s.num_scheduled_tokens = n
+        return finished
+
+
+class ReturnsNoFinished(Ref):
+    def postprocess(self, seqs, token_ids):
+        super().postprocess(seqs, token_ids)
+        return []
+
+
+class IgnoresEos(Ref):
+    def postprocess(self, seqs, token_ids):
+        return _postprocess(self, seqs, token_ids, lambda s, q, t: q.num_completion_tokens >= q.max_tokens
+                            or len(q) >= s.max_model_len)
+
+
+class MaxTokensOneLate(Ref):
+    def postprocess(self, seqs, token_ids):
+        return _postprocess(self, seqs, token_ids, lambda s, q, t: (not q.ignore_eos and t in s.eos)
+                            or q.num_completion_tokens > q.max_tokens or len(q) >= s.max_model_len)
+
+
+def _from_the_check():
+    import sys
+    return sys._getframe(2).f_code.co_filename.endswith("ch07.py")
+
+
+class RenamedQueues(Ref):
+    """Keeps its queues under other names (`queue`, `active`): the check finds no `waiting` / `running`."""
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.queue, self.active = self.__dict__.pop("waiting"), self.__dict__.pop("running")
+
+    def _get(name):
+        def get(self):
+            if _from_the_check():
+                raise AttributeError(name)
+            return getattr(self, {"waiting": "queue", "running": "active"}[name])
+
+        def put(self, value):
+            if "queue" in self.__dict__:
+                setattr(self, {"waiting": "queue", "running": "active"}[name], value)
+            else:
+                self.__dict__[name] = value
+        return property(get, put)
+    waiting, running = _get("waiting"), _get("running")
+
+
+class FinishedFreedByHand(Ref):
+    """Puts a finished sequence's blocks back in the free pool by hand, without dropping their references."""
+    def postprocess(self, seqs, token_ids):
+        bm = self.block_manager
+        real = bm.deallocate
+
+        def by_hand(seq):
+            for block_id in reversed(seq.block_table):
+                bm.used_block_ids.discard(block_id)
+                bm.free_block_ids[block_id] = None
+            seq.block_table = []
+            seq.num_cached_tokens = 0
+        bm.deallocate = by_hand
+        try:
+            return super().postprocess(seqs, token_ids)
+        finally:
+            bm.deallocate = real
+
+
+class RecomputesCachedTokens(Ref):
+    """Schedules the cached tokens again (but charges the budget right): the batch is right, the token count not."""
+    def _admit_waiting(self, budget):
+        admitted = super()._admit_waiting(budget)
+        for seq in admitted:
+            seq.num_scheduled_tokens += seq.num_cached_tokens
+        return admitted
+
+
+class PreemptedKeepsItsTable(Ref):
+    """Frees the victim's blocks in the manager, but the sequence still lists them."""
+    def preempt(self, seq):
+        table = list(seq.block_table)
+        super().preempt(seq)
+        seq.block_table = table
+
+
+class AdmittedStaysWaiting(Ref):
+    def _admit_waiting(self, budget):
+        admitted = super()._admit_waiting(budget)
+        for seq in admitted:
+            seq.status = SequenceStatus.WAITING
+        return admitted
+
+
+class DecodesAsOneTokenPrefills(Ref):
+    """Takes "fewer tokens cached than the sequence holds" for an unfinished prompt: after every sampled token
+    that is true, so each decode step is run as a 1-token prefill."""
+    def _schedule_prefill(self):
+        scheduled, budget = [], self.max_num_batched_tokens
+        for seq in self.running:
+            if seq.num_cached_tokens < len(seq) and budget > 0:
+                seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+                budget -= seq.num_scheduled_tokens
+                scheduled.append(seq)
+        return scheduled + self._admit_waiting(budget)
+
+
+class NeverFinished(Ref):
+    def is_finished(self):
+        return False
+
+
+@pytest.mark.parametrize("tag,cls,says", [
+    ("E7.2", DecodeForgetsReturn, "expected a list of Sequences, got NoneType"),
+    ("E7.2", PreemptRemovesAgain, "raised ValueError"),
+    ("E7.1", ScheduleReturnsList, "expected a tuple (list of sequences, is_prefill)"),
+    ("E7.1", PromptNotCut, "a prompt longer than what is left of the budget is cut"),
+    ("E7.2", PreemptNotCounted, "num_preemptions is"),
+    ("E7.2", PreemptFreesByHand, "block manager invariant broken after schedule()"),
+    ("E7.2", PreemptKeepsStatus, "preempt() sets seq.status = SequenceStatus.WAITING"),
+    ("E7.1", AdmitsBeforeChunks, "unfinished prefill chunks continue first"),
+    ("E7.3", NeverAppends, "append the sampled token"),
+    ("E7.3", TokensShifted, "append exactly token_ids[i]"),
+    ("E7.3", KeepsScheduledTokens, "still has num_scheduled_tokens"),
+    ("E7.3", ReturnsNoFinished, "return the list of sequences that finished in this step"),
+    ("E7.3", IgnoresEos, "finish when the sampled token is an eos id"),
+    ("E7.3", MaxTokensOneLate, "finish when num_completion_tokens reaches max_tokens"),
+    ("E7.3", NeverFinished, "every request finished on the reference, but"),
+    ("E7.1", DecodesAsOneTokenPrefills, "it decodes, it does not join a prefill step"),
+    ("E7.1", RenamedQueues, "the scheduler has no `waiting` / `running` queues"),
+    ("E7.3", FinishedFreedByHand, "an unfinished one keeps them"),
+    ("E7.1", RecomputesCachedTokens, "prefix-cache hits cost no budget"),
+    ("E7.2", PreemptedKeepsItsTable, "preempt() must give back all the victim's blocks"),
+    ("E7.1", AdmittedStaysWaiting, "is WAITING, expected RUNNING"),
+], ids=lambda x: x.__name__ if isinstance(x, type) else None)
+def test_every_hint_is_reached(tag, cls, says):
+    for _ in range(2):
+        fails(tag, cls, says)

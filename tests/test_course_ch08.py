@@ -2,6 +2,9 @@
 reference (printing exactly its `E8.n ok` line), fails on a stub with 'not implemented yet', and fails on
 the plausible mistakes the chapter names with a message chosen from what differs. Also: the host-sync spy
 sees `.item()` / `nonzero`, and the engine's own sampler passes the chapter's checks."""
+import re
+
+import pytest
 import torch
 
 from course_checks import fails, passes
@@ -78,7 +81,7 @@ def test_e8_2(capsys):
     fails(ch08.check_exponential_race, stub, "E8.2: not implemented yet")
     fails(ch08.check_exponential_race, noise_times, "multiplied by the noise")
     fails(ch08.check_exponential_race, noise_negated, "wrong sign")
-    fails(ch08.check_exponential_race, no_floor, "noise exactly 0")
+    fails(ch08.check_exponential_race, no_floor, "noise draw exactly 0")
     fails(ch08.check_exponential_race, race_with_item, "host sync")
 
 
@@ -198,3 +201,206 @@ def test_chi_square_p_is_calibrated_enough():
           for _ in range(200)]
     assert sum(p < 0.05 for p in ps) < 25                      # about 10 expected under the null
     assert ch08.chi_square_p(torch.full((30,), 1000.0), probs) < 1e-6
+
+
+# -- the kinds of issue 22: ties, inputs changed in place, state across calls -----------------------------------
+def greedy_all_ties(logits, temperatures):
+    """Greedy rows as `logits == max`: every tied maximum gets 1."""
+    lf = logits.float()
+    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures)).unsqueeze(-1)
+    hot = (lf == lf.max(-1, keepdim=True).values).float()
+    return torch.where((temperatures == 0).unsqueeze(-1), hot, torch.softmax(lf / t, -1))
+
+
+def greedy_as_tiny_temperature(logits, temperatures):
+    """T = 0 replaced by T = 1e-5: one-hot unless the maximum is tied."""
+    return torch.softmax(logits.float() / temperatures.clamp_min(1e-5).unsqueeze(-1), -1)
+
+
+def greedy_last_of_ties(logits, temperatures):
+    """One-hot at the LAST tied maximum (argmax of the flipped row)."""
+    lf = logits.float()
+    last = lf.shape[-1] - 1 - lf.flip(-1).argmax(-1, keepdim=True)
+    probs = ch08.reference_temperature_probs(logits, temperatures)
+    hot = torch.zeros_like(probs).scatter_(-1, last, 1.0)
+    return torch.where((temperatures == 0).unsqueeze(-1), hot, probs)
+
+
+def temperatures_fixed_in_place(logits, temperatures):
+    """Right probabilities, but greedy temperatures overwritten with 1 in the caller's tensor."""
+    greedy = temperatures == 0
+    temperatures[greedy] = 1.0
+    probs = torch.softmax(logits.float() / temperatures.unsqueeze(-1), -1)
+    return _greedy_fix(logits, torch.where(greedy, 0.0, temperatures), probs)
+
+
+def noise_floored_in_place(probs, noise):
+    return (probs / noise.clamp_min_(TINY)).argmax(-1)
+
+
+def top_k_off_rewritten_in_place(probs, top_k, top_p):
+    if top_k is not None:
+        top_k[top_k == 0] = probs.shape[-1]                  # "0 = off" turned into "keep all" in the caller's k
+    return ch08.reference_top_k_top_p(probs, top_k, top_p)
+
+
+def top_p_before_top_k(probs, top_k, top_p):
+    return ch08.reference_top_p_then_k(probs, top_k, top_p)
+
+
+def sample_reseeded(logits, metadata):
+    """A fixed seed on every call: every step draws the same noise."""
+    torch.manual_seed(1234)
+    return ch08.reference_sample(logits, metadata)
+
+
+def sample_own_generator(logits, metadata):
+    """A new generator with a fixed seed per call (the same mistake without touching the global RNG)."""
+    gen = torch.Generator(device=logits.device).manual_seed(7)
+    probs = ch08.reference_temperature_probs(logits, metadata.temperatures)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        probs = ch08.reference_top_k_top_p(probs, metadata.top_k, metadata.top_p)
+    return ch08.reference_exponential_race(probs, torch.empty_like(probs).exponential_(1.0, generator=gen))
+
+
+def sample_tiny_temperature(logits, metadata):
+    """Greedy rows sampled at T = 1e-5: right unless the maximum is tied."""
+    m = type(metadata)(metadata.temperatures.clamp_min(1e-5), False, metadata.top_k, metadata.top_p)
+    return ch08.reference_sample(logits, m)
+
+
+def sample_scales_logits_in_place(logits, metadata):
+    """Divides the caller's logits by the temperature in place."""
+    t = torch.where(metadata.temperatures > 0, metadata.temperatures, 1.0).unsqueeze(-1)
+    out = ch08.reference_sample(logits, metadata)
+    logits.div_(t.to(logits.dtype))
+    return out
+
+
+MUTANTS = [   # (check, wrong answer, what its message must say)
+    (ch08.check_temperature_probs, greedy_all_ties, "every tied token got 1.0"),
+    (ch08.check_temperature_probs, greedy_as_tiny_temperature, "temperature 0 is not a small temperature"),
+    (ch08.check_temperature_probs, greedy_last_of_ties, "the 1.0 goes to the FIRST of them"),
+    (ch08.check_temperature_probs, temperatures_fixed_in_place, "changed its input `temperatures`"),
+    (ch08.check_exponential_race, noise_floored_in_place, "changed its input `noise`"),
+    (ch08.check_top_k_top_p, top_k_off_rewritten_in_place, "changed its input `top_k`"),
+    (ch08.check_top_k_top_p, top_p_before_top_k, "top-k first, then top-p"),
+    (ch08.check_sample, sample_reseeded, "does not change from call to call"),
+    (ch08.check_sample, sample_own_generator, "does not change from call to call"),
+    (ch08.check_sample, sample_tiny_temperature, "whose maximum is tied"),
+    (ch08.check_sample, sample_scales_logits_in_place, "changed its input `logits`"),
+]
+
+
+@pytest.mark.parametrize("check,fn,says", MUTANTS, ids=[m[1].__name__ for m in MUTANTS])
+def test_mutants_of_issue_22_are_rejected_every_time_with_their_hint(check, fn, says):
+    for _ in range(3):
+        fails(check, fn, says)
+
+
+# -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
+def probs_transposed(logits, temperatures):
+    return ch08.reference_temperature_probs(logits, temperatures).T
+
+
+def temperature_plus_eps(logits, temperatures):
+    """'Avoid dividing by zero' with T + 1e-3: close, but not softmax(logits / T)."""
+    probs = torch.softmax(logits.float() / (temperatures + 1e-3).unsqueeze(-1), -1)
+    return _greedy_fix(logits, temperatures, probs)
+
+
+def race_plus_one(probs, noise):
+    """'Avoid dividing by zero' with E + 1: no longer a sample from p."""
+    return (probs / (noise + 1)).argmax(-1)
+
+
+def race_as_list(probs, noise):
+    return ch08.reference_exponential_race(probs, noise).tolist()
+
+
+def race_keepdim(probs, noise):
+    return (probs / noise.clamp_min(TINY)).argmax(-1, keepdim=True)
+
+
+def race_int32(probs, noise):
+    return ch08.reference_exponential_race(probs, noise).to(torch.int32)
+
+
+def _top_p_rule(probs, top_p, *, strict=False, keep_top=True):
+    """HF's top-p on probabilities, with two planted mistakes: `strict` drops running sums < 1 - p (not <=),
+    `keep_top=False` forgets to keep the most likely token."""
+    asc, order = probs.sort(dim=-1, stable=True)
+    running = asc.cumsum(-1)
+    threshold = torch.where(top_p < 1, 1 - top_p.double(), -1.0).to(torch.float32).unsqueeze(-1)
+    drop = running < threshold if strict else running <= threshold
+    if keep_top:
+        drop[:, -1] = False
+    kept = torch.zeros_like(probs).scatter(-1, order, asc.masked_fill(drop, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def top_p_strict(probs, top_k, top_p):
+    probs = ch08.reference_top_k_top_p(probs, top_k, None) if top_k is not None else probs
+    return probs if top_p is None else _top_p_rule(probs, top_p, strict=True)
+
+
+def top_p_drops_everything(probs, top_k, top_p):
+    probs = ch08.reference_top_k_top_p(probs, top_k, None) if top_k is not None else probs
+    return probs if top_p is None else _top_p_rule(probs, top_p, keep_top=False)
+
+
+def top_p_mask_not_scattered(probs, top_k, top_p):
+    """Builds top-p's keep mask on the sorted row, then applies it to the unsorted row (no scatter back)."""
+    probs = ch08.reference_top_k_top_p(probs, top_k, None) if top_k is not None else probs
+    if top_p is None:
+        return probs
+    desc = probs.sort(dim=-1, descending=True, stable=True).values
+    keep = (desc.cumsum(-1) - desc) < top_p.float().unsqueeze(-1)
+    kept = torch.where(keep, probs, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample_greedy_shortcut_by_sort(logits, metadata):
+    """The all-greedy shortcut takes the first index of a descending sort: on ties, not argmax's."""
+    if metadata.all_greedy:
+        return logits.float().sort(dim=-1, descending=True).indices[:, 0]
+    return ch08.reference_sample(logits, metadata)
+
+
+_CALLS = [0]
+
+
+def sample_two_seeds(logits, metadata):
+    """Alternates between two fixed seeds: consecutive calls differ, but the draws repeat every other call."""
+    _CALLS[0] += 1
+    torch.manual_seed(_CALLS[0] % 2)
+    return ch08.reference_sample(logits, metadata)
+
+
+def sample_temperature_squared(logits, metadata):
+    t = metadata.temperatures
+    m = type(metadata)(torch.where(t > 0, t * t, 0.0), metadata.all_greedy, metadata.top_k, metadata.top_p)
+    return ch08.reference_sample(logits, m)
+
+
+COVERAGE = [   # (check, wrong answer, what its message must say)
+    (ch08.check_temperature_probs, probs_transposed, "has shape"),
+    (ch08.check_temperature_probs, temperature_plus_eps, "differs from the reference"),
+    (ch08.check_exponential_race, race_plus_one, "token ids differ from argmax(probs / noise)"),
+    (ch08.check_exponential_race, race_as_list, "should return a torch.Tensor of token ids"),
+    (ch08.check_exponential_race, race_keepdim, "one token id per row"),
+    (ch08.check_exponential_race, race_int32, "expected torch.int64"),
+    (ch08.check_top_k_top_p, top_p_strict, "(<=, not <)"),
+    (ch08.check_top_k_top_p, top_p_drops_everything, "must keep at least one token"),
+    (ch08.check_top_k_top_p, top_p_mask_not_scattered, "keeps a different set of tokens"),
+    (ch08.check_top_k_top_p, lambda p, k, q: ch08.reference_top_k_top_p(p, k, q).double(), "has dtype torch.float64"),
+    (ch08.check_sample, sample_greedy_shortcut_by_sort, "an all-greedy batch did not give argmax(logits)"),
+    (ch08.check_sample, sample_two_seeds, "do not follow softmax(logits) together"),
+    (ch08.check_sample, sample_temperature_squared, "do not follow the filtered distribution"),
+]
+
+
+@pytest.mark.parametrize("check,fn,says", COVERAGE, ids=[f"{m[0].__name__}-{i}" for i, m in enumerate(COVERAGE)])
+def test_every_hint_is_reached(check, fn, says):
+    for _ in range(3):
+        fails(check, fn, re.escape(says))

@@ -1,5 +1,7 @@
 """Mutation tests for chapter 09's checks: each passes the reference answers and fails, with a message chosen
 from what differs, on the realistic wrong versions the chapter names."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -170,3 +172,177 @@ def test_chapter_09_loaders_reach_the_engine_unadapted():
     assert parts.gate_up_weight_loader is linear.load_gate_up_shard
     assert [(e.name, e.field) for e in ex.EXPORTS["09"]] == [("load_qkv_shard", "qkv_weight_loader"),
                                                              ("load_gate_up_shard", "gate_up_weight_loader")]
+
+
+# -- the kinds of issue 22: what a loader leaves behind, inputs changed in place, the optional bias -------------
+def vocab_rebound(layer, param, loaded_weight):
+    """`param.data = ` a slice of the checkpoint: right values, the checkpoint's dtype and memory."""
+    n = param.shape[0]
+    param.data = loaded_weight[layer.tp_rank * n:(layer.tp_rank + 1) * n]
+
+
+def row_rebound(layer, param, loaded_weight):
+    if param.dim() == 1:
+        param.data = loaded_weight
+    else:
+        n = param.shape[1]
+        param.data = loaded_weight.narrow(1, layer.tp_rank * n, n)
+
+
+def row_rebound_keeping_dtype(layer, param, loaded_weight):
+    """Rebinds to a cast copy: the dtype is right, but the parameter's own memory is gone."""
+    n = param.shape[-1]
+    param.data = (loaded_weight if param.dim() == 1 else loaded_weight.narrow(1, layer.tp_rank * n, n)).to(param.dtype)
+
+
+def vocab_new_parameter(layer, param, loaded_weight):
+    n = param.shape[0]
+    layer.weight = torch.nn.Parameter(loaded_weight[layer.tp_rank * n:(layer.tp_rank + 1) * n].to(param.dtype).clone(),
+                                      requires_grad=False)
+
+
+def embedding_walks_ids_in_place(ids, weight_shards):
+    """Right output, but the caller's ids are shifted down rank by rank (`ids -= n`)."""
+    out = 0
+    for w in weight_shards:
+        n = w.shape[0]
+        mine = (ids >= 0) & (ids < n)
+        out = out + F.embedding(ids.clamp(0, n - 1), w) * mine.unsqueeze(-1)
+        ids -= n
+    return out
+
+
+def row_bias_split_in_place(x_shards, weight_shards, bias=None):
+    """Every rank adds bias / tp (right in sum), but divides the caller's bias in place."""
+    if bias is not None:
+        bias.div_(len(x_shards))
+    return sum(F.linear(x, w, bias) for x, w in zip(x_shards, weight_shards))
+
+
+def row_bias_always_added(x_shards, weight_shards, bias=None):
+    return sum(F.linear(x, w) for x, w in zip(x_shards, weight_shards)) + bias
+
+
+def column_bias_always_indexed(x, weight_shards, bias_shards=None):
+    return torch.cat([F.linear(x, w, bias_shards[r]) for r, w in enumerate(weight_shards)], -1)
+
+
+@pytest.mark.parametrize("swap,expect", [
+    (dict(load_vocab=vocab_rebound), "no longer uses its own memory|after loading, the parameter is"),
+    (dict(load_row=row_rebound), "no longer uses its own memory|after loading, the parameter is"),
+    (dict(load_row=row_rebound_keeping_dtype), "no longer uses its own memory"),
+    (dict(load_vocab=vocab_new_parameter), "replaced a parameter of the layer"),
+])
+def test_loaders_that_rebind_instead_of_copying_are_rejected_every_time(swap, expect):
+    for _ in range(3):
+        with pytest.raises(AssertionError) as err:
+            ch09.check_shard_loaders(**loaders(**swap))
+        text = str(err.value)
+        assert text.startswith("E9.1:") and any(e in text for e in expect.split("|")), text
+        assert "copy_" in text
+
+
+@pytest.mark.parametrize("swap,expect", [
+    (dict(vocab_embedding=embedding_walks_ids_in_place), "changed its input (argument 1)"),
+    (dict(row_forward=row_bias_split_in_place), "changed its input (argument 3)"),
+])
+def test_forward_mutants_of_issue_22_are_rejected_every_time(swap, expect):
+    for _ in range(3):
+        with pytest.raises(AssertionError) as err:
+            ch09.check_simulated_forward(**forward(**swap))
+        assert str(err.value).startswith("E9.2:") and expect in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("swap,where", [(dict(row_forward=row_bias_always_added), "row_bias_always_added"),
+                                        (dict(column_forward=column_bias_always_indexed), "<listcomp>|column_bias")])
+def test_a_forward_that_needs_its_optional_bias_fails_in_the_students_code(swap, where):
+    """bias=None is passed on every call: code that assumes a bias raises, and the check cell names it."""
+    from nanovllm_course.common import verdict_line
+    with pytest.raises(TypeError) as err:
+        ch09.check_simulated_forward(**forward(**swap))
+    line = verdict_line("E9.2", err.value, err.value.__traceback__)
+    assert line.startswith("E9.2 failed: your code raised TypeError") and any(w in line for w in where.split("|")), line
+
+
+# -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
+def qkv_half_rows(layer, param, loaded_weight, shard_id):
+    """Copies only the first half of each slice's rows."""
+    q_size, kv_size = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+    half = max(1, size // 2)
+    param.data.narrow(0, offset, half).copy_(loaded_weight.narrow(0, layer.tp_rank * size, half))
+
+
+def qkv_scaled(layer, param, loaded_weight, shard_id):
+    """Right rows, but pre-scaled (as if folding a softmax scale into q): not a copy."""
+    ch09.reference_load_qkv_shard(layer, param, loaded_weight, shard_id)
+    param.data.mul_(0.5)
+
+
+def gate_up_frees_the_checkpoint(layer, param, loaded_weight, shard_id):
+    ch09.reference_load_gate_up_shard(layer, param, loaded_weight, shard_id)
+    loaded_weight.zero_()                                  # "free" it after use: other ranks still read it
+
+
+def row_rank0_columns(layer, param, loaded_weight):
+    """Every rank takes the first columns (rank 0's)."""
+    if param.dim() == 1:
+        param.data.copy_(loaded_weight)
+    else:
+        param.data.copy_(loaded_weight[:, :param.shape[1]])
+
+
+def row_bias_on_rank0_only(layer, param, loaded_weight):
+    """The bias is loaded on rank 0 only (it is added there): the other ranks' bias is never written."""
+    if param.dim() == 1:
+        if layer.tp_rank == 0:
+            param.data.copy_(loaded_weight)
+    else:
+        ch09.reference_load_row_shard(layer, param, loaded_weight)
+
+
+def column_pops_shards(x, weight_shards, bias_shards=None):
+    """Consumes the lists it was given (pop) while computing the right output."""
+    outs = []
+    while weight_shards:
+        w = weight_shards.pop(0)
+        b = bias_shards.pop(0) if bias_shards else None
+        outs.append(F.linear(x, w, b))
+    return torch.cat(outs, -1)
+
+
+def column_no_bias(x, weight_shards, bias_shards=None):
+    return torch.cat([F.linear(x, w) for w in weight_shards], -1)
+
+
+def row_no_bias(x_shards, weight_shards, bias=None):
+    return sum(F.linear(x, w) for x, w in zip(x_shards, weight_shards))
+
+
+def lm_head_rank0(hidden, weight_shards):
+    return F.linear(hidden, weight_shards[0])
+
+
+@pytest.mark.parametrize("swap,expect", [
+    (dict(load_qkv=qkv_half_rows), "some rows never written"),
+    (dict(load_qkv=qkv_scaled), "values that are not one run of rows of the checkpoint"),
+    (dict(load_gate_up=gate_up_frees_the_checkpoint), "changed the checkpoint tensor"),
+    (dict(load_row=row_rank0_columns), "the weight holds weight columns 0.."),
+    (dict(load_row=row_bias_on_rank0_only), "the bias holds nothing (never written)"),
+])
+def test_loader_hints_are_reached(swap, expect):
+    for _ in range(3):
+        with pytest.raises(AssertionError, match=re.escape(expect)):
+            ch09.check_shard_loaders(**loaders(**swap))
+
+
+@pytest.mark.parametrize("swap,expect", [
+    (dict(column_forward=column_pops_shards), "changed the list it was given as argument 2"),
+    (dict(column_forward=column_no_bias), "column_forward with tp=1: the bias is missing"),
+    (dict(row_forward=row_no_bias), "row_forward with tp=1: the bias is missing"),
+    (dict(lm_head=lm_head_rank0), "one rank's logits"),
+])
+def test_forward_hints_are_reached(swap, expect):
+    for _ in range(3):
+        with pytest.raises(AssertionError, match=re.escape(expect)):
+            ch09.check_simulated_forward(**forward(**swap))

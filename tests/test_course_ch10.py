@@ -146,7 +146,8 @@ def host_loop(key, value, k_cache, v_cache, slots):
 
 def test_capture_safe_store_mutants():
     fails("E10.3", masked_store, "aten.index", "boolean mask", "cannot capture")
-    fails("E10.3", host_loop, "aten._local_scalar_dense", "reads a tensor's value on the host")
+    # `if slots[i] >= 0` and `k_cache[slots[i]]` both read a value on the host; the 0-d index hint names the second
+    fails("E10.3", host_loop, "aten._local_scalar_dense", "on the host")
     fails("E10.3", clamp_only, "wrote there", "clamping sends it to slot 0")
     fails("E10.3", minus_one_index, "wrote there", "a -1 index means 'the last row'")
     fails("E10.3", old_value_back, "slot 0 kept its old contents", "either may win")
@@ -214,3 +215,66 @@ def test_cpu_stand_in_graph_replays_new_inputs_and_refuses_host_reads():
     with pytest.raises(ch10.CaptureError, match="nonzero|index"):
         with ch10.CPUGraphs.graph(ch10.CPUGraphs.CUDAGraph()):
             x[x > 1]
+
+
+# -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
+def ids_not_copied(buf, ids, pos, meta):
+    ch10.reference_fill_static_inputs(buf, ids, pos, meta)
+    buf["input_ids"][:ids.shape[0]] = 0
+
+
+def tables_not_copied(buf, ids, pos, meta):
+    """Clears the block tables to -1 but never copies this step's in."""
+    ch10.reference_fill_static_inputs(buf, ids, pos, meta)
+    buf["block_tables"].fill_(-1)
+
+
+def padding_table_rows_stale(buf, ids, pos, meta):
+    """Clears the real rows' stale columns, but leaves the padding rows' tables from the previous step."""
+    b, w = meta.block_tables.shape
+    old = buf["block_tables"][b:].clone()
+    ch10.reference_fill_static_inputs(buf, ids, pos, meta)
+    buf["block_tables"][b:] = old
+
+
+def clears_outputs(buf, ids, pos, meta):
+    ch10.reference_fill_static_inputs(buf, ids, pos, meta)
+    buf["outputs"].zero_()
+
+
+def test_fill_static_inputs_hints_are_reached():
+    for _ in range(3):
+        fails("E10.2", ids_not_copied, "buffers['input_ids']", "does not hold this step's input_ids")
+        fails("E10.2", tables_not_copied, "does not hold this step's block tables")
+        fails("E10.2", padding_table_rows_stale, "of block_tables should be all -1")
+        fails("E10.2", clears_outputs, "buffers['outputs'] changed")
+
+
+def anchor_without_a_real_row(key, value, k_cache, v_cache, slots):
+    """The capture-safe trick with a slip: with no real row in the step, the padding rows still send the first
+    row's K/V to slot 0 (instead of slot 0's own contents)."""
+    s = slots.long()
+    real = s >= 0
+    first = real.long().argmax().view(1)
+    target = torch.where(real, s, s.index_select(0, first).clamp(min=0))
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        rows = torch.where(real[:, None, None], src, src.index_select(0, first))
+        _flat(cache).index_copy_(0, target, rows)
+
+
+def kv_swapped_capture_safe(key, value, k_cache, v_cache, slots):
+    ch10.reference_store_kvcache(value, key, k_cache, v_cache, slots)
+
+
+def test_capture_safe_store_hints_are_reached():
+    for _ in range(3):
+        fails("E10.3", anchor_without_a_real_row, "changed although no real row writes it")
+        fails("E10.3", kv_swapped_capture_safe, "does not hold the row written to it")
+
+
+def test_graph_replay_hints_are_reached():
+    fails("E10.4", lambda run_step, bs, cuda: ch10.reference_capture_decode_graph(run_step, bs, cuda)[::-1],
+          "capture should return (the graph, the output tensor")
+    if not torch.cuda.is_available():
+        with pytest.raises(AssertionError, match="needs a CUDA GPU"):
+            ch10.check_graph_replay(ch10.reference_capture_decode_graph, device="cuda")

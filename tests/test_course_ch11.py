@@ -12,7 +12,7 @@ import pytest
 
 import course_checks
 from nanovllm_course import ch11
-from nanovllm_ref.bench import model_stats, physical_floor
+from nanovllm_bench.floor import model_stats, physical_floor
 
 CHECKS = {"E11.1": ch11.check_workload_floor, "E11.2": ch11.check_throughput, "E11.3": ch11.check_compute_bound_batch}
 
@@ -246,7 +246,7 @@ def test_h200_table_reads_the_committed_results():
 
 
 def test_floor_matches_the_committed_h200_floor():
-    from nanovllm_ref.bench import make_workload
+    from nanovllm_bench.workload import make_workload
     h200 = ch11.h200_result("bench_h200.json")
     prompts, max_tokens = make_workload(256)
     fl = physical_floor(prompts, max_tokens, model_stats(ch11.qwen3_06b_config()),
@@ -259,3 +259,98 @@ def test_roofline_finite_where_never_compute_bound():
         b = ch11.reference_compute_bound_batch(st, bw, fl, c)
         return 170.0 if math.isinf(b) else b
     fails("E11.3", wrong, "never becomes compute-bound", "math.inf")
+
+
+# -- issue 22: the hint names the mistake that explains every case --------------------------------------------
+def _floor_head_dim(prompts, max_tokens, config, bw, flops, *, everywhere=False):
+    """head_dim taken as hidden_size // num_attention_heads (for the K/V only, or for the whole model)."""
+    import copy
+    wrong = copy.deepcopy(config)
+    wrong.head_dim = config.hidden_size // config.num_attention_heads
+    st, ws = model_stats(config), model_stats(wrong)
+    return physical_floor(prompts, max_tokens, ws if everywhere else dict(st, kv_bytes_per_token=ws["kv_bytes_per_token"]),
+                          bw, flops)
+
+
+def _floor_tied_ignored(prompts, max_tokens, config, bw, flops):
+    import copy
+    untied = copy.deepcopy(config)
+    untied.tie_word_embeddings = False
+    st, u = model_stats(config), model_stats(untied)
+    return physical_floor(prompts, max_tokens, dict(st, params=u["params"], weight_bytes=u["weight_bytes"]), bw, flops)
+
+
+def _floor_steps_summed(prompts, max_tokens, config, bw, flops):
+    out = _floor(prompts, max_tokens, config, bw, flops)
+    out["weight_bytes"] = sum(m - 1 for m in max_tokens) * 2 * model_stats(config)["params"]
+    out["weight_read_s"] = out["weight_bytes"] / bw
+    out["floor_s"] = out["kv_read_s"] + out["weight_read_s"] + out["prefill_s"]
+    return out
+
+
+@pytest.mark.parametrize("fn,says", [
+    (lambda *a: _floor_head_dim(*a), "kv_bytes uses head_dim = hidden_size / num_attention_heads"),
+    (lambda *a: _floor_head_dim(*a, everywhere=True), "head_dim taken as hidden_size / num_attention_heads"),
+    (_floor_tied_ignored, "the embeddings are tied"),
+    (_floor_steps_summed, "each step reads them once for everyone"),
+    (lambda *a: _floor(*a, kv_factor=1), "kv_bytes is half"),
+], ids=["head_dim_kv", "head_dim_everywhere", "tied_ignored", "steps_summed", "kv_half"])
+def test_floor_mutants_get_their_own_hint_every_time(fn, says):
+    for _ in range(3):
+        text = fails("E11.1", fn, says)
+        if "head_dim" in says:
+            assert "kv_bytes is half" not in text
+
+
+# -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
+def test_floor_not_a_dict():
+    fails("E11.1", lambda *a: list(_floor(*a).values()), "should return a dict")
+
+
+def test_floor_kv_attends_one_position_too_many():
+    """Decode token t attends over P + t + 1 positions: no usual mistake explains it, so the message names the key."""
+    def wrong(prompts, max_tokens, config, bw, flops):
+        out = _floor(prompts, max_tokens, config, bw, flops)
+        kv_tok = model_stats(config)["kv_bytes_per_token"]
+        out["kv_bytes"] = sum(kv_tok * ((m - 1) * (len(p) + 1) + (m - 1) * m // 2) for p, m in zip(prompts, max_tokens))
+        out["kv_read_s"] = out["kv_bytes"] / bw
+        out["floor_s"] = out["kv_read_s"] + out["weight_read_s"] + out["prefill_s"]
+        return out
+    fails("E11.1", wrong, "kv_bytes is", "count per decode token the K/V it reads")
+
+
+def test_throughput_divided_by_the_whole_run():
+    def wall(trace):
+        out = _throughput(trace)
+        for kind in ("prefill", "decode"):
+            out[f"{kind}_tok_s"] = out[f"{kind}_tokens"] / (out["prefill_s"] + out["decode_s"])
+        return out
+    fails("E11.2", wall, "divides by the whole run's seconds")
+
+
+def test_throughput_rounded_seconds():
+    def rounded(trace):
+        out = _throughput(trace)
+        out["decode_s"] = round(out["decode_s"], 2)
+        out["decode_tok_s"] = out["decode_tokens"] / out["decode_s"]
+        return out
+    fails("E11.2", rounded, "decode_s is", "the check is exact")
+
+
+def test_roofline_not_a_number():
+    fails("E11.3", lambda st, bw, fl, c=0: str(ch11.reference_compute_bound_batch(st, bw, fl, c)), "should return a float")
+
+
+def test_roofline_attention_left_out():
+    for _ in range(5):
+        fails("E11.3", lambda st, bw, fl, c=0: ch11.reference_compute_bound_batch(dict(st, attn_flops_coef=0), bw, fl, c),
+              "attention FLOPs are left out")
+
+
+def test_roofline_weights_read_per_sequence():
+    """Memory per step counted as B x weights: no usual mistake explains it."""
+    def wrong(st, bw, fl, c=0):
+        flop = 2 * st["params"] + st["attn_flops_coef"] * c
+        slope = flop / fl - (st["weight_bytes"] + c * st["kv_bytes_per_token"]) / bw
+        return math.inf if slope <= 0 else 1.0 / slope
+    fails("E11.3", wrong, "returned", "solve memory time = compute time")

@@ -52,7 +52,7 @@ def boom(logits, metadata):
 
 def test_a_failing_engine_is_recorded_with_its_error_and_the_figure_still_draws(tmp_path):
     mod = load_script()
-    from nanovllm_ref.bench import make_model_folder
+    from nanovllm_bench.workload import make_model_folder
     from nanovllm_course.figures_ch12 import capstone_throughput
     path = make_model_folder("tiny", str(tmp_path / "model"))
     prompts, max_tokens = mod.workload(dict(mod.SMOKE, requests=2))
@@ -70,7 +70,7 @@ def test_a_failing_engine_is_recorded_with_its_error_and_the_figure_still_draws(
 def test_the_time_budget_stops_timed_runs_early(tmp_path):
     mod = load_script()
     import time
-    from nanovllm_ref.bench import make_model_folder
+    from nanovllm_bench.workload import make_model_folder
     path = make_model_folder("tiny", str(tmp_path / "model"))
     prompts, max_tokens = mod.workload(dict(mod.SMOKE, requests=2))
     rec = mod.run_engine(path, Parts(), prompts, max_tokens, mod.SMOKE, deadline=time.monotonic())

@@ -6,18 +6,31 @@
 * every released chapter, run unfilled with nbclient, grades `E1.1 not done yet` at every exercise and no
   other cell raises (later sections use the reference), within 90 s;
 * the released chapter with the solution's exercise code pasted back grades all ok (`grade`, what a grader
-  runs on a correct student copy); a wrong answer grades `E1.1 failed: ...` at that exercise only.
+  runs on a correct student copy); a wrong answer grades `E1.1 failed: ...` at that exercise only;
+* `pytest --nbval` grades too (nanovllm_course/nbval_grading.py): on the unfilled chapters it fails once per
+  exercise, under the exercise's id, with `Ex.y not done yet`, and nowhere else, within each chapter's CPU
+  budget; on the filled chapters it passes; on a copy with right, wrong and missing answers it agrees with
+  `grade` on every exercise;
+* a released chapter opens with no output that claims anything about the student's code;
+* each chapter declares its engine parts once (chNN.PARTS), and every part declared is run inside the engine
+  by its exercise's check cell, and every part run there is declared;
+* `export` writes beside the notebooks it reads: two folders exported at once stay apart.
 """
+import ast
+import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from nanovllm_course import export as ex
 from nanovllm_course import release as rel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,3 +314,304 @@ def test_grade_reports_one_line_per_exercise(tmp_path):
     assert lines[1] == "E1.2 not done yet", lines
     assert lines[-1] == f"{name}: 0 of 2 exercises ok" and len(lines) == 3, lines
     assert not grade.ok
+
+
+
+# -- what a student sees on opening a chapter --------------------------------------------------------------------
+def _code(source, tags=()):
+    cell = nbformat.v4.new_code_cell(source)
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="something\n")]
+    cell.execution_count = 1
+    return cell
+
+
+def test_cells_that_show_the_students_work_are_found_by_following_the_data():
+    """A cell reading a name an exercise cell defines shows the student's work, and so does a cell reading a name
+    such a cell bound; a later rebinding from the reference ends it. Engine helpers and the `yours` tag count."""
+    cells = [_code("import torch\ndef f(x):\n    ### BEGIN SOLUTION E3.1: t\n    return x\n    ### END SOLUTION"),
+             _check_cell("ch03.check_f(f)", "E3.1 ok\n"),
+             _code("print(f(1))"),                                   # 2: calls the student's f
+             _code("y = [f(k) for k in range(3)]"),                  # 3: binds y from f
+             _code("print(len(y))"),                                 # 4: reads y
+             _code("print(torch.ones(2))"),                          # 5: torch came from the exercise cell's import: not the student's
+             _code("from nanovllm_course.ch03 import reference_f as f\ny = 3"),   # 6: rebinds both
+             _code("print(f(2), y)"),                                # 7: the reference's f now
+             _code("your_part_in_the_engine(g=g)"),                  # 8: an engine helper
+             _code("ch08.your_sampler_in_the_engine(1)"),            # 9: an engine helper, as an attribute
+             _code("table()", tags=("yours",)),                      # 10: tagged
+             _code("%time print(2)"),                                # 11: a magic, nothing of the student's
+             _code("def show():\n    return g(2)\n"),                # 12: g is not the student's
+             _code("def demo():\n    return f(1)\nz = 1")]            # 13: f is the reference's here
+    nb = _nb(cells)
+    assert rel.student_dependent_cells(nb) == [2, 3, 4, 8, 9, 10]
+    out = rel.release_notebook(nb, "03_x.ipynb")
+    assert [i for i, c in enumerate(out.cells) if c.outputs] == [5, 6, 7, 11, 12, 13]
+    assert all(out.cells[i].execution_count is None for i in (0, 1, 2, 3, 4, 8, 9, 10))
+
+
+_CLAIMS = re.compile(r"ran inside the engine|\byours\b|\bYour\b|^E\d+\.\d+ (ok|not done yet|failed)", re.M)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_a_released_chapter_claims_nothing_about_the_students_code(name):
+    """Every cell whose output depends on the student's code (release.student_dependent_cells of the solution)
+    is stored without output in the released chapter, and, independently of that analysis, no stored output
+    speaks of 'your' code, the parts that are 'yours', or a verdict."""
+    sol = nbformat.read(REPO / "solutions" / name, as_version=4)
+    chap = nbformat.read(REPO / "chapters" / name, as_version=4)
+    dependent = rel.student_dependent_cells(sol)
+    for i in dependent:
+        assert chap.cells[i].outputs == [] and chap.cells[i].execution_count is None, (name, i)
+    for i, cell in enumerate(chap.cells):
+        if cell.cell_type != "code":
+            continue
+        calls = {getattr(n.func, "id", None) or getattr(n.func, "attr", None)
+                 for n in ast.walk(rel._parse_cell(cell.source) or ast.Module([], [])) if isinstance(n, ast.Call)}
+        if calls & rel.ENGINE_HELPERS and not rel.is_check_cell(cell) or rel.shows_student_work(cell):
+            assert i in dependent, (name, i)
+        text = "".join(o.get("text", "") + "".join(v for v in o.get("data", {}).values() if isinstance(v, str))
+                       for o in cell.outputs)
+        m = _CLAIMS.search(text)
+        assert m is None, f"{name} cell {i} stores {m.group(0)!r}: {text[:200]!r}"
+
+
+# -- pytest --nbval grades ---------------------------------------------------------------------------------------
+NBVAL = ["--nbval", "--nbval-current-env", "--nbval-sanitize-with", str(REPO / "tests" / "nbval_sanitize.cfg")]
+
+
+@dataclasses.dataclass
+class Case:
+    name: str          # "E1.1" or "Cell 3"
+    outcome: str       # passed, failed, skipped, xfailed
+    message: str
+    seconds: float
+
+
+def run_nbval(paths, junit: Path, timeout: int) -> dict[str, list[Case]]:
+    """pytest --nbval on `paths` from the repository root (as a grader runs it); {notebook name: [Case]}."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *NBVAL,
+                           f"--junitxml={junit}", *map(str, paths)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert junit.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    found: dict[str, list[Case]] = {}
+    for tc in ET.parse(junit).iter("testcase"):
+        nb = re.search(r"(\d\d_[a-z0-9_]+\.ipynb)$", tc.get("classname", "")).group(1)
+        outcome, message = "passed", ""
+        for child in tc:
+            if child.tag in ("failure", "error"):
+                outcome, message = "failed", child.get("message", "")
+            elif child.tag == "skipped":
+                outcome = "xfailed" if child.get("type") == "pytest.xfail" else "skipped"
+                message = child.get("message", "")
+        found.setdefault(nb, []).append(Case(tc.get("name"), outcome, message, float(tc.get("time", 0))))
+    return found
+
+
+def exercises_of_notebook(nb) -> list[str]:
+    return [e for c in nb.cells if rel.is_check_cell(c) for e in rel.checked_exercises(c)]
+
+
+@pytest.fixture(scope="module")
+def nbval_unfilled(tmp_path_factory):
+    junit = tmp_path_factory.mktemp("nbval") / "unfilled.xml"
+    return run_nbval([REPO / "chapters"], junit, timeout=len(NOTEBOOKS) * 3 * NOTEBOOK_SECONDS)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_pytest_nbval_fails_an_unfilled_chapter_once_per_exercise_by_its_id(name, nbval_unfilled):
+    nb = nbformat.read(REPO / "chapters" / name, as_version=4)
+    cases = nbval_unfilled[name]
+    failed = [(c.name, c.message) for c in cases if c.outcome == "failed"]
+    assert failed == [(e, f"{e} not done yet") for e in exercises_of_notebook(nb)], failed
+    assert all(c.outcome in ("passed", "failed") or (c.outcome == "skipped" and "gpu" in c.message) for c in cases), \
+        [(c.name, c.outcome, c.message) for c in cases if c.outcome not in ("passed", "failed")]
+    seconds, budget = sum(c.seconds for c in cases), rel.cpu_budget(nb)
+    assert seconds <= budget, f"{name} took {seconds:.0f} s under pytest --nbval (its CPU budget is {budget:.0f} s)"
+
+
+@pytest.fixture(scope="module")
+def nbval_filled(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("filled")
+    for name in NOTEBOOKS:
+        (folder / name).write_text(rel.dumps(filled_chapter(name)), encoding="utf-8")
+    return run_nbval([folder], folder / "filled.xml", timeout=len(NOTEBOOKS) * 3 * NOTEBOOK_SECONDS)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_pytest_nbval_passes_a_filled_chapter(name, nbval_filled):
+    nb = nbformat.read(REPO / "solutions" / name, as_version=4)
+    cases = nbval_filled[name]
+    assert [c.name for c in cases if c.name.startswith("E")] == exercises_of_notebook(nb)
+    bad = [(c.name, c.outcome, c.message) for c in cases
+           if c.outcome not in ("passed", "skipped") or (c.outcome == "skipped" and "gpu" not in c.message)]
+    assert not bad, bad
+    seconds, budget = sum(c.seconds for c in cases), rel.cpu_budget(nb)    # the engine runs of the checks included
+    assert seconds <= budget, f"{name} took {seconds:.0f} s filled, under pytest --nbval (CPU budget {budget:.0f} s)"
+
+
+def test_pytest_nbval_and_grade_agree_on_right_wrong_and_missing_answers(tmp_path):
+    """Two notebooks of one student: 01 with E1.1 right but its check cell deleted and E1.2 wrong; 04 with E4.1
+    right, E4.2 still the stub and E4.3 a store that reads V with K's strides (the engine sees it if the unit
+    check does not). `grade` and `pytest --nbval` give every exercise the same verdict (the same line, up to
+    the numbers of the fresh random case each run drew)."""
+    ch01 = filled_chapter("01_rmsnorm.ipynb")
+    first_check = rel.expected_failures(ch01)[0]
+    del ch01.cells[first_check]
+    cell = next(c for c in ch01.cells if "def fused_add_rms_norm(" in c.source)
+    lines = cell.source.split("\n")
+    begin = next(i for i, l in enumerate(lines) if "### BEGIN SOLUTION" in l)
+    lines.insert(begin + 1, lines[begin][:len(lines[begin]) - len(lines[begin].lstrip())] + "x = x * 1.01")
+    cell.source = "\n".join(lines)                                     # a wrong E1.2: scales the input
+    ch04 = filled_chapter("04_kv_cache_paged_attention.ipynb")
+    stub04 = nbformat.read(REPO / "chapters" / "04_kv_cache_paged_attention.ipynb", as_version=4)
+    i42 = next(i for i, c in enumerate(stub04.cells) if "def paged_decode(" in c.source and ex.STUB_MARK in c.source)
+    ch04.cells[i42] = stub04.cells[i42]
+    i43 = next(i for i, c in enumerate(ch04.cells) if "def store_kvcache(" in c.source)
+    ch04.cells[i43].source = ch04.cells[i43].source + (
+        "\n\n\n_right_store = store_kvcache\n\n\n"
+        "def store_kvcache(key, value, k_cache, v_cache, slot_mapping):\n"
+        "    _right_store(key, value.as_strided(value.shape, key.stride(), value.storage_offset()), k_cache, v_cache,"
+        " slot_mapping)")
+    folder = tmp_path / "student"
+    folder.mkdir()
+    for name, nb in (("01_rmsnorm.ipynb", ch01), ("04_kv_cache_paged_attention.ipynb", ch04)):
+        (folder / name).write_text(rel.dumps(nb), encoding="utf-8")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    graded = subprocess.run([sys.executable, "-m", "nanovllm_course", "grade", str(folder)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=6 * NOTEBOOK_SECONDS)
+    assert graded.returncode == 1, graded.stdout + graded.stderr
+    grade_lines = {l.split(" ")[0]: l for l in graded.stdout.splitlines() if rel.VERDICT.match(l)}
+    assert sorted(grade_lines) == ["E1.1", "E1.2", "E4.1", "E4.2", "E4.3"], graded.stdout
+    assert grade_lines["E1.1"] == "E1.1 failed: its check cell is missing from the notebook"
+    assert grade_lines["E1.2"].startswith("E1.2 failed: ") and grade_lines["E4.1"] == "E4.1 ok"
+    assert grade_lines["E4.2"] == "E4.2 not done yet" and grade_lines["E4.3"].startswith("E4.3 failed: ")
+    cases = run_nbval([folder], tmp_path / "mixed.xml", timeout=6 * NOTEBOOK_SECONDS)
+    verdicts = {}
+    for nb_cases in cases.values():
+        for c in nb_cases:
+            if re.match(r"E\d+\.\d+$", c.name):
+                verdicts[c.name] = f"{c.name} ok" if c.outcome == "passed" else c.message
+    # the checks draw fresh inputs on each run, so sizes and values in a message differ between the two runs
+    def shape(line):
+        return re.sub(r"-?\d+(\.\d+)?(e-?\d+)?", "#", line)
+    assert sorted(verdicts) == sorted(grade_lines)
+    assert {e: shape(v) for e, v in verdicts.items()} == {e: shape(v) for e, v in grade_lines.items()}
+    others = [(c.name, c.outcome) for nb_cases in cases.values() for c in nb_cases
+              if not c.name.startswith("E") and c.outcome not in ("passed", "skipped")]
+    assert others == [], others
+
+
+def test_the_plugin_knows_a_chapter_from_its_solution_and_from_other_notebooks(tmp_path):
+    """A notebook named like a solution is graded against it; the solution itself is checked strictly (every
+    output equal to the stored one: the maintainers' gate); any other notebook is left to nbval."""
+    from nanovllm_course import nbval_grading
+    sol, is_solution = nbval_grading.reference_of(REPO / "solutions" / "01_rmsnorm.ipynb")
+    assert is_solution and rel.checked_exercises(next(c for c in sol.cells if rel.is_check_cell(c))) == ["E1.1"]
+    copy_, is_solution = nbval_grading.reference_of(REPO / "chapters" / "01_rmsnorm.ipynb")
+    assert copy_ is not None and not is_solution
+    assert nbval_grading.reference_of(tmp_path / "notes.ipynb") == (None, False)
+
+
+# -- one registry per chapter --------------------------------------------------------------------------------------
+def _engine_calls(nb) -> set:
+    """{(exercise, frozenset of names)} of the `in_the_engine("E4.3", store_kvcache=store_kvcache)` calls in a
+    notebook's check cells, each inside `with check` of the same exercise."""
+    calls = set()
+    for cell in nb.cells:
+        if not rel.is_check_cell(cell):
+            continue
+        named = set(rel.CHECK_CALL.findall(cell.source))
+        for node in ast.walk(ast.parse(cell.source)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "in_the_engine":
+                tag = node.args[0].value
+                assert tag in named, f"in_the_engine({tag!r}) outside `with check({tag!r})`"
+                assert all(isinstance(k.value, ast.Name) and k.value.id == k.arg for k in node.keywords)
+                calls.add((tag, frozenset(k.arg for k in node.keywords)))
+    return calls
+
+
+def registry_problems(declared: dict, notebooks: dict) -> list[str]:
+    """What is wrong between the chapters' PARTS declarations and their solution notebooks."""
+    fields = {f.name for f in dataclasses.fields(__import__("nanovllm_ref").Parts)}
+    problems = []
+    for chapter, nb in notebooks.items():
+        defined = {}
+        for cell in nb.cells:
+            if rel.is_exercise_cell(cell):
+                for node in ast.parse(cell.source).body:
+                    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                        defined[node.name] = rel.exercises_of(cell)
+        parts = declared.get(chapter, [])
+        for p in parts:
+            lo, hi = (p.exercise.split("-") + [p.exercise])[:2]
+            span = [f"E{int(chapter)}.{n}" for n in range(int(lo.split(".")[1]), int(hi.split(".")[1]) + 1)]
+            if p.field not in fields:
+                problems.append(f"ch{chapter} {p.exercise}: {p.field!r} is not a Parts field")
+            if not set(defined.get(p.name, [])) & set(span):
+                problems.append(f"ch{chapter} {p.exercise}: no exercise cell of {sorted(span)} defines {p.name}")
+        want = {}
+        for p in parts:
+            want.setdefault(p.graded_by, set()).add(p.name)
+        want = {(t, frozenset(n)) for t, n in want.items()}
+        got = _engine_calls(nb)
+        for tag, names in sorted(want - got, key=str):
+            problems.append(f"ch{chapter} {tag}: declares {sorted(names)}, which its check cell does not run "
+                            "inside the engine (in_the_engine)")
+        for tag, names in sorted(got - want, key=str):
+            problems.append(f"ch{chapter} {tag}: its check cell runs {sorted(names)} inside the engine, which "
+                            f"chapter {chapter}'s PARTS does not declare for {tag}")
+    return problems
+
+
+def _solutions_by_chapter():
+    return {p.name[:2]: nbformat.read(p, as_version=4) for p in rel.solution_paths(REPO / "solutions")}
+
+
+def test_each_chapter_declares_its_engine_parts_once_and_its_checks_run_them_in_the_engine():
+    declared = ex.declared_parts()
+    assert sorted(declared) == ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10"]
+    assert registry_problems(declared, _solutions_by_chapter()) == []
+    # export and the capstone read the same declaration: every Parts field but silu_and_mul has an exercise
+    from nanovllm_ref import Parts
+    assert {p.field for p in ex.all_parts()} == {f.name for f in dataclasses.fields(Parts)} - {"silu_and_mul"}
+
+
+def test_an_engine_part_missing_from_its_chapters_declaration_fails():
+    declared = {c: list(ps) for c, ps in ex.declared_parts().items()}
+    declared["04"] = [p for p in declared["04"] if p.exercise != "E4.3"]
+    problems = registry_problems(declared, _solutions_by_chapter())
+    assert problems == ["ch04 E4.3: its check cell runs ['store_kvcache'] inside the engine, which chapter 04's "
+                        "PARTS does not declare for E4.3"]
+    declared = {c: list(ps) for c, ps in ex.declared_parts().items()}
+    declared["08"] = declared["08"] + [dataclasses.replace(declared["08"][0], name="top_k_top_p", exercise="E8.3")]
+    problems = registry_problems(declared, _solutions_by_chapter())
+    assert problems == ["ch08 E8.3: declares ['top_k_top_p'], which its check cell does not run inside the "
+                        "engine (in_the_engine)"]
+
+
+# -- export writes beside the notebooks --------------------------------------------------------------------------
+def test_export_writes_beside_the_notebooks_and_two_graders_at_once_do_not_collide(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, source in ((a, "solutions"), (b, "chapters")):
+        folder.mkdir()
+        for name in ("01_rmsnorm.ipynb", "08_sampler.ipynb"):
+            shutil.copy(REPO / source / name, folder / name)
+    course = REPO / "student"
+    before = {p: p.stat().st_mtime_ns for p in course.glob("*")} if course.exists() else None
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen([sys.executable, "-m", "nanovllm_course", "export", "--notebooks", str(f)], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for f in (a, b)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    import json
+    rows_a = json.loads((a / "student" / "manifest.json").read_text())
+    rows_b = json.loads((b / "student" / "manifest.json").read_text())
+    assert [(r["exercise"], r["status"]) for r in rows_a] == [("E1.1", "done"), ("E1.2", "done"), ("E8.1-E8.4", "done")]
+    assert [(r["exercise"], r["status"]) for r in rows_b] == [("E1.1", "stub"), ("E1.2", "stub"), ("E8.1-E8.4", "stub")]
+    assert ex.STUB_MARK not in (a / "student" / "ch01.py").read_text()
+    assert ex.STUB_MARK in (b / "student" / "ch01.py").read_text()
+    after = {p: p.stat().st_mtime_ns for p in course.glob("*")} if course.exists() else None
+    assert after == before                              # the course checkout's own student/ is untouched

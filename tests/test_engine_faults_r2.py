@@ -17,7 +17,7 @@ from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.rope_scaling import rope_frequencies, rope_parameters_of
 from nanovllm_ref.layers.sampler import exponential_race
-from nanovllm_ref.tiny import CHAT_TEMPLATE, make_tiny_model, make_tokenizer, tiny_config
+from nanovllm_models.tiny import CHAT_TEMPLATE, make_tiny_model, make_tokenizer, tiny_config
 from engine_helpers import LLM, hf_greedy, hf_model, tiny_dir
 
 
@@ -274,7 +274,7 @@ def test_chat_adds_one_bos_like_hf(tmp_path):
     assert one["token_ids"] == hf_greedy(path, hf_ids, 6)
     two = llm.chat([conv, conv + [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "x"}]], sp,
                    use_tqdm=False)
-    assert two[0] == one and two[1]["prompt_token_ids"][:2] == [1, 1]
+    assert dict(two[0]) == dict(one) and two[1]["prompt_token_ids"][:2] == [1, 1]
     with pytest.raises(TypeError, match=r"messages\[0\]\[0\]"):
         llm.chat([[{"role": "user"}]], sp)
     assert llm.is_finished()

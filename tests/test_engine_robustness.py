@@ -45,7 +45,7 @@ def test_failed_tp_start_does_not_block_the_next_tp_engine():
 def test_interrupted_generate_leaves_the_engine_usable():
     path = tiny_dir("qwen3")
     llm = LLM(path, kvcache_block_size=4, max_model_len=64)
-    real_step, calls = llm.step, []
+    real_step, calls = llm._step, []
 
     def interrupted_step():
         calls.append(1)
@@ -53,10 +53,10 @@ def test_interrupted_generate_leaves_the_engine_usable():
             raise KeyboardInterrupt
         return real_step()
 
-    llm.step = interrupted_step
+    llm._step = interrupted_step                  # what generate() calls once per step
     with pytest.raises(KeyboardInterrupt):
         llm.generate([P, [8, 9, 10, 11]], G, use_tqdm=False)
-    llm.step = real_step
+    llm._step = real_step
     bm = llm.scheduler.block_manager
     assert llm.is_finished() and bm.num_free_blocks == len(bm.blocks)
     assert llm.generate([P], G, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, P, 6)
@@ -90,7 +90,7 @@ def test_requests_whose_last_token_needs_no_kv_block_fit_exactly():
 
 def test_engine_after_exit_and_idle_step():
     llm = LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=64)
-    assert llm.step() == ([], 0)
+    assert llm.step() == [] and llm.last_step is None
     llm.exit()
     for call in (lambda: llm.add_request(P, G), llm.step, lambda: llm.generate([P], G)):
         with pytest.raises(RuntimeError, match="shut down"):

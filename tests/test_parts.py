@@ -120,7 +120,7 @@ def test_fusion_is_chosen_per_model_not_per_process():
 
 def test_importing_the_engine_sets_no_environment_variable():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import os, nanovllm_ref, nanovllm_ref.kernels, nanovllm_ref.attn.triton_backend, nanovllm_ref.bench\n"
+    code = ("import os, nanovllm_ref, nanovllm_ref.kernels, nanovllm_ref.attn.triton_backend, nanovllm_bench.cli\n"
             "print(os.environ.get('TRITON_INTERPRET'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
     assert out.stdout.strip() == "None"

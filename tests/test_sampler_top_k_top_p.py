@@ -50,7 +50,7 @@ def test_bad_top_k_top_p_name_themselves(kwargs, exc, match):
 def test_cli_refuses_bad_top_k_top_p_before_loading_weights(tmp_path, capsys, flags, message):
     import os
     from nanovllm_ref.__main__ import main
-    from nanovllm_ref.tiny import make_tiny_model
+    from nanovllm_models.tiny import make_tiny_model
     path = make_tiny_model(str(tmp_path / "m"), "qwen3")
     os.remove(os.path.join(path, "model.safetensors"))
     assert main(["generate", "--model", path, "--device", "cpu", "--prompt", "Hello", *flags]) == 2

@@ -25,7 +25,7 @@ PROMPTS = ["The capital of France is", "Hello, world!", "def f(x):"]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from nanovllm_ref.tiny import make_tiny_model
+    from nanovllm_models.tiny import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("serve_tiny")), "qwen3")
 
 

@@ -359,7 +359,7 @@ def test_adapter_and_default_factory_refuse_an_engine_without_the_request_api(tm
         with pytest.raises(RuntimeError, match="lacks the request API"):
             default_engine_factory(str(tmp_path / "no-model-needed"))
     else:
-        from nanovllm_ref.tiny import make_tiny_model
+        from nanovllm_models.tiny import make_tiny_model
         adapter = default_engine_factory(make_tiny_model(str(tmp_path / "tiny")), max_model_len=128)
         try:
             check_serving_engine(adapter)

@@ -13,7 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers/huggingface_hub are im
 import pytest
 import torch
 
-from nanovllm_ref import download as dl
+from nanovllm_models import download as dl
 
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]

@@ -2,7 +2,7 @@
 import pytest
 
 from nanovllm_ref import LLM, SamplingParams
-from nanovllm_ref.download import ensure_model
+from nanovllm_models.download import ensure_model
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]          # "The capital of France is"
 REFERENCE = [7042, 30, 198, 198, 504, 2988, 314, 42, 216, 34, 32, 33, 40, 29, 32, 33, 29, 34, 34, 216]

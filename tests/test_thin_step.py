@@ -278,7 +278,7 @@ def test_cuda_graph_draws_follow_softmax_and_change_every_replay():
 
 @cuda_only
 def test_cuda_no_compile_inside_generate_after_start_up():
-    from nanovllm_ref.bench import compile_counts
+    from nanovllm_bench.machine import compile_counts
     llm = LLM(tiny_dir("qwen3"), enforce_eager=False, kvcache_block_size=16, max_num_batched_tokens=32,
               max_num_seqs=6, attention_backend="triton")
     before = compile_counts()

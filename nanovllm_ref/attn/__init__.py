@@ -15,7 +15,8 @@ Every back-end implements the same three functions on the same paged KV-cache la
 
 `get_backend(name)` returns a module with those functions: "torch" (the readable reference), "cpu" (the
 same maths arranged for a CPU: gathers only real tokens, SDPA calls; `auto` on a CPU), "triton" (our kernels,
-chapter 06) or "flash_attn" (when the package imports). A back-end module may also export `store_kvcache`;
+chapter 06) or "flash_attn" (whichever FlashAttention is installed: the flash-attn package, vLLM's
+FA3 or flash-attn-4; attn/flash_backend.py). A back-end module may also export `store_kvcache`;
 the model runner then uses it to write K/V. `AttentionBackend` is the interface as a typing.Protocol;
 `FunctionBackend` bundles three functions into an object that pickles (a module does not), so a back-end of
 your own can travel to tensor-parallel workers inside `nanovllm_ref.Parts`:
@@ -61,12 +62,26 @@ class FunctionBackend:
         return cls(m.varlen_prefill, m.paged_prefill, m.paged_decode)
 
 
+def flash_attn_impl(auto: bool = False):
+    """The installed FlashAttention the "flash_attn" back-end would use (an `attn.flash_backend.Implementation`:
+    its name, version and block-size rule), or None. auto=True leaves out vLLM's bundled FA3: importing vLLM
+    patches torch's Inductor and sets environment variables in this process, so `auto` never pulls it in;
+    asking for attention_backend="flash_attn" by name does. The first one found is kept for the process."""
+    import importlib.util
+    import sys
+    from nanovllm_ref.attn import flash_backend
+    if auto and not flash_backend.looked_up():
+        # Cheap first: no flash_attn on the path, so nothing to import (the usual case).
+        if "flash_attn" not in sys.modules and importlib.util.find_spec("flash_attn") is None:
+            return None
+        impl = flash_backend.find_implementation(order=("flash-attn", "flash-attn-4"))
+        return None if impl is None else flash_backend.implementation(impl)
+    return flash_backend.implementation()
+
+
 def flash_attn_available() -> bool:
-    try:
-        importlib.import_module("flash_attn")
-        return True
-    except Exception:
-        return False
+    """True when some FlashAttention imports (flash-attn, vLLM's FA3 or flash-attn-4; see flash_attn_impl)."""
+    return flash_attn_impl() is not None
 
 
 def triton_available() -> bool:
@@ -80,28 +95,37 @@ def triton_available() -> bool:
 BACKENDS = ("auto", "flash_attn", "triton", "torch", "cpu")
 
 
-def resolve_backend(name: str, device_type: str, block_size: int = 256) -> str:
+def resolve_backend(name: str, device_type: str, block_size: int = 256, dtype: torch.dtype | None = None) -> str:
     """Pick the concrete back-end for `name` on `device_type` ("cuda" or "cpu").
 
-    auto: flash_attn if it imports, we are on CUDA and the block size is a multiple of 256 (flash-attn's
-    paged KV needs that), else triton on CUDA (torch without triton); on CPU, cpu.
-    Raises ValueError for an unknown name or one that cannot run here.
+    auto: on CUDA, flash_attn if the flash-attn package or flash-attn-4 is installed, the block size suits it
+    (flash-attn: a multiple of 256; flash-attn-4: of 16) and `dtype` (when given) is float16 / bfloat16; else
+    triton (torch without triton). On CPU, cpu. "flash_attn" asked for by name also takes vLLM's FA3 (see
+    flash_attn_impl), with its block rule (a multiple of 16).
+    Raises ValueError for an unknown name or one that cannot run here (naming what is missing).
     """
-    flash_ok = block_size % 256 == 0
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    half = dtype is None or dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
         if device_type == "cuda":
-            if flash_ok and flash_attn_available():
+            impl = flash_attn_impl(auto=True) if half else None
+            if impl is not None and block_size % impl.block_multiple == 0:
                 return "flash_attn"
             return "triton" if triton_available() else "torch"
         return "cpu"
-    if name == "flash_attn" and (device_type != "cuda" or not flash_attn_available()):
-        raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package "
-                         "(pip install flash-attn); use 'triton' or 'torch' instead")
-    if name == "flash_attn" and not flash_ok:
-        raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, "
-                         f"got {block_size}")
+    if name == "flash_attn":
+        impl = flash_attn_impl() if device_type == "cuda" else None
+        if impl is None:
+            raise ValueError("attention_backend='flash_attn' needs CUDA and a FlashAttention: the flash-attn "
+                             "package, vLLM (its bundled FA3) or flash-attn-4 (pip install flash-attn-4); "
+                             "use 'triton' or 'torch' instead")
+        if block_size % impl.block_multiple:
+            raise ValueError(f"attention_backend='flash_attn' ({impl.name}) needs kvcache_block_size to be a "
+                             f"multiple of {impl.block_multiple}, got {block_size}")
+        if not half:
+            raise ValueError(f"attention_backend='flash_attn' runs float16 or bfloat16 only, got dtype {dtype}; "
+                             "use dtype='bfloat16' or attention_backend='triton'")
     if name == "triton" and not triton_available():
         raise ValueError("attention_backend='triton' needs the triton package; use 'torch' instead")
     if name == "triton" and device_type == "cpu":

@@ -155,6 +155,25 @@ class BlockManager:
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
 
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give `child`, a sibling sample with the same prompt and no blocks yet, the full blocks of
+        `parent`'s prefilled prompt, shared (ref count + 1 each), and fresh blocks for the rest of the
+        prompt, which the child recomputes (at least its last token: its logits give the child's first
+        token). Returns False, changing nothing, if the fresh blocks are not free. Works with prefix caching
+        off too (the sharing is by ref count, not by hash). Raises RuntimeError if `child` has blocks."""
+        if child.block_table:
+            raise RuntimeError(f"sequence {child.seq_id} already has blocks")
+        shared = min((len(child) - 1) // self.block_size, len(parent.block_table))
+        fresh = child.num_blocks - shared
+        if self.num_free_blocks < fresh:
+            return False
+        for block_id in parent.block_table[:shared]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = parent.block_table[:shared] + [self._take_free_block() for _ in range(fresh)]
+        child.num_cached_tokens = shared * self.block_size
+        child.num_hashed_blocks = min(shared, parent.num_hashed_blocks)
+        return True
+
     def deallocate(self, seq: Sequence) -> None:
         """Drop `seq`'s references; blocks reaching ref count 0 go back to the free pool, hash kept."""
         # Free the tail first so it is reused first: the shared prefix blocks stay cached longest.

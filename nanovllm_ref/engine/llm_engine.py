@@ -1,8 +1,13 @@
-"""The offline engine loop: add requests, step until all finish (chapter 07).
+"""The engine loop: add requests, step until all finish (chapter 07). Upstream nano-vllm `engine/llm_engine.py`.
 
-`generate` validates every prompt and sampling setting first, so a bad request raises ValueError/TypeError
-before any request is queued, and the engine stays usable. Then each `step` asks the scheduler for a batch,
-runs it on the model runner(s) and feeds the sampled tokens back. Upstream nano-vllm `engine/llm_engine.py`.
+One engine serves offline and online use. `add_request(prompt, params, request_id=None) -> request_id`
+queues a request, `step()` runs one forward pass (the scheduler picks the batch, the model runner(s) run it,
+the scheduler takes the sampled tokens back and decides the stops) and returns a RequestOutput for each
+request that made progress, `abort_request(request_id)` drops one and frees its KV blocks. A server turns
+HTTP requests into those calls and streams the growing text; `generate` is the same loop run to the end
+(it builds each output once, when its request is done). Every request is checked first
+(engine/request.py), so a bad one raises ValueError/TypeError before anything is queued and the engine
+stays usable; `generate` checks its whole batch before queuing any of it.
 
 Async scheduling (`async_scheduling`, on by default with CUDA): `step` schedules and launches step n+1 while
 the device still runs step n, then finishes step n. Step n+1's sequences carry a placeholder for the token
@@ -22,18 +27,22 @@ engines never clash and nothing named is left in /dev/shm after a crash.
 """
 import atexit
 import multiprocessing as mp
-import numbers
 import random
 import socket
 import time
-import warnings
 from collections.abc import Sequence as SequenceABC
+from functools import partial
+from itertools import count
 
 from tqdm.auto import tqdm
 
 from nanovllm_ref.config import Config
+from nanovllm_ref.engine.detokenizer import IncrementalDetokenizer
 from nanovllm_ref.engine.model_runner import ModelRunner
-from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.engine.request import Request, check_request, load_tokenizer
+from nanovllm_ref.engine.scheduler import Scheduler
+from nanovllm_ref.engine.sequence import SequenceStatus
+from nanovllm_ref.outputs import RequestOutput, StepStats
 from nanovllm_ref.parts import Parts
 from nanovllm_ref.sampling_params import SamplingParams
 
@@ -47,7 +56,13 @@ def _free_port() -> int:
 class LLMEngine:
     """model: a local model folder; parts: a nanovllm_ref.Parts of swappable parts (default: the reference
     ones); engine_args: the fields of nanovllm_ref.config.Config. Raises TypeError for an unknown argument or
-    a `parts` that is not a Parts, ValueError for a bad value."""
+    a `parts` that is not a Parts, ValueError for a bad value (also a tokenizer with more tokens than the
+    model's embedding table, before the weights load).
+
+    State a caller may read: `requests` (the unfinished requests by id, engine/request.py), `last_step`
+    (the StepStats of the last step, None after an idle one), `generate_stats` (the last generate call's
+    prefill and decode tokens and seconds), `tokenizer`, `config`, `scheduler`. The
+    engine is not thread-safe: one thread (a server's engine loop) makes all calls."""
 
     def __init__(self, model: str, parts: Parts | None = None, **engine_args):
         if parts is None:
@@ -58,19 +73,12 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; known: {sorted(Config.argument_names())}")
         config = Config(model, **engine_args)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from transformers import AutoTokenizer
-            try:
-                self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-            except Exception as exc:
-                raise ValueError(f"could not load a tokenizer from {config.model!r}: {exc}") from exc
-        if len(self.tokenizer) < 2:
-            raise ValueError(f"model folder {config.model!r} has no usable tokenizer "
-                             "(tokenizer.json / tokenizer_config.json); the engine needs one")
+        # Before the weights load: a tokenizer that knows more tokens than the embedding table has rows
+        # would let a str prompt index past it mid-run.
+        self.tokenizer = load_tokenizer(config.model, config.hf_config.vocab_size)
         if self.tokenizer.eos_token_id is not None:
             config = config.derived(extra_eos=[self.tokenizer.eos_token_id])
-        # Each request without its own SamplingParams.seed gets one from here, in arrival order.
+        # Each sample without its own SamplingParams.seed gets one from here, in arrival order.
         self._seeds = random.Random(config.seed)
         self.parts = parts
         self.workers, conns = [], []
@@ -103,6 +111,10 @@ class LLMEngine:
         self.scheduler = parts.scheduler(self.config, parts.block_manager)
         self.async_scheduling = self._async_route(config, parts, self.model_runner.device_type)
         self._in_flight = None            # async: (seqs, PendingStep, samples) of the step launched, not finished
+        self.requests: dict[str, Request] = {}       # unfinished requests by id (engine/request.py)
+        self._request_ids = count()
+        self.last_step: StepStats | None = None       # what the last step() computed (throughput)
+        self.generate_stats: dict = {}
         self._closed = False
         atexit.register(self.exit)
 
@@ -146,37 +158,10 @@ class LLMEngine:
         self.exit()
 
     # -- requests ---------------------------------------------------------------------------------------
-    def _check_request(self, index: int, prompt, sp: SamplingParams) -> list[int]:
-        """Token ids of one validated request; raises ValueError/TypeError naming what is wrong."""
-        if not isinstance(sp, SamplingParams):
-            raise TypeError(f"sampling_params[{index}] must be a SamplingParams, got {type(sp).__name__}")
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray)):
-            for j, t in enumerate(prompt):
-                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                    raise TypeError(f"prompts[{index}][{j}] must be an int token id, got {type(t).__name__}")
-            token_ids = [int(t) for t in prompt]
-            vocab = self.config.hf_config.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompts[{index}] has token ids outside [0, {vocab}): {bad[:5]}")
-        else:
-            raise TypeError(f"prompts[{index}] must be a str or a list of int token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
-        max_len = self.config.max_model_len
-        if len(token_ids) > max_len:
-            raise ValueError(f"prompts[{index}] has {len(token_ids)} tokens, more than max_model_len={max_len}")
-        # The most tokens this request ever holds K/V for: the prompt, then every sampled token but the
-        # last (generation stops at max_tokens or max_model_len, and the last token is never fed back).
-        longest = max(len(token_ids), min(len(token_ids) + sp.max_tokens, max_len) - 1)
-        bs = self.config.kvcache_block_size
-        need, have = (longest + bs - 1) // bs, self.config.num_kvcache_blocks
-        if need > have:
-            raise ValueError(f"prompts[{index}] can never fit in the KV cache: up to {longest} tokens need {need} "
-                             f"blocks of {bs}, the cache has {have}; lower max_tokens or give the cache more memory")
-        return token_ids
+    def _check_request(self, prompt, sp, where: str = "prompt", sp_where: str = "sampling_params") -> list[int]:
+        """Token ids of one validated request (engine/request.py, check_request); changes nothing."""
+        return check_request(prompt, sp, tokenizer=self.tokenizer, config=self.config,
+                             scheduler_cls=type(self.scheduler), where=where, sp_where=sp_where)
 
     def _check_open(self):
         if self._closed:
@@ -186,19 +171,66 @@ class LLMEngine:
                                "so they are out of step with rank 0 and this engine cannot run another step; "
                                "call exit() and create a new LLM")
 
-    def add_request(self, prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its sequence id. Raises before queuing if the request is invalid."""
+    def _new_request_id(self, request_id) -> str:
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+            while request_id in self.requests:
+                request_id = str(next(self._request_ids))
+            return request_id
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str or None, got {type(request_id).__name__}")
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        return request_id
+
+    def _queue(self, request_id: str, prompt, token_ids: list[int], sp: SamplingParams) -> Request:
+        request = Request(request_id, prompt, token_ids, sp, self.config.kvcache_block_size,
+                          lambda ids: IncrementalDetokenizer(self.tokenizer, ids, sp.skip_special_tokens),
+                          seeds=[self._seeds.getrandbits(64) for _ in range(sp.n)])
+        self.requests[request_id] = request
+        self.scheduler.add(request.seqs[0])          # the other samples fork from it (engine/scheduler.py)
+        return request
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one request; `step()` then runs it. Returns its request id (str).
+
+        prompt: a str or a list of int token ids. sampling_params: default SamplingParams(). request_id:
+        your own id (a non-empty str not used by an unfinished request), or None for the engine's next
+        number as a str. Raises TypeError/ValueError, before anything is queued, for a bad request (see
+        engine/request.py, check_request) or a request_id in use.
+        """
         self._check_open()
-        token_ids = self._check_request(0, prompt, sampling_params)
-        seq = Sequence(token_ids, self.config.kvcache_block_size, sampling_params, seed=self._seeds.getrandbits(64))
-        self.scheduler.add(seq)
-        return seq.seq_id
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        token_ids = self._check_request(prompt, sampling_params)
+        request_id = self._new_request_id(request_id)
+        return self._queue(request_id, prompt, token_ids, sampling_params).request_id
+
+    def abort_request(self, request_id) -> bool:
+        """Stop an unfinished request now: its sequences leave the queues and give their KV blocks back (cached
+        prefixes stay cached); the other requests carry on. request_id: a str, or a list of them. An id that
+        is unknown or already finished is ignored (a server may abort a request that just finished). Returns
+        True if something was aborted. Its outputs are not returned by later steps."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        if not isinstance(ids, (list, tuple, set)) or not all(isinstance(i, str) for i in ids):
+            raise TypeError(f"request_id must be a str or a list of str, got {request_id!r:.80}")
+        seqs = []
+        for rid in ids:
+            request = self.requests.pop(rid, None)
+            if request is not None:
+                seqs += [seq for seq in request.seqs if not seq.is_finished]
+        abort = getattr(self.scheduler, "abort", None) or partial(Scheduler.abort, self.scheduler)
+        abort(seqs)
+        for seq in seqs:
+            seq.finish_reason, seq.stop_reason = "abort", None
+        return bool(seqs)
 
     @staticmethod
     def _async_route(config: Config, parts: Parts, device_type: str) -> bool:
         """Whether `step` runs asynchronously (module docstring). Raises ValueError for async_scheduling=True
         where it cannot run."""
-        from nanovllm_ref.engine.scheduler import Scheduler
         possible = config.tensor_parallel_size == 1 and parts.scheduler is Scheduler
         if config.async_scheduling is None:
             return possible and device_type == "cuda"
@@ -207,39 +239,69 @@ class LLMEngine:
                              "tensor_parallel_size=1; leave it None or False")
         return config.async_scheduling
 
-    def step(self):
-        """One engine step. Returns (finished [(seq_id, completion token ids)], num_tokens) where
-        num_tokens > 0 counts the prefill tokens and < 0 the decode tokens of the step launched (for
-        throughput). Async scheduling: the step finished is the one launched by the previous call."""
+    def _step(self) -> list[Request]:
+        """One engine step; returns the requests that got new tokens in it (finished ones included, and
+        dropped from `requests`). Sets `last_step` (the step launched)."""
         self._check_open()
         if self.async_scheduling:
-            return self._step_async()
-        if self.is_finished():
-            return [], 0
-        seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
-        token_ids = self.model_runner.run(seqs, is_prefill)        # also sends the step to TP workers
-        finished = self.scheduler.postprocess(seqs, token_ids)
-        return [(s.seq_id, s.completion_token_ids) for s in finished], num_tokens
+            arrived = self._step_async()
+        elif self.is_finished():
+            self.last_step = None
+            return []
+        else:
+            seqs, is_prefill = self.scheduler.schedule()
+            known = [len(seq) for seq in seqs]
+            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else len(seqs)
+            token_ids = self.model_runner.run(seqs, is_prefill)        # also sends the step to TP workers
+            self.scheduler.postprocess(seqs, token_ids)
+            self.last_step = StepStats("prefill" if is_prefill else "decode", num_tokens, len(seqs))
+            arrived = list(zip(seqs, known))
+        progressed = {}
+        for seq, n in arrived:
+            request = self.requests.get(seq.request_id)
+            if len(seq) - seq.num_pending > n and request is not None:
+                progressed[seq.request_id] = request
+        for request_id, request in progressed.items():
+            if request.finished:
+                del self.requests[request_id]
+        return list(progressed.values())
 
-    def _step_async(self):
-        launched, num_tokens = None, 0
+    def _step_async(self) -> list:
+        """Schedule and launch the next step, then finish the one in flight (module docstring). Returns
+        (sequence, tokens known before) pairs of the step whose ids arrived."""
+        launched, self.last_step = None, None
         if not self.scheduler.is_finished():
             seqs, is_prefill = self.scheduler.schedule()
             if seqs:
-                num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
+                num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else len(seqs)
                 pending = self.model_runner.launch(seqs, is_prefill)
                 launched = (seqs, pending, self.scheduler.on_launch(seqs, pending=True))
-        finished = []
+                self.last_step = StepStats("prefill" if is_prefill else "decode", num_tokens, len(seqs))
+        arrived = []
         if self._in_flight is not None:
             seqs, pending, samples = self._in_flight
             self._in_flight = None
-            finished = self.scheduler.on_tokens(seqs, pending.token_ids(), samples)
+            arrived = [(seq, len(seq) - seq.num_pending) for seq in seqs]
+            self.scheduler.on_tokens(seqs, pending.token_ids(), samples)
         self._in_flight = launched
-        if launched is None and not finished and not self.scheduler.is_finished():
+        if launched is None and not arrived and not self.scheduler.is_finished():
             raise RuntimeError("the scheduler scheduled nothing while requests are waiting and no step is in "
                                "flight: no progress is possible")
-        return [(s.seq_id, s.completion_token_ids) for s in finished], num_tokens
+        return arrived
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step (one forward pass over the batch the scheduler picks) and return a RequestOutput
+        (nanovllm_ref.outputs) for each request that got a new token in it: its text and token ids so far,
+        `finished` once all its samples are done. An idle engine returns []. The text of successive outputs
+        of a request only grows (a server streams the differences). `last_step` then holds the step's
+        StepStats (kind, tokens computed, batch size), or None after an idle call."""
+        return [request.output(self.config.eos) for request in self._step()]
+
+    def advance(self) -> int:
+        """One engine step, as `step` runs it, without building outputs (what `generate` runs: it makes each
+        output once, at the end; benchmarks time this). Returns how many requests finished in it; their
+        outputs are gone, so mix it with `step` only to drop requests you do not need."""
+        return sum(1 for request in self._step() if request.finished)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -248,15 +310,24 @@ class LLMEngine:
         """Drop every queued or running request and free its KV blocks (cached prefixes stay cached)."""
         self._in_flight = None
         self.scheduler.abort_all()
+        for request in self.requests.values():
+            for seq in request.seqs:
+                if seq.finish_reason is None:
+                    seq.finish_reason = "abort"
+                seq.status = SequenceStatus.FINISHED
+        self.requests.clear()
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for `prompts` (a list of str or of token-id lists; one str is also accepted).
 
         sampling_params: one SamplingParams for all prompts, or a list with one per prompt (default:
-        SamplingParams()). Returns, in input order, one dict per prompt: {"text": str, "token_ids": list[int]
-        (the completion only), "prompt_token_ids": list[int], "finish_reason": "stop" (an eos / stop id was
-        sampled) or "length" (max_tokens reached, or prompt + completion reached max_model_len)}.
-        Raises TypeError/ValueError before any work if a request is invalid.
+        SamplingParams()). Returns, in input order, one finished RequestOutput per prompt
+        (nanovllm_ref.outputs): `.outputs[i].text`, `.token_ids` (the completion only), `.finish_reason`
+        ("stop": eos, a stop id or a stop string; "length": max_tokens, or prompt + completion reached
+        max_model_len) and `.stop_reason`, plus `.prompt_token_ids`. With one sample per prompt,
+        `out["text"]`, `out["token_ids"]`, `out["prompt_token_ids"]` and `out["finish_reason"]` work too.
+        Raises TypeError/ValueError before any work if a request is invalid, and RuntimeError if requests
+        from add_request() are still pending.
         """
         self._check_open()
         if isinstance(prompts, str):
@@ -270,32 +341,28 @@ class LLMEngine:
         elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt "
                              f"({len(prompts)})")
-        requests = [self._check_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        token_ids = [self._check_request(p, sp, f"prompts[{i}]", f"sampling_params[{i}]")
+                     for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
         if not self.is_finished():
             raise RuntimeError("generate() called while requests from add_request() are still pending; "
                                "step() until is_finished(), or call abort_all()")
-        seqs = []
-        for token_ids, sp in zip(requests, sampling_params):
-            seq = Sequence(token_ids, self.config.kvcache_block_size, sp, seed=self._seeds.getrandbits(64))
-            self.scheduler.add(seq)
-            seqs.append(seq)
-        outputs = {}
+        requests = [self._queue(self._new_request_id(None), p, ids, sp)
+                    for p, ids, sp in zip(prompts, token_ids, sampling_params)]
         pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         # Throughput so far (tokens / seconds of that kind of step), not of the last step alone.
         totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
         try:
             while not self.is_finished():
                 t = time.perf_counter()
-                finished, num_tokens = self.step()
-                kind = totals["prefill" if num_tokens > 0 else "decode"]
-                kind[0] += abs(num_tokens)
-                kind[1] += time.perf_counter() - t
+                progressed = self._step()
+                if self.last_step is not None:
+                    kind = totals[self.last_step.kind]
+                    kind[0] += self.last_step.num_tokens
+                    kind[1] += time.perf_counter() - t
                 if use_tqdm:
                     pbar.set_postfix({k: f"{n / max(s, 1e-9):.0f}tok/s" for k, (n, s) in totals.items()},
                                      refresh=False)
-                for seq_id, token_ids in finished:
-                    outputs[seq_id] = token_ids
-                    pbar.update(1)
+                pbar.update(sum(1 for r in progressed if r.finished))
         except BaseException:
             # Interrupted (Ctrl-C, a kernel interrupt) or failed: drop this call's requests so the engine
             # stays usable, then let the exception through.
@@ -303,14 +370,6 @@ class LLMEngine:
             raise
         finally:
             pbar.close()
-        results = []
-        for seq in seqs:
-            token_ids = outputs[seq.seq_id]
-            if seq.finish_reason is None:     # a scheduler part that does not set it: say why from the tokens
-                stopped = bool(token_ids) and not seq.ignore_eos and token_ids[-1] in self.config.eos
-                seq.finish_reason = "stop" if stopped else "length"
-            # Like vLLM, the text leaves out special tokens such as the EOS; token_ids keep them.
-            results.append({"text": self.tokenizer.decode(token_ids, skip_special_tokens=True),
-                            "token_ids": token_ids, "prompt_token_ids": seq.prompt_token_ids,
-                            "finish_reason": seq.finish_reason})
-        return results
+            # What this call computed, by kind of step: {"prefill"|"decode": (tokens, seconds)} (benchmarks)
+            self.generate_stats = {k: tuple(v) for k, v in totals.items()}
+        return [request.output(self.config.eos) for request in requests]

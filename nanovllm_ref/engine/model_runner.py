@@ -24,13 +24,14 @@ Messages (one per step, rank 0 -> every rank; a few kB, never the sequences with
 - `Exit()`: leave the process group and free the memory.
 
 Decode step routes. What can be known at start-up is decided once, when the graphs are captured, into a
-`StepPlan`; per step only two facts choose the row: does the batch fit a captured graph, and does a sampled
-row use top-k / top-p (those run after the graph, uncompiled, on its logits).
+`StepPlan`; per step only two facts choose the row: does the batch fit a captured graph, and does a row need
+the sampler after the graph (top-k / top-p on a sampled row, which runs uncompiled; a row still short of its
+min_tokens, whose stop ids are masked out of its logits first).
 
 | inputs                            | forward            | sampler                 | when                                                  |
 |-----------------------------------|--------------------|-------------------------|-------------------------------------------------------|
-| packed buffer, one pinned copy    | CUDA graph replay  | inside the graph        | plan.sampler_in_graph, no top-k/top-p row              |
-| packed buffer, one pinned copy    | CUDA graph replay  | after, on the logits    | plan.packed_inputs otherwise (replaced sampler, TP > 1, a top-k/top-p row) |
+| packed buffer, one pinned copy    | CUDA graph replay  | inside the graph        | plan.sampler_in_graph, no top-k/top-p row, no row short of min_tokens |
+| packed buffer, one pinned copy    | CUDA graph replay  | after, on the logits    | plan.packed_inputs otherwise (replaced sampler, TP > 1, such a row) |
 | Parts.prepare_decode, copied in   | CUDA graph replay  | after, on the logits    | plan.use_graphs with a replaced prepare_decode         |
 | Parts.prepare_decode              | eager              | after, on the logits    | no graphs (CPU, enforce_eager), or more rows than the largest graph |
 
@@ -60,11 +61,12 @@ from nanovllm_ref.engine import kv_cache, warmup
 from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, resolve_pending  # noqa: F401
 from nanovllm_ref.engine.inputs import StepInputs, prepare_decode, step_from_host, step_to_host, to_device
 from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.engine.stop import min_tokens_bans
 from nanovllm_ref.layers.sampler import SamplingMetadata, sample as reference_sample, sample_rows
 from nanovllm_ref.models import get_model_class
 from nanovllm_ref.parts import Parts
 from nanovllm_ref.utils.context import attention_metadata
-from nanovllm_ref.utils.fusion import choose
+from nanovllm_ref.utils.fusion import FusedKernels, choose
 from nanovllm_ref.utils.loader import load_model
 from nanovllm_ref.utils import onednn
 from nanovllm_ref.utils.parallel import tensor_parallel
@@ -94,6 +96,12 @@ def resolve_dtype(name: str, hf_config, device: str) -> torch.dtype:
 def uses_filters(seq: Sequence) -> bool:
     """A sampled row with top-k or top-p on: it needs the sampler's filtered (uncompiled) path."""
     return seq.temperature > 0 and (seq.top_k > 0 or seq.top_p < 1)
+
+
+def needs_sampler_after_graph(seq: Sequence) -> bool:
+    """A row the in-graph sampler cannot serve: top-k / top-p (the filtered, uncompiled path), or still
+    short of its min_tokens (its stop ids are masked out of the logits first, engine/stop.py)."""
+    return uses_filters(seq) or seq.num_completion_tokens < seq.min_tokens
 
 
 def fuse_by_default(device_type: str) -> bool:
@@ -218,7 +226,9 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device), tensor_parallel(rank, self.world_size):
-                self.model = get_model_class(hf)(hf, parts=model_parts, fuse=self.fuse)
+                # decode_kernels="off": no hand-written decode kernels (by default the model picks all it can)
+                off = dict(kernels=FusedKernels()) if config.decode_kernels == "off" else {}
+                self.model = get_model_class(hf)(hf, parts=model_parts, fuse=self.fuse, **off)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -255,7 +265,8 @@ class ModelRunner:
             self.backend_name = "parts"
             backend = parts.attention_backend
         else:
-            self.backend_name = resolve_backend(self.config.attention_backend, self.device_type, self.block_size)
+            self.backend_name = resolve_backend(self.config.attention_backend, self.device_type, self.block_size,
+                                                dtype=self.dtype)
             backend = get_backend(self.backend_name)
         store = parts.store_kvcache
         if store is None and (self.device_type == "cuda" or self.backend_name == "triton"):
@@ -350,7 +361,7 @@ class ModelRunner:
             padded = self.graph_runner.padded_size(len(seqs))
             if padded is not None:
                 packed = self.graph_runner.inputs.pack(seqs, self.block_size, padded)
-                in_graph = self.plan.sampler_in_graph and not any(map(uses_filters, seqs))
+                in_graph = self.plan.sampler_in_graph and not any(map(needs_sampler_after_graph, seqs))
                 return PackedDecodeStep(packed, len(seqs), in_graph)
         prepare = self.parts.prepare_prefill if is_prefill else self.parts.prepare_decode
         pending = [seq.pending_row if seq.num_pending else -1 for seq in seqs]
@@ -412,13 +423,22 @@ class ModelRunner:
         from the sampler (copied there), on its way to the host."""
         n = len(seqs)
         if token_ids is None:
-            self.last_ids[:n].copy_(self.sampler(logits, self.prepare_sample(seqs)))
+            self.last_ids[:n].copy_(self.sampler(self._mask_stop_tokens(logits, seqs), self.prepare_sample(seqs)))
         elif token_ids.data_ptr() != self.last_ids.data_ptr():     # a graph runner with its own buffer
             self.last_ids[:n].copy_(token_ids)
         host = None
         if self._host_ids is not None:
             host, self._turn = self._host_ids[self._turn], 1 - self._turn
         return PendingStep(self.last_ids[:n], host)
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits [num_seqs, vocab] with the eos and stop ids at -inf in the rows still short of their
+        min_tokens (engine/stop.py, min_tokens_bans); the same tensor when no row is (decided on the host)."""
+        bans = min_tokens_bans(seqs, self.config.eos, logits.shape[-1])
+        if bans is None:
+            return logits
+        rows, cols = (to_device(x, torch.int64, self.device) for x in bans)
+        return logits.index_put((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype, device=self.device))
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:

@@ -20,19 +20,29 @@ running sequences wait (no decode) while a long prompt is being prefilled chunk 
 
 After a step, `postprocess(seqs, token_ids)` does two things, which async scheduling (engine/llm_engine.py)
 runs one step apart:
-- `record_launch(seqs, pending)` (`Scheduler.on_launch`): the bookkeeping the step's token ids are not needed for (its tokens now have
-  K/V; with `pending`, a placeholder for each token the step samples, so the next step can be scheduled
-  while this one still runs on the GPU);
-- `record_tokens(...)` (`Scheduler.on_tokens`): append (or fill in) the sampled tokens, register full blocks for prefix
-  caching, finish sequences that stopped, free their blocks.
+- `record_launch(seqs, pending)` (`Scheduler.on_launch`): the bookkeeping the step's token ids are not
+  needed for (its tokens now have K/V; with `pending`, a placeholder for each token the step samples, so
+  the next step can be scheduled while this one still runs on the GPU);
+- `record_tokens(...)` (`Scheduler.on_tokens`): append (or fill in) the sampled tokens, register full blocks
+  for prefix caching, ask `engine/stop.py` whether each sequence stops, finish those, free their blocks.
 A sequence whose pending token already reaches max_tokens or max_model_len is not scheduled again: it only
 waits for that token's value.
+
+Parallel samples (SamplingParams.n > 1) fork in `record_tokens`: when the first sample's prompt is
+prefilled, its siblings join `running` sharing its full prompt blocks (BlockManager.fork, ref counts), and
+each recomputes only the prompt's partial last block into a block of its own (at most block_size - 1
+tokens; a full last block is recomputed, so there is a token whose logits give the sibling its first
+token). A copy of the partial block would save that compute but needs a KV-copy step in the model runner on
+every rank; recomputing runs in the ordinary prefill path. A sibling that finds no free block or no seat
+(max_num_seqs) waits at the front of `waiting` instead, as a request of its own (a prefix-cache hit then
+still shares the prompt's blocks).
 """
 from collections import deque
 
 from nanovllm_ref.config import Config
 from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.sequence import Sequence, SequenceStatus
+from nanovllm_ref.engine.stop import check_stop
 
 
 class Scheduler:
@@ -119,12 +129,29 @@ class Scheduler:
     def abort_all(self) -> None:
         """Forget every waiting and running sequence; their blocks go back to the pool (hashes kept)."""
         for seq in list(self.running) + list(self.waiting):
+            seq.drop_pending()
             if seq.block_table:
                 self.block_manager.deallocate(seq)
             seq.status = SequenceStatus.FINISHED
             seq.num_scheduled_tokens = 0
+            seq.forks = []
         self.running.clear()
         self.waiting.clear()
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Remove `seqs` (waiting, running, or not queued yet: unforked siblings) and free their blocks;
+        the other sequences carry on. Sets status FINISHED; finish_reason is the caller's."""
+        for seq in seqs:
+            seq.drop_pending()                        # async: a token in flight is not part of the output
+            if seq in self.running:                   # identity: a Sequence has no __eq__
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.num_scheduled_tokens = 0
+            seq.forks = []
 
     def preempt(self, seq: Sequence) -> None:
         """Free all of `seq`'s blocks and queue it first, to be recomputed (prompt + completion so far)."""
@@ -136,7 +163,10 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Account for one finished step: seqs[i] produced token_ids[i] (ignored for a partial prefill).
 
-        Returns the sequences that finished this step (their blocks are already freed).
+        Appends each kept token, forks the siblings of a sequence whose prompt is now prefilled (n > 1),
+        and finishes the sequences that stop (engine/stop.py: eos, stop ids, stop strings, min_tokens,
+        max_tokens, max_model_len). Returns the sequences that finished this step (blocks already freed).
+        The same as `on_launch` then `on_tokens` (what async scheduling runs one step apart).
         """
         return record_tokens(self, seqs, token_ids, record_launch(seqs))
 
@@ -189,9 +219,9 @@ def record_tokens(sched, seqs: list[Sequence], token_ids: list[int], samples: li
             sched.block_manager.hash_blocks(seq)
         if not sampled:                               # mid chunked prefill: the sampled token is meaningless
             continue
-        stopped = not seq.ignore_eos and token_id in sched.eos
-        if stopped or reached_length(seq, sched.max_model_len, counting_pending=False):
-            seq.finish_reason = "stop" if stopped else "length"
+        if seq.forks:                                 # before it may finish: the siblings share its blocks
+            _fork(sched, seq)
+        if check_stop(seq, token_id, sched.eos, sched.max_model_len):
             _finish(sched, seq)
             finished.append(seq)
     return finished
@@ -206,3 +236,17 @@ def _finish(sched, seq: Sequence) -> None:
     seq.status = SequenceStatus.FINISHED
     if seq.block_table:
         sched.block_manager.deallocate(seq)
+
+
+def _fork(sched, parent: Sequence) -> None:
+    """Start parent's siblings (n > 1) on its prefilled prompt (see the module docstring)."""
+    fork = getattr(sched.block_manager, "fork", None)     # a course BlockManager may not have it
+    queued = []
+    for child in parent.forks:
+        if fork is not None and len(sched.running) < sched.max_num_seqs and fork(parent, child):
+            child.status = SequenceStatus.RUNNING
+            sched.running.append(child)
+        else:
+            queued.append(child)
+    sched.waiting.extendleft(reversed(queued))
+    parent.forks = []

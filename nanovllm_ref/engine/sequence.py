@@ -1,9 +1,14 @@
-"""One request as the engine sees it (chapter 05/07). Follows upstream nano-vllm `engine/sequence.py`.
+"""One completion as the engine sees it (chapter 05/07). Follows upstream nano-vllm `engine/sequence.py`.
 
 A Sequence holds its token ids (prompt then completion), its block table (the physical KV-cache blocks that
 hold its keys and values, in order) and how many of its tokens already have K/V in the cache
 (`num_cached_tokens`). The scheduler moves it WAITING -> RUNNING -> FINISHED, and back to WAITING on
 preemption.
+
+A request with SamplingParams.n > 1 has n sequences (`index` 0..n-1, one `request_id`). Only the first is
+queued; the others wait in its `forks` list until its prompt is prefilled, then share its KV blocks
+(Scheduler.postprocess, BlockManager.fork). The engine gives each sequence an IncrementalDetokenizer
+(`detokenizer`) for its text; a Sequence made without one (tests, the course's checks) has token ids only.
 """
 from copy import copy
 from enum import Enum, auto
@@ -28,13 +33,14 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], block_size: int, sampling_params: SamplingParams | None = None,
-                 seed: int | None = None):
+                 request_id: str | None = None, index: int = 0, detokenizer=None, seed: int | None = None):
         sampling_params = sampling_params or SamplingParams()
         self.seq_id = next(Sequence._ids)
-        # The seed of this request's random numbers, in [0, 2**32) (layers/sampler.py): the request's own,
-        # else the one the engine drew for it, else one made from the sequence id.
+        # The seed of this sequence's random numbers, in [0, 2**32) (layers/sampler.py): the request's own
+        # (each of n samples mixing in its index), else the one the engine drew for it, else one made from
+        # the sequence id.
         if sampling_params.seed is not None:
-            seed = sampling_params.seed
+            seed = sampling_params.seed ^ (index * 0x9E3779B97F4A7C15)
         elif seed is None:
             seed = self.seq_id * 0x9E3779B1
         seed = int(seed) % 2**64
@@ -57,8 +63,19 @@ class Sequence:
         self.top_p = sampling_params.top_p            # 1.0 = off
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
-        # Why it finished, as in vLLM: "stop" (an eos / stop id), "length" (max_tokens or max_model_len).
+        self.min_tokens = sampling_params.min_tokens
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.sampling_params = sampling_params
+        self.request_id, self.index = request_id, index
+        self.detokenizer = detokenizer                 # engine/detokenizer.py, or None (no text)
+        # The sibling samples (n > 1) that fork from this one once its prompt is prefilled.
+        self.forks: list["Sequence"] = []
+        # Why it finished, as in vLLM: "stop" (eos, a stop id or a stop string), "length" (max_tokens or
+        # max_model_len), "abort" (abort_request). stop_reason: the stop id or string (None for eos).
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # The last token was a stop token whose text stays out of the completion's text.
+        self.hide_last_token_text = False
         # Async scheduling: trailing PENDING ids, and the output row of the step that samples the last one.
         self.num_pending = 0
         self.pending_row = -1
@@ -83,7 +100,13 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The completion's token ids known on the host (async scheduling: without the pending ones)."""
+        return self.token_ids[self.num_prompt_tokens:self.num_tokens - self.num_pending]
+
+    @property
+    def num_known_completion_tokens(self) -> int:
+        """Completion tokens whose value is known (num_completion_tokens counts the pending ones too)."""
+        return self.num_completion_tokens - self.num_pending
 
     @property
     def num_blocks(self) -> int:

@@ -1,4 +1,5 @@
-"""Triton kernels (chapter 06).
+"""Triton kernels: attention and the KV store (chapter 06); the decode step's fused kernels (chapter 10:
+rms_norm.py, qk_norm_rope_store.py, small_gemm.py, numerics.py; chosen by utils/fusion.FusedKernels).
 
 On a machine without CUDA, Triton kernels run only under the Triton interpreter, and Triton decides that
 when a kernel is *defined* (`@triton.jit` reads the TRITON_INTERPRET setting then). Importing nanovllm_ref
@@ -19,7 +20,9 @@ def interpreted() -> bool:
     kernel modules (if already imported) were defined under it."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    for name in ("nanovllm_ref.kernels.attention", "nanovllm_ref.kernels.store_kvcache"):
+    for name in ("nanovllm_ref.kernels.attention", "nanovllm_ref.kernels.store_kvcache",
+                 "nanovllm_ref.kernels.numerics", "nanovllm_ref.kernels.rms_norm",
+                 "nanovllm_ref.kernels.qk_norm_rope_store", "nanovllm_ref.kernels.small_gemm"):
         module = sys.modules.get(name)
         if module is not None and not getattr(module, "DEFINED_INTERPRETED", False):
             return False

@@ -56,3 +56,10 @@ class Attention(nn.Module):
             o = self.backend.paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables,
                                           ctx.context_lens, self.scale)
         return o.reshape(-1, self.num_heads * self.head_dim)
+
+    def decode_cached(self, q: torch.Tensor) -> torch.Tensor:
+        """Decode attention when this step's k and v are already in the cache (the fused decode route's
+        q/k-norm + RoPE + store kernel wrote them): q [B, H, D] -> [B, H * D]."""
+        ctx = current_metadata()
+        o = self.backend.paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+        return o.reshape(-1, self.num_heads * self.head_dim)

@@ -42,3 +42,10 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.norm(x, self.weight, self.eps)
         return self.add_norm(x, residual, self.weight, self.eps)
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, use_pdl: bool = False):
+        """(norm(x + residual), x + residual) in one Triton kernel (kernels/rms_norm.py), also when x is a
+        GEMM's split-K partial sums [S, T, hidden] fp32; with residual None, (norm(x), x). Same numbers as
+        the reference functions; the model's fused decode route calls it only where those are the parts."""
+        from nanovllm_ref.kernels.rms_norm import add_rms_norm as add_rms_norm_kernel
+        return add_rms_norm_kernel(x, residual, self.weight, self.eps, use_pdl=use_pdl)

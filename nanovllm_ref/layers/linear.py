@@ -8,12 +8,26 @@ Checkpoints store q/k/v and gate/up as separate tensors, but we run them as one 
 parameter has a `weight_loader(param, loaded_weight, shard_id)` that copies this rank's slice of a
 checkpoint tensor into the right rows of the fused parameter (upstream nano-vllm `layers/linear.py`).
 Weights are [out_features, in_features] like nn.Linear.
+
+`forward` multiplies with F.linear (cuBLAS on a GPU, oneDNN on a CPU). The decode step's small batches
+(M <= 64 rows) can go through the Triton kernels of kernels/small_gemm.py instead: `forward_small` (the
+same result), `forward_partials` (split-K partial sums for the add + RMSNorm kernel to add up; row-parallel
+layers all-reduce the partials, whose sum over splits is then the all-reduced output) and
+`forward_silu_mul` (gate_up with SiLU-and-mul in the epilogue). The model calls them on its fused decode
+route only (models/qwen3.py).
 """
 import torch
 from torch import nn
 
 from nanovllm_ref.utils.onednn import linear
 from nanovllm_ref.utils.parallel import all_reduce, get_tp_rank, get_tp_size
+
+
+def _small_gemm():
+    """kernels/small_gemm.py, imported at first use (defining Triton kernels fixes interpreter or compiler
+    for the process: kernels/__init__.py)."""
+    from nanovllm_ref.kernels import small_gemm
+    return small_gemm
 
 
 def _expect(loaded: torch.Tensor, dim: int, size: int) -> None:
@@ -43,6 +57,10 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)     # F.linear (oneDNN on CPU: utils/onednn.py)
+
+    def forward_small(self, x: torch.Tensor, use_pdl: bool = False) -> torch.Tensor:
+        """`forward` for x [M <= 64, in] through the small-M Triton GEMM: [M, out] in x's dtype."""
+        return _small_gemm().linear(x, self.weight, self.bias, use_pdl=use_pdl)
 
 
 class ReplicatedLinear(LinearBase):
@@ -86,6 +104,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param, loaded_weight, shard_id):
         self.loader(self, param, loaded_weight, shard_id)
+
+    def forward_silu_mul(self, x: torch.Tensor, use_pdl: bool = False) -> torch.Tensor:
+        """silu(gate) * up of this rank's slice for x [M <= 64, in], in one Triton kernel: [M, out / 2].
+        Needs two equal outputs (gate_proj, up_proj); raises ValueError otherwise."""
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            raise ValueError(f"forward_silu_mul needs two equal outputs (gate, up), got {self.output_sizes}")
+        return _small_gemm().linear_silu_mul(x, self.weight, self.bias, use_pdl=use_pdl)
 
 
 def load_qkv_shard(layer: "QKVParallelLinear", param: nn.Parameter, loaded_weight: torch.Tensor,
@@ -136,3 +161,13 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         return all_reduce(linear(x, self.weight, bias), self.tp_size)
+
+    def forward_small(self, x: torch.Tensor, use_pdl: bool = False) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        return all_reduce(_small_gemm().linear(x, self.weight, bias, use_pdl=use_pdl), self.tp_size)
+
+    def forward_partials(self, x: torch.Tensor, use_pdl: bool = False) -> torch.Tensor:
+        """Split-K partial sums [S, M, out] fp32 of `forward` for x [M <= 64, in / tp]: their sum over S is
+        the output. The all-reduce adds them over the ranks split by split, so that sum stays right."""
+        bias = self.bias if self.tp_rank == 0 else None
+        return all_reduce(_small_gemm().linear_partials(x, self.weight, bias, use_pdl=use_pdl), self.tp_size)

@@ -12,8 +12,33 @@ The switch belongs to the engine, not to the process: `@fused` leaves the functi
 it a `.compiled()` method; a model built with `fuse=True` (the model runner does this on CUDA) calls the
 compiled version, one built with `fuse=False` calls the function itself. So a CPU engine and a GPU engine
 in one process do not change each other.
+
+Hand-written Triton kernels for the decode step (issue 21; `nanovllm_ref/kernels/`)
+Compiling each small function still leaves ~17 kernels a layer in a batch-1 decode step (round 2's
+profile): Inductor fuses inside one function, not across a GEMM. Three kernels written by hand cut a
+layer to 9 (8 when attention runs one KV split): residual add + RMSNorm that also sums the previous GEMM's
+split-K partials (kernels/rms_norm.py), q/k-norm + RoPE + KV store (kernels/qk_norm_rope_store.py), and a
+small-M GEMM in three forms: full K, split-K partials, and with SiLU-and-mul in its epilogue
+(kernels/small_gemm.py). `FusedKernels`
+names which of them a model uses; the model decides it once, when it is built (models/decode_kernels.py):
+
+| FusedKernels field   | replaces, in a decode step of <= max_m tokens           | allowed when (Parts)                  |
+| rms_norm             | the plain RMSNorm of layer 0's input                    | rms_norm is the reference             |
+| add_rms_norm         | every residual add + RMSNorm                            | add_rms_norm is the reference         |
+| qk_norm_rope_store   | q/k RMSNorm, RoPE and the KV store                      | rotary and store_kvcache (and rms_norm |
+|                      |                                                         | with q/k norm) are the reference      |
+| gemm                 | F.linear of qkv, o, gate_up and down projections        | always                                |
+| gemm_silu            | gate_up GEMM + SiLU-and-mul (one kernel)                | gemm, silu_and_mul is the reference   |
+| split_k              | o_proj / down write fp32 partials that add_rms_norm sums| gemm and add_rms_norm                 |
+
+`fuse=True` on a CUDA device turns on every kernel the parts allow (the engine's GPU default); a model
+built on a CPU uses none unless it is handed a `FusedKernels` (tests do, under the Triton interpreter).
+Prefill steps and decode steps of more than max_m tokens keep the general path; so does the q/k part of a
+decode step run before the KV cache exists (the kernel writes into it).
 """
+import dataclasses
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -36,3 +61,59 @@ def choose(fn, reference, fuse: bool):
     if fuse and fn is reference and hasattr(fn, "compiled"):
         return fn.compiled()
     return fn
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """Which of the decode-step Triton kernels a model uses (table in this module's docstring); all off by
+    default. max_m: the largest decode batch they serve (1..64; larger batches use cuBLAS). pdl: launch
+    them with programmatic dependent launch (Hopper; kernels/numerics.py). Raises TypeError or ValueError
+    for a field of the wrong type or a combination that cannot run (split_k without add_rms_norm: nothing
+    would sum the partials)."""
+    rms_norm: bool = False
+    add_rms_norm: bool = False
+    qk_norm_rope_store: bool = False
+    gemm: bool = False
+    gemm_silu: bool = False
+    split_k: bool = False
+    max_m: int = 64
+    pdl: bool = False
+
+    KERNEL_FIELDS = ("rms_norm", "add_rms_norm", "qk_norm_rope_store", "gemm", "gemm_silu", "split_k")
+
+    def __post_init__(self):
+        for name in self.KERNEL_FIELDS + ("pdl",):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"FusedKernels.{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.max_m, bool) or not isinstance(self.max_m, int) or not 1 <= self.max_m <= 64:
+            raise ValueError(f"FusedKernels.max_m must be an int in [1, 64], got {self.max_m!r}")
+        if self.gemm_silu and not self.gemm:
+            raise ValueError("FusedKernels.gemm_silu needs gemm=True (it is the gate_up GEMM's epilogue)")
+        if self.split_k and not (self.gemm and self.add_rms_norm):
+            raise ValueError("FusedKernels.split_k needs gemm=True and add_rms_norm=True (the add + RMSNorm "
+                             "kernel is what sums the split-K partials)")
+
+    @classmethod
+    def all(cls, **overrides) -> "FusedKernels":
+        """Every kernel on (then `overrides`, e.g. pdl=True or max_m=16)."""
+        return cls(**{**{name: True for name in cls.KERNEL_FIELDS}, **overrides})
+
+    def any(self) -> bool:
+        """True when at least one kernel is on (pdl and max_m alone change nothing)."""
+        return any(getattr(self, name) for name in self.KERNEL_FIELDS)
+
+    def enabled(self) -> list[str]:
+        """Names of the kernels that are on, in field order."""
+        return [name for name in self.KERNEL_FIELDS if getattr(self, name)]
+
+    def large_batch(self) -> "FusedKernels":
+        """The kernels of a decode step of more than max_m tokens: the element-wise ones only (add+RMSNorm,
+        q/k-norm+RoPE+KV store), the GEMMs cuBLAS's (so no split-K partials, no SiLU epilogue)."""
+        return dataclasses.replace(self, gemm=False, gemm_silu=False, split_k=False)
+
+    def restricted_to(self, allowed: "FusedKernels") -> "FusedKernels":
+        """The kernels on in both self and `allowed` (split_k and gemm_silu dropped with what they need)."""
+        on = {name: getattr(self, name) and getattr(allowed, name) for name in self.KERNEL_FIELDS}
+        on["gemm_silu"] = on["gemm_silu"] and on["gemm"]
+        on["split_k"] = on["split_k"] and on["gemm"] and on["add_rms_norm"]
+        return dataclasses.replace(self, **on)

@@ -1,4 +1,4 @@
-"""CPU benchmark on the real model: `python -m nanovllm_ref bench --cpu` (issue 15, chapter 11).
+"""CPU benchmark on the real model: `python -m nanovllm_bench --cpu` (issue 15, chapter 11).
 
 Model: SmolLM2-135M-Instruct in fp32 (`download.ensure_model()`). Peer: HF transformers `generate` on the same
 prompts, left-padded, as one batch, greedy. Both run in this process, interleaved (engine, HF, engine, HF,
@@ -180,18 +180,20 @@ def run_workload(name, engine, hf, prompts, max_new_tokens, eos, threads_list, r
 
 def main(args) -> int:
     warnings.filterwarnings("ignore")
-    from nanovllm_ref import download
+    from nanovllm_models import download
     path = args.model or str(download.ensure_model("smollm2"))
-    threads_list = [int(t) for t in args.threads.split(",")]
+    threads_list = list(args.threads)              # already checked by the parser (cli.py)
     repeats = args.repeats
 
     def log(msg):
         print(msg, flush=True)
 
     import transformers
-    engine_args = dict(device="cpu", dtype="float32", max_model_len=min(2048, transformers.AutoConfig.from_pretrained(path).max_position_embeddings))
-    if args.kvcache_block_size:
-        engine_args["kvcache_block_size"] = args.kvcache_block_size
+    engine_args = dict(device="cpu", dtype="float32",
+                       max_model_len=min(2048, transformers.AutoConfig.from_pretrained(path).max_position_embeddings))
+    for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name):
+            engine_args[name] = getattr(args, name)
     if args.backends not in ("auto", None):
         engine_args["attention_backend"] = args.backends
     result = dict(tag=args.tag or f"cpu_{os.cpu_count()}core_{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}",

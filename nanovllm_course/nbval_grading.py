@@ -1,0 +1,261 @@
+"""`pytest --nbval` grades a student's chapter notebooks (a pytest plugin; course machinery).
+
+    pytest --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg path/to/chapters/
+
+The package registers this plugin with pytest (an entry point, `pytest11`, in pyproject.toml), so it is
+active in every pytest run of the course's environment, whatever folder the notebooks are in (the repository's
+conftest.py loads it too, through tests/conftest.py; `-p no:nanovllm_course` turns it off). It does nothing
+without --nbval. It skips cells tagged `gpu` where there is no CUDA, and for every notebook nbval collects
+whose name is a solution notebook's (`solutions/NN_slug.ipynb` of this checkout) it grades it as
+`python -m nanovllm_course grade` does:
+
+* each check cell runs the solution's check-cell source (matched by cell id, else by order among the cells
+  tagged `check`: release.match_check_cells) and becomes one test item named by its exercise ids
+  (`chapters/06_triton_kernels.ipynb::E6.1`); the item passes when the verdict line the cell printed is
+  `E6.1 ok` and fails with that line as its message (`E6.1 not done yet`, `E6.1 failed: ... (hint: ...)`),
+  decided by the same function as `grade` (release.verdict_of), so both agree on every exercise. A check
+  cell missing from the notebook is an item that fails `E6.1 failed: its check cell is missing ...`.
+* every other cell runs as the student left it and is not graded: its output is compared with the solution's
+  stored one where the release keeps it (so a student's saved outputs neither pass nor fail anything), and a
+  cell that raises, or prints something else, is reported as xfailed with the reason (`grade` prints it as a
+  `note:`). Exercise cells and the cells that show the student's work are not compared.
+
+The solution notebook itself is checked strictly, as before (the maintainers' gate in `make test`): check
+items are named by exercise id too, and every cell's output must equal its stored output.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+
+GPU_TAG = "gpu"
+
+
+class ExerciseNotOk(AssertionError):
+    """An exercise's check cell gave a verdict other than `ok`; args[0] is the list of verdict lines."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def _rel():
+    """nanovllm_course.release, imported on first use (it needs nbformat; the plugin loads in every pytest run)."""
+    from nanovllm_course import release
+    return release
+
+
+def reference_of(path: Path):
+    """(solution notebook, whether `path` is that solution itself), or (None, False) for a notebook that is not
+    a chapter of this course."""
+    rel = _rel()
+    path = Path(path)
+    if not rel.NOTEBOOK_NAME.match(path.name):
+        return None, False
+    solution = rel.SOLUTIONS / path.name
+    if not solution.is_file():
+        return None, False
+    import nbformat
+    return nbformat.read(solution, as_version=4), solution.resolve() == path.resolve()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(file_path, parent):
+    collectors = yield
+    if not collectors or file_path.suffix != ".ipynb":
+        return collectors
+    classes = _classes()
+    if classes is None:
+        return collectors
+    out = []
+    for c in collectors:
+        if type(c) is classes["IPyNbFile"] and reference_of(file_path)[0] is not None:
+            out.append(classes["GradedNotebook"].from_parent(parent, path=file_path))
+        else:
+            out.append(c)
+    return out
+
+
+def _cell_tags(item) -> list:
+    cell = getattr(item, "cell", None)           # nbval.plugin.IPyNbCell keeps its notebook cell here
+    if cell is None:
+        return []
+    return list((cell.get("metadata") or {}).get("tags") or [])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without CUDA, notebook cells tagged `gpu` are skipped, like cells tagged `nbval-skip`."""
+    gpu_items = [item for item in items if GPU_TAG in _cell_tags(item)]
+    if not gpu_items:
+        return
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="notebook cell tagged 'gpu' needs CUDA")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def _options_of(cell, default_check: bool) -> dict:
+    """nbval's per-cell options (tags and `# NBVAL_...` comments) for `cell`."""
+    from collections import defaultdict
+
+    from nbval.plugin import find_comment_markers, find_metadata_tags
+    options = defaultdict(bool, find_metadata_tags(cell.get("metadata", {})))
+    options.update(dict(find_comment_markers(cell.source)))
+    options.setdefault("check", default_check)
+    return options
+
+
+def _error_of(outputs) -> tuple[str, str] | None:
+    for out in outputs or []:
+        if out.get("output_type") == "error":
+            return out.get("ename", ""), out.get("evalue", "")
+    return None
+
+
+def _stdout_of(outputs) -> str:
+    return "".join(o.get("text", "") for o in outputs or [] if o.get("output_type") == "stream"
+                   and o.get("name") == "stdout")
+
+
+@functools.lru_cache(maxsize=None)
+def _classes():
+    """The plugin's nbval subclasses, made on first use (nbval is imported only when pytest --nbval runs)."""
+    try:
+        from nbval.plugin import IPyNbCell, IPyNbFile, NbCellError
+    except ImportError:
+        return None
+    from _pytest._code.code import ReprFileLocation, TerminalRepr
+    rel = _rel()
+
+    class VerdictRepr(TerminalRepr):
+        """A failed exercise as pytest shows it: its verdict lines, the first one also in the short summary."""
+
+        def __init__(self, path, lines):
+            self.lines = lines
+            self.reprcrash = ReprFileLocation(str(path), 0, lines[0])
+
+        def toterminal(self, tw) -> None:
+            for line in self.lines:
+                tw.line(line)
+
+    class GradedNotebook(IPyNbFile):
+        """A chapter notebook graded against its solution (see the module doc)."""
+
+        def collect(self):
+            reference, is_solution = reference_of(self.path)
+            items = list(super().collect())            # nbval reads self.nb and makes one item per code cell
+            pairs = rel.match_check_cells(self.nb, reference)
+            check_at = {i: ref for ref, i in pairs if i is not None}
+            index = {id(c): i for i, c in enumerate(self.nb.cells)}
+            kept = {}
+            if not is_solution:      # what the release keeps: the solution's outputs of cells that show no student work
+                released = rel.release_notebook(reference, self.path.name)
+                kept = {c.get("id"): c for c in released.cells if c.cell_type == "code" and not rel.is_exercise_cell(c)}
+            for item in items:
+                i = index[id(item.cell)]
+                cell = copy.deepcopy(item.cell)
+                if i in check_at:
+                    ref = check_at[i]
+                    ids = rel.checked_exercises(ref)
+                    cell.source = ref.source
+                    cell.metadata["tags"] = list(dict.fromkeys(rel.tags(cell) + [rel.CHECK_TAG]))
+                    if is_solution:
+                        options = item.options
+                    else:
+                        cell.outputs, cell.execution_count = [], None
+                        options = _options_of(ref, False)
+                        options["check"] = False
+                    yield GradedCheck.from_parent(self, name=", ".join(ids), cell_num=item.cell_num, cell=cell,
+                                                  options=options, exercises=ids)
+                elif is_solution:
+                    yield item
+                else:
+                    ref = kept.get(cell.get("id"))
+                    if ref is not None and not rel.is_check_cell(ref):
+                        cell.outputs = copy.deepcopy(ref.outputs)
+                        cell.execution_count = ref.execution_count
+                        options = _options_of(ref, True)
+                    else:                            # an exercise cell, a cleared cell or one the student added
+                        cell.outputs, cell.execution_count = [], None
+                        options = _options_of(cell, False)
+                    yield UngradedCell.from_parent(self, name=item.name, cell_num=item.cell_num, cell=cell,
+                                                   options=options)
+            for ref, i in pairs:
+                if i is None:
+                    ids = rel.checked_exercises(ref)
+                    yield MissingCheck.from_parent(self, name=", ".join(ids), exercises=ids)
+
+    class GradedCheck(IPyNbCell):
+        """A check cell: passes when every exercise it checks printed `Ex.y ok` (release.verdict_of)."""
+
+        def __init__(self, name, parent, cell_num, cell, options, exercises):
+            super().__init__(name, parent, cell_num, cell, options)
+            self.exercises = list(exercises)
+
+        def runtest(self):
+            raised = None
+            try:
+                super().runtest()
+            except NbCellError as exc:
+                raised = exc
+            outs = self.test_outputs or []
+            error = _error_of(outs)
+            lines = [rel.verdict_of(ex, _stdout_of(outs), error) for ex in self.exercises]
+            bad = [line for line in lines if line != f"{line.split(' ')[0]} ok"]
+            if bad:
+                raise ExerciseNotOk(bad)
+            if raised is not None:                   # the solution itself: any other difference still fails
+                raise raised
+
+        def repr_failure(self, excinfo):
+            if isinstance(excinfo.value, ExerciseNotOk):
+                return VerdictRepr(self.path, excinfo.value.lines)
+            return super().repr_failure(excinfo)
+
+        def reportinfo(self):
+            return self.path, None, f"{self.fspath.relto(self.config.rootdir) or self.path}::{self.name}"
+
+    class UngradedCell(IPyNbCell):
+        """Any other cell of a student's notebook: runs, and reports a problem as xfailed (not graded)."""
+
+        def runtest(self):
+            try:
+                super().runtest()
+            except NbCellError as exc:
+                error = _error_of(self.test_outputs)
+                start = rel._first_line(self.cell.source, 60)
+                if error is not None:
+                    why = f"raised {error[0]}: {rel._first_line(error[1])}"
+                else:
+                    why = rel._first_line(str(exc))
+                pytest.xfail(f"not graded: the cell starting {start!r} {why}")
+
+    class MissingCheck(pytest.Item):
+        """An exercise whose check cell is not in the student's notebook."""
+
+        def __init__(self, *, exercises, **kwargs):
+            super().__init__(**kwargs)
+            self.exercises = list(exercises)
+
+        def runtest(self):
+            raise ExerciseNotOk([f"{ex} failed: its check cell is missing from the notebook" for ex in self.exercises])
+
+        def repr_failure(self, excinfo):
+            if isinstance(excinfo.value, ExerciseNotOk):
+                return VerdictRepr(self.path, excinfo.value.lines)
+            return super().repr_failure(excinfo)
+
+        def reportinfo(self):
+            return self.path, None, f"{self.fspath.relto(self.config.rootdir) or self.path}::{self.name}"
+
+    return {"IPyNbFile": IPyNbFile, "GradedNotebook": GradedNotebook, "GradedCheck": GradedCheck,
+            "UngradedCell": UngradedCell, "MissingCheck": MissingCheck}

@@ -1,0 +1,149 @@
+"""A request as the engine tracks it, how one is checked before it is queued, and its output (chapter 07).
+
+A Request is what `add_request` made: an id, the prompt, its SamplingParams and its n sequences (one per
+sample; engine/sequence.py). `check_request` validates one prompt and its settings against the tokenizer
+and the engine's config without changing anything, so `generate` can check a whole batch before queuing
+any of it, and the command line can check its prompts before the weights load. `load_tokenizer` loads a
+model folder's tokenizer and refuses one the model cannot use.
+"""
+import numbers
+import warnings
+from collections.abc import Sequence as SequenceABC
+
+from nanovllm_ref.engine.scheduler import Scheduler
+from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.engine.stop import completion_text
+from nanovllm_ref.outputs import CompletionOutput, RequestOutput
+from nanovllm_ref.sampling_params import SamplingParams
+
+# What a request needs from Scheduler.postprocess beyond eos and max_tokens; a Parts.scheduler with its own
+# postprocess (chapter 07's exercise) may not do it, so such requests are refused with that scheduler.
+POSTPROCESS_FEATURES = ("n", "stop", "stop_token_ids", "min_tokens")
+
+
+def load_tokenizer(path: str, vocab_size: int | None = None):
+    """The tokenizer of the model folder `path` (transformers' AutoTokenizer). Raises ValueError if there is
+    none that works (transformers then builds an empty one, or fails), or, given the model's `vocab_size`
+    (config.json), if the tokenizer has more tokens than the embedding table has rows."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers import AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:
+            reason = " ".join(str(exc).split())      # one line
+            raise ValueError(f"could not load a tokenizer from {path!r}: {reason}") from exc
+    if len(tokenizer) < 2:
+        raise ValueError(f"model folder {path!r} has no usable tokenizer (tokenizer.json / tokenizer_config.json); "
+                         "the engine needs one")
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer of {path!r} has {len(tokenizer)} tokens but the model's embedding table has "
+                         f"{vocab_size} rows (config.json vocab_size): ids >= {vocab_size} would index past it")
+    return tokenizer
+
+
+def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls) -> None:
+    if not isinstance(sp, SamplingParams):
+        raise TypeError(f"{where} must be a SamplingParams, got {type(sp).__name__}")
+    pending = sp.pending_fields()
+    if pending:
+        name = pending[0]
+        raise ValueError(f"{where}: SamplingParams.{name}={getattr(sp, name)!r} is not implemented yet in "
+                         f"nanovllm_ref (accepted for vLLM compatibility); leave it at its default")
+    bad = [t for t in sp.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"{where}: stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if getattr(scheduler_cls, "postprocess", None) is not Scheduler.postprocess:
+        defaults = SamplingParams()
+        used = [f for f in POSTPROCESS_FEATURES if getattr(sp, f) != getattr(defaults, f)]
+        if used:
+            raise ValueError(f"{where}: SamplingParams.{used[0]} needs the reference Scheduler.postprocess "
+                             f"(engine/stop.py, forks); Parts.scheduler={scheduler_cls.__name__} has its own")
+
+
+def check_request(prompt, sp, *, tokenizer, config, scheduler_cls, where: str = "prompt",
+                  sp_where: str = "sampling_params") -> list[int]:
+    """Token ids of one validated request; raises ValueError / TypeError naming what is wrong (`where`,
+    `sp_where`: how the prompt and its settings are called in the message). Changes nothing.
+
+    prompt: a str (encoded with the tokenizer's special tokens) or a list of int token ids. Checks: the ids
+    are in [0, vocab_size) (str prompts too: a tokenizer's added tokens can lie past the embedding table),
+    the prompt is not empty and fits max_model_len, and (once the cache is sized) the request can ever fit in
+    the KV cache. sp: a SamplingParams; refused if it sets a field not implemented yet (PENDING), has stop
+    ids outside the vocabulary, n > max_num_seqs, or a field that needs the reference postprocess while
+    Parts.scheduler replaces it.
+    """
+    vocab = config.hf_config.vocab_size
+    _check_sampling_params(sp, sp_where, vocab, scheduler_cls)
+    if sp.n > config.max_num_seqs:
+        raise ValueError(f"{sp_where}: n={sp.n} samples cannot run at once with max_num_seqs={config.max_num_seqs}")
+    if isinstance(prompt, str):
+        token_ids = [int(t) for t in tokenizer.encode(prompt)]
+    elif isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray)):
+        for j, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"{where}[{j}] must be an int token id, got {type(t).__name__}")
+        token_ids = [int(t) for t in prompt]
+    else:
+        raise TypeError(f"{where} must be a str or a list of int token ids, got {type(prompt).__name__}")
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{where} has token ids outside [0, {vocab}): {bad[:5]}"
+                         + (" (the tokenizer made them: it knows more tokens than the model's embedding table)"
+                            if isinstance(prompt, str) else ""))
+    if not token_ids:
+        raise ValueError(f"{where} is empty; a prompt needs at least one token")
+    max_len = config.max_model_len
+    if len(token_ids) > max_len:
+        raise ValueError(f"{where} has {len(token_ids)} tokens, more than max_model_len={max_len}")
+    # The most tokens this request ever holds K/V for: the prompt, then every sampled token but the
+    # last (generation stops at max_tokens or max_model_len, and the last token is never fed back).
+    longest = max(len(token_ids), min(len(token_ids) + sp.max_tokens, max_len) - 1)
+    bs, have = config.kvcache_block_size, config.num_kvcache_blocks
+    need = (longest + bs - 1) // bs
+    if have > 0 and need > have:
+        raise ValueError(f"{where} can never fit in the KV cache: up to {longest} tokens need {need} blocks of {bs}, "
+                         f"the cache has {have}; lower max_tokens or give the cache more memory")
+    return token_ids
+
+
+class Request:
+    """One request: `request_id`, the `prompt` as given (a str, else None), its `prompt_token_ids`, its
+    SamplingParams and `seqs`, its n sequences in sample order (seqs[0] is queued; the others fork from it,
+    engine/scheduler.py)."""
+
+    def __init__(self, request_id: str, prompt, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 block_size: int, detokenizer_factory=None, seeds: list[int] | None = None):
+        self.request_id = request_id
+        self.prompt = prompt if isinstance(prompt, str) else None
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        # seeds: one per sample, drawn by the engine (a SamplingParams.seed wins over them; engine/sequence.py)
+        seeds = seeds if seeds is not None else [None] * sampling_params.n
+        self.seqs = [Sequence(self.prompt_token_ids, block_size, sampling_params, request_id, i,
+                              detokenizer_factory(self.prompt_token_ids) if detokenizer_factory else None,
+                              seed=seeds[i])
+                     for i in range(sampling_params.n)]
+        self.seqs[0].forks = self.seqs[1:]
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    def output(self, eos: frozenset = frozenset()) -> RequestOutput:
+        """A snapshot of the request now (nanovllm_ref.outputs). eos: the stop ids, to say why a sequence
+        finished when a Parts.scheduler did not set finish_reason."""
+        outputs = []
+        for seq in self.seqs:
+            if seq.is_finished and seq.finish_reason is None:
+                ids = seq.completion_token_ids
+                stopped = bool(ids) and not seq.ignore_eos and ids[-1] in eos
+                seq.finish_reason = "stop" if stopped else "length"
+            outputs.append(CompletionOutput(index=seq.index, text=completion_text(seq),
+                                            token_ids=seq.completion_token_ids,
+                                            finish_reason=seq.finish_reason if seq.is_finished else None,
+                                            stop_reason=seq.stop_reason if seq.is_finished else None))
+        # prompt_token_ids: one list shared by the request's snapshots (copying it every step would cost
+        # more than the rest of a snapshot for long prompts)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=outputs, finished=self.finished)

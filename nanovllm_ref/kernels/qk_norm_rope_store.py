@@ -1,0 +1,182 @@
+"""Q/K RMSNorm + RoPE + KV-cache store of one decode step in one Triton kernel (chapter 10).
+
+What it computes, from the fused QKV projection output of T tokens (q, k, v are column slices of it):
+    q_t,h = rope(rms_norm(q_t,h) * q_weight, pos_t)          -> returned, [T, H, d]
+    k_t,j = rope(rms_norm(k_t,j) * k_weight, pos_t)          -> k_cache at slot_mapping[t]
+    v_t,j                                                     -> v_cache at slot_mapping[t]
+for every query head h and KV head j. Without norm weights (Llama) the RMSNorm step is skipped. A slot
+of -1 stores nothing (the padding rows of a batch replayed through a CUDA graph); q is computed for
+every row either way.
+
+The maths is the reference's (layers/layernorm.py, layers/rotary_embedding.py): RMSNorm per head with
+the mean of squares in fp32, rounded to the model dtype, times the weight, rounded again; then RoPE in the
+GPT-NeoX "rotate half" layout, where channel i pairs with channel i + d/2:
+    out[i] = x[i] * cos - x[i + d/2] * sin,   out[i + d/2] = x[i + d/2] * cos + x[i] * sin,
+with cos/sin read from the model's cos_sin_cache [max_position, d] fp32 (first half cos, second half
+sin; scaled RoPE variants only change that table). The store is the one of kernels/store_kvcache.py
+(PagedAttention's reshape_and_cache, Kwon et al. 2023, §4.1). vLLM fused the same three steps for small
+batches (PR 38621: 5.0 -> 2.3 us).
+
+Tiling: grid (T, H + Hkv). Program (t, h) with h < H owns query head h of token t; with h >= H it owns KV
+head j = h - H: it normalises and rotates k, stores it, and copies v. A head is read as its two halves
+(BLOCK_HALF = next power of two of d/2, masked), so the rotation pairs line up without a shuffle.
+
+The input may also be split-K partial sums [S, T, C] fp32 of the QKV GEMM (kernels/small_gemm.py): they
+are added and rounded to the model dtype as they are loaded, so that GEMM needs no reduction kernel.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm_ref.kernels.numerics import DEFINED_INTERPRETED, interpreting, pdl_launch_kwargs, round_to  # noqa: F401
+
+
+@triton.jit
+def _load_half(qkv_ptr, num_parts, stride_ps, row_offset, offs, mask, dtype: tl.constexpr,
+               PARTIALS: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
+    """fp32 values of one half head at qkv[t, col + offs] (summing split-K partials when given)."""
+    if PARTIALS:
+        x = tl.zeros(offs.shape, dtype=tl.float32)
+        for s in range(num_parts):
+            x += tl.load(qkv_ptr + s * stride_ps + row_offset + offs, mask=mask, other=0.0).to(tl.float32)
+        return round_to(x, dtype, EMULATE_ROUNDING)
+    else:
+        return tl.load(qkv_ptr + row_offset + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _norm_halves(x1, x2, w_ptr, offs, mask, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                 dtype: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
+    """RMSNorm of one head given as its two halves (reference rounding: normed value, then times weight)."""
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+    w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    x1 = round_to(w1 * round_to(x1 * rstd, dtype, EMULATE_ROUNDING), dtype, EMULATE_ROUNDING)
+    x2 = round_to(w2 * round_to(x2 * rstd, dtype, EMULATE_ROUNDING), dtype, EMULATE_ROUNDING)
+    return x1, x2
+
+
+@triton.jit
+def _store_rotated(dst, x1, x2, cos, sin, offs, mask, HALF: tl.constexpr, dtype: tl.constexpr,
+                   EMULATE_ROUNDING: tl.constexpr):
+    """Rotate the pair of halves (x1, x2) by (cos, sin) in fp32 and store them at dst, rounded once."""
+    tl.store(dst + offs, round_to(x1 * cos - x2 * sin, dtype, EMULATE_ROUNDING).to(dtype), mask=mask)
+    tl.store(dst + HALF + offs, round_to(x2 * cos + x1 * sin, dtype, EMULATE_ROUNDING).to(dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_parts"])
+def _qk_norm_rope_store_kernel(
+    qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_mapping_ptr,
+    k_cache_ptr, v_cache_ptr, q_out_ptr,
+    num_parts, stride_ps, stride_t, stride_cs, stride_qt, stride_qh, eps,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr, PARTIALS: tl.constexpr,
+    EMULATE_ROUNDING: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    dtype = q_out_ptr.dtype.element_ty
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=mask, other=0.0)
+    # Query heads and key heads sit side by side in a qkv row, so head h starts at column h * HEAD_DIM.
+    row = token * stride_t + head * HEAD_DIM
+    x1 = _load_half(qkv_ptr, num_parts, stride_ps, row, offs, mask, dtype, PARTIALS, EMULATE_ROUNDING)
+    x2 = _load_half(qkv_ptr, num_parts, stride_ps, row + HALF, offs, mask, dtype, PARTIALS, EMULATE_ROUNDING)
+    if head < NUM_HEADS:
+        if QK_NORM:
+            x1, x2 = _norm_halves(x1, x2, q_weight_ptr, offs, mask, eps, HEAD_DIM, HALF, dtype, EMULATE_ROUNDING)
+        dst = q_out_ptr + token * stride_qt + head * stride_qh
+        _store_rotated(dst, x1, x2, cos, sin, offs, mask, HALF, dtype, EMULATE_ROUNDING)
+    else:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:                        # -1: a padding row of a CUDA-graph batch stores nothing
+            kv_head = head - NUM_HEADS
+            if QK_NORM:
+                x1, x2 = _norm_halves(x1, x2, k_weight_ptr, offs, mask, eps, HEAD_DIM, HALF, dtype,
+                                      EMULATE_ROUNDING)
+            # A cache slot holds [Hkv, d] contiguously ([num_blocks, block_size, Hkv, d] cache).
+            dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+            _store_rotated(k_cache_ptr + dst, x1, x2, cos, sin, offs, mask, HALF, dtype, EMULATE_ROUNDING)
+            v_row = row + NUM_KV_HEADS * HEAD_DIM        # v of KV head j sits Hkv heads after its k
+            v1 = _load_half(qkv_ptr, num_parts, stride_ps, v_row, offs, mask, dtype, PARTIALS, EMULATE_ROUNDING)
+            v2 = _load_half(qkv_ptr, num_parts, stride_ps, v_row + HALF, offs, mask, dtype, PARTIALS,
+                            EMULATE_ROUNDING)
+            tl.store(v_cache_ptr + dst + offs, v1.to(dtype), mask=mask)
+            tl.store(v_cache_ptr + dst + HALF + offs, v2.to(dtype), mask=mask)
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, head_dim: int, use_pdl: bool = False) -> torch.Tensor:
+    """Normalise and rotate q and k of one step, write k and v into the paged cache, return q.
+
+    qkv: [T, (H + 2 * Hkv) * d] in the model dtype (the QKV projection output; rows may be strided, columns
+        contiguous), or its split-K partial sums [S, T, (H + 2 * Hkv) * d] fp32.
+    positions: [T] int64 (or int32); cos_sin_cache: [max_position, d] fp32, cos in the first half, sin in the
+        second (layers/rotary_embedding.RotaryEmbedding.cos_sin_cache).
+    q_weight, k_weight: [d] in the model dtype (Qwen3's q_norm/k_norm), or both None (no q/k norm: Llama).
+    k_cache, v_cache: [num_blocks, block_size, Hkv, d] contiguous, the model dtype.
+    slot_mapping: [T] int32; slot = block_id * block_size + offset, -1 = store nothing.
+    Returns q: [T, H, d], a new contiguous tensor in the model dtype (the cache dtype).
+    Raises ValueError on shapes, dtypes or devices that disagree (the slot values are not checked: no host
+    synchronisation, so it can run inside a CUDA graph).
+    """
+    partials = qkv.dim() == 3
+    if qkv.dim() not in (2, 3):
+        raise ValueError(f"qkv must be [T, C] or split-K partials [S, T, C], got shape {tuple(qkv.shape)}")
+    num_tokens, width = qkv.shape[-2], qkv.shape[-1]
+    if width != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv has {width} columns; (num_heads + 2 * num_kv_heads) * head_dim = "
+                         f"{(num_heads + 2 * num_kv_heads) * head_dim}")
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    if qkv.stride(-1) != 1:
+        raise ValueError("qkv needs stride(-1) == 1 (columns contiguous)")
+    if partials and qkv.dtype != torch.float32:
+        raise ValueError(f"split-K partials must be float32, got {qkv.dtype}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    dtype = k_cache.dtype
+    if v_cache.dtype != dtype or (not partials and qkv.dtype != dtype):
+        raise ValueError(f"qkv ({qkv.dtype}), k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight must both be given (Qwen3) or both be None (Llama)")
+    if q_weight is not None and (q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,)):
+        raise ValueError(f"q_weight and k_weight must be [{head_dim}]")
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"positions and slot_mapping must be [T={num_tokens}], got {tuple(positions.shape)} "
+                         f"and {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32:
+        raise ValueError(f"cos_sin_cache must be [max_position, {head_dim}] float32, got "
+                         f"{tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}")
+    tensors = [qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping] + \
+        ([q_weight, k_weight] if q_weight is not None else [])
+    if any(t.device != qkv.device for t in tensors):
+        raise ValueError("all tensors must be on one device")
+    q = torch.empty((num_tokens, num_heads, head_dim), dtype=dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    half = head_dim // 2
+    qk_norm = q_weight is not None
+    _qk_norm_rope_store_kernel[(num_tokens, num_heads + num_kv_heads)](
+        qkv, positions, cos_sin_cache, q_weight if qk_norm else q, k_weight if qk_norm else q, slot_mapping,
+        k_cache, v_cache, q,
+        qkv.shape[0] if partials else 1, qkv.stride(0) if partials else 0, qkv.stride(-2),
+        cos_sin_cache.stride(0), q.stride(0), q.stride(1), eps,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half), QK_NORM=qk_norm, PARTIALS=partials,
+        EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl, num_warps=1 if head_dim <= 128 else 2,
+        **pdl_launch_kwargs(use_pdl),
+    )
+    return q

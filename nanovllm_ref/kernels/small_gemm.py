@@ -1,0 +1,289 @@
+"""Small-M GEMMs of the decode step at memory bandwidth: y = x @ W.T for M <= 64 rows (chapter 10).
+
+What it computes
+    x [M, K] and W [N, K] (row-major, as nn.Linear stores it), optional bias [N]:
+    - `linear`:          y = x @ W.T + bias, [M, N] in x's dtype (the QKV projection, K=1024, N=4096);
+    - `linear_partials`: split-K partial sums P[s] = x[:, Ks] @ W[:, Ks].T, [S, M, N] fp32, which the next
+      kernel adds up (kernels/rms_norm.py after o_proj and down_proj; kernels/qk_norm_rope_store.py after
+      the QKV projection), so the GEMM needs no reduction kernel of its own;
+    - `linear_silu_mul`: W = [W_gate; W_up] ([2I, K], the merged gate_up projection) and
+      y = silu(x @ W_gate.T) * (x @ W_up.T), [M, I]: the SwiGLU gate in the GEMM's epilogue.
+
+Why
+    At decode batch sizes a projection is a matrix-vector product: it reads all N * K weights to do 2*M*N*K
+    flops, so its speed is bytes per second. Round 2 measured cuBLAS at 34 % of the H200's bandwidth at
+    batch 1 over 141 launches a step; published measurements put cuBLAS at 49-68 % on narrow-N shapes
+    like o_proj (K=2048, N=1024) and down (K=3072, N=1024), where it splits K and runs a reduction kernel.
+    A kernel reaches bandwidth when enough programs stream long contiguous runs of W at once: here about
+    two programs per SM (264 on the H200's 132 SMs), each reading BLOCK_N rows of W in BLOCK_K-long runs.
+    Narrow N has too few column tiles for that, so it also splits K (`split_k`).
+
+Two formulations (`GemmConfig.use_dot`)
+    - GEMV (M = 1 by default): no tensor cores. Each K step loads a [BLOCK_N, BLOCK_K] tile of W once and,
+      for each of the M rows, multiplies it by that row of x and sums along K (`tl.sum`). Compute is
+      M * N * K FMAs on the CUDA cores, far below the time to read W for M <= 4.
+    - tl.dot (M > 1): the same tiles through the tensor cores, M padded to BLOCK_M >= 16 (a GPU's dot needs
+      every tile side >= 16; the interpreter does not care).
+    Both accumulate in fp32. The output is rounded to the model dtype, as cuBLAS rounds; the SiLU epilogue
+    rounds gate and up, silu(gate) and the product, as the reference ops (layers/activation.py) do.
+
+Configurations are picked by shape, deterministically (`choose_config`), never autotuned: this runs inside
+CUDA-graph capture, where timing candidate kernels is impossible. `bench/kernels_round3.py` sweeps
+candidates on the GPU to pick them. Larger M belongs to cuBLAS (`F.linear`); the callers dispatch.
+"""
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm_ref.kernels.numerics import DEFINED_INTERPRETED, interpreting, pdl_launch_kwargs, round_to  # noqa: F401
+
+MAX_M = 64                 # larger batches go to cuBLAS
+# Up to this M the default is the dot-free GEMV. Measured on the H200 (bench/results/kernels_round3_h200.json):
+# at M=1 the GEMV beats cuBLAS on every projection, at M=4 it is 1.1-1.7x slower than cuBLAS on the wide ones
+# (each row re-reads the W tile), while tl.dot with M padded to 16 is level with cuBLAS there.
+GEMV_MAX_M = 1
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes and launch options of one small GEMM (powers of two). split_k: how many K ranges the
+    partial-sums form cuts K into (the launched count is cdiv(K, k_per_split(K)), which may be smaller)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    use_dot: bool = False
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two, got {v!r}")
+        if not isinstance(self.split_k, int) or self.split_k < 1:
+            raise ValueError(f"GemmConfig.split_k must be an int >= 1, got {self.split_k!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"GemmConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
+
+    def k_per_split(self, k: int) -> int:
+        """K columns per split: a whole number of BLOCK_K steps, so only the last split is ragged."""
+        return triton.cdiv(triton.cdiv(k, self.split_k), self.block_k) * self.block_k
+
+    def num_splits(self, k: int) -> int:
+        return triton.cdiv(k, self.k_per_split(k))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; 132 (an H200) on a CPU, so the interpreter sees GPU configs."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) -> GemmConfig:
+    """The default GemmConfig for x [m, k] @ W[n, k].T; kind "full", "partials" or "silu" (n counts the
+    merged gate and up rows). Aims at >= 2 programs per SM: column tiles of BLOCK_N rows, times K splits
+    for "partials". Examples on an H200 (132 SMs): o_proj at M=1 (K=2048, N=1024): GEMV, 64 tiles of 16
+    rows x 4 splits of 512 = 256 programs; qkv at M=1 (K=1024, N=4096): 256 tiles of 16 rows, full K."""
+    if kind not in ("full", "partials", "silu"):
+        raise ValueError(f"kind must be 'full', 'partials' or 'silu', got {kind!r}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"small GEMMs take 1 <= M <= {MAX_M} rows, got {m}")
+    target = 2 * sms
+    n_out = n // 2 if kind == "silu" else n
+    if m <= GEMV_MAX_M:
+        cfg = dict(block_m=triton.next_power_of_2(m), block_n=16, use_dot=False, num_stages=2, num_warps=4,
+                   block_k=256 if kind == "partials" else 512)
+    else:
+        wide = triton.cdiv(n_out, 32) >= target
+        block_m = max(16, triton.next_power_of_2(m))
+        # Two accumulators (SiLU) of 32-64 rows spill registers at 4 warps (fp32, sm_90 build): use 8.
+        cfg = dict(block_m=block_m, block_n=32 if wide else 16, use_dot=True, num_stages=4, block_k=128,
+                   num_warps=8 if kind == "silu" and block_m >= 32 else 4)
+    cfg["block_k"] = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
+    split = 1
+    if kind == "partials":
+        tiles = triton.cdiv(n_out, cfg["block_n"])
+        split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, cfg["block_k"])))
+    return GemmConfig(split_k=split, **cfg)
+
+
+def warm_batch_sizes(max_m: int = MAX_M) -> list[int]:
+    """One batch size for each kernel variant `choose_config` picks for 1..max_m rows (BLOCK_M and GEMV or
+    dot; M itself is not specialised on): decode steps at these sizes compile every variant, e.g. in a
+    start-up warm-up of eager decode. For max_m = 64: [1, 2, 17, 33]."""
+    seen, sizes = set(), []
+    for m in range(1, max_m + 1):
+        cfg = choose_config(m, 4096, 4096)
+        if (cfg.block_m, cfg.use_dot) not in seen:
+            seen.add((cfg.block_m, cfg.use_dot))
+            sizes.append(m)
+    return sizes
+
+
+@triton.jit
+def _accumulate(acc, x_ptr, stride_xm, w_rows, ks, k_mask, offs_m, m_mask, n_mask, M,
+                BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, CAST_FP32: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += x[:, ks] @ W[rows, ks].T for one K step."""
+    w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    if USE_DOT:
+        x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + ks[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if CAST_FP32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    else:
+        # W is read once per step and reused for every row of x (M is small): a broadcast multiply and
+        # a sum along K per row, written into row m of the accumulator.
+        # Rows m >= M (BLOCK_M is M rounded up) re-read row M - 1; their results are never stored.
+        wf = w.to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            row = tl.minimum(M - 1, m)
+            xm = tl.load(x_ptr + row * stride_xm + ks, mask=k_mask, other=0.0).to(tl.float32)
+            part = tl.sum(wf * xm[None, :], axis=1)
+            acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _small_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_os, stride_om, k_per_split, up_offset, up_rows,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAST_FP32: tl.constexpr, EMULATE_ROUNDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_start = split * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_w_rows = w_rows + up_offset                   # SiLU: the up rows sit I rows below the gate
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < k_stop
+        acc = _accumulate(acc, x_ptr, stride_xm, w_rows, ks, k_mask, offs_m, m_mask, n_mask, M,
+                          BLOCK_M, USE_DOT, CAST_FP32, DOT_PRECISION)
+        if SILU_MUL:
+            acc_up = _accumulate(acc_up, x_ptr, stride_xm, up_w_rows, ks, k_mask, offs_m, m_mask, n_mask, M,
+                                 BLOCK_M, USE_DOT, CAST_FP32, DOT_PRECISION)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if HAS_BIAS:                                      # added once: by split 0 of the partial sums
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(bias_ptr + up_rows + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if PARTIALS:
+        tl.store(out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], acc, mask=out_mask)
+    else:
+        dtype = out_ptr.dtype.element_ty
+        y = round_to(acc, dtype, EMULATE_ROUNDING)                 # the GEMM output in the model dtype
+        if SILU_MUL:
+            up = round_to(acc_up, dtype, EMULATE_ROUNDING)
+            y = round_to(y * tl.sigmoid(y), dtype, EMULATE_ROUNDING)   # F.silu writes the model dtype
+            y = round_to(y * up, dtype, EMULATE_ROUNDING)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(dtype), mask=out_mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig | None):
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if not 1 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"small GEMMs take 1 <= M <= {MAX_M} rows, got M={x.shape[0]} (use F.linear)")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x ({x.dtype}), weight ({weight.dtype}) and bias must share a dtype")
+    if x.device != weight.device or (bias is not None and bias.device != x.device):
+        raise ValueError("x, weight and bias must be on one device")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need stride(1) == 1 (K contiguous)")
+    if bias is not None and (bias.dim() != 1 or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous vector, got shape {tuple(bias.shape)}")
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a GemmConfig or None, got {type(config).__name__}")
+    if config is not None and config.use_dot and not interpreting() and \
+            min(config.block_m, config.block_n, config.block_k) < 16:
+        raise ValueError(f"tl.dot needs tiles >= 16 on a GPU, got {config}")
+    if config is not None and config.block_m < x.shape[0]:
+        raise ValueError(f"config.block_m={config.block_m} is smaller than M={x.shape[0]}")
+
+
+def _launch(x, weight, bias, out, n_out, config, partials, silu, use_pdl):
+    m, k = x.shape
+    num_splits = config.num_splits(k) if partials else 1
+    grid = (triton.cdiv(n_out, config.block_n), num_splits)
+    _small_gemm_kernel[grid](
+        x, weight, bias if bias is not None else out, out,
+        m, n_out, k, x.stride(0), weight.stride(0), out.stride(0) if partials else 0, out.stride(-2),
+        config.k_per_split(k) if partials else k, n_out * weight.stride(0) if silu else 0, n_out if silu else 0,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
+        PARTIALS=partials, SILU_MUL=silu, HAS_BIAS=bias is not None, CAST_FP32=interpreting(),
+        EMULATE_ROUNDING=interpreting(),
+        DOT_PRECISION="ieee" if (x.dtype == torch.float32 or interpreting()) else "tf32",
+        USE_PDL=use_pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch_kwargs(use_pdl),
+    )
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: GemmConfig | None = None, use_pdl: bool = False) -> torch.Tensor:
+    """y = x @ weight.T + bias for a small batch, in one kernel over the full K.
+
+    x: [M, K] with 1 <= M <= 64, weight: [N, K], bias: [N] or None, one dtype (bf16, fp16 or fp32), K
+    contiguous. config: a GemmConfig, or None for `choose_config(M, N, K, "full")`.
+    Returns y: [M, N] in x's dtype. Raises ValueError on shapes, dtypes or devices that disagree."""
+    _check(x, weight, bias, config)
+    config = config or choose_config(x.shape[0], weight.shape[0], x.shape[1], "full", num_sms(x.device))
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    return _launch(x, weight, bias, out, weight.shape[0], config, False, False, use_pdl)
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    config: GemmConfig | None = None, use_pdl: bool = False) -> torch.Tensor:
+    """Split-K partial sums of x @ weight.T (+ bias, added to split 0 only): P [S, M, N] fp32 with
+    sum_s P[s] = x @ weight.T + bias. S = config.num_splits(K) (config None: `choose_config(..., "partials")`).
+    The consumer adds the S slices (kernels/rms_norm.add_rms_norm); under tensor parallelism an all-reduce of
+    P over the ranks keeps that sum right. Shapes and errors as `linear`."""
+    _check(x, weight, bias, config)
+    m, k = x.shape
+    config = config or choose_config(m, weight.shape[0], k, "partials", num_sms(x.device))
+    out = torch.empty((config.num_splits(k), m, weight.shape[0]), dtype=torch.float32, device=x.device)
+    return _launch(x, weight, bias, out, weight.shape[0], config, True, False, use_pdl)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    config: GemmConfig | None = None, use_pdl: bool = False) -> torch.Tensor:
+    """silu(x @ W_gate.T) * (x @ W_up.T) in one kernel, W = weight = [W_gate; W_up] ([2I, K], the merged
+    gate_up projection; bias [2I] likewise). Returns [M, I] in x's dtype; each step rounds to the model
+    dtype as the unfused GEMM + layers/activation.silu_and_mul do. Raises ValueError if weight has an odd
+    number of rows; otherwise as `linear`."""
+    _check(x, weight, bias, config)
+    if weight.shape[0] % 2:
+        raise ValueError(f"the merged gate_up weight needs an even number of rows, got {weight.shape[0]}")
+    config = config or choose_config(x.shape[0], weight.shape[0], x.shape[1], "silu", num_sms(x.device))
+    inter = weight.shape[0] // 2
+    out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+    return _launch(x, weight, bias, out, inter, config, False, True, use_pdl)

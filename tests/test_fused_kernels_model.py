@@ -1,0 +1,369 @@
+"""The model's fused decode route (models/qwen3.py, models/decode_kernels.py; utils/fusion.FusedKernels) on
+tiny checkpoints.
+
+- The engine with decode kernels on gives HF transformers' greedy ids (qwen3 and llama, fp32, several
+  kernel sets, an awkward shape: hidden 72, head_dim 24), and really takes the fused route.
+- Decode batches larger than max_m take the general route; both routes in one run still match HF.
+- A student's part keeps its kernel off and runs as written; asking for that kernel is refused by name.
+- bf16: the fused route's logits stay within bf16 noise of the general route's, with the same ids.
+- Tensor parallel (gloo, 2 ranks): the split-K partials are all-reduced before they are summed, so TP=2 on
+  the fused route gives TP=1's logits.
+
+The engine is built with the kernels by handing the model class a `kernels=` argument (the model runner
+builds models with `fuse` only; on a CPU that means no kernels). Without CUDA the kernels run in the Triton
+interpreter; with CUDA the same tests run them compiled (the TP test is the CPU's gloo path only).
+"""
+import dataclasses
+import functools
+import itertools
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+
+import parts_spies
+from engine_helpers import LLM, hf_greedy, tiny_dir
+from nanovllm_ref import Parts, SamplingParams
+from nanovllm_ref.engine import model_runner
+from nanovllm_ref.kernels import small_gemm
+from nanovllm_ref.layers.attention import Attention
+from nanovllm_ref.models import decode_kernels, get_model_class, qwen3
+from nanovllm_ref.models.decode_kernels import kernels_allowed
+from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM
+from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
+from nanovllm_ref.utils.fusion import FusedKernels
+from nanovllm_ref.utils.loader import load_model
+from nanovllm_ref.utils.parallel import tensor_parallel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 47))]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+KERNEL_SETS = {
+    "all": FusedKernels.all(),
+    "gemm only": FusedKernels(gemm=True),
+    "norms and qk": FusedKernels(rms_norm=True, add_rms_norm=True, qk_norm_rope_store=True),
+    "no split-k, no silu epilogue": FusedKernels.all(split_k=False, gemm_silu=False),
+}
+
+
+@pytest.fixture
+def route_calls(monkeypatch):
+    """Counts of the decode layers run on each route, and of the q/k-norm + RoPE + store kernel's calls."""
+    calls = {"fused": 0, "general": 0, "qk_store": 0}
+    fused, general, qk = qwen3.DecoderLayer.decode_fused, qwen3.DecoderLayer.forward, decode_kernels.qk_norm_rope_store
+
+    def count(key, fn):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(qwen3.DecoderLayer, "decode_fused", count("fused", fused))
+    monkeypatch.setattr(qwen3.DecoderLayer, "forward", count("general", general))
+    monkeypatch.setattr(decode_kernels, "qk_norm_rope_store", count("qk_store", qk))
+    return calls
+
+
+@pytest.fixture
+def llm_with_kernels(monkeypatch, route_calls):
+    """LLM(path, ...) whose model is built with `kernels=`. The route counts start after start-up (a GPU
+    engine runs warm-up steps)."""
+    real = model_runner.get_model_class
+
+    def make(path, kernels, **engine_args):
+        monkeypatch.setattr(model_runner, "get_model_class", lambda hf: functools.partial(real(hf), kernels=kernels))
+        # Eager and fp32: every decode step runs the model's Python forward (the spies count the routes, a
+        # CUDA graph would replay without it), and HF's fp32 ids are the oracle on a GPU too.
+        llm = LLM(path, **{"enforce_eager": True, "dtype": "float32", **engine_args})
+        route_calls.update(fused=0, general=0, qk_store=0)
+        return llm
+    return make
+
+
+def split_k_in_16s(choose):
+    """A choose_config that cuts K into 16-wide splits for the partial sums: the tiny models' K (32-128) then
+    gives 2-8 splits, where the default configs (BLOCK_K 256-512, for real sizes) would give one."""
+    def choose_many(m, n, k, kind="full", sms=132):
+        cfg = choose(m, n, k, kind, sms)
+        return dataclasses.replace(cfg, block_k=16, split_k=-(-k // 16)) if kind == "partials" else cfg
+    return choose_many
+
+
+@pytest.fixture
+def many_splits(monkeypatch):
+    monkeypatch.setattr(small_gemm, "choose_config", split_k_in_16s(small_gemm.choose_config))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert small_gemm.linear_partials(torch.ones(1, 64, device=device), torch.ones(8, 64, device=device)).shape[0] == 4
+
+
+def _ids(outputs):
+    return [o["token_ids"] for o in outputs]
+
+
+@pytest.mark.parametrize("kernel_set", sorted(KERNEL_SETS))
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_engine_on_fused_decode_kernels_matches_hf_greedy(arch, kernel_set, llm_with_kernels, route_calls):
+    path = tiny_dir(arch)
+    kernels = KERNEL_SETS[kernel_set]
+    # Block size 4: prompts of 7 and 17 tokens put decode slots on both sides of block boundaries.
+    llm = llm_with_kernels(path, kernels, kvcache_block_size=4, max_model_len=64)
+    assert llm.model_runner.model.kernels == kernels
+    got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm.exit()
+    assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
+    layers = 2
+    assert route_calls["fused"] == 5 * layers, "every decode step after the first token runs the fused route"
+    assert route_calls["qk_store"] == (5 * layers if kernels.qk_norm_rope_store else 0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_engine_with_several_k_splits_matches_hf_greedy(arch, llm_with_kernels, route_calls, many_splits):
+    path = tiny_dir(arch)
+    llm = llm_with_kernels(path, FusedKernels.all(), kvcache_block_size=4, max_model_len=64)
+    got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm.exit()
+    assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
+    assert route_calls["fused"] == 5 * 2
+
+
+def test_decode_batches_over_4_use_the_tl_dot_gemm_and_match_hf(llm_with_kernels, route_calls):
+    """Six sequences: decode batches of 6 and 5 take small_gemm's tl.dot path (M > GEMV_MAX_M)."""
+    path = tiny_dir("qwen3")
+    prompts = PROMPTS + [[3, 4, 5], [40, 41, 42, 43], [7] * 9]
+    sps = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 5 + \
+        [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)]
+    llm = llm_with_kernels(path, FusedKernels.all(), kvcache_block_size=4, max_model_len=64)
+    got = _ids(llm.generate(prompts, sps, use_tqdm=False))
+    llm.exit()
+    assert got == [hf_greedy(path, p, sp.max_tokens) for p, sp in zip(prompts, sps)]
+    assert route_calls["fused"] == 3 * 2 and small_gemm.GEMV_MAX_M < 5
+
+
+def test_awkward_shape_on_fused_decode_kernels_matches_hf(llm_with_kernels, route_calls):
+    """hidden 72 and intermediate 120 (not powers of two), head_dim 24 (half 12), 3 heads over 1 KV head."""
+    path = tiny_dir("qwen3", hidden_size=72, intermediate_size=120, head_dim=24, num_attention_heads=3,
+                    num_key_value_heads=1)
+    llm = llm_with_kernels(path, FusedKernels.all(), kvcache_block_size=4, max_model_len=64)
+    got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm.exit()
+    assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
+    assert route_calls["fused"] > 0
+
+
+def test_decode_batches_over_max_m_take_the_large_batch_route(llm_with_kernels, route_calls, monkeypatch):
+    """max_m=2: the 3-sequence decode steps run the large-batch route (the element-wise kernels, the GEMMs
+    cuBLAS's: no small GEMM is called), the 2- and 1-sequence ones the fused route; only the prefill step runs
+    the general route; the ids are HF's either way."""
+    from nanovllm_ref.layers import linear
+    ms = []
+    real_small = linear.QKVParallelLinear.forward_small
+
+    def spy(self, x, pdl=False):
+        ms.append(x.shape[0])
+        return real_small(self, x, pdl)
+    monkeypatch.setattr(linear.QKVParallelLinear, "forward_small", spy)
+    path = tiny_dir("qwen3")
+    llm = llm_with_kernels(path, FusedKernels.all(max_m=2), kvcache_block_size=4, max_model_len=64)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)]
+    got = _ids(llm.generate(PROMPTS, sps, use_tqdm=False))
+    llm.exit()
+    assert got == [hf_greedy(path, p, n) for p, n in zip(PROMPTS, (3, 5, 7))]
+    # decode steps: 2 of batch 3 (large), 2 of batch 2 and 2 of batch 1 (fused); the prefill step (general).
+    assert route_calls == {"fused": 6 * 2, "general": 1 * 2, "qk_store": 6 * 2}
+    assert sorted(set(ms)) == [1, 2], "a decode step of more than max_m rows must use cuBLAS, not the small GEMM"
+    assert FusedKernels.all(max_m=2).large_batch().enabled() == ["rms_norm", "add_rms_norm", "qk_norm_rope_store"]
+
+
+def test_a_replaced_part_keeps_its_kernel_off_and_runs_as_written(llm_with_kernels, route_calls):
+    parts = Parts(rms_norm=parts_spies.rms_norm)
+    allowed = kernels_allowed(parts, qk_norm=True)
+    # q/k norm is an rms_norm call, so its fused kernel goes too; the GEMMs and add + RMSNorm stay.
+    assert allowed.enabled() == ["add_rms_norm", "gemm", "gemm_silu", "split_k"]
+    path = tiny_dir("qwen3")
+    llm = llm_with_kernels(path, FusedKernels.all().restricted_to(allowed), kvcache_block_size=4,
+                           max_model_len=64, parts=parts)
+    before = parts_spies.CALLS["rms_norm"]
+    got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    spied = parts_spies.CALLS["rms_norm"] - before
+    llm.exit()
+    assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
+    # q_norm and k_norm of every layer in each of the 5 decode steps are the student's (plus prefill's).
+    assert spied >= 5 * 2 * 2
+    assert route_calls["fused"] == 5 * 2 and route_calls["qk_store"] == 0
+
+
+def test_asking_for_a_kernel_that_a_part_replaced_is_refused_by_name():
+    from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(tiny_dir("qwen3"))
+    with pytest.raises(ValueError, match="FusedKernels.rms_norm .*rms_norm"):
+        Qwen3ForCausalLM(hf, parts=Parts(rms_norm=parts_spies.rms_norm), kernels=FusedKernels.all())
+    with pytest.raises(ValueError, match="FusedKernels.gemm_silu"):
+        Qwen3ForCausalLM(hf, parts=Parts(silu_and_mul=parts_spies.silu_and_mul), kernels=FusedKernels.all())
+    with pytest.raises(TypeError, match="kernels must be a FusedKernels"):
+        Qwen3ForCausalLM(hf, kernels=True)
+    # A store of one's own: the fused kernel would write the cache in its place, so it stays off.
+    assert not kernels_allowed(Parts(store_kvcache=parts_spies.store_kvcache), qk_norm=True).qk_norm_rope_store
+    assert kernels_allowed(Parts(), qk_norm=True) == FusedKernels.all()
+
+
+def test_fuse_on_a_cpu_builds_no_kernels_and_an_explicit_record_is_kept():
+    from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(tiny_dir("llama"))
+    assert Qwen3ForCausalLM(hf, fuse=True).kernels == FusedKernels()
+    assert not Qwen3ForCausalLM(hf).kernels.any()
+    # Llama has no q/k norm, so a replaced rms_norm leaves the q/k + RoPE + store kernel allowed.
+    assert kernels_allowed(Parts(rms_norm=parts_spies.rms_norm), qk_norm=False).qk_norm_rope_store
+    kernels = FusedKernels(gemm=True, max_m=8)
+    assert Qwen3ForCausalLM(hf, kernels=kernels).kernels is kernels
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(split_k=True, gemm=True), ValueError, "add_rms_norm"),
+    (dict(gemm_silu=True), ValueError, "gemm=True"),
+    (dict(max_m=0), ValueError, "max_m"),
+    (dict(max_m=65), ValueError, "max_m"),
+    (dict(gemm=1), TypeError, "bool"),
+])
+def test_fused_kernels_record_refuses_combinations_it_cannot_run(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        FusedKernels(**kwargs)
+
+
+def test_restricting_a_record_drops_what_depends_on_a_removed_kernel():
+    narrowed = FusedKernels.all(pdl=True).restricted_to(FusedKernels(gemm=True, rms_norm=True))
+    assert narrowed.enabled() == ["rms_norm", "gemm"] and narrowed.pdl
+
+
+# -- the model alone: a greedy session with hand-made metadata (bf16, tensor parallel) -----------------------
+
+def build_model(path: str, dtype: torch.dtype, kernels: FusedKernels | None, rank: int = 0, world: int = 1):
+    from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(path)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)                      # as the model runner builds it (RoPE tables stay fp32)
+    try:
+        with torch.device(DEVICE), tensor_parallel(rank, world):
+            model = get_model_class(hf)(hf, kernels=kernels)
+    finally:
+        torch.set_default_dtype(default)
+    load_model(model, path)
+    return model.eval()
+
+
+@torch.inference_mode()
+def greedy_session(model, prompts, steps: int, block_size: int = 4, blocks_per_seq: int = 8):
+    """One prefill step (general route) and `steps` decode steps of all prompts together. Returns (ids per
+    prompt, [logits of each step] on rank 0). Under tensor parallelism rank 0 broadcasts the ids."""
+    with torch.device(model.model.embed_tokens.weight.device):
+        return _greedy_session(model, prompts, steps, block_size, blocks_per_seq)
+
+
+def _greedy_session(model, prompts, steps, block_size, blocks_per_seq):
+    import torch.distributed as dist
+    dtype = model.model.embed_tokens.weight.dtype
+    for a in (m for m in model.modules() if isinstance(m, Attention)):
+        a.k_cache = torch.zeros(len(prompts) * blocks_per_seq, block_size, a.num_kv_heads, a.head_dim, dtype=dtype)
+        a.v_cache = torch.zeros_like(a.k_cache)
+    tables = torch.arange(len(prompts) * blocks_per_seq, dtype=torch.int32).view(len(prompts), blocks_per_seq)
+
+    def slot(i, pos):
+        return int(tables[i, pos // block_size]) * block_size + pos % block_size
+
+    def sample(hidden):
+        logits = model.compute_logits(hidden)
+        ids = logits.argmax(-1) if logits is not None else torch.zeros(hidden.shape[0], dtype=torch.long)
+        if dist.is_initialized():
+            dist.broadcast(ids, 0)
+        return ids.tolist(), logits
+
+    lens = [len(p) for p in prompts]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+    meta = AttentionMetadata(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                             max_seqlen_k=max(lens), slot_mapping=torch.tensor(
+                                 [slot(i, p) for i, n in enumerate(lens) for p in range(n)], dtype=torch.int32))
+    with attention_metadata(meta):
+        hidden = model(torch.tensor(sum(prompts, [])), torch.tensor([p for n in lens for p in range(n)]))
+    ids, logits = sample(hidden[cu[1:].long() - 1])
+    out, all_logits = [[t] for t in ids], [logits]
+    for step in range(steps):
+        pos = [n + step for n in lens]                       # position of the token fed in this step
+        meta = AttentionMetadata(
+            is_prefill=False, slot_mapping=torch.tensor([slot(i, p) for i, p in enumerate(pos)], dtype=torch.int32),
+            context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int32), block_tables=tables)
+        with attention_metadata(meta):
+            hidden = model(torch.tensor([o[-1] for o in out]), torch.tensor(pos))
+        ids, logits = sample(hidden)
+        for o, t in zip(out, ids):
+            o.append(t)
+        all_logits.append(logits)
+    return out, all_logits
+
+
+def test_bf16_fused_route_stays_within_bf16_noise_of_the_general_route(route_calls):
+    path = tiny_dir("qwen3")
+    general_ids, general = greedy_session(build_model(path, torch.bfloat16, None), PROMPTS, 4)
+    fused_ids, fused = greedy_session(build_model(path, torch.bfloat16, FusedKernels.all()), PROMPTS, 4)
+    assert route_calls["fused"] == 4 * 2
+    assert fused_ids == general_ids
+    for a, b in zip(general, fused):
+        rel = ((a.float() - b.float()).norm() / a.float().norm()).item()
+        assert rel < 2e-2, f"fused decode logits differ from the general route's by {rel:.1e} (relative norm)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tp_worker(rank: int, world: int, port: int, path: str, kernels, steps: int, queue) -> None:
+    """One rank of the tensor-parallel session (importable: spawn pickles it by name)."""
+    import torch.distributed as dist
+    # Several K splits per rank (o_proj: K = 32 per rank, down: 64), so the all-reduce adds real partials.
+    small_gemm.choose_config = split_k_in_16s(small_gemm.choose_config)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ids, logits = greedy_session(build_model(path, torch.float32, kernels, rank, world), PROMPTS, steps)
+        if rank == 0:
+            # numpy, not tensors: a tensor travels as a shared-memory handle that dies with this process
+            queue.put((ids, [t.numpy().copy() for t in logits]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _result_or_failure(queue, procs, timeout: float):
+    """Rank 0's result, or AssertionError as soon as a rank exits without one (never a silent wait)."""
+    import queue as queue_mod
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except queue_mod.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not failed, f"a tensor-parallel rank exited with code {failed[0]} before sending its result"
+    raise AssertionError(f"no result from the tensor-parallel ranks within {timeout} s")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU tensors; over NCCL the engine's TP tests run "
+                    "the fused route (fuse=True on CUDA)")
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tensor_parallel_fused_decode_all_reduces_split_k_partials(arch):
+    path, steps = tiny_dir(arch), 3
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=tp_worker, args=(r, 2, port, path, FusedKernels.all(), steps, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        tp_ids, tp_logits = _result_or_failure(queue, procs, timeout=240)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    ids, logits = greedy_session(build_model(path, torch.float32, None), PROMPTS, steps)
+    assert tp_ids == ids == [hf_greedy(path, p, steps + 1) for p in PROMPTS]
+    for a, b in zip(logits, tp_logits):
+        torch.testing.assert_close(torch.from_numpy(b), a, atol=1e-4, rtol=1e-4)
