@@ -15,6 +15,8 @@ The server loads it through its test hook, in a subprocess started by a test:
 - text is tokenizer.decode(completion ids, skip_special_tokens=True) (fake_answer computes it so), built
   by appending each word token's text;
 - add_request refuses (ValueError) a prompt that starts with token ids 0, 0, to test the engine-refusal path;
+- check_request refuses what the real engine's check refuses by field: a SamplingParams field that
+  `sampling_params.PENDING` lists at the time of the call, set away from its default;
 - `record`: a JSON-lines file of events, one per add / abort / step / exit, which the tests read: the server
   runs in another process.
 """
@@ -121,6 +123,11 @@ class FakeEngine:
                    "max_tokens": sampling_params.max_tokens, "temperature": sampling_params.temperature,
                    "ignore_eos": sampling_params.ignore_eos})
         return request_id
+
+    def check_request(self, prompt_token_ids, sampling_params):
+        pending = sampling_params.pending_fields()            # reads sampling_params.PENDING now
+        if pending:
+            raise ValueError(f"the fake engine: SamplingParams.{pending[0]} is not implemented yet")
 
     def abort_request(self, request_id):
         request = self.requests.pop(request_id, None)

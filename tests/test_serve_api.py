@@ -11,7 +11,8 @@ import pytest
 from serve_fake_engine import fake_answer
 from serve_helpers import ServerProcess, make_tokenizer_dir, need_curl
 
-from nanovllm_ref.entrypoints.openai.sampling import MAPPED, engine_fields
+from nanovllm_ref import sampling_params
+from nanovllm_ref.entrypoints.openai.sampling import MAPPED
 from nanovllm_ref.llm import chat_token_ids
 
 MAX_MODEL_LEN, KV_CACHE_TOKENS, EOS_AFTER = 256, 200, 24
@@ -189,7 +190,7 @@ BAD = [
      "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": 1}},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": False}},
      "chat_template_kwargs"),
 ]
 
@@ -214,16 +215,18 @@ NEUTRAL = {"n": 1, "stop": [], "stop_token_ids": [], "presence_penalty": 0, "fre
 
 
 def test_every_mapped_field_is_honoured_or_refused_by_name(server):
+    """A field the engine lists as PENDING (read now: another change may shrink it) is refused by the engine's
+    own check, naming the field; every other one runs."""
     assert set(ASKS) == set(MAPPED)
-    implemented = engine_fields()
+    pending = set(sampling_params.PENDING)
     for name, value in ASKS.items():
         res = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, name: value},
                          timeout=10)
-        if MAPPED[name][0] in implemented:
-            assert res.status_code == 200, (name, res.text)
-        else:
+        if MAPPED[name][0] in pending:
             assert res.status_code == 400 and res.json()["error"]["param"] == name, (name, res.text)
-            assert "not supported by this engine" in res.json()["error"]["message"]
+            assert "not implemented yet" in res.json()["error"]["message"]
+        else:
+            assert res.status_code == 200, (name, res.text)
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server):

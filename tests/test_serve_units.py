@@ -16,6 +16,7 @@ from nanovllm_ref.entrypoints.openai.protocol import APIError, ChatCompletionReq
 from nanovllm_ref.entrypoints.openai.serving import Choices, completion_inputs
 from nanovllm_ref.entrypoints.openai.serving_engine import (LLMEngineAdapter, check_serving_engine,
                                                             default_engine_factory, engine_request_api_missing)
+from nanovllm_ref import sampling_params as sampling_params_module
 from nanovllm_ref.sampling_params import SamplingParams
 
 
@@ -214,31 +215,44 @@ def test_the_mapping_covers_exactly_the_sampling_fields_of_the_requests():
     assert set(sampling.NOT_SERVED) <= both
     handled = set(sampling.MAPPED) | set(sampling.NOT_SERVED) | {
         "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "user",
-        "add_generation_prompt"}
+        "add_generation_prompt", "chat_template_kwargs"}
     assert both == handled, "a request field is neither mapped, refused nor handled by the server"
 
 
-def test_engine_fields_leave_out_what_the_engine_lists_as_pending():
-    @dataclasses.dataclass(frozen=True)
-    class SP:
-        temperature: float = 1.0
-        seed: int | None = None
-        min_p: float = 0.0
-    assert sampling.engine_fields(SP, SimpleNamespace(PENDING={"min_p": 0.0})) == {"temperature", "seed"}
-    assert sampling.engine_fields(SP, SimpleNamespace()) == {"temperature", "seed", "min_p"}
+def test_sampling_kwargs_pass_what_is_asked_and_refuse_what_the_server_cannot_serve():
+    req = CompletionRequest(prompt="x", temperature=0.5, top_k=4, n=1, presence_penalty=0.0, stop=[], min_p=0.2)
+    assert sampling.sampling_kwargs(req) == {"temperature": 0.5, "top_k": 4, "min_p": 0.2}
+    with pytest.raises(APIError) as info:
+        sampling.sampling_kwargs(CompletionRequest(prompt="x", best_of=2))
+    assert info.value.param == "best_of" and info.value.status == 400
 
 
-def test_sampling_kwargs_pass_what_is_asked_and_refuse_what_cannot_be_done():
-    req = CompletionRequest(prompt="x", temperature=0.5, top_k=4, n=1, presence_penalty=0.0, stop=[])
-    assert sampling.sampling_kwargs(req, implemented={"temperature", "top_k"}) == {"temperature": 0.5, "top_k": 4}
-    req = CompletionRequest(prompt="x", min_p=0.2)
+def test_the_engines_own_check_decides_and_its_errors_name_the_request_field(monkeypatch):
+    """check_with_engine asks the engine; a PENDING field is refused only while PENDING lists it (read at the
+    time of the request), and the error names the request field."""
+    from nanovllm_ref.engine.request import check_request
+    config = SimpleNamespace(hf_config=SimpleNamespace(vocab_size=100), max_num_seqs=4, max_model_len=64,
+                             kvcache_block_size=16, num_kvcache_blocks=8)
+    from nanovllm_ref.engine.scheduler import Scheduler
+    engine = SimpleNamespace(check_request=lambda ids, sp: check_request(
+        ids, sp, tokenizer=None, config=config, scheduler_cls=Scheduler, sp_where="the request"))
+    sp = sampling.make_sampling_params({"min_p": 0.2}, 4)
+    monkeypatch.setattr(sampling_params_module, "PENDING", {"min_p": 0.0})
     with pytest.raises(APIError) as info:
-        sampling.sampling_kwargs(req, implemented={"temperature"})
-    assert info.value.param == "min_p" and info.value.status == 400
-    assert sampling.sampling_kwargs(req, implemented={"min_p"}) == {"min_p": 0.2}
+        sampling.check_with_engine(engine, [1, 2], sp)
+    assert info.value.param == "min_p" and "not implemented yet" in info.value.message
+    monkeypatch.setattr(sampling_params_module, "PENDING", {})
+    sampling.check_with_engine(engine, [1, 2], sp)                    # implemented now: accepted
     with pytest.raises(APIError) as info:
-        sampling.sampling_kwargs(CompletionRequest(prompt="x", best_of=2), implemented=set())
-    assert info.value.param == "best_of"
+        sampling.check_with_engine(engine, [1, 2], sampling.make_sampling_params({"n": 5}, 4))
+    assert info.value.param == "n" and "max_num_seqs" in info.value.message
+    with pytest.raises(APIError) as info:
+        sampling.check_with_engine(engine, [1, 2], sampling.make_sampling_params({"stop_token_ids": [100]}, 4))
+    assert info.value.param == "stop_token_ids" and "outside the vocabulary" in info.value.message
+    with pytest.raises(APIError) as info:
+        sampling.check_with_engine(engine, [1, 200], sampling.make_sampling_params({}, 4), prompt_field="messages")
+    assert info.value.param == "messages"                               # no field named: the prompt's
+    sampling.check_with_engine(SimpleNamespace(), [1, 2], sp)          # an engine without the check: the add decides
 
 
 @pytest.mark.parametrize("kwargs,max_tokens,param", [({"temperature": -1.0}, 5, "temperature"),
@@ -344,7 +358,7 @@ def test_adapter_forwards_to_the_engines_request_api():
     assert engine.log == [("add", [1, 2], "r1"), ("abort", "r1"), ("exit",)]
 
 
-def test_adapter_and_default_factory_refuse_an_engine_without_the_request_api(tmp_path):
+def test_adapter_refuses_an_engine_without_the_request_api_and_the_factory_builds_the_real_one(tmp_path):
     class Old:
         def add_request(self, prompt, sampling_params): ...
         def step(self): ...
@@ -354,18 +368,16 @@ def test_adapter_and_default_factory_refuse_an_engine_without_the_request_api(tm
     with pytest.raises(TypeError, match="abort_request"):
         LLMEngineAdapter(Old())
     from nanovllm_ref.engine.llm_engine import LLMEngine
-    missing = engine_request_api_missing(LLMEngine)
-    if missing:                                   # this engine predates the request API: refused before loading
-        with pytest.raises(RuntimeError, match="lacks the request API"):
-            default_engine_factory(str(tmp_path / "no-model-needed"))
-    else:
-        from nanovllm_models.tiny import make_tiny_model
-        adapter = default_engine_factory(make_tiny_model(str(tmp_path / "tiny")), max_model_len=128)
-        try:
-            check_serving_engine(adapter)
-            assert adapter.max_model_len == 128
-        finally:
-            adapter.exit()
+    assert engine_request_api_missing(LLMEngine) == []
+    from nanovllm_models.tiny import make_tiny_model
+    adapter = default_engine_factory(make_tiny_model(str(tmp_path / "tiny")), max_model_len=128, device="cpu")
+    try:
+        check_serving_engine(adapter)
+        assert adapter.max_model_len == 128
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            adapter.check_request([1, 2], SamplingParams(n=10**4))
+    finally:
+        adapter.exit()
 
 
 @pytest.mark.parametrize("text", ["plain", ' "quoted" \\ back\\slash', "line\nbreak\ttab", "café ☕ 日本", "\x00\x1f", ""])

@@ -95,10 +95,9 @@ def _watch_disconnect(raw: Request, group) -> asyncio.Task:
     return asyncio.create_task(watch())
 
 
-def build_app(engine_loop: EngineLoop, model_name: str, implemented: set[str] | None = None) -> FastAPI:
+def build_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
     """The FastAPI app over `engine_loop` (started and shut down by the app's lifespan). model_name: the name
-    /v1/models lists and requests must use (or leave out). implemented: the SamplingParams fields to honour
-    (default: the engine's, sampling.engine_fields)."""
+    /v1/models lists and requests must use (or leave out)."""
     engine = engine_loop.engine
 
     @asynccontextmanager
@@ -195,12 +194,12 @@ def build_app(engine_loop: EngineLoop, model_name: str, implemented: set[str] | 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        return await run(body, raw, completion_inputs(body, engine, implemented), chat=False)
+        return await run(body, raw, completion_inputs(body, engine), chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        return await run(body, raw, chat_inputs(body, engine, implemented), chat=True)
+        return await run(body, raw, chat_inputs(body, engine), chat=True)
 
     return app
 

@@ -1,11 +1,13 @@
 """A request's sampling fields mapped to `SamplingParams`, and the length checks a request must pass before it
 reaches the engine (serving chapter).
 
-Every field is either honoured or refused: a field that asks for something (a value other than its neutral
-one) is passed to SamplingParams if the engine's SamplingParams has that field and implements it, and is
-otherwise refused with a 400 naming the field. So a client that asks for `presence_penalty=1.5` from an
-engine without penalties gets an error, not a silently unpenalised answer. The table below is the whole
-mapping; value ranges are SamplingParams' own checks (its errors name the field, and are passed on as 400s).
+Every field is either honoured or refused. Each sampling field maps to the SamplingParams field of the same
+meaning and is passed on whenever it asks for something (a value other than its neutral one); whether the
+engine can do it is the engine's own decision, made by its request check (`ServingEngine.check_request`,
+for LLMEngine engine/request.py's `check_request`, which refuses the fields `sampling_params.PENDING` lists
+at that moment). So a client that asks for `presence_penalty=1.5` from an engine without penalties gets a
+400 naming the field, not a silently unpenalised answer, and the server needs no change when the engine
+learns a field. Value ranges are SamplingParams' own checks (its errors name the field, passed on as 400s).
 
 | request field (OpenAI / vLLM extra) | SamplingParams field | neutral value (always accepted) |
 |---|---|---|
@@ -18,15 +20,14 @@ mapping; value ranges are SamplingParams' own checks (its errors name the field,
 | min_p, min_tokens | same name | 0 |
 | ignore_eos, include_stop_str_in_output | same name | false |
 | skip_special_tokens | same name | true |
-| logprobs, top_logprobs, echo, suffix, best_of > 1, logit_bias, response_format other than text, tools, tool_choice, chat_template_kwargs | (none: this server does not return them yet) | None, false, {}, [] |
+| logprobs, top_logprobs, echo, suffix, best_of > 1, logit_bias, response_format other than text, tools, tool_choice | (none: this server does not return or apply them yet) | None, false, {}, [] |
 
 Length rules (vLLM's): a prompt needs at least one token and room for one more under max_model_len;
 prompt + max_tokens must fit max_model_len; max_tokens None asks for the rest of the context; and the most
 tokens the request ever holds K/V for must fit the whole KV cache (else it could never run).
 """
-import dataclasses
+import re
 
-from nanovllm_ref import sampling_params as sampling_params_module
 from nanovllm_ref.entrypoints.openai.protocol import APIError
 from nanovllm_ref.sampling_params import SamplingParams
 
@@ -48,7 +49,8 @@ MAPPED = {
     "include_stop_str_in_output": ("include_stop_str_in_output", (None, False)),
     "skip_special_tokens": ("skip_special_tokens", (None, True)),
 }
-# Fields the server knows but does not implement: refused unless neutral.
+# Fields the server knows but cannot serve (it would have to return or apply something it does not build yet:
+# log-probabilities, an echoed prompt, tool calls): refused unless neutral, whatever the engine can do.
 NOT_SERVED = {
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
@@ -60,15 +62,7 @@ NOT_SERVED = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,),
-    "chat_template_kwargs": (None, {}),
 }
-
-
-def engine_fields(sp_cls=SamplingParams, module=sampling_params_module) -> set[str]:
-    """The SamplingParams fields the engine implements: the dataclass's fields less those its module lists in
-    PENDING (accepted for vLLM compatibility, refused by the engine when set)."""
-    pending = set(getattr(module, "PENDING", {}))
-    return {f.name for f in dataclasses.fields(sp_cls)} - pending
 
 
 def _is_neutral(value, neutral) -> bool:
@@ -76,23 +70,45 @@ def _is_neutral(value, neutral) -> bool:
                for n in neutral)
 
 
-def sampling_kwargs(request, implemented: set[str] | None = None) -> dict:
-    """The SamplingParams keyword arguments `request` asks for, max_tokens left out. Raises APIError (400)
-    naming the first field that asks for something this server or engine cannot do."""
-    implemented = engine_fields() if implemented is None else implemented
+def sampling_kwargs(request) -> dict:
+    """The SamplingParams keyword arguments `request` asks for, max_tokens left out: every mapped field whose
+    value is not neutral. Raises APIError (400) naming the first field this server cannot serve (NOT_SERVED);
+    what the engine cannot do is refused later, by the engine's own check (check_with_engine)."""
     for name, neutral in NOT_SERVED.items():
         if name in type(request).model_fields and not _is_neutral(getattr(request, name), neutral):
             raise APIError(f"`{name}` is not supported by this server yet; leave it out", param=name)
-    kwargs = {}
-    for name, (sp_name, neutral) in MAPPED.items():
-        value = getattr(request, name)
-        if _is_neutral(value, neutral):
-            continue
-        if sp_name not in implemented:
-            raise APIError(f"`{name}`={value!r} is not supported by this engine yet (its SamplingParams has no "
-                           f"{sp_name!r}); leave it out", param=name)
-        kwargs[sp_name] = value
-    return kwargs
+    return {sp_name: getattr(request, name) for name, (sp_name, neutral) in MAPPED.items()
+            if not _is_neutral(getattr(request, name), neutral)}
+
+
+_WORD = re.compile(r"\w+")
+
+
+def request_field(sp_name: str | None, max_tokens_field: str = "max_tokens") -> str | None:
+    """The request field that sets SamplingParams field `sp_name` (None if none does)."""
+    if sp_name == "max_tokens":
+        return max_tokens_field
+    return {v[0]: k for k, v in MAPPED.items()}.get(sp_name)
+
+
+def check_with_engine(engine, prompt_token_ids: list[int], sp: SamplingParams, max_tokens_field: str = "max_tokens",
+                      prompt_field: str = "prompt") -> None:
+    """Ask the engine whether it can run this request, before it is queued: its optional `check_request`
+    (serving_engine.py) raises ValueError / TypeError for what it cannot do, a field it does not implement
+    yet among them. Raises APIError (400) with the engine's message; param is the request field of the first
+    SamplingParams field the message names (`SamplingParams.min_p=0.2 is not implemented yet`, `n=17 samples
+    cannot run ...`), else the prompt's (the prompt itself is what the engine refused)."""
+    check = getattr(engine, "check_request", None)
+    if check is None:
+        return
+    try:
+        check(prompt_token_ids, sp)
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        sp_fields = {v[0] for v in MAPPED.values()} | {"max_tokens"}
+        named = next((w for w in _WORD.findall(text) if w in sp_fields), None)
+        param = request_field(named, max_tokens_field)
+        raise APIError(f"the engine cannot run this request: {text}", param=param or prompt_field) from exc
 
 
 def make_sampling_params(kwargs: dict, max_tokens: int, max_tokens_field: str = "max_tokens") -> SamplingParams:
@@ -103,8 +119,7 @@ def make_sampling_params(kwargs: dict, max_tokens: int, max_tokens_field: str = 
     except (TypeError, ValueError) as exc:
         text = str(exc)
         sp_name = next((n for n in sorted({*kwargs, "max_tokens"}, key=len, reverse=True) if text.startswith(n)), None)
-        param = max_tokens_field if sp_name == "max_tokens" else {v[0]: k for k, v in MAPPED.items()}.get(sp_name)
-        raise APIError(text, param=param) from exc
+        raise APIError(text, param=request_field(sp_name, max_tokens_field)) from exc
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, field: str = "max_tokens",

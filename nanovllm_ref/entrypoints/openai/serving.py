@@ -14,8 +14,8 @@ Choice index = prompt index * n + sample index, as in OpenAI's and vLLM's batche
 from dataclasses import dataclass, field
 
 from nanovllm_ref.entrypoints.openai.protocol import APIError, Usage
-from nanovllm_ref.entrypoints.openai.sampling import (check_fits_cache, make_sampling_params, resolve_max_tokens,
-                                                      sampling_kwargs)
+from nanovllm_ref.entrypoints.openai.sampling import (check_fits_cache, check_with_engine, make_sampling_params,
+                                                      resolve_max_tokens, sampling_kwargs)
 from nanovllm_ref.sampling_params import SamplingParams
 
 
@@ -53,27 +53,32 @@ def completion_prompts(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
     return out
 
 
-def chat_prompt(messages, tokenizer, vocab_size: int, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt(messages, tokenizer, vocab_size: int, add_generation_prompt: bool = True,
+                chat_template_kwargs: dict | None = None) -> list[int]:
     """The token ids of a conversation rendered by the tokenizer's chat template (nanovllm_ref.llm's
-    chat_token_ids, the same function `LLM.chat` uses). Text parts of a message are joined by newlines.
-    Raises APIError (param "messages") if there is no template or the template refuses the conversation."""
+    chat_token_ids, the same function `LLM.chat` uses; chat_template_kwargs: more template variables, e.g.
+    {"enable_thinking": false} for Qwen3). Text parts of a message are joined by newlines. Raises APIError
+    (param "messages", or "chat_template_kwargs" for a bad one) if there is no template or the template
+    refuses the conversation."""
     from jinja2 import TemplateError
 
     from nanovllm_ref.llm import chat_token_ids
     conversation = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                      else "\n".join(part.text for part in m.content)} for m in messages]
     try:
-        ids = chat_token_ids(tokenizer, conversation, add_generation_prompt=add_generation_prompt)
+        ids = chat_token_ids(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                             chat_template_kwargs=chat_template_kwargs or None)
     except (TypeError, ValueError, TemplateError) as exc:
-        raise APIError(f"messages could not be rendered by the chat template: {exc}", param="messages") from exc
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages"
+        raise APIError(f"messages could not be rendered by the chat template: {exc}", param=param) from exc
     return _check_ids(ids, vocab_size, "messages (rendered)")
 
 
 def engine_inputs(request, prompts: list[list[int]], engine, requested_max_tokens: int | None,
-                  max_tokens_field: str = "max_tokens", prompt_field: str = "prompt",
-                  implemented: set[str] | None = None) -> list[EngineInput]:
-    """One EngineInput per prompt, every length rule checked (sampling.py). Raises APIError."""
-    kwargs = sampling_kwargs(request, implemented)
+                  max_tokens_field: str = "max_tokens", prompt_field: str = "prompt") -> list[EngineInput]:
+    """One EngineInput per prompt, every length rule checked (sampling.py) and the engine asked whether it can
+    run it (check_with_engine). Raises APIError."""
+    kwargs = sampling_kwargs(request)
     inputs = []
     for ids in prompts:
         max_tokens = resolve_max_tokens(requested_max_tokens, len(ids), engine.max_model_len, max_tokens_field,
@@ -81,22 +86,24 @@ def engine_inputs(request, prompts: list[list[int]], engine, requested_max_token
         sp = make_sampling_params(kwargs, max_tokens, max_tokens_field)
         check_fits_cache(len(ids), sp.max_tokens, engine.max_model_len, engine.kv_cache_tokens, max_tokens_field,
                          prompt_field)
+        check_with_engine(engine, ids, sp, max_tokens_field, prompt_field)
         inputs.append(EngineInput(ids, sp))
     return inputs
 
 
-def completion_inputs(request, engine, implemented=None) -> list[EngineInput]:
+def completion_inputs(request, engine) -> list[EngineInput]:
     prompts = completion_prompts(request.prompt, engine.tokenizer, engine.vocab_size)
-    return engine_inputs(request, prompts, engine, request.max_tokens, implemented=implemented)
+    return engine_inputs(request, prompts, engine, request.max_tokens)
 
 
-def chat_inputs(request, engine, implemented=None) -> list[EngineInput]:
-    ids = chat_prompt(request.messages, engine.tokenizer, engine.vocab_size, request.add_generation_prompt)
+def chat_inputs(request, engine) -> list[EngineInput]:
+    ids = chat_prompt(request.messages, engine.tokenizer, engine.vocab_size, request.add_generation_prompt,
+                      request.chat_template_kwargs)
     if request.max_completion_tokens is not None:
         requested, name = request.max_completion_tokens, "max_completion_tokens"
     else:
         requested, name = request.max_tokens, "max_tokens"
-    return engine_inputs(request, [ids], engine, requested, name, "messages", implemented)
+    return engine_inputs(request, [ids], engine, requested, name, "messages")
 
 
 @dataclass

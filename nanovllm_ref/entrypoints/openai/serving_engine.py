@@ -20,6 +20,11 @@ Contract (vLLM's `LLMEngine` request API has the same shape):
   appending (text a stop string may still complete is held back), so the server streams their differences.
   A finished request is returned once with `finished=True`, then never again.
 - `has_unfinished_requests() -> bool`; `exit()` frees the engine (idempotent).
+- Optional: `check_request(prompt_token_ids, sampling_params)` raises ValueError / TypeError, changing
+  nothing, for a request `add_request` would refuse (a SamplingParams field the engine does not implement
+  yet, a stop id outside the vocabulary, n above its batch size). The HTTP side calls it before queuing, so
+  such a request is a 400 at once, naming the field. It must be safe to call from the HTTP thread while the
+  engine steps (it reads only what does not change after start-up).
 - Optional: `stats() -> dict[str, int]`, numbers about the engine now (sequences running and waiting, free KV
   blocks); the loop reads them after each tick and GET /health shows them.
 - Facts the server checks requests against, before they reach the engine: `tokenizer` (a transformers
@@ -27,7 +32,7 @@ Contract (vLLM's `LLMEngine` request API has the same shape):
   lie in [0, vocab_size)), `kv_cache_tokens` (tokens whose K/V the whole cache holds; None if unknown).
 
 The loop calls every method from one thread and never two at once, so an engine needs no locks. Only the
-tokenizer is also used from the HTTP side (encoding prompts and chat templates).
+tokenizer and `check_request` are also used from the HTTP side (encoding prompts and chat templates).
 
 Test hook: `python -m nanovllm_ref serve --engine-factory module:callable [--engine-factory-kwargs JSON]`
 builds the engine with `callable(model, **engine_args, **kwargs)` instead of `default_engine_factory`
@@ -100,6 +105,14 @@ class LLMEngineAdapter:
     def add_request(self, prompt_token_ids, sampling_params, request_id):
         return self.engine.add_request(prompt_token_ids, sampling_params, request_id=request_id)
 
+    def check_request(self, prompt_token_ids, sampling_params):
+        """engine/request.py's check_request, the one add_request runs: it reads the config, the tokenizer and
+        the scheduler's class, none of which change once the engine runs, so the HTTP thread may call it.
+        SamplingParams' PENDING is read there, at the time of the request."""
+        from nanovllm_ref.engine.request import check_request
+        check_request(prompt_token_ids, sampling_params, tokenizer=self.tokenizer, config=self.engine.config,
+                      scheduler_cls=type(self.engine.scheduler), where="prompt", sp_where="the request")
+
     def abort_request(self, request_id):
         self.engine.abort_request(request_id)
 
@@ -125,15 +138,8 @@ class LLMEngineAdapter:
 
 
 def default_engine_factory(model: str, **engine_args) -> LLMEngineAdapter:
-    """The real engine: `LLMEngine(model, **engine_args)` behind the adapter. Raises RuntimeError, before any
-    weights load, when this LLMEngine has no request API yet (add_request with request_id, abort_request,
-    step() returning RequestOutputs)."""
+    """The real engine: `LLMEngine(model, **engine_args)` behind the adapter (its errors pass through)."""
     from nanovllm_ref.engine.llm_engine import LLMEngine
-    missing = engine_request_api_missing(LLMEngine)
-    if missing:
-        raise RuntimeError(f"this nanovllm_ref's LLMEngine lacks the request API the server drives ({missing}): "
-                           "add_request(prompt, params, request_id) -> str, abort_request(id), step() -> "
-                           "RequestOutputs")
     return LLMEngineAdapter(LLMEngine(model, **engine_args))
 
 
