@@ -23,6 +23,10 @@
 #   then, within 30 s (no carry: the payload is still unpacked), or after staging again:
 #                                             bash bench/gpu_run.sh flash-check   # greedy equivalence with
 #     attention_backend=flash_attn (vLLM's FA3), bf16, CUDA graphs and eager; junit XML into $OUT
+#   or, the online serving benchmark (after the peers-stage calls, carry .carry/peers/pN; or within 30 s of
+#   `peers` / `flash-check`, no carry):      bash bench/gpu_run.sh serve
+#     `vllm serve` and `python -m nanovllm_ref serve` one after the other, the same client (nanovllm_bench/serve.py)
+#     at the same Poisson rates (bench/gpu_serve.sh); $OUT gets serve_h200.json (the record), serve_h200.png, logs
 #
 # .carry/a/part_aa and .carry/b/part_ab are the two halves of SmolLM2-135M-Instruct.Q4_1.gguf (the device
 # takes at most 64 MiB per call); .carry/b also holds the gguf wheel (the device has no PyPI).
@@ -242,6 +246,12 @@ PYEOF
       timeout ${PROFILE_S:-200} python3 -m nanovllm_bench --peers nanovllm_ref --runs triton:graph --repeats 1 \
         --batch1-repeats 0 --profile --out "$OUT" --tag ${PROFILE_TAG:-h200_round3_profile} 2>&1 | grep -v DEBUG | tail -12
     fi
+  fi
+  if [ "$mode" = serve ]; then
+    assemble || exit 1
+    step "online serving: vllm serve, then nanovllm_ref serve; same client, same Poisson rates (bench/gpu_serve.sh)"
+    SITE=/tmp/peers/site bash bench/gpu_serve.sh 2>&1 | grep -v DEBUG
+    ls -la "$OUT"
   fi
   if [ "$mode" = hfmerge ]; then
     step "HF transformers continuous batching, merged into ${MERGE}"

@@ -1,5 +1,5 @@
-"""The online benchmark client (bench/serve_bench.py): its workload and arrivals, and a small run against the
-server with the fake engine, record and figure included."""
+"""The online benchmark client (nanovllm_bench/serve.py, `python -m nanovllm_bench serve`): its workload and
+arrivals, and a small run against the server with the fake engine, record and figure included."""
 import json
 import math
 import subprocess
@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from serve_helpers import ROOT, ServerProcess, child_env, make_tokenizer_dir
 
-sys.path.insert(0, str(ROOT / "bench"))
-import serve_bench  # noqa: E402
+from nanovllm_bench import serve as serve_bench
 
 
 def test_workload_is_upstream_bench_workload():
@@ -50,7 +49,7 @@ def test_client_runs_the_rates_against_the_fake_server_and_plots(tmp_path):
     workload = dict(num_requests=6, seed=0, min_len=4, max_len=12, min_out=3, max_out=8, max_id=300)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in workload.items()]
     with ServerProcess(tmp_path, model_dir, {"step_delay": 0.002}) as srv:
-        run = subprocess.run([sys.executable, "bench/serve_bench.py", "run", "--base-url", srv.url, "--server", "fake",
+        run = subprocess.run([sys.executable, "-m", "nanovllm_bench", "serve", "run", "--base-url", srv.url, "--server", "fake",
                               "--rates", "20,inf", "--record", str(record), "--time-limit", "60", *flags],
                              cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=180)
         assert run.returncode == 0, run.stdout + run.stderr
@@ -70,7 +69,7 @@ def test_client_runs_the_rates_against_the_fake_server_and_plots(tmp_path):
     prompts, _ = serve_bench.make_workload(**workload)
     sent = sorted((a["prompt_token_ids"], a["max_tokens"], a["ignore_eos"]) for a in adds[1:])
     assert sent == sorted([(p, m, True) for p, m in zip(prompts, max_tokens)] * 2)
-    plot = subprocess.run([sys.executable, "bench/serve_bench.py", "plot", "--record", str(record), "--figure",
+    plot = subprocess.run([sys.executable, "-m", "nanovllm_ref", "bench", "serve", "plot", "--record", str(record), "--figure",
                            str(figure)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

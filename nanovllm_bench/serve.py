@@ -2,8 +2,8 @@
 
 The same client and load run against our server (`python -m nanovllm_ref serve`) and against `vllm serve`
 (bench/gpu_serve.sh runs both on the H200 in one call). Load: the bench workload of upstream nano-vllm's
-bench.py (256 requests; random.seed(0); prompt token ids randint(0, 10000) of lengths randint(100, 1024),
-then max_tokens randint(100, 1024); ignore_eos; temperature 0.6), sent as token-id prompts to
+bench.py (nanovllm_bench/workload.py: 256 requests; random.seed(0); prompt token ids randint(0, 10000) of
+lengths randint(100, 1024), then max_tokens randint(100, 1024); ignore_eos; temperature 0.6), sent as token-id prompts to
 /v1/completions with `stream: true` and `stream_options.include_usage` (vLLM accepts both, and `ignore_eos`
 as one of its extra fields; so does our server). Request i is sent at the i-th arrival of a Poisson process
 of the given rate (exponential gaps, seeded); rate "inf" sends them all at once.
@@ -14,13 +14,14 @@ each, request throughput (requests / s) and output token throughput (output toke
 duration (first send -> last completion), and the failures. The vLLM benchmark client
 (`vllm bench serve`) defines the same metrics.
 
-    python bench/serve_bench.py run --base-url http://127.0.0.1:8000 --server nanovllm_ref \
+    python -m nanovllm_bench serve run --base-url http://127.0.0.1:8000 --server nanovllm_ref \
         --rates 8,16,32,inf --record bench/results/serve_h200.json
-    python bench/serve_bench.py plot --record bench/results/serve_h200.json --figure figures/serve_latency.png
-    python bench/serve_bench.py model /tmp/qwen3-0.6b     # the model folder both servers open
+    python -m nanovllm_bench serve plot --record bench/results/serve_h200.json --figure figures/serve_latency.png
+    python -m nanovllm_bench serve model /tmp/qwen3-0.6b     # the model folder both servers open
 
-`run` adds (or replaces) the server's entry in the record, so several servers share one record and one
-figure. Needs httpx (and matplotlib for `plot`); imports nothing from the engine.
+(`python -m nanovllm_ref bench serve ...` is the same.) `run` adds (or replaces) the server's entry in the
+record, so several servers share one record and one figure. Needs httpx (and matplotlib for `plot`);
+imports nothing from the engine.
 """
 import argparse
 import asyncio
@@ -33,15 +34,9 @@ import statistics
 import sys
 import time
 
+from nanovllm_bench.workload import QWEN3_06B, make_workload
+
 WORKLOAD = dict(num_requests=256, seed=0, min_len=100, max_len=1024, min_out=100, max_out=1024, max_id=10000)
-
-
-def make_workload(num_requests=256, seed=0, min_len=100, max_len=1024, min_out=100, max_out=1024, max_id=10000):
-    """Upstream bench.py's draws, in its order: every prompt first, then every max_tokens."""
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, max_id) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_requests)]
-    max_tokens = [rng.randint(min_out, max_out) for _ in range(num_requests)]
-    return prompts, max_tokens
 
 
 def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
@@ -209,13 +204,6 @@ def cmd_run(args) -> int:
     return 0 if failed == 0 else 3
 
 
-# Qwen3-0.6B's shape (shared/README.md); weights come from --load-format dummy in both servers.
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                 rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
-                 eos_token_id=151645)
-
-
 def cmd_model(args) -> int:
     """A config-only Qwen3-0.6B folder both servers open, with a word-level tokenizer that knows every id of the
     vocabulary ("t0" .. "t151935", the special tokens at Qwen3's ids), so both servers detokenize every
@@ -298,7 +286,8 @@ def cmd_plot(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m nanovllm_bench serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="run the load at each rate against one server")
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
@@ -329,6 +318,3 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
