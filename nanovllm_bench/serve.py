@@ -18,6 +18,7 @@ duration (first send -> last completion), and the failures. The vLLM benchmark c
         --rates 8,16,32,inf --record bench/results/serve_h200.json
     python -m nanovllm_bench serve plot --record bench/results/serve_h200.json --figure figures/serve_latency.png
     python -m nanovllm_bench serve model /tmp/qwen3-0.6b     # the model folder both servers open
+    python -m nanovllm_bench serve overhead --model tiny     # host time the server adds per step (serve_overhead.py)
 
 (`python -m nanovllm_ref bench serve ...` is the same.) `run` adds (or replaces) the server's entry in the
 record, so several servers share one record and one figure. Needs httpx (and matplotlib for `plot`);
@@ -307,12 +308,21 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=200)
     p = sub.add_parser("model", help="write the Qwen3-0.6B-shaped folder (config + full-vocab tokenizer)")
     p.add_argument("path")
+    p = sub.add_parser("overhead", help="host time the server adds to an engine step (CPU; serve_overhead.py)")
+    p.add_argument("--model", default="tiny", help="model folder, or 'tiny' (a tiny random Qwen3)")
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--record", default=None, help="JSON file to write")
     p = sub.add_parser("plot", help="draw latency against throughput from a record")
     p.add_argument("--record", required=True)
     p.add_argument("--figure", required=True)
     p.add_argument("--title", default="")
     args = parser.parse_args(argv)
     try:
+        if args.cmd == "overhead":
+            from nanovllm_bench import serve_overhead
+            return serve_overhead.main(args)
         return {"run": cmd_run, "wait": cmd_wait, "model": cmd_model, "plot": cmd_plot}[args.cmd](args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -257,7 +257,11 @@ def test_a_request_the_engine_refuses_gets_400_and_the_server_goes_on(server, cl
 def test_models_and_health(server, client):
     assert [(m.id, m.object) for m in client.models.list().data] == [("fake", "model")]
     assert httpx.get(server.url + "/v1/models", timeout=5).json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
-    assert httpx.get(server.url + "/health", timeout=5).json()["status"] == "ok"
+    health = httpx.get(server.url + "/health", timeout=5).json()
+    assert health["status"] == "ok"
+    loop = health["loop"]                     # the loop's own host time (the overhead benchmark reads it)
+    assert loop["steps"] > 0 and 0 < loop["step_s"] <= loop["tick_s"] and loop["engine_cpu_s"] > 0
+    assert loop["busy_s"] > 0 and loop["deliver_s"] > 0 and loop["process_cpu_s"] > loop["engine_cpu_s"]
 
 
 def test_sixteen_concurrent_streaming_clients_all_finish_in_shared_batches(server, tokenizer):

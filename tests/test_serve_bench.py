@@ -73,3 +73,17 @@ def test_client_runs_the_rates_against_the_fake_server_and_plots(tmp_path):
                            str(figure)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overhead_measures_the_same_workload_offline_and_through_the_server(tmp_path):
+    from nanovllm_bench import serve_overhead
+    from nanovllm_models.tiny import make_tiny_model
+    model = make_tiny_model(str(tmp_path / "tiny"), "qwen3")
+    record = serve_overhead.measure(model, streams=3, max_tokens=6, repeats=1)
+    off, srv = record["offline"], record["server"]
+    assert off["advance"]["steps"] == off["step"]["steps"] == 6          # one prefill, then 5 decode steps
+    assert srv["steps"] >= 6                                              # requests may join over several steps
+    for r in (off["advance"], off["step"]):
+        assert 0 < r["cpu_ms_per_step"] and 0 < r["wall_ms_per_step"]
+    assert 0 < srv["step_ms_per_step"] <= srv["tick_ms_per_step"] and srv["http_cpu_ms_per_step"] > 0
+    assert "ms per step" in serve_overhead.summary(record)

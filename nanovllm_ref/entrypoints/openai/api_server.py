@@ -4,7 +4,7 @@ FastAPI routes (vLLM's `vllm/entrypoints/openai/api_server.py` serves the same o
 
 | route | answers |
 |---|---|
-| GET /health | 200 while the engine loop runs (with the engine's stats() after the last step), 503 once it failed or is shutting down |
+| GET /health | 200 while the engine loop runs (with the engine's stats() after the last step and the loop's host time), 503 once it failed or is shutting down |
 | GET /v1/models | the one served model, with its max_model_len |
 | POST /v1/completions | text for a prompt (str, token ids, or a batch of either) |
 | POST /v1/chat/completions | the assistant's next message for a conversation (the model's chat template) |
@@ -124,7 +124,8 @@ def build_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
     async def health():
         if engine_loop.dead is not None:
             raise APIError(str(engine_loop.dead), status=503, type="service_unavailable")
-        return {"status": "ok", "open_requests": engine_loop.num_open, "engine": engine_loop.engine_stats}
+        return {"status": "ok", "open_requests": engine_loop.num_open, "engine": engine_loop.engine_stats,
+                "loop": {**engine_loop.timing, "process_cpu_s": time.process_time()}}
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -34,6 +34,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 
 logger = logging.getLogger("uvicorn.error")          # the server's log (uvicorn configures it)
 
@@ -111,6 +112,12 @@ class EngineLoop:
         self.dead: BaseException | None = None               # why the engine cannot run requests any more
         self.num_steps = 0
         self.engine_stats: dict = {}                         # engine.stats() after the last tick, if it has one
+        # Host time of the loop, in seconds summed over its life (GET /health shows them): engine.step() calls
+        # and their time, whole ticks (aborts + adds + step + stats), whole cycles of the loop while requests
+        # were unfinished (a tick, the hand-off, the lock, waiting for the GIL), the engine thread's CPU time
+        # in ticks, and _deliver on the event loop.
+        self.timing = {"steps": 0, "step_s": 0.0, "tick_s": 0.0, "busy_s": 0.0, "engine_cpu_s": 0.0,
+                       "deliver_s": 0.0}
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -186,9 +193,11 @@ class EngineLoop:
 
     # -- the loop (engine thread) ----------------------------------------------------------------------
     def _engine_main(self) -> None:
-        has_unfinished = False
+        has_unfinished, cycle_start = False, None
         try:
             while True:
+                if has_unfinished and cycle_start is not None:      # one whole cycle while requests ran
+                    self.timing["busy_s"] += time.perf_counter() - cycle_start
                 with self._cond:
                     while not (self._pending_adds or self._pending_aborts or has_unfinished or self._stop):
                         self._cond.wait()
@@ -199,6 +208,7 @@ class EngineLoop:
                     for rid in aborts:
                         self.engine.abort_request(rid)
                     break
+                cycle_start = time.perf_counter()
                 refused, outputs, has_unfinished = self._tick(adds, aborts)
                 self._event_loop.call_soon_threadsafe(self._deliver, adds, refused, outputs)
         except BaseException as exc:                     # the engine failed mid-step: nothing can run now
@@ -216,6 +226,7 @@ class EngineLoop:
 
     def _tick(self, adds, aborts):
         """On the engine thread: aborts, then adds (a refused add is reported, not raised), then one step."""
+        start, cpu_start = time.perf_counter(), time.thread_time()
         for rid in aborts:
             self.engine.abort_request(rid)
         refused = {}
@@ -230,14 +241,26 @@ class EngineLoop:
                 for other, orid, _ in adds:               # undo the siblings already added this tick
                     if other is group and orid != rid:
                         self.engine.abort_request(orid)
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        outputs = []
+        if self.engine.has_unfinished_requests():
+            before = time.perf_counter()
+            outputs = self.engine.step()
+            self.timing["steps"] += 1
+            self.timing["step_s"] += time.perf_counter() - before
         self.num_steps += bool(outputs)
         stats = getattr(self.engine, "stats", None)
         if stats is not None:
             self.engine_stats = stats()
+        self.timing["tick_s"] += time.perf_counter() - start
+        self.timing["engine_cpu_s"] += time.thread_time() - cpu_start
         return refused, outputs, self.engine.has_unfinished_requests()
 
     def _deliver(self, adds, refused, outputs) -> None:
+        start = time.perf_counter()
+        self._deliver_outputs(adds, refused, outputs)
+        self.timing["deliver_s"] += time.perf_counter() - start
+
+    def _deliver_outputs(self, adds, refused, outputs) -> None:
         for group in {id(g): g for g in refused.values()}.values():
             for rid in group.request_ids:
                 self._groups.pop(rid, None)
