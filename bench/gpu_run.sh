@@ -95,9 +95,9 @@ PY
   du -sh /tmp/peers/site /tmp/peers/nanovllm_upstream
 }
 
-ch12() {   # CH12_FIRST=1 runs it before the other steps, CH12=1 after them
-  step "chapter 12, C.4: the capstone's parts (solutions/ exported) vs the reference on the H200"
-  timeout 300 python3 bench/ch12_gpu.py --budget-s 240 2>&1 | grep -v DEBUG | tail -20
+ch13() {   # CH13_FIRST=1 runs it before the other steps, CH13=1 after them
+  step "chapter 13, C.4: the capstone's parts (solutions/ exported) vs the reference on the H200"
+  timeout 300 python3 bench/ch13_gpu.py --budget-s 240 2>&1 | grep -v DEBUG | tail -20
 }
 {
   step "versions"
@@ -163,7 +163,7 @@ PY
       -p no:cacheprovider tests/test_engine_equivalence.py tests/test_triton_engine.py \
       --junitxml="$OUT/pytest_gpu_fused.xml" 2>&1 | grep -v DEBUG | tail -5
   fi
-  if [ -n "${CH12_FIRST:-}" ]; then ch12; fi
+  if [ -n "${CH13_FIRST:-}" ]; then ch13; fi
   if [ -n "${TP_TESTS:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "tensor parallel on two GPUs over NCCL (TP=2 vs HF with graphs and eager, compact step messages)"
     # Every Python process (engine subprocesses and TP workers too) dumps its stacks every DIAG_AFTER_S seconds
@@ -257,7 +257,7 @@ PYEOF
     step "HF transformers continuous batching, merged into ${MERGE}"
     timeout 400 python3 -m nanovllm_bench --peers hf --merge "$MERGE" --out "$OUT" --figures "$OUT" --tag ${TAG:-h200} 2>&1 | tail -8
   fi
-  if [ -n "${CH12:-}" ]; then ch12; fi
+  if [ -n "${CH13:-}" ]; then ch13; fi
   if [ "$mode" = hf ]; then
     step "HF transformers continuous batching peer"
     timeout 500 python3 -m nanovllm_bench --peers hf --merge bench/results/bench_h200.json --out "$OUT" --figures "$OUT" 2>&1 | tail -20

@@ -1,16 +1,16 @@
-"""Chapter 12 (capstone): your exercises, exported into importable modules, assembled into one engine.
+"""Chapter 13 (capstone): your exercises, exported into importable modules, assembled into one engine.
 
-    capstone = ch12.assemble(".", choose_parts)  # export + each part's own check + your E12.1 choice + the table
-    ch12.tiny_vs_hf(capstone)                   # C.1 greedy ids == HF on the tiny Qwen3
-    ch12.stream_vs_reference(capstone)          # C.1 a random stream under a tight block budget == reference
-    ch12.tensor_parallel_2(capstone)            # C.1 the same parts with tp=2 over gloo == HF
-    ch12.smollm2_vs_reference(capstone)         # C.2 the real model, fp32, up to the first near-tie; both answers
-    ch12.smollm2_throughput(capstone)           # C.2 both engines' output tok/s on this CPU (not graded)
-    ch12.first_token_chi2(capstone)             # C.3 a chi-squared test of your sampler at T > 0
-    with check("E12.1"):
-        ch12.check_capstone(choose_parts, capstone)
+    capstone = ch13.assemble(".", choose_parts)  # export + each part's own check + your E13.1 choice + the table
+    ch13.tiny_vs_hf(capstone)                   # C.1 greedy ids == HF on the tiny Qwen3
+    ch13.stream_vs_reference(capstone)          # C.1 a random stream under a tight block budget == reference
+    ch13.tensor_parallel_2(capstone)            # C.1 the same parts with tp=2 over gloo == HF
+    ch13.smollm2_vs_reference(capstone)         # C.2 the real model, fp32, up to the first near-tie; both answers
+    ch13.smollm2_throughput(capstone)           # C.2 both engines' output tok/s on this CPU (not graded)
+    ch13.first_token_chi2(capstone)             # C.3 a chi-squared test of your sampler at T > 0
+    with check("E13.1"):
+        ch13.check_capstone(choose_parts, capstone)
 
-E12.1, `choose_parts(candidates, cuda) -> {Parts field: Candidate}`: the student decides which of their
+E13.1, `choose_parts(candidates, cuda) -> {Parts field: Candidate}`: the student decides which of their
 exported parts runs. `assemble` exports the chapter notebooks of a folder into a fresh package (each call its
 own: `export.fresh_package_dir`, so two students, or two graders at once, never share one), runs each finished
 part's own chapter check again on the exported module (the check each chapter declares in `PARTS`), and
@@ -26,11 +26,11 @@ describes every declared part as a `Candidate` whose status is "ok" (its check p
 and otherwise the reference's, saying why; the printed table names, for each field, whose part runs and, for
 each better-ranked candidate that does not, why not.
 
-What the check decides (E12.1): `choose_parts` equals the reference on fresh random candidate lists (statuses,
+What the check decides (E13.1): `choose_parts` equals the reference on fresh random candidate lists (statuses,
 Triton kernels, ties within a chapter, cuda on and off; the message says which rule a difference breaks), the
 capstone above was assembled with it, and the engine it assembled passed sections C.1-C.3 (a failing section is
 traced to a part by running the reference engine with one of the student's parts at a time). Parts still
-missing are listed, not held against E12.1: each chapter grades its own.
+missing are listed, not held against E13.1: each chapter grades its own.
 Tolerances: tiny-model greedy ids exactly equal (HF and the reference); the stream's schedule (running and
 waiting queues after every step, preemption count) exactly equal; SmolLM2 fp32 ids (4 chats x 32 tokens, the
 reference engine run alongside) equal up to the first step whose reference top-2 logit margin is below 1e-3;
@@ -51,13 +51,13 @@ from nanovllm_course import export as ex
 from nanovllm_course.common import CheckFailed, call_student, check_type, fail, fresh_generator, ok, \
     tiny_model_dir
 
-TAG = "E12.1"
+TAG = "E13.1"
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = str(REPO / "solutions")           # the course's answers (tests assemble these)
 STATUSES = ("ok", "failed", "stub", "missing")
 
 
-# -- E12.1: which part runs -----------------------------------------------------------------------------------
+# -- E13.1: which part runs -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Candidate:
     """One exported exercise part that could fill a Parts field."""
@@ -86,7 +86,7 @@ def candidate_of(part, status: str) -> Candidate:
 
 
 def reference_choose_parts(candidates, cuda: bool) -> dict:
-    """The answer to E12.1: {Parts field: the Candidate that runs}, by the rules in the module doc."""
+    """The answer to E13.1: {Parts field: the Candidate that runs}, by the rules in the module doc."""
     chosen = {}
     for c in candidates:
         if c.status != "ok" or (c.triton and not cuda):
@@ -175,7 +175,7 @@ def _choice_problem(got: dict, want: dict, cands: list, cuda: bool):
 
 
 def check_choose_parts(fn) -> None:
-    """E12.1's own check (the first half of check_capstone): fn against reference_choose_parts on fresh cases."""
+    """E13.1's own check (the first half of check_capstone): fn against reference_choose_parts on fresh cases."""
     g = fresh_generator()
     for name, cands, cuda in _candidate_sets(g):
         given = list(cands)
@@ -202,7 +202,7 @@ class Capstone:
     candidates: list               # [Candidate], every declared part, in the chapters' order
     problems: dict                 # (chapter, exercise) -> why its check failed (status "failed")
     objects: dict                  # (chapter, name) -> the exported object, for every part that is ok
-    chooser: str                   # "yours", or why the course's choice ran ("E12.1 is still a stub", ...)
+    chooser: str                   # "yours", or why the course's choice ran ("E13.1 is still a stub", ...)
     choice: dict                   # {field: Candidate}: what C.1-C.3 run (always on the CPU)
     gpu_choice: dict               # {field: Candidate}: what C.4 runs (this machine with CUDA, if it has one)
     cpu_parts: object = None       # nanovllm_ref.Parts built from `choice`
@@ -331,7 +331,7 @@ def _choose(choose_parts, candidates, cuda: bool) -> tuple[dict, str]:
         with contextlib.redirect_stdout(io.StringIO()):
             choice = choose_parts(list(candidates), cuda)
     except NotImplementedError:
-        return reference_choose_parts(candidates, cuda), "E12.1 is still a stub, so the course's choose_parts chose"
+        return reference_choose_parts(candidates, cuda), "E13.1 is still a stub, so the course's choose_parts chose"
     except Exception as exc:
         return reference_choose_parts(candidates, cuda), f"your choose_parts raised {_first_line(exc)}; the course's chose"
     why = _valid_choice(choice, candidates, cuda)
@@ -376,7 +376,7 @@ def part_table(cap: Capstone) -> str:
 
 def assemble(folder: str = ".", choose_parts=None) -> Capstone:
     """Export the chapter notebooks in `folder` (relative to the notebook: "." is the notebook's own folder)
-    into a fresh package, check each finished part, let `choose_parts` (your E12.1; the course's while it is
+    into a fresh package, check each finished part, let `choose_parts` (your E13.1; the course's while it is
     the stub) choose what runs, build the Parts and print the table: whose part runs, and what fell back to
     what."""
     import importlib
@@ -763,24 +763,24 @@ def _sampler_label(cap: Capstone) -> str | None:
     return part_label(cand) if cand else None
 
 
-# -- E12.1 -------------------------------------------------------------------------------------------------
+# -- E13.1 -------------------------------------------------------------------------------------------------
 SECTIONS = ("C.1 HF", "C.1 stream", "C.1 tp=2", "C.2 SmolLM2", "C.3 sampling")
 
 
 def check_capstone(choose_parts, cap: Capstone) -> None:
-    """E12.1: your choose_parts follows the rules (fresh random candidate lists), the capstone above was
+    """E13.1: your choose_parts follows the rules (fresh random candidate lists), the capstone above was
     assembled with it, and the engine it assembled passed every section C.1-C.3."""
     check_choose_parts(choose_parts)
     if cap.chooser != "yours":
         fail(TAG, "your choose_parts is right now, but the capstone above was assembled without it "
                   f"({cap.chooser.split(';')[0].split(', so')[0]})",
-             "run the cell `capstone = ch12.assemble(...)` and the sections after it again")
+             "run the cell `capstone = ch13.assemble(...)` and the sections after it again")
     for cuda, used in ((False, cap.choice),) + (((True, cap.gpu_choice),) if torch.cuda.is_available() else ()):
         want = reference_choose_parts(cap.candidates, cuda)
         problem = _choice_problem(used, want, cap.candidates, cuda)
         if problem:
             fail(TAG, f"the capstone above ran a choice that breaks a rule: {problem[0]}",
-                 "run the cell `capstone = ch12.assemble(...)` again after fixing choose_parts")
+                 "run the cell `capstone = ch13.assemble(...)` again after fixing choose_parts")
     for section in SECTIONS:
         if section not in cap.results:
             fail(TAG, f"section {section} has not run on this capstone", "run the cells of sections C.1-C.3 above, "

@@ -1,13 +1,13 @@
-"""Figure of chapter 12 (capstone): C.4's throughput on the H200, the reference engine's parts against the
-capstone's (the course's solutions exported as a student's), drawn from the JSON that bench/ch12_gpu.py
-writes. Skipped until bench/results/ch12_gpu_h200.json is committed."""
+"""Figure of chapter 13 (capstone): C.4's throughput on the H200, the reference engine's parts against the
+capstone's (the course's solutions exported as a student's), drawn from the JSON that bench/ch13_gpu.py
+writes. Skipped until bench/results/ch13_gpu_h200.json is committed."""
 import json
 from pathlib import Path
 
 from nanovllm_course.figures import figure, save
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_JSON = REPO / "bench" / "results" / "ch12_gpu_h200.json"
+GPU_JSON = REPO / "bench" / "results" / "ch13_gpu_h200.json"
 LABELS = {"reference": "reference parts", "yours": "your parts\n(the solutions, exported)"}
 COLORS = {"reference": "#6baed6", "yours": "#fd8d3c"}
 
@@ -41,6 +41,6 @@ def capstone_throughput(path: Path, data: dict) -> Path:
 
 
 def draw(out_dir: Path) -> list[Path]:
-    if not GPU_JSON.is_file():      # measured on a GPU by bench/ch12_gpu.py; skipped until then
+    if not GPU_JSON.is_file():      # measured on a GPU by bench/ch13_gpu.py; skipped until then
         return []
-    return [capstone_throughput(Path(out_dir) / "ch12_capstone_h200.png", json.loads(GPU_JSON.read_text()))]
+    return [capstone_throughput(Path(out_dir) / "ch13_capstone_h200.png", json.loads(GPU_JSON.read_text()))]

@@ -1,14 +1,14 @@
-"""Chapter 12 (capstone): E12.1 choose_parts and its mutants, the export round trip, what falls back to what,
+"""Chapter 13 (capstone): E13.1 choose_parts and its mutants, the export round trip, what falls back to what,
 and planted wrong parts.
 
 - choose_parts: the reference passes its check; each realistic wrong version fails it in every run, with the
   hint of the rule it breaks;
-- solutions/ exported: every part is the course's and ok, every section passes, the check says `E12.1 ok`;
+- solutions/ exported: every part is the course's and ok, every section passes, the check says `E13.1 ok`;
 - a folder whose chapter 10 is still the stub (the issue's case): the store falls back to chapter 04's on the
   CPU, not to chapter 06's Triton kernel, and the table says so; 15 of 17 parts count as the student's;
 - a part that fails its own chapter's check does not run, and the table says why;
-- chapters/ (unfilled): the reference's parts, every section passes, E12.1 `not done yet`;
-- a planted wrong part that passed its own check: the engine sections see it and blame it, and E12.1 fails.
+- chapters/ (unfilled): the reference's parts, every section passes, E13.1 `not done yet`;
+- a planted wrong part that passed its own check: the engine sections see it and blame it, and E13.1 fails.
 """
 import functools
 import random
@@ -18,11 +18,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from nanovllm_course import ch12
+from nanovllm_course import ch13
 from nanovllm_course.common import NotDone, check
 from nanovllm_ref import Parts
 
-import ch12_mutants
+import ch13_mutants
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_FIELDS = ["rms_norm", "add_rms_norm", "rope_cos_sin", "rotary", "qkv_weight_loader", "gate_up_weight_loader",
@@ -34,24 +34,24 @@ SECTION = {"tiny_vs_hf": "C.1 HF", "stream_vs_reference": "C.1 stream", "tensor_
 
 def passes(cap, name, **kwargs) -> bool:
     """Run section `name` of the capstone on `cap`; True when it recorded a pass."""
-    assert getattr(ch12, name)(cap, **kwargs) is None
+    assert getattr(ch13, name)(cap, **kwargs) is None
     return cap.results[SECTION[name]][0]
 
 
 def stub_choose(candidates, cuda):
-    raise NotImplementedError("Exercise 12.1: for each Parts field, the candidate that runs")
+    raise NotImplementedError("Exercise 13.1: for each Parts field, the candidate that runs")
 
 
 @functools.lru_cache(maxsize=None)
 def _solved():
-    return ch12.assemble(ch12.SOLUTIONS, ch12.reference_choose_parts)
+    return ch13.assemble(ch13.SOLUTIONS, ch13.reference_choose_parts)
 
 
 @pytest.fixture
 def solved(capsys):
     cap = _solved()
     capsys.readouterr()
-    return ch12.dataclasses.replace(cap, results={})
+    return ch13.dataclasses.replace(cap, results={})
 
 
 def folder_with(tmp_path: Path, swaps: dict) -> Path:
@@ -71,18 +71,18 @@ def folder_with(tmp_path: Path, swaps: dict) -> Path:
     return out
 
 
-# -- E12.1: choose_parts --------------------------------------------------------------------------------------
+# -- E13.1: choose_parts --------------------------------------------------------------------------------------
 def test_the_reference_choice_passes_and_the_stub_is_not_done(capsys):
-    ch12.check_choose_parts(ch12.reference_choose_parts)
+    ch13.check_choose_parts(ch13.reference_choose_parts)
     with pytest.raises(NotDone):
-        ch12.check_choose_parts(stub_choose)
+        ch13.check_choose_parts(stub_choose)
 
 
 def test_the_worked_example_of_the_spec():
-    cands = [c for c in ch12._candidate_sets(ch12.fresh_generator(0))[4][1]]     # E10.3 a stub, no CUDA
-    cands = [ch12.dataclasses.replace(c, status="failed") if c.name == "CachingBlockManager" else c for c in cands]
-    cands = [ch12.dataclasses.replace(c, status="stub") if c.field == "sampler" else c for c in cands]
-    cpu, gpu = ch12.reference_choose_parts(cands, False), ch12.reference_choose_parts(cands, True)
+    cands = [c for c in ch13._candidate_sets(ch13.fresh_generator(0))[4][1]]     # E10.3 a stub, no CUDA
+    cands = [ch13.dataclasses.replace(c, status="failed") if c.name == "CachingBlockManager" else c for c in cands]
+    cands = [ch13.dataclasses.replace(c, status="stub") if c.field == "sampler" else c for c in cands]
+    cpu, gpu = ch13.reference_choose_parts(cands, False), ch13.reference_choose_parts(cands, True)
     assert cpu["store_kvcache"].exercise == "E4.3" and gpu["store_kvcache"].exercise == "E6.1"
     assert cpu["block_manager"].exercise == "E5.2" and "sampler" not in cpu
     assert cpu["attention_backend"].exercise == "E4.2" and gpu["attention_backend"].exercise == "E6.3"
@@ -114,7 +114,7 @@ def choose_triton_everywhere(candidates, cuda):
 
 def choose_never_triton(candidates, cuda):
     """Skips Triton even on a GPU."""
-    return ch12.reference_choose_parts([c for c in candidates if not c.triton], cuda)
+    return ch13.reference_choose_parts([c for c in candidates if not c.triton], cuda)
 
 
 def choose_lowest_chapter(candidates, cuda):
@@ -157,11 +157,11 @@ def choose_no_fallback(candidates, cuda):
 
 
 def choose_keyed_by_name(candidates, cuda):
-    return {c.name: c for c in ch12.reference_choose_parts(candidates, cuda).values()}
+    return {c.name: c for c in ch13.reference_choose_parts(candidates, cuda).values()}
 
 
 def choose_labels(candidates, cuda):
-    return {f: c.label for f, c in ch12.reference_choose_parts(candidates, cuda).items()}
+    return {f: c.label for f, c in ch13.reference_choose_parts(candidates, cuda).items()}
 
 
 def choose_sorting_in_place(candidates, cuda):
@@ -170,12 +170,12 @@ def choose_sorting_in_place(candidates, cuda):
 
 
 def choose_list(candidates, cuda):
-    return list(ch12.reference_choose_parts(candidates, cuda).values())
+    return list(ch13.reference_choose_parts(candidates, cuda).values())
 
 
 def choose_with_nones(candidates, cuda):
     """Maps the fields left to the reference to None: allowed by the spec."""
-    chosen = ch12.reference_choose_parts(candidates, cuda)
+    chosen = ch13.reference_choose_parts(candidates, cuda)
     return {**{c.field: None for c in candidates}, **chosen}
 
 
@@ -198,13 +198,13 @@ CHOICE_MUTANTS = [
 def test_choose_parts_rejects_each_mutant_every_run_with_its_hint(mutant, hint):
     for _ in range(5):                       # fresh random candidate lists each run
         with pytest.raises(AssertionError) as info:
-            ch12.check_choose_parts(mutant)
+            ch13.check_choose_parts(mutant)
         text = str(info.value)
-        assert text.startswith("E12.1: ") and hint in text, text
+        assert text.startswith("E13.1: ") and hint in text, text
 
 
 def test_none_for_the_reference_is_accepted(capsys):
-    ch12.check_choose_parts(choose_with_nones)
+    ch13.check_choose_parts(choose_with_nones)
 
 
 # -- the round trip -----------------------------------------------------------------------------------------
@@ -219,10 +219,10 @@ def test_round_trip_every_part_is_yours_and_the_check_says_ok(solved, capsys):
     assert solved.package.startswith("student_") and solved.cpu_parts.rms_norm.__module__ == f"{solved.package}.ch01"
     for name in SECTION:
         assert passes(solved, name), name
-    with check("E12.1"):
-        ch12.check_capstone(ch12.reference_choose_parts, solved)
+    with check("E13.1"):
+        ch13.check_capstone(ch13.reference_choose_parts, solved)
     out = capsys.readouterr().out
-    assert out.splitlines()[-1] == "E12.1 ok" and "still the reference's" not in out
+    assert out.splitlines()[-1] == "E13.1 ok" and "still the reference's" not in out
 
 
 def test_the_capstone_table_names_each_part_its_owner_and_what_did_not_run(capsys):
@@ -241,7 +241,7 @@ def test_the_capstone_table_names_each_part_its_owner_and_what_did_not_run(capsy
 def test_chapter_10_a_stub_falls_back_to_chapter_04s_store_on_the_cpu_and_says_so(tmp_path, capsys):
     """The issue's case: with E10.3 the stub, the capstone used to run chapter 06's Triton store under the
     interpreter (0.12x, 100 s) and count 14 of 14 parts as the student's."""
-    cap = ch12.assemble(str(folder_with(tmp_path, {"10": "stub"})), ch12.reference_choose_parts)
+    cap = ch13.assemble(str(folder_with(tmp_path, {"10": "stub"})), ch13.reference_choose_parts)
     out = capsys.readouterr().out
     assert cap.choice["store_kvcache"].label == "ch04 E4.3 store_kvcache"
     assert not any(c.triton for c in cap.choice.values())
@@ -263,7 +263,7 @@ def _wrong_sampler(nb):
 
 
 def test_a_part_failing_its_own_check_does_not_run_and_the_table_says_why(tmp_path, capsys):
-    cap = ch12.assemble(str(folder_with(tmp_path, {"08": _wrong_sampler})), ch12.reference_choose_parts)
+    cap = ch13.assemble(str(folder_with(tmp_path, {"08": _wrong_sampler})), ch13.reference_choose_parts)
     out = capsys.readouterr().out
     assert "sampler" not in cap.choice and cap.cpu_parts.sampler is Parts().sampler
     sampler = next(c for c in cap.candidates if c.field == "sampler")
@@ -274,37 +274,37 @@ def test_a_part_failing_its_own_check_does_not_run_and_the_table_says_why(tmp_pa
 
 
 def test_unfilled_chapters_run_on_reference_parts_and_e12_1_is_not_done(capsys):
-    cap = ch12.assemble(str(REPO / "chapters"), stub_choose)
+    cap = ch13.assemble(str(REPO / "chapters"), stub_choose)
     out = capsys.readouterr().out
-    assert cap.chooser.startswith("E12.1 is still a stub") and "which parts run: E12.1 is still a stub" in out
+    assert cap.chooser.startswith("E13.1 is still a stub") and "which parts run: E13.1 is still a stub" in out
     assert cap.choice == {} and cap.cpu_parts == Parts() and len(cap.missing()) == 17
     assert "0 of 17 exercise parts are yours" in out
     assert passes(cap, "tiny_vs_hf") and passes(cap, "stream_vs_reference") and passes(cap, "first_token_chi2")
     with pytest.raises(NotDone):
-        ch12.check_capstone(stub_choose, cap)
-    with check("E12.1"):
-        ch12.check_capstone(stub_choose, cap)
-    assert capsys.readouterr().out.splitlines()[-1] == "E12.1 not done yet"
+        ch13.check_capstone(stub_choose, cap)
+    with check("E13.1"):
+        ch13.check_capstone(stub_choose, cap)
+    assert capsys.readouterr().out.splitlines()[-1] == "E13.1 not done yet"
 
 
 def test_a_choice_that_breaks_a_rule_does_not_run_and_e12_1_says_why(tmp_path, capsys):
-    cap = ch12.assemble(str(folder_with(tmp_path, {})), choose_triton_everywhere)
+    cap = ch13.assemble(str(folder_with(tmp_path, {})), choose_triton_everywhere)
     out = capsys.readouterr().out
     assert "your choose_parts cannot run as it is (it chose the Triton kernel ch06 E6.3 paged_decode" in out
-    assert cap.choice == ch12.reference_choose_parts(cap.candidates, False)
+    assert cap.choice == ch13.reference_choose_parts(cap.candidates, False)
     with pytest.raises(AssertionError, match="skip Triton candidates when cuda is False"):
-        ch12.check_capstone(choose_triton_everywhere, cap)
+        ch13.check_capstone(choose_triton_everywhere, cap)
 
 
 def test_a_capstone_assembled_before_e12_1_was_done_is_stale(solved, capsys):
-    stale = ch12.dataclasses.replace(solved, chooser="E12.1 is still a stub, so the course's choose_parts chose")
-    with pytest.raises(AssertionError, match=r"(?s)assembled without it \(E12.1 is still a stub\).*run the cell"):
-        ch12.check_capstone(ch12.reference_choose_parts, stale)
+    stale = ch13.dataclasses.replace(solved, chooser="E13.1 is still a stub, so the course's choose_parts chose")
+    with pytest.raises(AssertionError, match=r"(?s)assembled without it \(E13.1 is still a stub\).*run the cell"):
+        ch13.check_capstone(ch13.reference_choose_parts, stale)
 
 
 def test_the_check_asks_for_the_sections_to_have_run(solved):
     with pytest.raises(AssertionError, match="section C.1 HF has not run on this capstone"):
-        ch12.check_capstone(ch12.reference_choose_parts, solved)
+        ch13.check_capstone(ch13.reference_choose_parts, solved)
 
 
 def test_two_folders_assemble_into_separate_packages(tmp_path, capsys):
@@ -316,8 +316,8 @@ def test_two_folders_assemble_into_separate_packages(tmp_path, capsys):
     shutil.copy(REPO / "chapters" / "01_rmsnorm.ipynb", b)
     before = sorted((REPO / "student").glob("*")) if (REPO / "student").exists() else None
     mtimes = {p: p.stat().st_mtime for p in before or []}
-    cap_a = ch12.assemble(str(a), ch12.reference_choose_parts)
-    cap_b = ch12.assemble(str(b), ch12.reference_choose_parts)
+    cap_a = ch13.assemble(str(a), ch13.reference_choose_parts)
+    cap_b = ch13.assemble(str(b), ch13.reference_choose_parts)
     assert cap_a.package != cap_b.package
     assert set(cap_a.choice) == {"rms_norm", "add_rms_norm"} and cap_b.choice == {}
     assert cap_a.cpu_parts.rms_norm.__module__ == f"{cap_a.package}.ch01"
@@ -329,7 +329,7 @@ def test_two_folders_assemble_into_separate_packages(tmp_path, capsys):
 
 # -- planted wrong parts (that passed their own checks) -------------------------------------------------------
 def test_the_stream_sees_a_scheduler_that_requeues_at_the_back_and_e12_1_blames_it(solved, capsys):
-    cap = solved.plant("scheduler", ch12_mutants.BackOfQueueScheduler)
+    cap = solved.plant("scheduler", ch13_mutants.BackOfQueueScheduler)
     assert not passes(cap, "stream_vs_reference", seed=3)
     passed, blamed, message = cap.results["C.1 stream"]
     assert blamed == "scheduler (ch07 E7.1-E7.3)" and "waiting queue" in message, (blamed, message)
@@ -338,25 +338,25 @@ def test_the_stream_sees_a_scheduler_that_requeues_at_the_back_and_e12_1_blames_
     for name in ("tensor_parallel_2", "smollm2_vs_reference", "first_token_chi2"):
         passes(cap, name)
     with pytest.raises(AssertionError, match=r"C.1 stream: .*the part that does it: scheduler \(ch07 E7.1-E7.3\)"):
-        ch12.check_capstone(ch12.reference_choose_parts, cap)
+        ch13.check_capstone(ch13.reference_choose_parts, cap)
 
 
 def test_the_chi_squared_sees_a_sampler_ignoring_temperature_and_blames_it(solved, capsys):
-    cap = solved.plant("sampler", ch12_mutants.sample_ignoring_temperature)
+    cap = solved.plant("sampler", ch13_mutants.sample_ignoring_temperature)
     assert not passes(cap, "first_token_chi2")
     assert cap.results["C.3 sampling"][1] == "sampler (ch08 E8.1-E8.4)"
     assert "NOT consistent" in capsys.readouterr().out
 
 
 def test_a_store_reading_v_with_k_strides_breaks_the_tiny_engine_and_is_blamed(solved, capsys):
-    cap = solved.plant("store_kvcache", ch12_mutants.store_reading_v_with_k_strides)
+    cap = solved.plant("store_kvcache", ch13_mutants.store_reading_v_with_k_strides)
     assert not passes(cap, "tiny_vs_hf")
     assert cap.results["C.1 HF"][1] == "store_kvcache (ch10 E10.3)"
 
 
-# -- sections (unchanged by E12.1) ------------------------------------------------------------------------------
+# -- sections (unchanged by E13.1) ------------------------------------------------------------------------------
 def empty_capstone():
-    return ch12.Capstone("x", "student_x", [], {}, {}, "the course's", {}, {}, Parts(), Parts())
+    return ch13.Capstone("x", "student_x", [], {}, {}, "the course's", {}, {}, Parts(), Parts())
 
 
 def test_c2_shows_both_engines_answers_and_their_throughput_on_this_cpu(solved, capsys):
@@ -369,7 +369,7 @@ def test_c2_shows_both_engines_answers_and_their_throughput_on_this_cpu(solved, 
     yours, ref = out[i + 1], out[i + 2]
     assert yours.startswith("    yours:     ") and "Paris" in yours and ref == yours.replace("yours:    ", "reference:")
     assert "<|im_end|>" not in yours and "\n" not in yours
-    ch12.smollm2_throughput(solved, max_tokens=4, repeats=1)
+    ch13.smollm2_throughput(solved, max_tokens=4, repeats=1)
     line = capsys.readouterr().out.strip()
     m = re.fullmatch(r"C\.2 on this CPU \(4 prompts x 4 tokens, median of 1\): yours ([\d,]+) output tok/s, "
                      r"reference ([\d,]+) \((\d+\.\d\d)x\)", line)
@@ -379,10 +379,10 @@ def test_c2_shows_both_engines_answers_and_their_throughput_on_this_cpu(solved, 
 
 
 def test_the_streams_always_preempt_and_hit_the_prefix_cache():
-    path = ch12.tiny_model_dir("qwen3")
+    path = ch13.tiny_model_dir("qwen3")
     for seed in range(3):
-        prompts = ch12.random_stream(random.Random(seed))
-        _, trace = ch12.run_traced(Parts(), path, prompts)
+        prompts = ch13.random_stream(random.Random(seed))
+        _, trace = ch13.run_traced(Parts(), path, prompts)
         assert trace[-1][2] > 0, seed
         assert prompts[0][:8] == prompts[1][:8] and prompts[2][:8] == prompts[3][:8]
 
@@ -395,17 +395,17 @@ def test_the_live_smollm2_reference_agrees_with_hf_scoring_its_ids():
     from nanovllm_models.download import ensure_model
     import torch
     path = str(ensure_model())
-    ref = ch12.reference_smollm2()
-    assert len(ref) == 4 and all(len(ids) == len(m) == ch12.SMOL_TOKENS == 32 for ids, m in ref)
+    ref = ch13.reference_smollm2()
+    assert len(ref) == 4 and all(len(ids) == len(m) == ch13.SMOL_TOKENS == 32 for ids, m in ref)
     assert ref[0][0][:6] == [504, 3575, 282, 4649, 314, 7042]      # "The capital of France is Paris"
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for p, (ids, margins) in zip(ch12.smollm2_prompts(path), ref):
+    for p, (ids, margins) in zip(ch13.smollm2_prompts(path), ref):
         with torch.no_grad():
             logits = hf(torch.tensor([p + ids[:-1]])).logits[0, len(p) - 1:]
         top2 = logits.topk(2, dim=-1)
         hf_margins = (top2.values[:, 0] - top2.values[:, 1]).tolist()
         assert margins == pytest.approx(hf_margins, abs=2e-3)
-        sure = [s for s, m in enumerate(margins) if m >= ch12.MARGIN]
+        sure = [s for s, m in enumerate(margins) if m >= ch13.MARGIN]
         assert [top2.indices[s, 0].item() for s in sure] == [ids[s] for s in sure]
 
 
@@ -417,10 +417,10 @@ def test_c2_reports_how_far_each_prompt_matched_and_stops_at_a_near_tie(capsys, 
     got = [list(ids) for ids, _ in ref]
     got[0][4] = 7
     got[1][2] = 7
-    monkeypatch.setattr(ch12, "reference_smollm2", lambda n, path=None: ref)
-    monkeypatch.setattr(ch12, "_generate", lambda *a, **k: got)
-    monkeypatch.setattr(ch12, "smollm2_prompts", lambda path: [[1]] * 4)
-    monkeypatch.setattr(ch12, "_blame", lambda cap, prompts=None: None)
+    monkeypatch.setattr(ch13, "reference_smollm2", lambda n, path=None: ref)
+    monkeypatch.setattr(ch13, "_generate", lambda *a, **k: got)
+    monkeypatch.setattr(ch13, "smollm2_prompts", lambda path: [[1]] * 4)
+    monkeypatch.setattr(ch13, "_blame", lambda cap, prompts=None: None)
     cap = empty_capstone()
     assert not passes(cap, "smollm2_vs_reference")
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("C.2")]   # not the answers
@@ -441,4 +441,4 @@ def test_c3_prints_the_same_p_values_whatever_the_random_state(capsys):
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1]
     assert outs[0].splitlines()[0].startswith("C.3 T=0.6: 20000 first tokens, chi-squared over 86 bins, p = 0.")
-    assert [ch12._fmt_p(p) for p in (0.456, 0.004, 1e-9)] == ["p = 0.46", "p < 0.01", "p < 1e-06"]
+    assert [ch13._fmt_p(p) for p in (0.456, 0.004, 1e-9)] == ["p = 0.46", "p < 0.01", "p < 1e-06"]
