@@ -61,11 +61,30 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def request_metrics(sent: float, events, output_tokens: int | None, error: str | None) -> dict:
+    """One streamed request's latencies, from what its client saw (times in s, on one clock).
+
+    sent: when the request was sent. events: (time, text) of every chunk with choices, in arrival order (a
+    chunk may carry no text: a chat stream's role chunk, a finish_reason chunk). output_tokens: from the
+    usage chunk; None: the number of chunks with text. error: None if the request succeeded.
+    TTFT = first chunk with text - sent; E2E = last chunk with text - sent; TPOT = (E2E - TTFT) /
+    (output tokens - 1), for a successful request of more than one token (None otherwise, and for a failed
+    one: the summary leaves failed requests out)."""
+    text_times = [t for t, text in events if text]
+    if error is None and not text_times:
+        error = "no text arrived"
+    ttft = text_times[0] - sent if text_times else None
+    e2e = text_times[-1] - sent if text_times else None
+    tokens = len(text_times) if output_tokens is None else output_tokens
+    tpot = (e2e - ttft) / (tokens - 1) if error is None and tokens > 1 else None
+    return {"sent": sent, "ttft": ttft, "e2e": e2e, "tpot": tpot, "output_tokens": tokens, "chunks": len(text_times),
+            "error": error}
+
+
 async def one_request(client, url: str, body: dict, start: float) -> dict:
-    """Stream one completion. Returns its timings (s, from `start`), output tokens and error (None if ok)."""
+    """Stream one completion. Returns its request_metrics (times in s from `start`)."""
     sent = time.perf_counter()
-    first = last = None
-    tokens, chunks, error = None, 0, None
+    events, tokens, error = [], None, None
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -84,21 +103,11 @@ async def one_request(client, url: str, body: dict, start: float) -> dict:
                     if msg.get("usage"):
                         tokens = msg["usage"]["completion_tokens"]
                     choices = msg.get("choices") or []
-                    if choices and choices[0].get("text"):
-                        now = time.perf_counter()
-                        first = first if first is not None else now
-                        last = now
-                        chunks += 1
+                    if choices:
+                        events.append((time.perf_counter() - start, choices[0].get("text")))
     except Exception as exc:                                # a dropped connection counts as a failure
         error = f"{type(exc).__name__}: {exc}"
-    if error is None and first is None:
-        error = "no text arrived"
-    ttft = None if first is None else first - sent
-    e2e = None if last is None else last - sent
-    tokens = chunks if tokens is None else tokens
-    tpot = (e2e - ttft) / (tokens - 1) if error is None and tokens > 1 else None
-    return {"sent": sent - start, "ttft": ttft, "e2e": e2e, "tpot": tpot, "output_tokens": tokens, "chunks": chunks,
-            "error": error}
+    return request_metrics(sent - start, events, tokens, error)
 
 
 async def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, temperature: float, seed: int,
@@ -127,23 +136,33 @@ async def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, 
     return summarize(results, max_tokens, rate, end - start)
 
 
-def summarize(results: list[dict], max_tokens: list[int], rate: float, wall_s: float) -> dict:
+def latency_summary(results: list[dict], wall_s: float) -> dict:
+    """Latency and throughput of one run from its requests' request_metrics (times in s from the run's
+    start). Failed requests are left out of everything but `failed`. duration: from the start to the last
+    completion (wall_s when none completed); throughputs are over it. Percentiles interpolate linearly
+    (numpy's default)."""
     ok = [r for r in results if r["error"] is None]
     finished = [r["sent"] + r["e2e"] for r in ok]
     duration = max(finished) if finished else wall_s           # from the first send to the last completion
-    short = sum(1 for r, m in zip(results, max_tokens) if r["error"] is None and r["output_tokens"] != m)
     out_tokens = sum(r["output_tokens"] for r in ok)
 
     def stats(key, scale=1.0):
         xs = [r[key] * scale for r in ok if r[key] is not None]
         return {"p50": percentile(xs, 50), "p99": percentile(xs, 99), "mean": statistics.fmean(xs) if xs else None}
 
-    return {"rate": "inf" if math.isinf(rate) else rate, "num_requests": len(results), "completed": len(ok),
-            "failed": len(results) - len(ok), "wrong_length": short,
-            "errors": sorted({r["error"] for r in results if r["error"]})[:5],
-            "duration_s": duration, "request_throughput": len(ok) / duration if duration else None,
+    return {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+            "request_throughput": len(ok) / duration if duration else None,
             "output_throughput": out_tokens / duration if duration else None, "output_tokens": out_tokens,
             "ttft_ms": stats("ttft", 1e3), "tpot_ms": stats("tpot", 1e3), "e2e_s": stats("e2e")}
+
+
+def summarize(results: list[dict], max_tokens: list[int], rate: float, wall_s: float) -> dict:
+    short = sum(1 for r, m in zip(results, max_tokens) if r["error"] is None and r["output_tokens"] != m)
+    summary = latency_summary(results, wall_s)
+    return {"rate": "inf" if math.isinf(rate) else rate, "num_requests": len(results),
+            "completed": summary["completed"], "failed": summary["failed"], "wrong_length": short,
+            "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+            **{k: v for k, v in summary.items() if k not in ("completed", "failed")}}
 
 
 def served_model(base_url: str) -> str:

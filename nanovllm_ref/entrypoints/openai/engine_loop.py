@@ -51,6 +51,36 @@ class Aborted(Exception):
     """Put in a group's queue when its requests were aborted by shutdown."""
 
 
+def apply_pending(engine, adds, aborts) -> dict:
+    """What the engine thread does between two steps, before the next one: first every pending abort
+    (`engine.abort_request(id)`: the KV blocks and batch seats they free are there for this very step), then
+    every pending add in arrival order (`engine.add_request(prompt_token_ids, sampling_params, id)`).
+
+    adds: list of (group, request_id, input) with `input.prompt_token_ids` and `input.sampling_params`; the
+    requests of one HTTP request share a group (any hashable object), and a group is admitted whole or not at
+    all: when the engine refuses one of its requests (ValueError or TypeError, its answer to a request it can
+    never run), the group's requests already added in this call are aborted again, its later ones are not
+    added, and the others go on. aborts: request ids (in the engine, or unknown to it: ignored). Any other
+    exception (the engine is broken) propagates. Returns {group: the exception} for every group refused.
+    """
+    for rid in aborts:
+        engine.abort_request(rid)
+    refused, added = {}, []
+    for group, rid, item in adds:
+        if group in refused:
+            continue                                  # a sibling was refused: the group is not admitted
+        try:
+            engine.add_request(item.prompt_token_ids, item.sampling_params, rid)
+        except (ValueError, TypeError) as exc:
+            refused[group] = exc
+            for other, orid in added:                 # undo the siblings already added
+                if other is group:
+                    engine.abort_request(orid)
+            continue
+        added.append((group, rid))
+    return refused
+
+
 class RequestGroup:
     """The engine requests of one HTTP request (one per prompt). Iterate with `async for prompt_index, output
     in group`; it ends once every request has finished. `admitted` resolves when the loop has handed them
@@ -225,22 +255,9 @@ class EngineLoop:
             self._stopped.set_result(None)
 
     def _tick(self, adds, aborts):
-        """On the engine thread: aborts, then adds (a refused add is reported, not raised), then one step."""
+        """On the engine thread: the pending aborts and adds (apply_pending), then one step."""
         start, cpu_start = time.perf_counter(), time.thread_time()
-        for rid in aborts:
-            self.engine.abort_request(rid)
-        refused = {}
-        for group, rid, item in adds:
-            if group in refused.values():
-                continue                                  # a sibling was refused: the group is not admitted
-            try:
-                self.engine.add_request(item.prompt_token_ids, item.sampling_params, rid)
-            except (ValueError, TypeError) as exc:
-                refused[rid] = group
-                group._refusal = exc
-                for other, orid, _ in adds:               # undo the siblings already added this tick
-                    if other is group and orid != rid:
-                        self.engine.abort_request(orid)
+        refused = apply_pending(self.engine, adds, aborts)
         outputs = []
         if self.engine.has_unfinished_requests():
             before = time.perf_counter()
@@ -261,14 +278,14 @@ class EngineLoop:
         self.timing["deliver_s"] += time.perf_counter() - start
 
     def _deliver_outputs(self, adds, refused, outputs) -> None:
-        for group in {id(g): g for g in refused.values()}.values():
+        for group, exc in refused.items():
             for rid in group.request_ids:
                 self._groups.pop(rid, None)
             group.unfinished.clear()
             if not group.admitted.done():
-                group.admitted.set_exception(group._refusal)
+                group.admitted.set_exception(exc)
         for group, rid, _ in adds:
-            if rid not in refused and group not in refused.values() and not group.admitted.done():
+            if group not in refused and not group.admitted.done():
                 group.admitted.set_result(True)
         for out in outputs:
             group = self._groups.get(out.request_id)
