@@ -59,8 +59,11 @@ def _version(module: str):
 
 
 def project_commit() -> str | None:
-    """This checkout's commit: `git rev-parse` where the checkout has its .git, else $NANOVLLM_REF_COMMIT
-    (a device run carries the files without .git; bench/gpu_run.sh passes the commit along)."""
+    """This checkout's commit: $NANOVLLM_REF_COMMIT when set (a device run: the device's copy of the tree may
+    carry a .git whose HEAD is not the commit the files are from — seen on 2026-12-01, where it named the
+    session's base), else `git rev-parse` of the checkout."""
+    if os.environ.get("NANOVLLM_REF_COMMIT"):
+        return os.environ["NANOVLLM_REF_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -69,7 +72,7 @@ def project_commit() -> str | None:
             return out.stdout.strip()
     except Exception:
         pass
-    return os.environ.get("NANOVLLM_REF_COMMIT") or None
+    return None
 
 
 def versions() -> dict:

@@ -126,6 +126,11 @@ def _candidate_sets(g: torch.Generator):
     return cases
 
 
+def _last_runnable_seen(cands: list, cuda: bool) -> dict:
+    """{field: the last candidate in list order that may run}: what a chooser that ignores rank returns."""
+    return {c.field: c for c in cands if c.status == "ok" and not (c.triton and not cuda)}
+
+
 def _choice_problem(got: dict, want: dict, cands: list, cuda: bool):
     """(message, hint) for the first field where `got` differs from `want`, or None."""
     fields = [f.name for f in dataclasses.fields(__import__("nanovllm_ref").Parts)]
@@ -138,7 +143,11 @@ def _choice_problem(got: dict, want: dict, cands: list, cuda: bool):
         if g.field != f:
             return (f"you put {g.label} (a {g.field} part) under {f!r}",
                     "key the dict by each candidate's field: chosen[c.field] = c")
-    if cuda and got != want and got == reference_choose_parts([c for c in cands if not c.triton], cuda):
+    # A choice that skipped every Triton kernel can also be, by chance on a shuffled list, the last runnable one
+    # seen in list order; only the first reading gets the Triton hint (a fn that never picks Triton fails on the
+    # unshuffled "every part ok, CUDA" case first, where the last one seen is the right one).
+    if (cuda and got != want and got == reference_choose_parts([c for c in cands if not c.triton], cuda)
+            and got != _last_runnable_seen(cands, cuda)):
         f = next(f for f in keys if got.get(f) is not want.get(f))
         return (f"{f}: {device} you chose {got[f].label if f in got else 'the reference'}, the right one is the "
                 f"Triton kernel {want[f].label}", "skip Triton candidates only when cuda is False: on a GPU they run")

@@ -73,12 +73,19 @@ def throughput_table(out: Path) -> Path:
     names = {"nanovllm_ref[triton,cudagraph]": "nanovllm_ref, CUDA graphs", "nanovllm_ref[triton,eager]":
              "nanovllm_ref, eager", "nanovllm_ref[triton,cudagraph,tp2]": "nanovllm_ref, CUDA graphs, TP=2 (2 GPUs)",
              "hf_transformers[continuous_batching]": "HF transformers continuous batching"}
+    names.update({"nanovllm_ref[triton:graph]": "nanovllm_ref, CUDA graphs", "nanovllm_ref[flash_attn:graph]":
+                  "nanovllm_ref, flash_attn (vLLM's FA3), CUDA graphs", "nano-vllm": "upstream nano-vllm"})
+    batch1 = {"batch-1 decode [triton,cudagraph]", "batch-1 decode nanovllm_ref[triton:graph]"}
     for r in ch11.h200_results():
+        if r["record"] not in ("round 1", "round 2", "round 3, peers"):
+            continue                               # the TP host, the seams check, the first look, the repeat
         if r["name"] in names:
-            color = ORANGE if r["name"].startswith("hf") else BLUE
+            color = ORANGE if r["name"].startswith("hf") else RED if r["name"] == "nano-vllm" else BLUE
             rows.append((f"{names[r['name']]} ({r['record']})", r["tok_s"], color))
-        elif r["name"].startswith("batch-1") and r["record"] in ("round 1", "round 2"):
+        elif r["name"] in batch1:
             rows.append((f"batch-1 decode, CUDA graphs ({r['record']})", r["tok_s"], PURPLE))
+    v = ch11.VLLM_EARLIER
+    rows.append((f"vLLM {v['version']} (same day, earlier lease; ours then {v['ours_then']:,})", v["tok_s"], GREEN))
     fig, (ax1, ax2) = figure(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[1.7, 1]))
     ys = range(len(rows))
     ax1.barh(list(ys), [v for _, v, _ in rows], color=[c for _, _, c in rows])

@@ -69,6 +69,25 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, eos: list[int] 
     return ids
 
 
+def divergence(path: str, prompt: list[int], got: list[int], want: list[int]) -> str:
+    """Where `got` first leaves HF's greedy `want`, and how close HF's own choice was there: the gap between
+    HF's top two logits at that position (float32 of the oracle dtype's logits) and the rank of our token.
+    A gap near the dtype's rounding (bf16: ~1e-2 of the logit scale) is a near-tie that a different kernel
+    may break either way; a wide one is a real fault. For assertion messages; "" when they agree."""
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if got == want:
+        return ""
+    if i >= min(len(got), len(want)):
+        return f"lengths differ: {len(got)} tokens vs HF's {len(want)}"
+    with torch.no_grad():
+        logits = hf_model(path)(torch.tensor([prompt + want[:i]])).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    rank = int((logits > logits[got[i]]).sum())
+    return (f"first differs at token {i}: ours {got[i]}, HF {want[i]}; HF's top-2 logit gap there "
+            f"{float(top.values[0] - top.values[1]):.3g} ({ORACLE_DTYPE}), our token is HF's rank {rank} "
+            f"({float(top.values[0] - logits[got[i]]):.3g} below its top)")
+
+
 def run_checked(llm, prompts, sampling_params):
     """Like llm.generate, but checks the BlockManager invariants after every step.
 

@@ -38,9 +38,10 @@ def test_cpu_tiny_mode_runs_every_peer_through_the_harness_and_writes_the_record
     record = json.loads((tmp_path / "bench_cpu.json").read_text())
     assert {"tag", "date", "machine", "workload", "floor", "runs"} <= set(record)
     assert record["machine"]["device"] == "cpu" and record["machine"]["torch"] and record["machine"]["transformers"]
-    assert [r["name"] for r in record["runs"]] == ["nanovllm_ref[cpu:eager]", "vllm", "nano-vllm",
+    assert [r["name"] for r in record["runs"]] == ["vllm", "nanovllm_ref[cpu:eager]", "nano-vllm",
                                                    "hf_transformers[continuous_batching]"]
-    ours, *others = record["runs"]
+    ours = record["runs"][1]
+    others = [r for r in record["runs"] if r is not ours]
     assert ours["status"] == "ok" and ours["output_tokens"] == record["workload"]["output_tokens"] > 0
     assert ours["repeats"] == 2 and len(ours["run_tok_s"]) == 2
     assert ours["min_tok_s"] <= ours["tok_s"] <= ours["max_tok_s"]
@@ -57,7 +58,7 @@ def test_cpu_tiny_mode_runs_every_peer_through_the_harness_and_writes_the_record
         assert r["status"] == "missing" and r["reason"] == "needs CUDA"
     csv_rows = (tmp_path / "bench_cpu.csv").read_text().splitlines()
     assert csv_rows[0].startswith("name,status,output_tokens,seconds,tok_s,min_tok_s,max_tok_s")
-    assert csv_rows[2].startswith("vllm,missing,") and csv_rows[2].endswith("needs CUDA")
+    assert csv_rows[1].startswith("vllm,missing,") and csv_rows[1].endswith("needs CUDA")
     for fig in ("bench_throughput_cpu.png", "bench_batch1_cpu.png"):
         assert (tmp_path / fig).stat().st_size > 1000
 
@@ -110,11 +111,11 @@ def test_row_names_begin_with_the_peer_family():
     specs = plan_peers(["nanovllm_ref", "vllm", "nano-vllm", "hf"], [("triton", False), ("flash_attn", False)],
                        dict(tensor_parallel_size=1), cuda=True, repeats=3, hf_repeats=1, batch1_repeats=3,
                        nanovllm_src="/tmp/upstream")
-    assert [s.name for s in specs] == ["nanovllm_ref[triton:graph]", "nanovllm_ref[flash_attn:graph]", "vllm",
+    assert [s.name for s in specs] == ["vllm", "nanovllm_ref[triton:graph]", "nanovllm_ref[flash_attn:graph]",
                                        "nano-vllm", "hf_transformers[continuous_batching]"]
     assert specs[3].sys_path == ("/tmp/upstream",) and specs[3].options["src"] == "/tmp/upstream"
-    assert specs[2].sys_path == ()          # nothing of nano-vllm's (its flash_attn stand-in) on vLLM's path
-    assert specs[4].repeats == 1 and specs[0].repeats == 3
+    assert specs[0].sys_path == ()          # nothing of nano-vllm's (its flash_attn stand-in) on vLLM's path
+    assert specs[4].repeats == 1 and specs[1].repeats == 3
 
 
 def _fake(name, kind, **kw):
@@ -245,3 +246,45 @@ def test_run_options_set_engine_arguments_and_name_the_row():
     assert specs[0].options["engine_args"] == {"max_num_seqs": 8}
     with pytest.raises(argparse.ArgumentTypeError, match="OPTION one of sync, nokernels"):
         _runs("triton:graph:fast")
+
+
+def test_vllm_peer_passes_the_workload_as_vllm_expects_it():
+    """The vLLM peer against a stand-in `vllm` module: token-id prompts in order, one SamplingParams per request
+    with its max_tokens, ignore_eos and the temperature, no detokenizing, dummy weights, prefix caching off (a
+    later timed run must find nothing cached), and the output tokens counted from what comes back."""
+    import types
+
+    from nanovllm_bench.peers.vllm import VllmPeer
+    calls = []
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    class FakeLLM:
+        def __init__(self, model, **kw):
+            calls.append(("init", model, kw))
+
+        def generate(self, inputs, params, use_tqdm=True):
+            calls.append(("generate", inputs, params, use_tqdm))
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=list(range(p.kw["max_tokens"])))])
+                    for p in params]
+
+        def reset_prefix_cache(self):
+            calls.append(("reset",))
+
+    fake = types.SimpleNamespace(LLM=FakeLLM, SamplingParams=SamplingParams, __version__="0.0-standin")
+    peer = VllmPeer(fake, "/models/qwen3", dict(max_model_len=4096, dtype="bfloat16", tensor_parallel_size=2))
+    peer.start()
+    prompts, max_tokens = [[5, 6, 7], [8] * 10, [9]], [4, 2, 7]
+    assert peer.generate(prompts, max_tokens, 0.6) == sum(max_tokens)
+    peer.reset()
+    (_, model, init), (_, inputs, params, use_tqdm), reset = calls
+    assert model == "/models/qwen3" and init["load_format"] == "dummy" and init["skip_tokenizer_init"] is True
+    assert init["enable_prefix_caching"] is False and init["tensor_parallel_size"] == 2
+    assert [i["prompt_token_ids"] for i in inputs] == prompts
+    assert [p.kw["max_tokens"] for p in params] == max_tokens
+    assert all(p.kw == dict(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False)
+               for p, m in zip(params, max_tokens))
+    assert use_tqdm is False and reset == ("reset",)
+    assert peer.info()["versions"]["peer"] == "0.0-standin"

@@ -27,4 +27,20 @@ def test_peers_markdown_shows_every_peer_with_spread_and_reasons():
     text = ch11.peers_markdown(RECORD)
     assert text.splitlines()[0] == "NVIDIA H200, 2026-12-01, 256 requests, 133,966 output tokens"
     assert "| vllm | 0.20.2 | 18,770 (18,610-19,386) | 52.3 % | 506 | 77 s |" in text
-    assert "| nano-vllm |  | failed: exit 1; last lines: | | | |" in text
+    assert "| nano-vllm |  | failed: exit 1: ImportError: x | | | |" in text
+
+
+def test_a_failed_peer_shows_the_exception_line_of_its_traceback():
+    reason = ('exit 1; last lines of its output:\n  File "x.py", line 3, in f\n    raise RuntimeError(\n'
+              'RuntimeError: Engine core initialization failed. See root cause above.')
+    assert ch11.reason_line(reason) == "exit 1: RuntimeError: Engine core initialization failed. See root cause above."
+    assert ch11.reason_line("ran past 141 s; last lines:\nCapturing CUDA graphs") == "ran past 141 s; last lines:"
+    assert ch11.reason_line(None) == "" and len(ch11.reason_line("x" * 500)) == 90
+
+
+def test_the_committed_peers_record_names_its_vllm_failure():
+    import json
+    record = json.loads((ch11.RESULTS / ch11.PEERS_RECORD).read_text())
+    rows = {r["name"]: r for r in ch11.peer_rows(record)}
+    assert rows["vllm"]["status"] == "failed" and rows["nano-vllm"]["version"] == "bb823b3"
+    assert "| vllm |  | failed: exit 1: RuntimeError: Engine core initialization failed." in ch11.peers_markdown(record)

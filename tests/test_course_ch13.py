@@ -207,6 +207,24 @@ def test_none_for_the_reference_is_accepted(capsys):
     ch13.check_choose_parts(choose_with_nones)
 
 
+def test_a_last_seen_choice_that_also_skips_triton_gets_the_order_hint():
+    """On a shuffled list with CUDA, the last runnable candidate seen in list order can equal the choice that
+    skips every Triton kernel; that reading is the order mistake (the never-Triton one fails on the unshuffled
+    CUDA case first), so its hint must be the order one (CI once gave it the Triton hint)."""
+    import random
+    parts, rng = ch13.ex.all_parts(), random.Random(0)
+    for _ in range(2000):
+        cands = [ch13.candidate_of(p, rng.choice(("ok", "ok", "stub"))) for p in parts]
+        rng.shuffle(cands)
+        got, want = choose_last_seen(cands, True), ch13.reference_choose_parts(cands, True)
+        if got != want and got == ch13.reference_choose_parts([c for c in cands if not c.triton], True):
+            break
+    else:
+        raise AssertionError("no shuffled list where the two readings agree was drawn")
+    message, hint = ch13._choice_problem(got, want, cands, True)
+    assert "whatever order the candidates come in" in hint, (message, hint)
+
+
 # -- the round trip -----------------------------------------------------------------------------------------
 def test_round_trip_every_part_is_yours_and_the_check_says_ok(solved, capsys):
     assert set(solved.choice) == set(ALL_FIELDS) and solved.missing() == [] and len(solved.yours()) == 17

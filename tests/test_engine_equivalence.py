@@ -4,7 +4,7 @@ import random
 import pytest
 
 from nanovllm_ref import SamplingParams
-from engine_helpers import LLM, hf_greedy, run_checked, tiny_dir
+from engine_helpers import LLM, divergence, hf_greedy, run_checked, tiny_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -22,7 +22,8 @@ def test_greedy_batch_of_varied_lengths_matches_hf(arch, block_size):
     llm = LLM(path, kvcache_block_size=block_size, max_model_len=128, max_num_seqs=8)
     got, _ = run_checked(llm, prompts, GREEDY)
     for p, g in zip(prompts, got):
-        assert g == hf_greedy(path, p, 10)
+        want = hf_greedy(path, p, 10)
+        assert g == want, divergence(path, p, g, want)
 
 
 def test_llama_with_tied_embeddings_matches_hf():
@@ -44,7 +45,9 @@ def test_prefix_cache_hits_keep_outputs_identical(block_size):
     first, _ = run_checked(llm, prompts, GREEDY)
     second, _ = run_checked(llm, prompts, GREEDY)    # everything now hits the cache from the first call
     expected = [hf_greedy(path, p, 10) for p in prompts]
-    assert first == expected and second == expected
+    for p, a, b, want in zip(prompts, first, second, expected):
+        assert a == want, f"first call: {divergence(path, p, a, want)}"
+        assert b == want, f"second call (prefix-cache hits): {divergence(path, p, b, want)}"
 
 
 def test_prefix_hit_on_block_multiple_prompt_recomputes_last_block():

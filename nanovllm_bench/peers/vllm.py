@@ -44,6 +44,10 @@ def make(options: dict, workload, model_dir: str) -> VllmPeer:
     import torch
     if not torch.cuda.is_available():
         raise Unavailable("vllm needs CUDA")
+    # vLLM forks its engine core unless CUDA is already initialised here; on the H200 (2026-12-01) the fork
+    # met an initialised CUDA anyway ("Cannot re-initialize CUDA in forked subprocess"), so spawn it always.
+    import os
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
         import vllm
     except Exception as exc:
