@@ -484,7 +484,10 @@ def execute_notebook(nb, cwd: str | Path, *, timeout: int = 300, skip_gpu: bool 
                             resources={"metadata": {"path": str(cwd)}},
                             extra_arguments=["--IPKernelApp.log_level=ERROR"])
     errors = []
-    with client.setup_kernel(cwd=str(cwd)):
+    # cleanup_kc: nbclient shuts down only a kernel it made its own manager for; ours comes from
+    # _kernel_manager(), so without it every executed notebook left its kernel running (a test run that
+    # executes the chapters a few times over held 11.5 GB in idle kernels and was OOM-killed on 24 GiB).
+    with client.setup_kernel(cwd=str(cwd), cleanup_kc=True):
         for i, cell in enumerate(nb.cells):
             if cell.cell_type != "code" or (skip_gpu and is_gpu_cell(cell)):
                 continue
