@@ -2,7 +2,8 @@
 
 The student writes a class with the reference Scheduler's constructor `(config, block_manager_cls)` and its
 methods: `schedule()` (E7.1: the prefill phase and the choice of phase), `_schedule_decode()` and `preempt()`
-(E7.2: the decode phase with preemption by recompute) and `postprocess()` (E7.3).
+(E7.2: the decode phase with preemption by recompute) and `postprocess()` (E7.3). E7.4 is a function: the
+timeline of the engine loop with and without async (overlap) scheduling.
 
 - `check_schedule_prefill(cls)` (E7.1), `check_schedule_decode(cls)` (E7.2), `check_postprocess(cls)`
   (E7.3): run the student's class in **lockstep** with `nanovllm_ref.engine.scheduler.Scheduler` on named
