@@ -23,6 +23,10 @@
 #   then, within 30 s (no carry: the payload is still unpacked), or after staging again:
 #                                             bash bench/gpu_run.sh flash-check   # greedy equivalence with
 #     attention_backend=flash_attn (vLLM's FA3), bf16, CUDA graphs and eager; junit XML into $OUT
+#   or, the online serving benchmark (after the peers-stage calls, carry .carry/peers/pN; or within 30 s of
+#   `peers` / `flash-check`, no carry):      bash bench/gpu_run.sh serve
+#     `vllm serve` and `python -m nanovllm_ref serve` one after the other, the same client (nanovllm_bench/serve.py)
+#     at the same Poisson rates (bench/gpu_serve.sh); $OUT gets serve_h200.json (the record), serve_h200.png, logs
 #
 # .carry/a/part_aa and .carry/b/part_ab are the two halves of SmolLM2-135M-Instruct.Q4_1.gguf (the device
 # takes at most 64 MiB per call); .carry/b also holds the gguf wheel (the device has no PyPI).
@@ -91,9 +95,9 @@ PY
   du -sh /tmp/peers/site /tmp/peers/nanovllm_upstream
 }
 
-ch12() {   # CH12_FIRST=1 runs it before the other steps, CH12=1 after them
-  step "chapter 12, C.4: the capstone's parts (solutions/ exported) vs the reference on the H200"
-  timeout 300 python3 bench/ch12_gpu.py --budget-s 240 2>&1 | grep -v DEBUG | tail -20
+ch13() {   # CH13_FIRST=1 runs it before the other steps, CH13=1 after them
+  step "chapter 13, C.4: the capstone's parts (solutions/ exported) vs the reference on the H200"
+  timeout 300 python3 bench/ch13_gpu.py --budget-s 240 2>&1 | grep -v DEBUG | tail -20
 }
 {
   step "versions"
@@ -159,7 +163,7 @@ PY
       -p no:cacheprovider tests/test_engine_equivalence.py tests/test_triton_engine.py \
       --junitxml="$OUT/pytest_gpu_fused.xml" 2>&1 | grep -v DEBUG | tail -5
   fi
-  if [ -n "${CH12_FIRST:-}" ]; then ch12; fi
+  if [ -n "${CH13_FIRST:-}" ]; then ch13; fi
   if [ -n "${TP_TESTS:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "tensor parallel on two GPUs over NCCL (TP=2 vs HF with graphs and eager, compact step messages)"
     # Every Python process (engine subprocesses and TP workers too) dumps its stacks every DIAG_AFTER_S seconds
@@ -243,11 +247,17 @@ PYEOF
         --batch1-repeats 0 --profile --out "$OUT" --tag ${PROFILE_TAG:-h200_round3_profile} 2>&1 | grep -v DEBUG | tail -12
     fi
   fi
+  if [ "$mode" = serve ]; then
+    assemble || exit 1
+    step "online serving: vllm serve, then nanovllm_ref serve; same client, same Poisson rates (bench/gpu_serve.sh)"
+    SITE=/tmp/peers/site bash bench/gpu_serve.sh 2>&1 | grep -v DEBUG
+    ls -la "$OUT"
+  fi
   if [ "$mode" = hfmerge ]; then
     step "HF transformers continuous batching, merged into ${MERGE}"
     timeout 400 python3 -m nanovllm_bench --peers hf --merge "$MERGE" --out "$OUT" --figures "$OUT" --tag ${TAG:-h200} 2>&1 | tail -8
   fi
-  if [ -n "${CH12:-}" ]; then ch12; fi
+  if [ -n "${CH13:-}" ]; then ch13; fi
   if [ "$mode" = hf ]; then
     step "HF transformers continuous batching peer"
     timeout 500 python3 -m nanovllm_bench --peers hf --merge bench/results/bench_h200.json --out "$OUT" --figures "$OUT" 2>&1 | tail -20

@@ -12,6 +12,7 @@ nanovllm_ref and its peers (vLLM, upstream nano-vllm, HF transformers) each in i
 | profile     | where a run's time goes: whole `llm.step()` calls, eager kernel profile, graph sweep |
 | figures     | the record's figures                                                               |
 | cpu         | the CPU benchmark on SmolLM2 against HF `generate`                                 |
+| serve       | the online serving benchmark: Poisson arrivals against an OpenAI-compatible server |
 | cli         | `python -m nanovllm_bench` (= `python -m nanovllm_ref bench`)                      |
 | payload     | builds the multi-part payload (vLLM, nano-vllm, wheels) for the lent GPU machine   |
 

@@ -13,6 +13,9 @@ Every row: the median of `--repeats` timed runs with min and max, none finding a
 earlier one; batch-1 decode tok/s (one 100-token prompt, 1,024 new tokens); start-up seconds; versions;
 % of the physical floor (nanovllm_bench/floor.py, from the copy bandwidth and matmul rate measured here).
 
+`serve ...` runs the online serving benchmark instead (nanovllm_bench/serve.py: an OpenAI-compatible server
+under Poisson arrivals; `serve --help`).
+
 `--cpu` runs the CPU benchmark on the real model instead (SmolLM2-135M against HF `generate`, one process;
 nanovllm_bench/cpu.py). `--cpu-tiny` runs this harness on a tiny random model with 16 short requests.
 Results: <out>/bench_<tag>.json and .csv; `--figures DIR` draws them (nanovllm_bench/figures.py).
@@ -147,6 +150,10 @@ def _default_backends(cuda: bool) -> list[str]:
 
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:                         # the online benchmark has its own commands
+        from nanovllm_bench import serve
+        return serve.main(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.cpu:

@@ -19,10 +19,11 @@ EXPECTED_TOTALS = {256: (142_827, 133_966)}
 WARMUP_PROMPT, WARMUP_TOKENS = [1, 2, 3], 16        # every peer's one warm-up generate
 
 
-def make_workload(num_requests=256, seed=0, min_len=100, max_len=1024, min_out=100, max_out=1024):
-    """(prompts as token-id lists, max_tokens per request), drawn in upstream bench.py's order."""
+def make_workload(num_requests=256, seed=0, min_len=100, max_len=1024, min_out=100, max_out=1024, max_id=10000):
+    """(prompts as token-id lists, max_tokens per request), drawn in upstream bench.py's order. max_id: the
+    largest prompt token id (upstream's 10000; smaller for a model with a small vocabulary)."""
     random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))]
+    prompts = [[random.randint(0, max_id) for _ in range(random.randint(min_len, max_len))]
                for _ in range(num_requests)]
     max_tokens = [random.randint(min_out, max_out) for _ in range(num_requests)]
     return prompts, max_tokens

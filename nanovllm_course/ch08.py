@@ -20,19 +20,30 @@
   chi-squared test (state across calls: a sampler that reseeds its generator draws the same noise every
   step); and chi-squared tests on 40,000 draws each for T in {0.5, 1, 2} and for top-k, top-p and both.
 
+- `check_penalties(fn)` (E8.5): fn(logits [B, V] fp32 or bf16, prompt_mask [B, V] bool, output_counts [B, V]
+  int32, presence [B], frequency [B], repetition [B] fp32) -> [B, V] fp32 penalised logits, to rtol 1e-6 /
+  atol 1e-6 of the reference (nanovllm_ref.layers.logits_processors.apply_penalties: HF's repetition penalty,
+  then OpenAI's frequency and presence penalties, vLLM's order); -inf logits (masked earlier) stay -inf and
+  nothing is NaN. Every call draws: a square batch (B == V, where a [B] setting broadcast along the vocabulary
+  still runs), bf16 logits, logits exactly 0, -0.0 and -inf, tokens seen only in the prompt, only in the
+  output, in both, repeated (counts up to 6) or never, ties between a seen and an unseen token, negative
+  presence / frequency, repetition below and above 1, rows with every penalty off (unchanged); inputs
+  unchanged; no host sync.
+
 Statistics: each chi-squared test fails when its p-value is below 1e-6, so a correct sampler fails one test
 with probability about 1e-6 (the chi-squared approximation, with bins of expected count < 5 pooled); E8.4
 runs 7 tests, so it fails a correct answer about 7 times in a million runs.
 
 Every check draws fresh random inputs and prints `E8.n ok` and nothing else on success.
-`reference_temperature_probs`, `reference_exponential_race`, `reference_top_k_top_p`, `reference_sample` are
-the reference answers.
+`reference_temperature_probs`, `reference_exponential_race`, `reference_top_k_top_p`, `reference_sample`,
+`reference_apply_penalties` are the reference answers.
 """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanovllm_course.common import call_student, check_close, check_unchanged, fail, fresh_generator, ok
 from nanovllm_ref.layers import sampler as ref_sampler
+from nanovllm_ref.layers.logits_processors import apply_penalties as reference_apply_penalties
 from nanovllm_ref.layers.sampler import SamplingMetadata
 
 DRAWS = 40_000
@@ -68,7 +79,7 @@ def reference_sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
 
 
 def metadata(temperatures, top_k=None, top_p=None, device="cpu") -> SamplingMetadata:
-    """SamplingMetadata from Python lists (None = not used by any row), as the engine's prepare_sample."""
+    """SamplingMetadata from Python lists (None = not used by any row), as engine/sampling_inputs.sampling_metadata."""
     t = torch.tensor(temperatures, dtype=torch.float32, device=device)
     k = None if top_k is None else torch.tensor(top_k, dtype=torch.int64, device=device)
     p = None if top_p is None else torch.tensor(top_p, dtype=torch.float64, device=device)
@@ -522,6 +533,142 @@ def check_sample(fn) -> None:
                 fail(tag, f"with {setting}, {msg} (chi-squared p = {pv:.1e} against the right distribution)", hint)
         fail(tag, f"with {setting}, {DRAWS} draws do not follow the filtered distribution (chi-squared p = {pv:.1e})",
              "temperature_probs -> top_k_top_p -> exponential_race with fresh Exp(1) noise")
+    ok(tag)
+
+
+# -- E8.5 -----------------------------------------------------------------------------------------------------
+def _penalty_case(g: torch.Generator, rows: int, vocab: int, dtype: torch.dtype):
+    """One batch for E8.5 with every adversarial class in it (check_penalties' docstring)."""
+    logits = _logits(g, rows, vocab, 3.0)
+    prompt_len = max(1, vocab // 3)
+    prompts = torch.randint(0, vocab, (rows, prompt_len), generator=g)
+    # few distinct output ids, so tokens repeat; counts up to 6
+    outputs = torch.randint(0, max(1, min(vocab, 6)), (rows, 6), generator=g)
+    prompt_mask = torch.zeros(rows, vocab, dtype=torch.bool)
+    prompt_mask[torch.arange(rows).unsqueeze(-1), prompts] = True
+    counts = torch.zeros(rows, vocab, dtype=torch.int32)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.int32))
+    if vocab >= 4:
+        counts[:, 0], prompt_mask[:, 0] = 3, False              # token 0: output only, three times
+        counts[:, 1], prompt_mask[:, 1] = 0, True               # token 1: prompt only
+        counts[:, 2], prompt_mask[:, 2] = 1, True               # token 2: both
+        counts[:, 3], prompt_mask[:, 3] = 0, False              # token 3: never seen, tied with token 2
+        logits[:, 3] = logits[:, 2]
+        logits[0, 0] = 0.0
+        logits[-1, 2] = logits[-1, 3] = -0.0
+        logits[:, 1] = -logits[:, 1].abs() - 0.5                # a negative seen logit
+        logits[rows // 2, 0] = float("-inf")                    # masked earlier (min_tokens): stays -inf
+    settings = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 1.5], [1.2, 0.0, 1.0], [0.0, 0.8, 1.0],
+                             [-0.7, -1.1, 0.6], [2.0, 2.0, 2.0], [0.3, -0.4, 1.25]])
+    pick = torch.cat([torch.arange(min(rows, 7)), torch.randint(1, 7, (max(0, rows - 7),), generator=g)])
+    presence, frequency, repetition = settings[pick].unbind(-1)
+    return logits.to(dtype), prompt_mask, counts, presence, frequency, repetition
+
+
+def _penalty_variants(z, prompt_mask, counts, presence, frequency, repetition):
+    """(wrong penalties on the case's fp32 logits z, message, hint): the plausible mistakes, each computed
+    from the same inputs."""
+    c = counts.float()
+    out = c > 0
+    seen = prompt_mask | out
+    p, f, r = presence.unsqueeze(-1), frequency.unsqueeze(-1), repetition.unsqueeze(-1)
+
+    def rep(zz, where, rr=r, rule="sign"):
+        if rule == "sign":
+            hit = torch.where(zz < 0, zz * rr, zz / rr)
+        elif rule == "divide":
+            hit = zz / rr
+        elif rule == "positive_only":                           # the negatives left as they were
+            hit = torch.where(zz < 0, zz, zz / rr)
+        else:                                                   # swapped: divide the negatives
+            hit = torch.where(zz < 0, zz / rr, zz * rr)
+        return torch.where(where, hit, zz)
+
+    def sub(zz, cc=c, mask=out, pp=p, ff=f):
+        return zz - ff * cc - pp * mask.float()
+
+    return [
+        (sub(rep(z, seen, rule="divide")), "a negative logit of a seen token moved UP: you divided every seen "
+         "logit by the repetition penalty", "z / r is smaller only for z > 0; for z < 0 multiply (z * r), so the "
+         "token always becomes less likely"),
+        (sub(rep(z, seen, rule="positive_only")), "a negative logit of a seen token did not move: you divided the "
+         "positive logits by the repetition penalty and left the negative ones", "for z < 0 multiply (z * r): "
+         "a seen token with a negative logit must become less likely too"),
+        (sub(rep(z, seen, rule="swapped")), "the repetition penalty's sign rule is swapped (negative logits divided, "
+         "positive multiplied)", "torch.where(z < 0, z * r, z / r)"),
+        (sub(rep(z, out)), "tokens seen only in the prompt got no repetition penalty",
+         "the repetition penalty counts prompt and output tokens: prompt_mask | (output_counts > 0)"),
+        (sub(rep(z, seen), mask=seen), "tokens seen only in the prompt got the presence penalty",
+         "presence and frequency count the OUTPUT tokens only (OpenAI's definition); only the repetition penalty "
+         "looks at the prompt"),
+        (sub(rep(z, seen), cc=c + prompt_mask.float()), "prompt tokens were counted by the frequency penalty",
+         "frequency * output_counts: the prompt does not count"),
+        (sub(rep(z, seen), mask=out, pp=p * c), "the presence penalty was multiplied by the count",
+         "presence is subtracted once for a token that occurs (count > 0), however often it occurs; frequency is "
+         "the one that scales with the count"),
+        (sub(rep(z, seen), cc=out.float()), "the frequency penalty was applied once per token, not once per "
+         "occurrence", "subtract frequency * output_counts (a token seen 3 times loses 3 * frequency)"),
+        (rep(sub(z), seen), "the penalties ran in the wrong order: frequency and presence before the repetition "
+         "penalty", "vLLM's order: the repetition penalty first (it scales the logit), then subtract frequency "
+         "and presence"),
+        (rep(z, seen) + f * c + p * out.float(), "frequency and presence were added, not subtracted",
+         "a positive penalty makes a repeated token LESS likely: z - frequency * count - presence"),
+        (sub(rep(z, torch.ones_like(seen))), "the repetition penalty changed tokens that were never seen",
+         "apply it only where prompt_mask | (output_counts > 0)"),
+        (sub(rep(z, seen, rr=repetition.unsqueeze(0)), pp=presence.unsqueeze(0), ff=frequency.unsqueeze(0)),
+         "each row's settings were applied along the vocabulary (token j got row j's penalty): this batch is "
+         "square (B == V), so the shapes did not complain", "give the [B] settings a vocabulary axis: "
+         "presence.unsqueeze(-1) is [B, 1] and broadcasts over the row"),
+    ]
+
+
+def check_penalties(fn) -> None:
+    tag = "E8.5"
+    g = fresh_generator()
+    cases = [(1, 2, torch.float32), (6, 6, torch.float32), (4, 17, torch.float32), (7, 151, torch.bfloat16),
+             (9, 300, torch.float32)]
+    for rows, vocab, dtype in cases:
+        logits, prompt_mask, counts, presence, frequency, repetition = _penalty_case(g, rows, vocab, dtype)
+        given = {"logits": logits, "prompt_mask": prompt_mask, "output_counts": counts, "presence": presence,
+                 "frequency": frequency, "repetition": repetition}
+        before = {k: v.clone() for k, v in given.items()}
+        with HostSyncSpy() as spy:
+            got = call_student(tag, fn, logits, prompt_mask, counts, presence, frequency, repetition)
+        check_unchanged(tag, before, given, "compute into new tensors (z = torch.where(...), z = z - ...); `z = "
+                                            "logits.float()` is the SAME tensor for fp32 logits, so z -= ... "
+                                            "rewrites the caller's logits")
+        case = f"{rows} rows x {vocab} tokens, {str(dtype).replace('torch.', '')} logits"
+        if spy.seen:
+            fail(tag, _sync_message(spy.seen) + f" ({case})", "tensor ops on the whole batch: torch.where for the "
+                 "sign rule and for the seen tokens, no Python loop over rows or tokens")
+        want = reference_apply_penalties(logits, prompt_mask, counts, presence, frequency, repetition)
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            check_close(tag, got, want, rtol=1e-6, atol=1e-6, what=f"penalised logits ({case})")
+        if got.dtype != torch.float32:
+            fail(tag, f"penalised logits have dtype {got.dtype} ({case}), expected torch.float32",
+                 "convert the logits with .float() first (the sampler works in fp32)")
+        if torch.isnan(got).any():
+            fail(tag, f"your penalised logits contain NaN ({case}); this batch has a logit at -inf (masked by "
+                      "min_tokens)", "-inf * 0 is NaN: pick with torch.where(seen, penalised, z) instead of "
+                                     "multiplying by a 0/1 mask")
+        if not torch.equal(torch.isneginf(got), torch.isneginf(want)):
+            fail(tag, f"a logit at -inf (a token masked earlier) did not stay -inf, or a finite one became -inf "
+                      f"({case})", "every penalty keeps -inf at -inf; do not clamp or replace infinite values")
+        finite = torch.isfinite(want)
+        a, e = got.where(finite, 0.0), want.where(finite, 0.0)
+        if (a - e).abs().max() <= 1e-6 + 1e-6 * e.abs().max():
+            continue
+        for cand, msg, hint in _penalty_variants(logits.float(), prompt_mask, counts, presence, frequency, repetition):
+            c = cand.where(finite, 0.0)
+            if torch.isfinite(c).all() and ((a - c).abs() <= 1e-6 + 1e-6 * c.abs()).all():
+                fail(tag, f"{msg} ({case})", hint)
+        off = (presence == 0) & (frequency == 0) & (repetition == 1)
+        if off.any() and not torch.equal(got[off].where(finite[off], 0.0), logits.float()[off].where(finite[off], 0.0)):
+            fail(tag, f"a row with every penalty off (0, 0, 1) changed ({case})",
+                 "presence = frequency = 0 and repetition = 1 must leave a row exactly as it was")
+        check_close(tag, a, e, rtol=1e-6, atol=1e-6, what=f"penalised logits ({case})",
+                    hint="repetition: torch.where(seen, torch.where(z < 0, z * r, z / r), z); then "
+                         "z - frequency * count - presence * (count > 0)")
     ok(tag)
 
 

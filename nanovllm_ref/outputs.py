@@ -16,6 +16,17 @@ DICT_KEYS = ("text", "token_ids", "prompt_token_ids", "finish_reason")
 
 
 @dataclass
+class Logprob:
+    """One token's entry in a logprobs dict (vLLM's `vllm.logprobs.Logprob`). logprob: float, the natural
+    log of its probability under the model's raw distribution (layers/logprobs.py); rank: int >= 1, the
+    number of tokens at least as likely (1 = the most likely); decoded_token: the token decoded alone
+    (`tokenizer.decode([token_id])`), or None without a tokenizer."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One sample of a request.
 
@@ -24,8 +35,10 @@ class CompletionOutput:
     include_stop_str_in_output). token_ids: the completion's token ids, the stop token included.
     finish_reason: None while running, then "stop" (eos, a stop id or a stop string), "length"
     (max_tokens, or prompt + completion reached max_model_len) or "abort". stop_reason: the stop id or
-    string that ended it (None for eos, for "length" and while running). cumulative_logprob, logprobs:
-    None (logprobs are not implemented yet).
+    string that ended it (None for eos, for "length" and while running). logprobs: None unless
+    SamplingParams.logprobs is set; then one dict per token of token_ids, {token_id: Logprob}, holding the
+    token itself and the `logprobs` most likely tokens at that step (so logprobs or logprobs + 1 entries),
+    as in vLLM. cumulative_logprob: the sum of the tokens' own logprobs (None without logprobs).
     """
     index: int
     text: str
@@ -46,7 +59,10 @@ class RequestOutput(Mapping):
     request_id: str, the id `add_request` returned. prompt: the prompt when it was given as a str, else
     None (token ids, chat). prompt_token_ids: list[int], one list shared by all snapshots of the request
     (do not modify it). outputs: one CompletionOutput per sample, in index
-    order. finished: True once every sample has finished. prompt_logprobs: None (not implemented yet).
+    order. finished: True once every sample has finished. prompt_logprobs: None unless
+    SamplingParams.prompt_logprobs is set; then one entry per prompt token: None for the first (nothing
+    predicts it), then {token_id: Logprob} with the prompt token itself and the `prompt_logprobs` most likely
+    tokens at that position (vLLM's shape).
     Successive snapshots of one request only grow: text and token_ids of each sample extend the previous
     ones (text a stop string may still complete is held back), so a server can stream the differences.
     """

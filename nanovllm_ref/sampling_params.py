@@ -1,9 +1,9 @@
 """Per-request sampling settings (chapters 07, 08). The fields and their meaning are vLLM's `SamplingParams`.
 
 Every field is checked when the object is made, so a bad value fails at once with a TypeError / ValueError
-that names it. Some fields are accepted (so code written for vLLM constructs the same objects) but their
-sampler side is not written yet: `PENDING` lists them, and the engine refuses a request that sets one of
-them away from its default, by name, instead of ignoring it.
+that names it. A field accepted before its engine side exists (so code written for vLLM constructs the same
+objects) goes into `PENDING`, and the engine refuses a request that sets it away from its default, by name,
+instead of ignoring it. Every field is implemented now, so PENDING is empty.
 """
 import math
 import numbers
@@ -17,14 +17,7 @@ TOP_K_MAX = 2**31 - 1
 
 # Fields whose sampler side is not implemented yet, with their defaults. The engine refuses a request whose
 # value differs (nanovllm_ref.engine.request.check_request). Remove a name here when it is implemented.
-PENDING = {
-    "logprobs": None,
-    "prompt_logprobs": None,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-}
+PENDING: dict = {}
 
 
 def _int(name: str, value, low: int, high: int | None = None, what: str = "") -> int:
@@ -69,6 +62,10 @@ class SamplingParams:
     top_p: a number in (0, 1]; 1 = off. Nucleus sampling, applied after top_k: sort the remaining
         probabilities ascending, drop the tokens whose running sum is <= 1 - top_p, always keep the most
         likely token (HF's TopPLogitsWarper and vLLM do the same).
+    min_p: a number in [0, 1]; 0 = off. Keep the tokens whose probability (after the temperature) is at
+        least min_p times the most likely token's (HF's MinPLogitsWarper; layers/logits_processors.py).
+        Order as in vLLM: temperature, min_p, top_k, top_p. Greedy rows ignore it (it never drops the
+        most likely token).
     n: int >= 1, the number of completions of the prompt (RequestOutput.outputs[0..n-1]). They share the
         prompt's KV blocks: the prompt is prefilled once, then the samples fork (engine/scheduler.py).
 
@@ -93,10 +90,22 @@ class SamplingParams:
         request from its own `seed` argument, in the order requests arrive. With n > 1 each sample gets a
         seed of its own derived from it.
 
-    Accepted, not implemented yet (the engine refuses a value other than the default, naming the field;
-    see PENDING): logprobs and prompt_logprobs (int >= 0, the top-n
-    log-probabilities per token), presence_penalty and frequency_penalty (in [-2, 2]), repetition_penalty
-    (> 0; 1 = off), min_p (in [0, 1]; 0 = off).
+    Penalties (layers/logits_processors.py), on the logits before anything else, greedy rows included, in
+    vLLM's order:
+    repetition_penalty: a number > 0; 1 = off. Every token seen in the prompt or the output so far: its
+        logit is divided by it when >= 0, multiplied when < 0 (HF's RepetitionPenaltyLogitsProcessor).
+    frequency_penalty: in [-2, 2]; 0 = off. Subtract it times the token's count in the output so far.
+    presence_penalty: in [-2, 2]; 0 = off. Subtract it from every token that occurs in the output so far.
+        (OpenAI's and vLLM's definitions: over output tokens only.)
+
+    Logprobs (layers/logprobs.py), of the model's raw distribution (log_softmax of the logits, before the
+    temperature, penalties and filters; vLLM's default):
+    logprobs: None, or an int >= 0 (the engine takes at most 20, vLLM's default max_logprobs):
+        CompletionOutput.logprobs gets, for each generated token, a dict
+        {token_id: Logprob(logprob, rank, decoded_token)} of that token and the `logprobs` most likely ones;
+        cumulative_logprob their sum.
+    prompt_logprobs: None, or an int >= 0 (at most 20 too): RequestOutput.prompt_logprobs, the same per prompt token
+        (None for the first). Such a request takes no prefix-cache hit (its positions need logits).
 
     Normalised on construction: stop and stop_token_ids become tuples (empty when not given), numpy
     numbers become Python ints / floats. Raises TypeError / ValueError, naming the argument, for values

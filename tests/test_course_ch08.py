@@ -404,3 +404,93 @@ COVERAGE = [   # (check, wrong answer, what its message must say)
 def test_every_hint_is_reached(check, fn, says):
     for _ in range(3):
         fails(check, fn, re.escape(says))
+
+
+# -- E8.5 -----------------------------------------------------------------------------------------------------
+def penalties(logits, prompt_mask, output_counts, presence, frequency, repetition, *, rule="sign", rep_on="seen",
+              presence_on="output", frequency_counts="output", presence_by_count=False, repetition_first=True,
+              sign=-1.0, row_axis=-1, cast=True, nan_mask=False, in_place=False, renormalise=False, clamp_inf=False):
+    """The penalties with one planted mistake at a time (the defaults are right)."""
+    z = logits.float() if cast else logits
+    counts = output_counts.to(z.dtype)
+    out = output_counts > 0
+    seen = {"seen": prompt_mask | out, "output": out, "all": torch.ones_like(out)}[rep_on]
+    p, f, r = (x.unsqueeze(row_axis).to(z.dtype) for x in (presence, frequency, repetition))
+
+    def repetition_penalty(z):
+        if rule == "sign":
+            hit = torch.where(z < 0, z * r, z / r)
+        elif rule == "divide":
+            hit = z / r
+        elif rule == "positive_only":
+            hit = torch.where(z < 0, z, z / r)
+        else:
+            hit = torch.where(z < 0, z / r, z * r)
+        if nan_mask:
+            return z * (~seen).to(z.dtype) + hit * seen.to(z.dtype)
+        return torch.where(seen, hit, z)
+
+    def subtract(z):
+        c = counts + prompt_mask.to(z.dtype) if frequency_counts == "prompt_too" else (
+            out.to(z.dtype) if frequency_counts == "mask" else counts)
+        m = (prompt_mask | out) if presence_on == "prompt_too" else out
+        pres = p * counts if presence_by_count else p * m.to(z.dtype)
+        return z + sign * f * c + sign * pres
+
+    if in_place:                   # z = logits.float() is the caller's own tensor when the logits are fp32
+        z.copy_(repetition_penalty(z))
+        z = subtract(z)
+    else:
+        z = subtract(repetition_penalty(z)) if repetition_first else repetition_penalty(subtract(z))
+    if renormalise:
+        z = torch.log_softmax(z, -1)
+    if clamp_inf:
+        z = torch.nan_to_num(z)
+    return z
+
+
+def penalties_with_item(logits, prompt_mask, output_counts, presence, frequency, repetition):
+    rows = [ch08.reference_apply_penalties(logits[b:b + 1], prompt_mask[b:b + 1], output_counts[b:b + 1],
+                                           presence[b:b + 1] * float(presence[b].item() != 0), frequency[b:b + 1],
+                                           repetition[b:b + 1]) for b in range(logits.shape[0])]
+    return torch.cat(rows)
+
+
+def test_e8_5(capsys):
+    passes(ch08.check_penalties, ch08.reference_apply_penalties, "E8.5", capsys)
+    passes(ch08.check_penalties, penalties, "E8.5", capsys)          # the mutants' builder, unmutated
+    fails(ch08.check_penalties, stub, "E8.5: not implemented yet")
+
+
+E8_5_MUTANTS = [   # (planted mistake, what the message must say)
+    (dict(rule="divide"), "you divided every seen logit by the repetition penalty"),
+    (dict(rule="positive_only"), "divided the positive logits by the repetition penalty and left the negative"),
+    (dict(rule="swapped"), "sign rule is swapped"),
+    (dict(rep_on="output"), "tokens seen only in the prompt got no repetition penalty"),
+    (dict(presence_on="prompt_too"), "tokens seen only in the prompt got the presence penalty"),
+    (dict(frequency_counts="prompt_too"), "prompt tokens were counted by the frequency penalty"),
+    (dict(presence_by_count=True), "the presence penalty was multiplied by the count"),
+    (dict(frequency_counts="mask"), "applied once per token, not once per occurrence"),
+    (dict(repetition_first=False), "the penalties ran in the wrong order"),
+    (dict(sign=1.0), "added, not subtracted"),
+    (dict(rep_on="all"), "changed tokens that were never seen"),
+    (dict(row_axis=0), "applied along the vocabulary (token j got row j's penalty)"),
+    (dict(cast=False), "expected torch.float32"),
+    (dict(nan_mask=True), "contain NaN"),
+    (dict(in_place=True), "changed its input `logits`"),
+    (dict(renormalise=True), "a row with every penalty off (0, 0, 1) changed"),
+    (dict(clamp_inf=True), "did not stay -inf"),
+]
+
+
+@pytest.mark.parametrize("mistake,says", E8_5_MUTANTS, ids=[next(iter(m)) + str(i) for i, (m, _) in
+                                                             enumerate(E8_5_MUTANTS)])
+def test_e8_5_rejects_each_mistake_with_its_hint(mistake, says):
+    for _ in range(3):                                  # fresh inputs each call: the hint must not be luck
+        fails(ch08.check_penalties, lambda *a: penalties(*a, **mistake), re.escape(says))
+
+
+def test_e8_5_rejects_a_host_sync_and_an_unknown_mistake():
+    fails(ch08.check_penalties, penalties_with_item, r"host sync.*aten._local_scalar_dense")
+    # the repetition penalty squared: no named mistake, so the generic message with the formula
+    fails(ch08.check_penalties, lambda z, m, c, p, f, r: penalties(z, m, c, p, f, r * r), "differs from the reference")

@@ -1,444 +1,280 @@
-"""Chapter 12 (capstone): E12.1 choose_parts and its mutants, the export round trip, what falls back to what,
-and planted wrong parts.
+"""Mutation tests of the chapter 12 check helpers (nanovllm_course/ch12.py, serving).
 
-- choose_parts: the reference passes its check; each realistic wrong version fails it in every run, with the
-  hint of the rule it breaks;
-- solutions/ exported: every part is the course's and ok, every section passes, the check says `E12.1 ok`;
-- a folder whose chapter 10 is still the stub (the issue's case): the store falls back to chapter 04's on the
-  CPU, not to chapter 06's Triton kernel, and the table says so; 15 of 17 parts count as the student's;
-- a part that fails its own chapter's check does not run, and the table says why;
-- chapters/ (unfilled): the reference's parts, every section passes, E12.1 `not done yet`;
-- a planted wrong part that passed its own check: the engine sections see it and blame it, and E12.1 fails.
+Each check passes on the reference (printing exactly its one `E12.n ok` line), fails on a stub with 'not
+implemented yet', and fails on each planted plausible mistake with a message and hint that point at it.
+Each check draws fresh inputs per call, so every mistake is tried on several calls.
 """
 import functools
-import random
-import shutil
-from pathlib import Path
+import json
 
-import nbformat
 import pytest
 
+import course_checks
 from nanovllm_course import ch12
-from nanovllm_course.common import NotDone, check
-from nanovllm_ref import Parts
 
-import ch12_mutants
+CHECKS = {"E12.1": ch12.check_apply_pending, "E12.2": ch12.check_detokenize_step,
+          "E12.3": ch12.check_completion_events}
+REFERENCES = {"E12.1": ch12.reference_apply_pending, "E12.2": ch12.reference_detokenize_step,
+              "E12.3": ch12.reference_completion_events}
+CALLS = 3                     # fresh draws per mistake: a hint must be reached on every one of them
 
-REPO = Path(__file__).resolve().parents[1]
-ALL_FIELDS = ["rms_norm", "add_rms_norm", "rope_cos_sin", "rotary", "qkv_weight_loader", "gate_up_weight_loader",
-              "prepare_prefill", "prepare_decode", "attention_backend", "store_kvcache", "block_manager",
-              "scheduler", "sampler", "graph_batch_sizes"]
-SECTION = {"tiny_vs_hf": "C.1 HF", "stream_vs_reference": "C.1 stream", "tensor_parallel_2": "C.1 tp=2",
-           "smollm2_vs_reference": "C.2 SmolLM2", "first_token_chi2": "C.3 sampling"}
+passes = functools.partial(course_checks.passes_by_tag, CHECKS)
 
 
-def passes(cap, name, **kwargs) -> bool:
-    """Run section `name` of the capstone on `cap`; True when it recorded a pass."""
-    assert getattr(ch12, name)(cap, **kwargs) is None
-    return cap.results[SECTION[name]][0]
+def fails(tag, fn, *matches):
+    for _ in range(CALLS):
+        course_checks.fails_by_tag(CHECKS, tag, fn, *matches)
 
 
-def stub_choose(candidates, cuda):
-    raise NotImplementedError("Exercise 12.1: for each Parts field, the candidate that runs")
+@pytest.mark.parametrize("tag", sorted(CHECKS))
+def test_reference_passes(tag, capsys):
+    for _ in range(CALLS):
+        passes(tag, REFERENCES[tag], capsys)
 
 
-@functools.lru_cache(maxsize=None)
-def _solved():
-    return ch12.assemble(ch12.SOLUTIONS, ch12.reference_choose_parts)
+@pytest.mark.parametrize("tag", sorted(CHECKS))
+def test_stub_is_not_done(tag):
+    def stub(*args, **kwargs):
+        raise NotImplementedError("Exercise")
+    fails(tag, stub, "not implemented yet")
 
 
-@pytest.fixture
-def solved(capsys):
-    cap = _solved()
-    capsys.readouterr()
-    return ch12.dataclasses.replace(cap, results={})
+# -- E12.2 incremental detokenization ----------------------------------------------------------------------------
+def test_every_draw_has_split_characters_a_cut_prompt_and_metaspace_spaces():
+    """The input classes the check promises, in every call."""
+    for _ in range(CALLS):
+        cases = ch12._detok_cases(ch12.fresh_generator())
+        bpe = [c for c in cases if c[0] == "byte-level"]
+        sp = [c for c in cases if c[0] == "metaspace"]
+        tok = ch12.byte_level_tokenizer()
+        assert any(ch12.REPLACEMENT in tok.decode([t]) for _, _, _, c, _ in bpe for t in c)          # byte tokens
+        assert any(tok.decode(p).endswith(ch12.REPLACEMENT) for _, _, p, _, _ in bpe)              # cut prompt
+        assert any(tok.decode(c).endswith(ch12.REPLACEMENT) for _, _, _, c, _ in bpe)              # cut end
+        mtok = ch12.metaspace_tokenizer()
+        space = mtok.convert_tokens_to_ids("▁")
+        assert any(mtok.convert_ids_to_tokens(c[0]).startswith("▁") for _, _, _, c, _ in sp)       # leading space
+        assert any(space in c for _, _, _, c, _ in sp)                                            # lone "▁"
+        assert max(len(c) for _, _, _, c, _ in cases) > 30
 
 
-def folder_with(tmp_path: Path, swaps: dict) -> Path:
-    """A copy of solutions/ with some notebooks taken from chapters/ (the stub) or edited: swaps maps a chapter
-    number to "stub" or to a function notebook -> notebook."""
-    out = tmp_path / "student_chapters"
-    out.mkdir()
-    for path in sorted((REPO / "solutions").glob("[01][0-9]_*.ipynb")):
-        how = swaps.get(path.name[:2])
-        if how == "stub":
-            shutil.copy(REPO / "chapters" / path.name, out / path.name)
-        elif how is not None:
-            nb = how(nbformat.read(path, as_version=4))
-            (out / path.name).write_text(nbformat.writes(nb), encoding="utf-8")
-        else:
-            shutil.copy(path, out / path.name)
-    return out
+def test_the_reference_step_is_the_engines_detokenizer_on_random_token_soup():
+    import random
+    rng = random.Random(0)
+    for tok in (ch12.byte_level_tokenizer(), ch12.metaspace_tokenizer()):
+        for _ in range(300):
+            prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))]
+            comp = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))]
+            sizes = []
+            while sum(sizes) < len(comp):
+                sizes.append(min(rng.choice((1, 2, 3)), len(comp) - sum(sizes)))
+            pieces, _ = ch12._run_detok(ch12.reference_detokenize_step, tok, prompt, comp, sizes)
+            assert pieces == ch12._engine_pieces(tok, prompt, comp, sizes)
 
 
-# -- E12.1: choose_parts --------------------------------------------------------------------------------------
-def test_the_reference_choice_passes_and_the_stub_is_not_done(capsys):
-    ch12.check_choose_parts(ch12.reference_choose_parts)
-    with pytest.raises(NotDone):
-        ch12.check_choose_parts(stub_choose)
+def test_detok_decoding_only_the_new_tokens():
+    fails("E12.2", ch12._detok_no_context, "decoding only the new tokens", "decode ids[prefix:read]")
 
 
-def test_the_worked_example_of_the_spec():
-    cands = [c for c in ch12._candidate_sets(ch12.fresh_generator(0))[4][1]]     # E10.3 a stub, no CUDA
-    cands = [ch12.dataclasses.replace(c, status="failed") if c.name == "CachingBlockManager" else c for c in cands]
-    cands = [ch12.dataclasses.replace(c, status="stub") if c.field == "sampler" else c for c in cands]
-    cpu, gpu = ch12.reference_choose_parts(cands, False), ch12.reference_choose_parts(cands, True)
-    assert cpu["store_kvcache"].exercise == "E4.3" and gpu["store_kvcache"].exercise == "E6.1"
-    assert cpu["block_manager"].exercise == "E5.2" and "sampler" not in cpu
-    assert cpu["attention_backend"].exercise == "E4.2" and gpu["attention_backend"].exercise == "E6.3"
+def test_detok_emitting_half_characters():
+    fails("E12.2", ch12._detok_no_holdback, "emitted U+FFFD", "ends in U+FFFD")
 
 
-def _rank_key(c):
-    return c.rank
+def test_detok_final_call_holding_back():
+    fails("E12.2", ch12._detok_final_ignored, "the final call held text back", "final=True")
 
 
-def choose_using_stubs(candidates, cuda):
-    """Ignores the status: a stub or a failed part may be chosen."""
-    chosen = {}
-    for c in candidates:
-        if (c.triton and not cuda):
+def test_detok_window_that_never_moves():
+    fails("E12.2", ch12._detok_fixed_prefix, "your decodes grew", "prefix = read")
+
+
+def test_detok_window_moved_past_the_new_tokens():
+    fails("E12.2", ch12._detok_prefix_to_end, "lost its leading space", "prefix = the old read")
+
+
+def test_detok_character_cut_by_the_prompt_end():
+    fails("E12.2", ch12._detok_len_context, "cut by the end of the prompt", "commonprefix")
+
+
+def test_detok_wrong_return_shapes():
+    fails("E12.2", lambda decode, ids, prefix, read, final=False: "text", "should return a tuple")
+    fails("E12.2", lambda decode, ids, prefix, read, final=False: ("", read, prefix - 1 if prefix else -1),
+          "0 <= prefix <= read")
+
+
+# -- E12.3 server-sent events ---------------------------------------------------------------------------------------
+def test_the_hand_written_events_equal_the_servers():
+    import random
+    rng = random.Random(1)
+    for num_prompts, n in ((1, 1), (2, 3), (3, 2)):
+        outputs = ch12._stream_outputs(rng, num_prompts, n)
+        head = {"id": "cmpl-x", "created": 1, "model": "m"}
+        for usage in (False, True):
+            want = [json.loads(e[6:]) if e != "data: [DONE]\n\n" else e
+                    for e in ch12.reference_completion_events(head, n, outputs, usage)]
+            got = [json.loads(e[6:]) if e != "data: [DONE]\n\n" else e
+                   for e in ch12.completion_events_variant(head, n, outputs, usage)]
+            assert got == want
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("cumulative", "the whole text so far"), ("empty_chunks", "empty text"), ("refinish", "finished choice got another"),
+    ("sample_index", "prompt index * n + sample index"), ("usage_per_sample", "once per sample"),
+    ("no_done", "[DONE]")])
+def test_sse_mistakes(kind, match):
+    fails("E12.3", lambda h, n, o, u, k=kind: ch12.completion_events_variant(h, n, o, u, k), match)
+
+
+def test_sse_framing_and_json():
+    def no_blank_line(h, n, o, u):
+        return [e.rstrip("\n") + "\n" for e in ch12.reference_completion_events(h, n, o, u)]
+
+    def not_json(h, n, o, u):
+        return [e.replace("data: {", "data: {'") for e in ch12.reference_completion_events(h, n, o, u)]
+
+    def finish_in_text_chunk(h, n, o, u):       # finish_reason glued to the last text chunk: not the spec's shape
+        out = []
+        for e in ch12.reference_completion_events(h, n, o, u):
+            obj = None if e == "data: [DONE]\n\n" else json.loads(e[6:])
+            if obj and obj["choices"] and obj["choices"][0]["finish_reason"] and out:
+                prev = json.loads(out[-1][6:]) if out[-1] != "data: [DONE]\n\n" else None
+                if prev and prev["choices"] and prev["choices"][0]["index"] == obj["choices"][0]["index"] \
+                        and not prev["choices"][0]["finish_reason"]:
+                    prev["choices"][0]["finish_reason"] = obj["choices"][0]["finish_reason"]
+                    out[-1] = f"data: {json.dumps(prev)}\n\n"
+                    continue
+            out.append(e)
+        return out
+
+    fails("E12.3", no_blank_line, "followed by an empty line")
+    fails("E12.3", not_json, "not JSON")
+    fails("E12.3", lambda h, n, o, u: "data: [DONE]\n\n", "list of str")
+    fails("E12.3", finish_in_text_chunk, "E12.3")
+
+
+def test_sse_stop_reason_is_optional_but_checked_when_sent():
+    def no_stop_reason(h, n, o, u):
+        out = []
+        for e in ch12.reference_completion_events(h, n, o, u):
+            if e != "data: [DONE]\n\n":
+                obj = json.loads(e[6:])
+                for c in obj["choices"]:
+                    c.pop("stop_reason", None)
+                e = f"data: {json.dumps(obj)}\n\n"
+            out.append(e)
+        return out
+
+    def wrong_stop_reason(h, n, o, u):
+        return [e.replace('"stop_reason":7', '"stop_reason":8').replace('"stop_reason":"\\n\\n"', '"stop_reason":"x"')
+                for e in ch12.reference_completion_events(h, n, o, u)]
+
+    for _ in range(CALLS):
+        ch12.check_completion_events(no_stop_reason)
+    with pytest.raises(AssertionError, match="E12.3"):
+        for _ in range(10):                           # a draw holds a stop reason most of the time
+            ch12.check_completion_events(wrong_stop_reason)
+
+
+# -- E12.1 admission and abort rules --------------------------------------------------------------------------------
+def _pending(engine, adds, aborts, *, aborts_last=False, undo=True, skip_rest=True, catch=(ValueError, TypeError),
+             stop_at_refusal=False, keyed_by_id=False):
+    if not aborts_last:
+        for rid in aborts:
+            engine.abort_request(rid)
+    refused, added = {}, []
+    for group, rid, item in adds:
+        if stop_at_refusal and refused:
+            break
+        if skip_rest and any(k is group or k == group for k in refused) or (keyed_by_id and group in refused.values()):
             continue
-        if c.field not in chosen or c.rank > chosen[c.field].rank:
-            chosen[c.field] = c
-    return chosen
-
-
-def choose_triton_everywhere(candidates, cuda):
-    """Forgets rule 2: the Triton kernels on a CPU (the capstone's 0.12x, 100 s)."""
-    chosen = {}
-    for c in candidates:
-        if c.status == "ok" and (c.field not in chosen or c.rank > chosen[c.field].rank):
-            chosen[c.field] = c
-    return chosen
-
-
-def choose_never_triton(candidates, cuda):
-    """Skips Triton even on a GPU."""
-    return ch12.reference_choose_parts([c for c in candidates if not c.triton], cuda)
-
-
-def choose_lowest_chapter(candidates, cuda):
-    chosen = {}
-    for c in candidates:
-        if c.status != "ok" or (c.triton and not cuda):
+        try:
+            engine.add_request(item.prompt_token_ids, item.sampling_params, rid)
+        except catch as exc:
+            if keyed_by_id:
+                refused[rid] = group
+            else:
+                refused[group] = exc
+            if undo:
+                for g, r in added:
+                    if g is group:
+                        engine.abort_request(r)
             continue
-        if c.field not in chosen or c.rank < chosen[c.field].rank:
-            chosen[c.field] = c
-    return chosen
+        added.append((group, rid))
+    if aborts_last:
+        for rid in aborts:
+            engine.abort_request(rid)
+    return refused
 
 
-def choose_last_seen(candidates, cuda):
-    """The last ok candidate in list order: right only when the list happens to be sorted."""
-    chosen = {}
-    for c in candidates:
-        if c.status == "ok" and not (c.triton and not cuda):
-            chosen[c.field] = c
-    return chosen
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(aborts_last=True), "ran after an add"), (dict(undo=False), "must be aborted again"),
+    (dict(skip_rest=False), "admitted whole or not at all"), (dict(catch=Exception), "treated as a refusal"),
+    (dict(stop_at_refusal=True), "must not stop the groups after it"), (dict(keyed_by_id=True), "the keys are the groups")])
+def test_pending_mistakes(kwargs, match):
+    fails("E12.1", functools.partial(_pending, **kwargs), match)
 
 
-def choose_by_chapter_only(candidates, cuda):
-    """Compares the chapter alone: within chapter 05 the first one seen wins."""
-    chosen = {}
-    for c in candidates:
-        if c.status != "ok" or (c.triton and not cuda):
-            continue
-        if c.field not in chosen or c.rank[0] > chosen[c.field].rank[0]:
-            chosen[c.field] = c
-    return chosen
+def test_pending_hand_written_answer_passes(capsys):
+    for _ in range(CALLS):
+        passes("E12.1", _pending, capsys)
 
 
-def choose_no_fallback(candidates, cuda):
-    """Takes the best-ranked candidate of each field and gives up on the field when that one cannot run."""
-    best = {}
-    for c in candidates:
-        if c.field not in best or c.rank > best[c.field].rank:
-            best[c.field] = c
-    return {f: c for f, c in best.items() if c.status == "ok" and not (c.triton and not cuda)}
+def test_pending_a_copy_of_the_exception_is_not_the_engines():
+    def copies(engine, adds, aborts):
+        return {g: type(e)(str(e)) for g, e in _pending(engine, adds, aborts).items()}
+    fails("E12.1", copies, "not the exception the engine raised")
 
 
-def choose_keyed_by_name(candidates, cuda):
-    return {c.name: c for c in ch12.reference_choose_parts(candidates, cuda).values()}
+def test_pending_a_missed_abort():
+    def skips_unknown(engine, adds, aborts):
+        return _pending(engine, adds, [a for a in aborts if not a.startswith("gone")])
+    for _ in range(10):                    # an unknown id is drawn in most calls
+        try:
+            ch12.check_apply_pending(skips_unknown)
+        except AssertionError as exc:
+            assert "never reached the engine" in str(exc)
+            return
+    raise AssertionError("a missed abort was never caught")
 
 
-def choose_labels(candidates, cuda):
-    return {f: c.label for f, c in ch12.reference_choose_parts(candidates, cuda).items()}
+# -- the chapter's tools ----------------------------------------------------------------------------------------------
+def test_online_run_times_every_request_on_the_tiny_model():
+    from nanovllm_course.common import tiny_model_dir
+    from nanovllm_ref import LLM
+    llm = LLM(tiny_model_dir("qwen3"), device="cpu", max_model_len=256, kvcache_block_size=16, max_num_seqs=4)
+    try:
+        prompts = [[5 + i, 6, 7, 8] * (i + 1) for i in range(6)]
+        run = ch12.online_run(llm, prompts, 5, rate=200.0)
+    finally:
+        llm.exit()
+    assert len(run["requests"]) == 6 and all(r["output_tokens"] == 5 for r in run["requests"])
+    assert all(0 < r["ttft"] <= r["e2e"] and r["tpot"] > 0 for r in run["requests"])
+    assert run["steps"]["prefill"] >= 2 and run["steps"]["decode"] >= 4          # max_num_seqs 4: two waves at least
+    assert run["summary"]["completed"] == 6 and run["summary"]["output_tokens"] == 30
 
 
-def choose_sorting_in_place(candidates, cuda):
-    candidates.sort(key=_rank_key)
-    return choose_last_seen(candidates, cuda)
+def test_the_records_the_chapter_reads_are_committed():
+    name, record = ch12.serve_record()
+    assert name in ("serve_h200.json", "serve_cpu.json") and record["workload"] == "serve" and record["servers"]
+    over = ch12.overhead_record()
+    assert over["workload"] == "serve_overhead" and {r["model"].split()[0] for r in over["runs"]} >= {"tiny"}
 
 
-def choose_list(candidates, cuda):
-    return list(ch12.reference_choose_parts(candidates, cuda).values())
-
-
-def choose_with_nones(candidates, cuda):
-    """Maps the fields left to the reference to None: allowed by the spec."""
-    chosen = ch12.reference_choose_parts(candidates, cuda)
-    return {**{c.field: None for c in candidates}, **chosen}
-
-
-CHOICE_MUTANTS = [
-    (choose_using_stubs, "only a candidate with status 'ok'"),
-    (choose_triton_everywhere, "skip Triton candidates when cuda is False"),
-    (choose_never_triton, "skip Triton candidates only when cuda is False"),
-    (choose_lowest_chapter, "the highest chapter wins"),
-    (choose_last_seen, "whatever order the candidates come in"),
-    (choose_by_chapter_only, "within one chapter the later exercise wins"),
-    (choose_no_fallback, "fall back to the next one, not straight to the reference"),
-    (choose_keyed_by_name, "key the dict by each candidate's field"),
-    (choose_labels, "map each field to the Candidate object itself"),
-    (choose_sorting_in_place, "work on a copy"),
-    (choose_list, "return a dict"),
-]
-
-
-@pytest.mark.parametrize("mutant,hint", CHOICE_MUTANTS, ids=[m[0].__name__ for m in CHOICE_MUTANTS])
-def test_choose_parts_rejects_each_mutant_every_run_with_its_hint(mutant, hint):
-    for _ in range(5):                       # fresh random candidate lists each run
-        with pytest.raises(AssertionError) as info:
-            ch12.check_choose_parts(mutant)
-        text = str(info.value)
-        assert text.startswith("E12.1: ") and hint in text, text
-
-
-def test_none_for_the_reference_is_accepted(capsys):
-    ch12.check_choose_parts(choose_with_nones)
-
-
-# -- the round trip -----------------------------------------------------------------------------------------
-def test_round_trip_every_part_is_yours_and_the_check_says_ok(solved, capsys):
-    assert set(solved.choice) == set(ALL_FIELDS) and solved.missing() == [] and len(solved.yours()) == 17
-    assert solved.chooser == "yours"
-    assert set(solved.cpu_parts.replaced()) == set(ALL_FIELDS)
-    # on a CPU chapter 04's PyTorch decode replaces chapter 06's kernel, and chapter 10's store runs
-    assert solved.choice["attention_backend"].exercise == "E4.2"
-    assert solved.cpu_parts.attention_backend.paged_decode.__module__.endswith("ch04")
-    assert solved.choice["store_kvcache"].exercise == "E10.3"
-    assert solved.package.startswith("student_") and solved.cpu_parts.rms_norm.__module__ == f"{solved.package}.ch01"
-    for name in SECTION:
-        assert passes(solved, name), name
-    with check("E12.1"):
-        ch12.check_capstone(ch12.reference_choose_parts, solved)
-    out = capsys.readouterr().out
-    assert out.splitlines()[-1] == "E12.1 ok" and "still the reference's" not in out
-
-
-def test_the_capstone_table_names_each_part_its_owner_and_what_did_not_run(capsys):
-    _solved.cache_clear()
-    cap = _solved()
-    out = capsys.readouterr().out
-    assert "sampler                yours      ch08 E8.1-E8.4 sample" in out
-    assert "attention_backend      yours      ch04 E4.2 paged_decode" in out
-    assert ("not ch06 E6.3 paged_decode: a Triton kernel: C.1-C.3 run on the CPU, where Triton only interprets; it "
-            "runs on a GPU (C.4)") in out
-    assert "17 of 17 exercise parts are yours and pass their chapter's check" in out
-    assert "which parts run: yours" in out
-    assert cap.gpu_choice == cap.choice          # no CUDA here: C.4 runs what C.1-C.3 run
-
-
-def test_chapter_10_a_stub_falls_back_to_chapter_04s_store_on_the_cpu_and_says_so(tmp_path, capsys):
-    """The issue's case: with E10.3 the stub, the capstone used to run chapter 06's Triton store under the
-    interpreter (0.12x, 100 s) and count 14 of 14 parts as the student's."""
-    cap = ch12.assemble(str(folder_with(tmp_path, {"10": "stub"})), ch12.reference_choose_parts)
-    out = capsys.readouterr().out
-    assert cap.choice["store_kvcache"].label == "ch04 E4.3 store_kvcache"
-    assert not any(c.triton for c in cap.choice.values())
-    assert "graph_batch_sizes" not in cap.choice
-    assert "not ch10 E10.3 store_kvcache: still a stub" in out
-    assert "not ch06 E6.1 store_kvcache: a Triton kernel" in out
-    assert "15 of 17 exercise parts are yours" in out
-    assert "still the reference's: graph_batch_sizes (ch10 E10.1), store_kvcache (ch10 E10.3)" in out
-    assert passes(cap, "tiny_vs_hf")
-
-
-def _wrong_sampler(nb):
-    for cell in nb.cells:
-        if "def sample(" in cell.source and "### BEGIN SOLUTION E8.4" in cell.source:
-            cell.source = cell.source.replace("probs = temperature_probs(logits, metadata.temperatures)",
-                                              "probs = temperature_probs(logits, metadata.temperatures.clamp(max=1.0) * 0 + 1.0)")
-            assert "* 0 + 1.0" in cell.source
-    return nb
-
-
-def test_a_part_failing_its_own_check_does_not_run_and_the_table_says_why(tmp_path, capsys):
-    cap = ch12.assemble(str(folder_with(tmp_path, {"08": _wrong_sampler})), ch12.reference_choose_parts)
-    out = capsys.readouterr().out
-    assert "sampler" not in cap.choice and cap.cpu_parts.sampler is Parts().sampler
-    sampler = next(c for c in cap.candidates if c.field == "sampler")
-    assert sampler.status == "failed"
-    line = next(l for l in out.splitlines() if "not ch08 E8.1-E8.4 sample" in l)
-    assert line.strip().startswith("not ch08 E8.1-E8.4 sample: fails its chapter's check (") and len(line) > 80, line
-    assert "16 of 17 exercise parts are yours" in out
-
-
-def test_unfilled_chapters_run_on_reference_parts_and_e12_1_is_not_done(capsys):
-    cap = ch12.assemble(str(REPO / "chapters"), stub_choose)
-    out = capsys.readouterr().out
-    assert cap.chooser.startswith("E12.1 is still a stub") and "which parts run: E12.1 is still a stub" in out
-    assert cap.choice == {} and cap.cpu_parts == Parts() and len(cap.missing()) == 17
-    assert "0 of 17 exercise parts are yours" in out
-    assert passes(cap, "tiny_vs_hf") and passes(cap, "stream_vs_reference") and passes(cap, "first_token_chi2")
-    with pytest.raises(NotDone):
-        ch12.check_capstone(stub_choose, cap)
-    with check("E12.1"):
-        ch12.check_capstone(stub_choose, cap)
-    assert capsys.readouterr().out.splitlines()[-1] == "E12.1 not done yet"
-
-
-def test_a_choice_that_breaks_a_rule_does_not_run_and_e12_1_says_why(tmp_path, capsys):
-    cap = ch12.assemble(str(folder_with(tmp_path, {})), choose_triton_everywhere)
-    out = capsys.readouterr().out
-    assert "your choose_parts cannot run as it is (it chose the Triton kernel ch06 E6.3 paged_decode" in out
-    assert cap.choice == ch12.reference_choose_parts(cap.candidates, False)
-    with pytest.raises(AssertionError, match="skip Triton candidates when cuda is False"):
-        ch12.check_capstone(choose_triton_everywhere, cap)
-
-
-def test_a_capstone_assembled_before_e12_1_was_done_is_stale(solved, capsys):
-    stale = ch12.dataclasses.replace(solved, chooser="E12.1 is still a stub, so the course's choose_parts chose")
-    with pytest.raises(AssertionError, match=r"(?s)assembled without it \(E12.1 is still a stub\).*run the cell"):
-        ch12.check_capstone(ch12.reference_choose_parts, stale)
-
-
-def test_the_check_asks_for_the_sections_to_have_run(solved):
-    with pytest.raises(AssertionError, match="section C.1 HF has not run on this capstone"):
-        ch12.check_capstone(ch12.reference_choose_parts, solved)
-
-
-def test_two_folders_assemble_into_separate_packages(tmp_path, capsys):
-    """Two students' folders (one complete, one with chapter 01 the stub) in one process: each capstone keeps its
-    own package, so assembling the second overwrites nothing of the first, and the course's student/ is untouched."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir(), b.mkdir()
-    shutil.copy(REPO / "solutions" / "01_rmsnorm.ipynb", a)
-    shutil.copy(REPO / "chapters" / "01_rmsnorm.ipynb", b)
-    before = sorted((REPO / "student").glob("*")) if (REPO / "student").exists() else None
-    mtimes = {p: p.stat().st_mtime for p in before or []}
-    cap_a = ch12.assemble(str(a), ch12.reference_choose_parts)
-    cap_b = ch12.assemble(str(b), ch12.reference_choose_parts)
-    assert cap_a.package != cap_b.package
-    assert set(cap_a.choice) == {"rms_norm", "add_rms_norm"} and cap_b.choice == {}
-    assert cap_a.cpu_parts.rms_norm.__module__ == f"{cap_a.package}.ch01"
-    assert passes(cap_a, "tiny_vs_hf")                # still A's parts, after B was assembled
-    after = sorted((REPO / "student").glob("*")) if (REPO / "student").exists() else None
-    assert after == before and all(p.stat().st_mtime == t for p, t in mtimes.items())
-    assert not (a / "student").exists() and not (b / "student").exists()     # the capstone writes to a temp dir
-
-
-# -- planted wrong parts (that passed their own checks) -------------------------------------------------------
-def test_the_stream_sees_a_scheduler_that_requeues_at_the_back_and_e12_1_blames_it(solved, capsys):
-    cap = solved.plant("scheduler", ch12_mutants.BackOfQueueScheduler)
-    assert not passes(cap, "stream_vs_reference", seed=3)
-    passed, blamed, message = cap.results["C.1 stream"]
-    assert blamed == "scheduler (ch07 E7.1-E7.3)" and "waiting queue" in message, (blamed, message)
-    # greedy ids alone cannot see it: the tiny HF comparison still passes
-    assert passes(cap, "tiny_vs_hf")
-    for name in ("tensor_parallel_2", "smollm2_vs_reference", "first_token_chi2"):
-        passes(cap, name)
-    with pytest.raises(AssertionError, match=r"C.1 stream: .*the part that does it: scheduler \(ch07 E7.1-E7.3\)"):
-        ch12.check_capstone(ch12.reference_choose_parts, cap)
-
-
-def test_the_chi_squared_sees_a_sampler_ignoring_temperature_and_blames_it(solved, capsys):
-    cap = solved.plant("sampler", ch12_mutants.sample_ignoring_temperature)
-    assert not passes(cap, "first_token_chi2")
-    assert cap.results["C.3 sampling"][1] == "sampler (ch08 E8.1-E8.4)"
-    assert "NOT consistent" in capsys.readouterr().out
-
-
-def test_a_store_reading_v_with_k_strides_breaks_the_tiny_engine_and_is_blamed(solved, capsys):
-    cap = solved.plant("store_kvcache", ch12_mutants.store_reading_v_with_k_strides)
-    assert not passes(cap, "tiny_vs_hf")
-    assert cap.results["C.1 HF"][1] == "store_kvcache (ch10 E10.3)"
-
-
-# -- sections (unchanged by E12.1) ------------------------------------------------------------------------------
-def empty_capstone():
-    return ch12.Capstone("x", "student_x", [], {}, {}, "the course's", {}, {}, Parts(), Parts())
-
-
-def test_c2_shows_both_engines_answers_and_their_throughput_on_this_cpu(solved, capsys):
-    """The capstone shows the student's SmolLM2 answers beside the reference's (cut at the end-of-turn id that
-    ignore_eos generates past), and both engines' output tok/s on this CPU."""
-    import re
-    assert passes(solved, "smollm2_vs_reference")
-    out = capsys.readouterr().out.splitlines()
-    i = out.index("    What is the capital of France?")
-    yours, ref = out[i + 1], out[i + 2]
-    assert yours.startswith("    yours:     ") and "Paris" in yours and ref == yours.replace("yours:    ", "reference:")
-    assert "<|im_end|>" not in yours and "\n" not in yours
-    ch12.smollm2_throughput(solved, max_tokens=4, repeats=1)
-    line = capsys.readouterr().out.strip()
-    m = re.fullmatch(r"C\.2 on this CPU \(4 prompts x 4 tokens, median of 1\): yours ([\d,]+) output tok/s, "
-                     r"reference ([\d,]+) \((\d+\.\d\d)x\)", line)
-    assert m, line
-    y, r = (float(m[k].replace(",", "")) for k in (1, 2))
-    assert y > 0 and r > 0 and float(m[3]) == pytest.approx(y / r, abs=0.01 + 0.01 * y / r)
-
-
-def test_the_streams_always_preempt_and_hit_the_prefix_cache():
-    path = ch12.tiny_model_dir("qwen3")
-    for seed in range(3):
-        prompts = ch12.random_stream(random.Random(seed))
-        _, trace = ch12.run_traced(Parts(), path, prompts)
-        assert trace[-1][2] > 0, seed
-        assert prompts[0][:8] == prompts[1][:8] and prompts[2][:8] == prompts[3][:8]
-
-
-def test_the_live_smollm2_reference_agrees_with_hf_scoring_its_ids():
-    """C.2's reference side (the reference engine with a margin-recording sampler): 4 chats x 32 tokens, and
-    HF transformers scoring those ids in one forward picks the same argmax wherever the margin is not a
-    near-tie, with margins within 2e-3 of the engine's."""
-    from transformers import AutoModelForCausalLM
-    from nanovllm_models.download import ensure_model
-    import torch
-    path = str(ensure_model())
-    ref = ch12.reference_smollm2()
-    assert len(ref) == 4 and all(len(ids) == len(m) == ch12.SMOL_TOKENS == 32 for ids, m in ref)
-    assert ref[0][0][:6] == [504, 3575, 282, 4649, 314, 7042]      # "The capital of France is Paris"
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for p, (ids, margins) in zip(ch12.smollm2_prompts(path), ref):
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + ids[:-1]])).logits[0, len(p) - 1:]
-        top2 = logits.topk(2, dim=-1)
-        hf_margins = (top2.values[:, 0] - top2.values[:, 1]).tolist()
-        assert margins == pytest.approx(hf_margins, abs=2e-3)
-        sure = [s for s, m in enumerate(margins) if m >= ch12.MARGIN]
-        assert [top2.indices[s, 0].item() for s in sure] == [ids[s] for s in sure]
-
-
-def test_c2_reports_how_far_each_prompt_matched_and_stops_at_a_near_tie(capsys, monkeypatch):
-    """A fake 'your engine' that differs at step 5 of prompt 0 and step 3 of prompt 1; prompt 1's reference
-    margin at step 3 is made a near-tie, so only prompt 0 fails."""
-    ref = [(list(range(100, 132)), [1.0] * 32) for _ in range(4)]
-    ref[1] = (ref[1][0], [1.0, 1.0, 5e-4] + [1.0] * 29)
-    got = [list(ids) for ids, _ in ref]
-    got[0][4] = 7
-    got[1][2] = 7
-    monkeypatch.setattr(ch12, "reference_smollm2", lambda n, path=None: ref)
-    monkeypatch.setattr(ch12, "_generate", lambda *a, **k: got)
-    monkeypatch.setattr(ch12, "smollm2_prompts", lambda path: [[1]] * 4)
-    monkeypatch.setattr(ch12, "_blame", lambda cap, prompts=None: None)
-    cap = empty_capstone()
-    assert not passes(cap, "smollm2_vs_reference")
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("C.2")]   # not the answers
-    assert lines[0] == ("C.2 prompt 0: 4/32 ids equal, then step 5 differs from the reference "
-                        "(reference top-2 margin there 1, not a near-tie)")
-    assert lines[1] == ("C.2 prompt 1: 2/32 ids equal; step 3's top-2 margin (0.0005) is below 0.001, "
-                        "so the comparison stops there")
-    assert lines[2] == "C.2 prompt 2: 32/32 ids equal the reference engine's (smallest top-2 margin 1, at step 1)"
-
-
-def test_c3_prints_the_same_p_values_whatever_the_random_state(capsys):
-    import torch
-    cap = empty_capstone()
-    outs = []
-    for k in range(2):
-        torch.manual_seed(100 + k)          # the section seeds its own fork of the generator
-        assert passes(cap, "first_token_chi2")
-        outs.append(capsys.readouterr().out)
-    assert outs[0] == outs[1]
-    assert outs[0].splitlines()[0].startswith("C.3 T=0.6: 20000 first tokens, chi-squared over 86 bins, p = 0.")
-    assert [ch12._fmt_p(p) for p in (0.456, 0.004, 1e-9)] == ["p = 0.46", "p < 0.01", "p < 1e-06"]
+def test_hold_streams_keeps_every_stream_open_so_the_fifth_client_gets_503():
+    """The back-pressure demo: with --max-queued-requests 4, four long streams are admitted and held open, the
+    next two are refused at once, and once all leave their aborts free everything long before max_tokens steps
+    (a line reader dropped after its first line closed the connection: every stream was aborted at once and all
+    six were admitted)."""
+    from nanovllm_course.common import tiny_model_dir
+    server = ch12.Server(tiny_model_dir("qwen3"), "--device", "cpu", "--max-model-len", "512", "--kvcache-block-size",
+                         "16", "--max-num-seqs", "8", "--max-queued-requests", "4")
+    try:
+        body = {"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        before = server.health()["loop"]["steps"]
+        statuses = ch12.hold_streams(server.url + "/v1/completions", 6, body)
+        assert [s for s, _ in statuses] == [200, 200, 200, 200, 503, 503], statuses
+        assert all(line.startswith("data: {") for _, line in statuses[:4])
+        assert "--max-queued-requests 4" in statuses[4][1]
+        health = ch12.wait_idle(server)
+        assert health["open_requests"] == 0 and health["loop"]["steps"] - before < body["max_tokens"]
+    finally:
+        assert server.stop() == 0

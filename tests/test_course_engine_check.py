@@ -24,7 +24,7 @@ from nanovllm_ref.attn.torch_backend import store_kvcache as reference_store
 from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.layers.sampler import SamplingMetadata, sample
 
-import ch12_mutants
+import ch13_mutants
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,13 +67,13 @@ def test_a_store_reading_v_with_k_strides_fails_its_exercise(capsys):
     alone catches it too, and says how the ids differ."""
     from nanovllm_course import ch04
     with check("E4.3"):
-        ch04.check_store_kvcache(ch12_mutants.store_reading_v_with_k_strides)
-        in_the_engine("E4.3", store_kvcache=ch12_mutants.store_reading_v_with_k_strides)
+        ch04.check_store_kvcache(ch13_mutants.store_reading_v_with_k_strides)
+        in_the_engine("E4.3", store_kvcache=ch13_mutants.store_reading_v_with_k_strides)
     out = capsys.readouterr().out
     assert out.startswith("E4.3 failed: ") and "E4.3 ok" not in out, out
     for tag in ("E4.3", "E10.3"):
         with pytest.raises(AssertionError) as info:
-            in_the_engine(tag, store_kvcache=ch12_mutants.store_reading_v_with_k_strides)
+            in_the_engine(tag, store_kvcache=ch13_mutants.store_reading_v_with_k_strides)
         text = str(info.value)
         assert text.startswith(f"{tag}: your store_kvcache passes the check above, but inside the tiny engine the "
                                "greedy ids differ from HF transformers' on "), text

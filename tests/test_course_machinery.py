@@ -123,7 +123,7 @@ def test_release_clears_exercise_outputs_and_keeps_the_rest():
 
 
 def test_release_clears_the_output_of_a_cell_that_shows_student_work():
-    """Chapter 12's table of which parts are yours: the solution's table would claim every part in the
+    """Chapter 13's table of which parts are yours: the solution's table would claim every part in the
     student's copy, and it differs in every student's run, so the release stores none."""
     ex = nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION E3.1: t\n    return 1\n    ### END SOLUTION")
     yours = nbformat.v4.new_code_cell("table(f)")
@@ -133,7 +133,7 @@ def test_release_clears_the_output_of_a_cell_that_shows_student_work():
     out = rel.release_notebook(_nb([ex, yours, _check_cell("ch03.check_f(f)", "E3.1 ok\n")]), "03_x.ipynb")
     assert out.cells[1].outputs == [] and out.cells[1].execution_count is None
     assert out.cells[1].metadata["tags"] == ["yours"]
-    released = nbformat.read(REPO / "chapters" / "12_capstone.ipynb", as_version=4)
+    released = nbformat.read(REPO / "chapters" / "13_capstone.ipynb", as_version=4)
     assert [c.outputs for c in released.cells if "yours" in c.metadata.get("tags", [])] == [[]]
 
 
@@ -218,7 +218,7 @@ def test_release_names_a_chapter_by_number_and_refuses_an_unknown_name(tmp_path)
     solution notebook is an error that lists the names there are, before anything is written."""
     written = rel.release(chapters=tmp_path, names=["9"])
     assert written == ["09_tensor_parallelism.ipynb"] and [p.name for p in tmp_path.iterdir()] == written
-    with pytest.raises(rel.ReleaseError, match=r"no solution notebook named \['99'\].*12_capstone.ipynb"):
+    with pytest.raises(rel.ReleaseError, match=r"no solution notebook named \['99'\].*13_capstone.ipynb"):
         rel.release(chapters=tmp_path / "other", names=["09", "99"])
     assert not (tmp_path / "other").exists()
     assert rel.release(chapters=tmp_path, names=["solutions/09_tensor_parallelism.ipynb"]) == written  # a path

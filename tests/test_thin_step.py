@@ -36,6 +36,19 @@ class EagerReplayRunner(CUDAGraphRunner):
         return SimpleNamespace(replay=lambda: self._step(bs)), None
 
 
+class CountingSampler:
+    """Put in place of `runner.sampler` (the sampler that runs after the graph, on the logits): counts its calls,
+    so a test sees which decode steps left the in-graph sampler."""
+
+    def __init__(self, runner):
+        self.inner, self.calls = runner.sampler, 0
+        runner.sampler = self
+
+    def __call__(self, logits, meta):
+        self.calls += 1
+        return self.inner(logits, meta)
+
+
 def _seq(n, table, block_size=4, temperature=0.0):
     seq = Sequence(list(range(1, n + 1)), block_size, SamplingParams(temperature=temperature))
     seq.block_table = list(table)
@@ -219,16 +232,23 @@ def _varied_workload(llm):
     prompts = [[7], shared + [1, 2], shared + [3], [g.randrange(1, 200) for _ in range(70)]] + \
         [[g.randrange(1, 200) for _ in range(g.randrange(2, 20))] for _ in range(5)]
     sps = [SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0.7, max_tokens=9),
-           SamplingParams(temperature=0.7, top_k=5, max_tokens=4), SamplingParams(temperature=1.0, top_p=0.8, max_tokens=7)]
+           SamplingParams(temperature=0.7, top_k=5, max_tokens=4), SamplingParams(temperature=1.0, top_p=0.8, max_tokens=7),
+           # logits processors hand the sampler fp32 logits: a compiled variant of its own
+           SamplingParams(temperature=0.8, repetition_penalty=1.2, max_tokens=6),
+           SamplingParams(temperature=0.9, min_p=0.1, presence_penalty=0.5, max_tokens=5)]
     llm.generate(prompts[:1], sps[0], use_tqdm=False)                        # batch of one
-    llm.generate(prompts, [sps[i % 4] for i in range(len(prompts))], use_tqdm=False)
+    llm.generate(prompts[:1], sps[4], use_tqdm=False)
+    llm.generate(prompts, [sps[i % len(sps)] for i in range(len(prompts))], use_tqdm=False)
     llm.generate(prompts[1:3], sps[1], use_tqdm=False)                        # prefix-cache hits
 
 
-def test_no_compile_after_start_up(fused_on_cpu):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_no_compile_after_start_up(fused_on_cpu, dtype):
     # max_num_batched_tokens=32: the 70-token prompt is prefilled in chunks (paged-prefill continuation).
     # enforce_eager: decode runs eagerly, so the warm-up alone must cover it (graph capture covers it on a GPU).
-    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6, enforce_eager=True)
+    # bfloat16 (a GPU's dtype): the logits processors hand the sampler fp32 logits, a variant of its own.
+    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6, enforce_eager=True,
+              dtype=dtype)
     assert llm.model_runner.fuse
     before = _count_compiles()
     assert before > 0, "the engine compiled nothing at start-up: the fixture did not switch fusion on"

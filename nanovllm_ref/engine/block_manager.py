@@ -19,6 +19,8 @@ Prefix caching (vLLM's automatic prefix caching; upstream nano-vllm `engine/bloc
   the free pool only at ref count 0.
 - A freed block keeps its hash and contents until the pool hands it out again (least recently freed first),
   so a prompt that comes back after its first request finished still hits.
+- A request with prompt_logprobs takes no hit until its prompt's logits are computed (vLLM does the same):
+  a cached block has K/V but no logits. Its own blocks are hashed as usual, so later requests hit them.
 - Hashes are registered only after the step that wrote the block (`hash_blocks`), so no sequence can hit a
   block whose K/V is not in the cache yet (with chunked prefill a block can be allocated steps before it is
   written).
@@ -105,8 +107,9 @@ class BlockManager:
         return block_id
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of `seq`, in order (full blocks only)."""
-        if not self.enable_prefix_caching:
+        """Block ids of the longest cached prefix of `seq`, in order (full blocks only); none for a sequence
+        that still needs its prompt's logits (prompt_logprobs): a hit would skip computing them."""
+        if not self.enable_prefix_caching or getattr(seq, "needs_prompt_logprobs", False):
             return []
         hits, h, parent_lineage = [], -1, -1
         for i in range(len(seq) // self.block_size):

@@ -16,9 +16,9 @@ What one captured step holds, and why (a "thin" step: the host does as little pe
   (a new block, or another sequence in that row), not rebuilt every step.
 - With `sample=True` (one process, the reference sampler) the graph also runs the LM head and the sampler:
   the step ends with token ids in a static buffer, and the logits stay in another for samplers that run
-  outside (top-k/top-p, a replaced sampler). The sampler's random numbers are counter-based (a hash of
-  each row's seed and token index, layers/sampler.py), so a replay draws fresh noise for every new token
-  with no generator state inside the graph.
+  outside (top-k/top-p, min_tokens, penalties and min_p, a replaced sampler) and for logprobs. The
+  sampler's random numbers are counter-based (a hash of each row's seed and token index, layers/sampler.py),
+  so a replay draws fresh noise for every new token with no generator state inside the graph.
 With tensor parallelism the LM head gathers logits across ranks, so there the graph stops at the hidden
 states and the LM head and sampler run after it.
 """

@@ -17,8 +17,15 @@ sequence that stops at step n was also given a row in step n+1; that token is dr
 
 | route | when | a step |
 |---|---|---|
-| async | async_scheduling True, or None on CUDA; one process, the reference scheduler | schedule n+1, launch it, `on_launch`; wait for step n's ids, `on_tokens` |
-| sync  | otherwise (CPU by default, TP > 1, a replaced scheduler) | schedule, run (launch + wait), `postprocess` |
+| async | async_scheduling True, or None on CUDA; one process, the reference scheduler | schedule n+1, launch it, `on_launch`; wait for step n's ids, `on_tokens`, record its logprobs |
+| sync  | otherwise (CPU by default, TP > 1, a replaced scheduler) | schedule, launch + wait, `postprocess`, record its logprobs |
+
+Every SamplingParams setting runs on both routes. The ones that read the tokens generated so far need no
+sync point: the penalties count the output tokens on the device, and a row's newest token, pending on the
+host, is read there from the previous step's ids (ModelRunner.prepare_processing, as the decode inputs read
+it); stop checks run on the host once the ids arrive, as above. Logprobs arrive with their step's ids and are
+kept for exactly the tokens the scheduler kept (a token dropped after a stop, or of an aborted request, has
+none): `_record_logprobs`.
 
 Tensor parallelism: rank 0 runs in this process; ranks 1..tp-1 are spawned processes that run
 `nanovllm_ref.engine.worker.run_worker` (an importable function, as `spawn` requires). Each engine picks
@@ -26,6 +33,7 @@ its own free TCP port for the process-group rendezvous and talks to its workers 
 engines never clash and nothing named is left in /dev/shm after a crash.
 """
 import atexit
+import functools
 import multiprocessing as mp
 import random
 import socket
@@ -78,6 +86,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model, config.hf_config.vocab_size)
         if self.tokenizer.eos_token_id is not None:
             config = config.derived(extra_eos=[self.tokenizer.eos_token_id])
+        # The text of one token alone, for logprobs' decoded_token (vLLM: tokenizer.decode([id])); cached,
+        # since the same ids come back at every step.
+        self._decode_token = functools.lru_cache(maxsize=65536)(lambda i: self.tokenizer.decode([i]))
         # Each sample without its own SamplingParams.seed gets one from here, in arrival order.
         self._seeds = random.Random(config.seed)
         self.parts = parts
@@ -161,7 +172,8 @@ class LLMEngine:
     def _check_request(self, prompt, sp, where: str = "prompt", sp_where: str = "sampling_params") -> list[int]:
         """Token ids of one validated request (engine/request.py, check_request); changes nothing."""
         return check_request(prompt, sp, tokenizer=self.tokenizer, config=self.config,
-                             scheduler_cls=type(self.scheduler), where=where, sp_where=sp_where)
+                             scheduler_cls=type(self.scheduler), where=where, sp_where=sp_where,
+                             block_manager_cls=type(self.scheduler.block_manager))
 
     def _check_open(self):
         if self._closed:
@@ -252,8 +264,9 @@ class LLMEngine:
             seqs, is_prefill = self.scheduler.schedule()
             known = [len(seq) for seq in seqs]
             num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else len(seqs)
-            token_ids = self.model_runner.run(seqs, is_prefill)        # also sends the step to TP workers
-            self.scheduler.postprocess(seqs, token_ids)
+            pending = self.model_runner.launch(seqs, is_prefill)     # also sends the step to TP workers
+            self.scheduler.postprocess(seqs, pending.token_ids())
+            self._record_logprobs(seqs, known, pending)
             self.last_step = StepStats("prefill" if is_prefill else "decode", num_tokens, len(seqs))
             arrived = list(zip(seqs, known))
         progressed = {}
@@ -283,11 +296,35 @@ class LLMEngine:
             self._in_flight = None
             arrived = [(seq, len(seq) - seq.num_pending) for seq in seqs]
             self.scheduler.on_tokens(seqs, pending.token_ids(), samples)
+            self._record_logprobs(seqs, [n for _, n in arrived], pending)
         self._in_flight = launched
         if launched is None and not arrived and not self.scheduler.is_finished():
             raise RuntimeError("the scheduler scheduled nothing while requests are waiting and no step is in "
                                "flight: no progress is possible")
         return arrived
+
+    @staticmethod
+    def _record_logprobs(seqs, known_before: list[int], pending) -> None:
+        """Keep the logprobs of a step whose ids arrived: a row's entry for each sequence whose known tokens
+        grew by its token (one the scheduler kept), and the prompt rows of its prefill. known_before: each
+        sequence's tokens known before the ids were taken in."""
+        sample, prompt = pending.logprobs()
+        if sample is not None:
+            ids, lps, ranks = sample
+            for row, (seq, n) in enumerate(zip(seqs, known_before)):
+                k = seq.num_logprobs
+                if k is not None and len(seq) - seq.num_pending > n:
+                    seq.logprobs.append((ids[row][:1 + k], lps[row][:1 + k], ranks[row]))
+                    seq.cumulative_logprob += lps[row][0]
+        if prompt is not None:
+            ids, lps, ranks = prompt
+            row = 0
+            for seq, first, count in pending.prompt_owners:
+                k = seq.num_prompt_logprobs
+                if first == len(seq.prompt_logprobs):         # in order, once (a recompute never repeats it)
+                    seq.prompt_logprobs.extend((ids[r][:1 + k], lps[r][:1 + k], ranks[r])
+                                               for r in range(row, row + count))
+                row += count
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step (one forward pass over the batch the scheduler picks) and return a RequestOutput
@@ -295,7 +332,7 @@ class LLMEngine:
         `finished` once all its samples are done. An idle engine returns []. The text of successive outputs
         of a request only grows (a server streams the differences). `last_step` then holds the step's
         StepStats (kind, tokens computed, batch size), or None after an idle call."""
-        return [request.output(self.config.eos) for request in self._step()]
+        return [request.output(self.config.eos, self._decode_token) for request in self._step()]
 
     def advance(self) -> int:
         """One engine step, as `step` runs it, without building outputs (what `generate` runs: it makes each
@@ -372,4 +409,4 @@ class LLMEngine:
             pbar.close()
             # What this call computed, by kind of step: {"prefill"|"decode": (tokens, seconds)} (benchmarks)
             self.generate_stats = {k: tuple(v) for k, v in totals.items()}
-        return [request.output(self.config.eos) for request in requests]
+        return [request.output(self.config.eos, self._decode_token) for request in requests]

@@ -5,7 +5,10 @@ A short orchestrator over modules that each teach one thing:
 - utils/context.py: `with attention_metadata(meta):` hands the metadata to the attention layers;
 - engine/kv_cache.py: sizing and allocating the paged KV cache;
 - engine/cuda_graph.py: decode CUDA graphs (capture, the packed static inputs, replay);
-- layers/sampler.py: logits -> token ids (`Parts.sampler`).
+- engine/sampling_inputs.py: the batch -> the sampler's, the logits processors' and prompt logprobs' inputs;
+- layers/logits_processors.py: penalties and min_p on the logits, before the sampler;
+- layers/sampler.py: logits -> token ids (`Parts.sampler`);
+- layers/logprobs.py: the raw distribution's logprobs of the chosen and the most likely tokens.
 
 Entry points: rank 0 calls `launch(seqs, is_prefill)` once per step; it prepares the step's message, sends
 it to the other tensor-parallel ranks, every rank runs `execute(message)`, and rank 0 samples. `launch`
@@ -16,8 +19,9 @@ so the engine can schedule and launch the next step meanwhile (async scheduling,
 `Exit` message. Start-up warm-ups call `execute(prepare(...))` on each rank alone.
 
 Messages (one per step, rank 0 -> every rank; a few kB, never the sequences with their token lists):
-- `ModelStep(inputs)`: what `Parts.prepare_prefill` / `prepare_decode` returned, on this device, or as
-  numpy arrays (`step_to_host`) when it travels to a worker;
+- `ModelStep(inputs, prev_rows, logit_rows)`: what `Parts.prepare_prefill` / `prepare_decode` returned, on
+  this device, or as numpy arrays (`step_to_host`) when it travels to a worker; `logit_rows`: the prompt
+  positions of a prefill whose logits every rank computes too (prompt_logprobs);
 - `PackedDecodeStep(packed, batch, sample_in_graph)`: the decode graphs' packed input buffer (one pinned
   copy, engine/cuda_graph.py) and the batch size; `sample_in_graph` says whether the graph's own ids are the
   answer;
@@ -25,17 +29,27 @@ Messages (one per step, rank 0 -> every rank; a few kB, never the sequences with
 
 Decode step routes. What can be known at start-up is decided once, when the graphs are captured, into a
 `StepPlan`; per step only two facts choose the row: does the batch fit a captured graph, and does a row need
-the sampler after the graph (top-k / top-p on a sampled row, which runs uncompiled; a row still short of its
-min_tokens, whose stop ids are masked out of its logits first).
+the sampler after the graph (`needs_sampler_after_graph`: top-k / top-p on a sampled row, which runs
+uncompiled; a row still short of its min_tokens, whose stop ids are masked out of its logits first; a row
+with a presence, frequency or repetition penalty, greedy or not, and a sampled row with min_p, whose logits
+the processors change first).
 
 | inputs                            | forward            | sampler                 | when                                                  |
 |-----------------------------------|--------------------|-------------------------|-------------------------------------------------------|
-| packed buffer, one pinned copy    | CUDA graph replay  | inside the graph        | plan.sampler_in_graph, no top-k/top-p row, no row short of min_tokens |
+| packed buffer, one pinned copy    | CUDA graph replay  | inside the graph        | plan.sampler_in_graph, no row needs_sampler_after_graph |
 | packed buffer, one pinned copy    | CUDA graph replay  | after, on the logits    | plan.packed_inputs otherwise (replaced sampler, TP > 1, such a row) |
 | Parts.prepare_decode, copied in   | CUDA graph replay  | after, on the logits    | plan.use_graphs with a replaced prepare_decode         |
 | Parts.prepare_decode              | eager              | after, on the logits    | no graphs (CPU, enforce_eager), or more rows than the largest graph |
 
-Prefill steps always run eagerly with `Parts.prepare_prefill` and sample after the forward.
+"After, on the logits" is, in order: min_tokens' mask, the processors (penalties, then min_p; built by
+`prepare_processing` before the forward, so the newest output token of an async step, still pending on the
+host, is counted from `last_ids` on the device before the graph overwrites them), then `Parts.sampler`.
+Logprobs (SamplingParams.logprobs) change no route: they are computed from the step's raw logits, which every
+route keeps, and the ids the step chose, and travel to the host with the ids (`PendingStep`).
+
+Prefill steps always run eagerly with `Parts.prepare_prefill` and sample after the forward. A prefill with
+prompt_logprobs also computes the logits of its chunk's prompt positions (`logit_rows`, on every rank, since
+the LM head gathers across ranks), from which the prompt's logprobs come.
 
 At start-up the runner:
 - builds the model with the engine's parts inside `tensor_parallel(rank, size)` and loads the weights;
@@ -57,11 +71,13 @@ import torch.distributed as dist
 
 from nanovllm_ref.attn import get_backend, resolve_backend
 from nanovllm_ref.config import Config
-from nanovllm_ref.engine import kv_cache, warmup
+from nanovllm_ref.engine import kv_cache, sampling_inputs, warmup
 from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, resolve_pending  # noqa: F401
 from nanovllm_ref.engine.inputs import StepInputs, prepare_decode, step_from_host, step_to_host, to_device
+from nanovllm_ref.engine.sampling_inputs import PromptRows, needs_sampler_after_graph
 from nanovllm_ref.engine.sequence import Sequence
-from nanovllm_ref.engine.stop import min_tokens_bans
+from nanovllm_ref.layers.logits_processors import LogitsProcessing
+from nanovllm_ref.layers.logprobs import LogprobsTensors, gather_logprobs
 from nanovllm_ref.layers.sampler import SamplingMetadata, sample as reference_sample, sample_rows
 from nanovllm_ref.models import get_model_class
 from nanovllm_ref.parts import Parts
@@ -93,17 +109,6 @@ def resolve_dtype(name: str, hf_config, device: str) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def uses_filters(seq: Sequence) -> bool:
-    """A sampled row with top-k or top-p on: it needs the sampler's filtered (uncompiled) path."""
-    return seq.temperature > 0 and (seq.top_k > 0 or seq.top_p < 1)
-
-
-def needs_sampler_after_graph(seq: Sequence) -> bool:
-    """A row the in-graph sampler cannot serve: top-k / top-p (the filtered, uncompiled path), or still
-    short of its min_tokens (its stop ids are masked out of the logits first, engine/stop.py)."""
-    return uses_filters(seq) or seq.num_completion_tokens < seq.min_tokens
-
-
 def fuse_by_default(device_type: str) -> bool:
     """Whether an engine on this device compiles its small ops (utils/fusion.py): on CUDA only, where
     launches dominate; on a CPU compiling costs more start-up time than it saves."""
@@ -116,9 +121,12 @@ class ModelStep:
     """A step whose inputs came from Parts.prepare_prefill / prepare_decode: a StepInputs on this device,
     or its numpy form (engine/inputs.step_to_host) when the message goes to a tensor-parallel worker.
     prev_rows: None, or [num_seqs] int32 on the device: rows whose input token the previous step sampled
-    (async scheduling; -1 = the prepared input id is the token)."""
+    (async scheduling; -1 = the prepared input id is the token). logit_rows: None, or [P] int64 (a tensor
+    here, numpy for a worker): indices into a prefill's packed tokens whose logits are computed too, for
+    prompt_logprobs."""
     inputs: StepInputs | dict
     prev_rows: torch.Tensor | None = None
+    logit_rows: torch.Tensor | np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -155,17 +163,38 @@ class StepPlan:
                    sampler_in_graph=packed and world_size == 1 and parts.sampler is reference_sample)
 
 
+def _to_host(tensors: LogprobsTensors | None, pinned: bool) -> LogprobsTensors | None:
+    """The tensors on their way to the host: pinned copies filled by non-blocking copies (CUDA), else as
+    they are."""
+    if tensors is None or not pinned:
+        return tensors
+    return LogprobsTensors(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                             for t in tensors))
+
+
+def _lists(tensors: LogprobsTensors | None):
+    return None if tensors is None else tuple(t.tolist() for t in tensors)
+
+
 class PendingStep:
     """The sampled ids of a launched step. `token_ids()` waits for them and returns one int per sequence.
     On CUDA they come through a pinned host buffer filled by a non-blocking copy (an event marks its end);
-    two buffers take turns, so the next step's copy never overwrites ids not yet read."""
+    two buffers take turns, so the next step's copy never overwrites ids not yet read.
+    `logprobs()` (after the same wait) returns (sample, prompt): the step's LogprobsTensors as Python lists
+    (token ids [B][1 + k], logprobs [B][1 + k], ranks [B]; None when no row asked for logprobs), and the same
+    for its prompt rows (None without prompt_logprobs); `prompt_owners` says which sequence each run of
+    prompt rows belongs to (PromptRows.owners)."""
 
-    def __init__(self, ids: torch.Tensor, host: torch.Tensor | None):
+    def __init__(self, ids: torch.Tensor, host: torch.Tensor | None, logprobs: LogprobsTensors | None = None,
+                 prompt_logprobs: LogprobsTensors | None = None, prompt_owners=()):
         self._n = ids.shape[0]
+        self.prompt_owners = prompt_owners
         if host is None:                              # CPU: the step has already run
             self._ids, self._event = ids.tolist(), None
+            self._logprobs = (logprobs, prompt_logprobs)
         else:
             host[:self._n].copy_(ids, non_blocking=True)
+            self._logprobs = (_to_host(logprobs, True), _to_host(prompt_logprobs, True))
             self._host, self._event = host, torch.cuda.Event()
             self._event.record()
 
@@ -174,6 +203,10 @@ class PendingStep:
             self._event.synchronize()
             self._ids, self._event = self._host[:self._n].tolist(), None
         return self._ids
+
+    def logprobs(self) -> tuple:
+        self.token_ids()
+        return tuple(map(_lists, self._logprobs))
 
 
 class ModelRunner:
@@ -353,10 +386,12 @@ class ModelRunner:
             self.graph_runner, self.plan = saved_runner, saved_plan
 
     # -- one step ---------------------------------------------------------------------------------------
-    def prepare(self, seqs: list[Sequence], is_prefill: bool, remote: bool = False):
+    def prepare(self, seqs: list[Sequence], is_prefill: bool, remote: bool = False,
+                logit_rows: list[int] | None = None):
         """This step's message (module docstring): a PackedDecodeStep when the plan has packed inputs and a
         graph fits the batch, else a ModelStep from the parts' input preparation, its tensors on this device,
-        or as numpy arrays when `remote` (the message then travels to tensor-parallel workers)."""
+        or as numpy arrays when `remote` (the message then travels to tensor-parallel workers). logit_rows:
+        a prefill's extra logit rows (PromptRows.rows), or None."""
         if not is_prefill and self.plan.packed_inputs:
             padded = self.graph_runner.padded_size(len(seqs))
             if padded is not None:
@@ -370,15 +405,19 @@ class ModelRunner:
                 raise RuntimeError("a pending token reached a prefill step or a tensor-parallel message; "
                                    "async scheduling runs decode steps of one process only")
             return ModelStep(prepare(seqs, self.block_size, self.device), to_device(pending, torch.int32, self.device))
+        if logit_rows is not None:
+            logit_rows = np.asarray(logit_rows, dtype=np.int64) if remote else to_device(logit_rows, torch.int64,
+                                                                                         self.device)
         if not remote:
-            return ModelStep(prepare(seqs, self.block_size, self.device))
-        return ModelStep(step_to_host(prepare(seqs, self.block_size, "cpu")))
+            return ModelStep(prepare(seqs, self.block_size, self.device), logit_rows=logit_rows)
+        return ModelStep(step_to_host(prepare(seqs, self.block_size, "cpu")), logit_rows=logit_rows)
 
     @torch.inference_mode()
-    def execute(self, message) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute(self, message) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Every rank: the forward of one step. Returns (logits [num_seqs, vocab], token ids [num_seqs]
-        int64 when the graph sampled them, else None). With tensor parallelism only rank 0's logits are the
-        whole vocabulary (the LM head gathers them there)."""
+        int64 when the graph sampled them, else None, prompt logits [P, vocab] for the message's logit_rows,
+        else None). With tensor parallelism only rank 0's logits are the whole vocabulary (the LM head
+        gathers them there; the other ranks get None)."""
         if isinstance(message, PackedDecodeStep):
             graph = self.graph_runner
             graph.inputs.upload(message.packed)
@@ -386,59 +425,73 @@ class ModelRunner:
             b = message.batch
             if self.plan.sampler_in_graph:
                 ids = graph.buffers["token_ids"][:b] if message.sample_in_graph else None
-                return graph.buffers["logits"][:b], ids
-            return self.model.compute_logits(graph.buffers["outputs"][:b]), None
+                return graph.buffers["logits"][:b], ids, None
+            return self.model.compute_logits(graph.buffers["outputs"][:b]), None, None
         step = message.inputs if isinstance(message.inputs, StepInputs) else step_from_host(message.inputs, self.device)
         meta, input_ids = step.metadata, step.input_ids
         if message.prev_rows is not None:
             input_ids = resolve_pending(input_ids, message.prev_rows, self.last_ids)
+        rows = message.logit_rows
         with attention_metadata(meta):
             if meta.is_prefill:
-                hidden = self.model(input_ids, step.positions)[meta.cu_seqlens_q[1:] - 1]
+                every = self.model(input_ids, step.positions)
+                hidden = every[meta.cu_seqlens_q[1:] - 1]
             else:
                 hidden = self.graph_runner.run(input_ids, step.positions, meta) if self.plan.use_graphs else None
                 if hidden is None:                   # eager, or more rows than the largest graph
                     hidden = self.model(input_ids, step.positions)
-        return self.model.compute_logits(hidden), None
+        if rows is None or not meta.is_prefill:
+            return self.model.compute_logits(hidden), None, None
+        if isinstance(rows, np.ndarray):
+            rows = to_device(rows, torch.int64, self.device)
+        # One LM-head call for both (on every rank: it gathers across ranks); the sampled rows come first.
+        logits = self.model.compute_logits(torch.cat([hidden, every[rows]]))
+        if logits is None:
+            return None, None, None
+        n = hidden.shape[0]
+        return logits[:n], None, logits[n:]
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingMetadata:
-        """The sampler's view of the batch. top_k / top_p are None unless some sampled (temperature > 0)
-        row uses either; then both are tensors (0 and 1.0 mean off for a row), one path for any mix. The
-        choice is made here, on the host. Seeds and counters (the index of the token each row samples)
-        make the noise counter-based (layers/sampler.py)."""
-        temperatures = [seq.temperature for seq in seqs]
-        all_greedy = not any(t > 0 for t in temperatures)
-        top_k = top_p = seeds = counters = None
-        if any(map(uses_filters, seqs)):
-            top_k = to_device([seq.top_k for seq in seqs], torch.int64, self.device)
-            top_p = to_device([seq.top_p for seq in seqs], torch.float64, self.device)
-        if not all_greedy:
-            seeds = to_device([seq.seed for seq in seqs], torch.int64, self.device)
-            counters = to_device([len(seq) for seq in seqs], torch.int64, self.device)
-        return SamplingMetadata(to_device(temperatures, torch.float32, self.device), all_greedy=all_greedy,
-                                top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)
+        """The sampler's view of the batch, on this device (engine/sampling_inputs.sampling_metadata)."""
+        return sampling_inputs.sampling_metadata(seqs, self.device)
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: torch.Tensor | None) -> PendingStep:
+    def prepare_processing(self, seqs: list[Sequence]) -> LogitsProcessing | None:
+        """The logits processors' view of the batch, or None (engine/sampling_inputs.logits_processing). Call
+        it before the step's forward: a pending token is read from `last_ids`, which the graph overwrites."""
+        return sampling_inputs.logits_processing(seqs, self.device, self.config.hf_config.vocab_size, self.last_ids)
+
+    def prompt_rows(self, seqs: list[Sequence]) -> PromptRows | None:
+        """Rank 0, a prefill step: its prompt-logprob rows, or None (engine/sampling_inputs.prompt_rows)."""
+        return sampling_inputs.prompt_rows(seqs)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: torch.Tensor | None,
+               processing: LogitsProcessing | None = None, prompt_logits: torch.Tensor | None = None,
+               prompt: PromptRows | None = None) -> PendingStep:
         """Rank 0: this step's next token per sequence, from the graph's own ids (already in `last_ids`) or
-        from the sampler (copied there), on its way to the host."""
+        from the sampler (copied there) after min_tokens' mask and the processors, on its way to the host with
+        the logprobs the rows ask for (from the raw `logits`; the prompt's from `prompt_logits`, the rows of
+        `prompt`)."""
         n = len(seqs)
         if token_ids is None:
-            self.last_ids[:n].copy_(self.sampler(self._mask_stop_tokens(logits, seqs), self.prepare_sample(seqs)))
+            metadata = self.prepare_sample(seqs)
+            chosen = sampling_inputs.mask_stop_tokens(logits, seqs, self.config.eos)
+            if processing is not None:
+                chosen = processing.apply(chosen)
+            self.last_ids[:n].copy_(self.sampler(chosen, metadata))
+        elif processing is not None:
+            raise RuntimeError("a step with logits processors sampled inside the graph (needs_sampler_after_graph)")
         elif token_ids.data_ptr() != self.last_ids.data_ptr():     # a graph runner with its own buffer
             self.last_ids[:n].copy_(token_ids)
+        num_top = max((seq.num_logprobs for seq in seqs if seq.num_logprobs is not None), default=None)
+        logprobs = None if num_top is None else gather_logprobs(logits, num_top, self.last_ids[:n])
+        prompt_logprobs = None
+        if prompt is not None:
+            targets = to_device(prompt.targets, torch.int64, self.device)
+            prompt_logprobs = gather_logprobs(prompt_logits, prompt.num_top, targets)
         host = None
         if self._host_ids is not None:
             host, self._turn = self._host_ids[self._turn], 1 - self._turn
-        return PendingStep(self.last_ids[:n], host)
-
-    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits [num_seqs, vocab] with the eos and stop ids at -inf in the rows still short of their
-        min_tokens (engine/stop.py, min_tokens_bans); the same tensor when no row is (decided on the host)."""
-        bans = min_tokens_bans(seqs, self.config.eos, logits.shape[-1])
-        if bans is None:
-            return logits
-        rows, cols = (to_device(x, torch.int64, self.device) for x in bans)
-        return logits.index_put((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype, device=self.device))
+        return PendingStep(self.last_ids[:n], host, logprobs, prompt_logprobs, prompt.owners if prompt else ())
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
@@ -449,9 +502,19 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> PendingStep:
         """Rank 0: one step for `seqs`. Sends the step's message to the workers (tensor parallel), runs it
         here, and returns its sampled ids on their way to the host (PendingStep)."""
-        message = self.prepare(seqs, is_prefill, remote=bool(self.conns))
+        prompt = self.prompt_rows(seqs) if is_prefill else None
+        message = self.prepare(seqs, is_prefill, remote=bool(self.conns), logit_rows=prompt.rows if prompt else None)
+        processing = self.prepare_processing(seqs)            # before the forward (prepare_processing)
+
+        def run_here() -> PendingStep:
+            logits, token_ids, prompt_logits = self.execute(message)
+            pending = self.sample(seqs, logits, token_ids, processing, prompt_logits, prompt)
+            for seq, first, count in prompt.owners if prompt else ():
+                seq.num_prompt_logprobs_launched = first + count
+            return pending
+
         if not self.conns:
-            return self.sample(seqs, *self.execute(message))
+            return run_here()
         # From the first send until this rank's part of the step is over, an interrupt here (Ctrl-C, a
         # notebook's interrupt: they reach this process only) leaves the workers inside the step's
         # collectives, out of step with rank 0. `out_of_step` stays True then, and the engine closes.
@@ -460,7 +523,7 @@ class ModelRunner:
         try:
             for conn in self.conns:
                 conn.send(message)
-            pending = self.sample(seqs, *self.execute(message))
+            pending = run_here()
             pending.token_ids()               # the step is over on every rank once its ids are here
         except Exception:
             self.out_of_step = False

@@ -10,15 +10,19 @@ import numbers
 import warnings
 from collections.abc import Sequence as SequenceABC
 
+from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.engine.stop import completion_text
-from nanovllm_ref.outputs import CompletionOutput, RequestOutput
+from nanovllm_ref.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm_ref.sampling_params import SamplingParams
 
 # What a request needs from Scheduler.postprocess beyond eos and max_tokens; a Parts.scheduler with its own
 # postprocess (chapter 07's exercise) may not do it, so such requests are refused with that scheduler.
 POSTPROCESS_FEATURES = ("n", "stop", "stop_token_ids", "min_tokens")
+# The most top tokens a request may ask for per position (logprobs, prompt_logprobs): vLLM's default
+# max_logprobs. Each one is a dict entry per token on the host.
+MAX_LOGPROBS = 20
 
 
 def load_tokenizer(path: str, vocab_size: int | None = None):
@@ -42,7 +46,8 @@ def load_tokenizer(path: str, vocab_size: int | None = None):
     return tokenizer
 
 
-def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls) -> None:
+def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls, block_manager_cls=None,
+                           prefix_caching: bool = False) -> None:
     if not isinstance(sp, SamplingParams):
         raise TypeError(f"{where} must be a SamplingParams, got {type(sp).__name__}")
     pending = sp.pending_fields()
@@ -50,6 +55,17 @@ def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls) -> No
         name = pending[0]
         raise ValueError(f"{where}: SamplingParams.{name}={getattr(sp, name)!r} is not implemented yet in "
                          f"nanovllm_ref (accepted for vLLM compatibility); leave it at its default")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(sp, name)
+        if value is not None and value > MAX_LOGPROBS:
+            raise ValueError(f"{where}: SamplingParams.{name}={value} asks for more than {MAX_LOGPROBS} top tokens "
+                             f"per position (vLLM's default max_logprobs); use 0..{MAX_LOGPROBS}")
+    if (sp.prompt_logprobs is not None and prefix_caching and block_manager_cls is not None
+            and block_manager_cls is not BlockManager):
+        raise ValueError(f"{where}: SamplingParams.prompt_logprobs with prefix caching needs the reference "
+                         f"BlockManager (it gives such a request no prefix-cache hit, whose positions would have no "
+                         f"logits); Parts.block_manager={block_manager_cls.__name__} has its own: pass "
+                         "enable_prefix_caching=False")
     bad = [t for t in sp.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"{where}: stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
@@ -62,7 +78,7 @@ def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls) -> No
 
 
 def check_request(prompt, sp, *, tokenizer, config, scheduler_cls, where: str = "prompt",
-                  sp_where: str = "sampling_params") -> list[int]:
+                  sp_where: str = "sampling_params", block_manager_cls=None) -> list[int]:
     """Token ids of one validated request; raises ValueError / TypeError naming what is wrong (`where`,
     `sp_where`: how the prompt and its settings are called in the message). Changes nothing.
 
@@ -70,11 +86,13 @@ def check_request(prompt, sp, *, tokenizer, config, scheduler_cls, where: str = 
     are in [0, vocab_size) (str prompts too: a tokenizer's added tokens can lie past the embedding table),
     the prompt is not empty and fits max_model_len, and (once the cache is sized) the request can ever fit in
     the KV cache. sp: a SamplingParams; refused if it sets a field not implemented yet (PENDING), has stop
-    ids outside the vocabulary, n > max_num_seqs, or a field that needs the reference postprocess while
-    Parts.scheduler replaces it.
+    ids outside the vocabulary, n > max_num_seqs, logprobs or prompt_logprobs above MAX_LOGPROBS, a field
+    that needs the reference postprocess while Parts.scheduler replaces it, or prompt_logprobs with prefix
+    caching while `block_manager_cls` (Parts.block_manager; None = not checked) replaces the reference.
     """
     vocab = config.hf_config.vocab_size
-    _check_sampling_params(sp, sp_where, vocab, scheduler_cls)
+    _check_sampling_params(sp, sp_where, vocab, scheduler_cls, block_manager_cls,
+                           getattr(config, "enable_prefix_caching", False))
     if sp.n > config.max_num_seqs:
         raise ValueError(f"{sp_where}: n={sp.n} samples cannot run at once with max_num_seqs={config.max_num_seqs}")
     if isinstance(prompt, str):
@@ -125,25 +143,51 @@ class Request:
                               seed=seeds[i])
                      for i in range(sampling_params.n)]
         self.seqs[0].forks = self.seqs[1:]
+        # Logprob dicts made for earlier snapshots (each is built once): per sample, and the prompt's.
+        self._completion_dicts = [[] for _ in self.seqs]
+        self._prompt_dicts = []
 
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
 
-    def output(self, eos: frozenset = frozenset()) -> RequestOutput:
+    def output(self, eos: frozenset = frozenset(), decode_token=None) -> RequestOutput:
         """A snapshot of the request now (nanovllm_ref.outputs). eos: the stop ids, to say why a sequence
-        finished when a Parts.scheduler did not set finish_reason."""
+        finished when a Parts.scheduler did not set finish_reason. decode_token: token id -> its text alone
+        (Logprob.decoded_token), or None."""
         outputs = []
         for seq in self.seqs:
             if seq.is_finished and seq.finish_reason is None:
                 ids = seq.completion_token_ids
                 stopped = bool(ids) and not seq.ignore_eos and ids[-1] in eos
                 seq.finish_reason = "stop" if stopped else "length"
-            outputs.append(CompletionOutput(index=seq.index, text=completion_text(seq),
-                                            token_ids=seq.completion_token_ids,
+            ids = seq.completion_token_ids
+            logprobs = cumulative = None
+            if seq.num_logprobs is not None:
+                logprobs = self._logprob_dicts(seq.logprobs, self._completion_dicts[seq.index], len(ids), decode_token)
+                cumulative = seq.cumulative_logprob
+            outputs.append(CompletionOutput(index=seq.index, text=completion_text(seq), token_ids=ids,
                                             finish_reason=seq.finish_reason if seq.is_finished else None,
-                                            stop_reason=seq.stop_reason if seq.is_finished else None))
+                                            stop_reason=seq.stop_reason if seq.is_finished else None,
+                                            cumulative_logprob=cumulative, logprobs=logprobs))
+        prompt_logprobs = None
+        if self.sampling_params.prompt_logprobs is not None:
+            first = self.seqs[0]
+            prompt_logprobs = [None] + self._logprob_dicts(first.prompt_logprobs, self._prompt_dicts,
+                                                           len(self.prompt_token_ids) - 1, decode_token)
         # prompt_token_ids: one list shared by the request's snapshots (copying it every step would cost
         # more than the rest of a snapshot for long prompts)
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=outputs, finished=self.finished)
+                             outputs=outputs, finished=self.finished, prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _logprob_dicts(raw: list, built: list, count: int, decode_token) -> list[dict]:
+        """The first `count` raw rows (token ids, logprobs, rank of the first) as vLLM's dicts
+        {token_id: Logprob}: the chosen token with its rank, then the top tokens with ranks 1, 2, ... (a
+        chosen token that is also among the top keeps its top rank, as in vLLM). Rows already turned into
+        dicts by an earlier snapshot are reused (`built` grows)."""
+        for ids, lps, rank in raw[len(built):count]:
+            ranks = [rank, *range(1, len(ids))]
+            built.append({t: Logprob(lp, r, decode_token(t) if decode_token else None)
+                          for t, lp, r in zip(ids, lps, ranks)})
+        return built[:count]

@@ -65,6 +65,21 @@ class Sequence:
         self.ignore_eos = sampling_params.ignore_eos
         self.min_tokens = sampling_params.min_tokens
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        # Logits processors (layers/logits_processors.py): a penalty of any kind, and min_p (0 = off).
+        self.penalized = (sampling_params.presence_penalty != 0 or sampling_params.frequency_penalty != 0
+                          or sampling_params.repetition_penalty != 1)
+        self.min_p = sampling_params.min_p
+        # Logprobs (layers/logprobs.py): top-n per completion token (None = off), and, for the first sample
+        # only (the request has one prompt), the prompt's. Raw rows as they arrive from the device:
+        # (token ids, logprobs, rank of the first id), column 0 the chosen token.
+        self.num_logprobs = sampling_params.logprobs
+        self.num_prompt_logprobs = sampling_params.prompt_logprobs if index == 0 else None
+        self.logprobs: list[tuple[list[int], list[float], int]] = []
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[tuple[list[int], list[float], int]] = []     # for prompt tokens 1, 2, ...
+        # Prompt positions whose logits a launched step computes for prompt logprobs (the model runner
+        # moves it on at launch; position p gives token p + 1's logprob).
+        self.num_prompt_logprobs_launched = 0
         self.sampling_params = sampling_params
         self.request_id, self.index = request_id, index
         self.detokenizer = detokenizer                 # engine/detokenizer.py, or None (no text)
@@ -107,6 +122,12 @@ class Sequence:
     def num_known_completion_tokens(self) -> int:
         """Completion tokens whose value is known (num_completion_tokens counts the pending ones too)."""
         return self.num_completion_tokens - self.num_pending
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while some prompt position's logits are still to be computed for prompt_logprobs. Such a
+        sequence takes no prefix-cache hit (a cached prefix has K/V but no logits: vLLM recomputes it too)."""
+        return self.num_prompt_logprobs is not None and self.num_prompt_logprobs_launched < self.num_prompt_tokens - 1
 
     @property
     def num_blocks(self) -> int:

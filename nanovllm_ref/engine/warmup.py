@@ -7,7 +7,8 @@ Two kinds of one-time work hide in the first steps of an engine that has not bee
 - torch.compile (the fused RMSNorm / RoPE / SiLU-and-mul and the sampler's row function, utils/fusion.py)
   compiles once per variant: with dynamic shapes, a size of 1 is still specialised, so batch 1 and
   "any other size" are two compiles, and the sampler's row function has one variant without and one with
-  top-k/top-p filters.
+  top-k/top-p filters, and one per logits dtype: the model's, and fp32 (the logits processors, penalties
+  and min_p, hand it fp32 logits).
 Measured on the H200 before this module: one prefill step of the benchmark took 1.02 s the first time and
 0.06 s the second. A benchmark's timed run should not pay for compiles, and neither should a user's first
 request, so the model runner calls `warm_step_variants` once at start-up, after the KV cache and the CUDA
@@ -54,22 +55,22 @@ def step_variants(block_size: int, decode_eager: bool) -> list[tuple[list[tuple[
     return steps
 
 
-SAMPLER_VARIANTS = [(n, sp) for n in (1, 2) for sp in (SAMPLED, FILTERED)]
+PROCESSED = SamplingParams(temperature=0.6, repetition_penalty=1.1, min_p=0.05)
+SAMPLER_VARIANTS = [(n, sp) for n in (1, 2) for sp in (SAMPLED, FILTERED, PROCESSED)]
 
 
 @torch.inference_mode()
 def warm_step_variants(runner) -> int:
     """Run the model steps of `step_variants` on `runner` (a ModelRunner, this rank only: `execute` of a
-    message it prepared itself), greedy, then, on
-    rank 0, the sampler's variants (`SAMPLER_VARIANTS`: sampled and filtered, one row and two) on random
-    logits. The sampler is warmed apart because only rank 0 samples: a compile there between two model
-    steps would keep the other ranks waiting inside a collective (and NCCL's watchdog aborts after its
-    timeout); after the model steps they wait for rank 0's next message instead. Returns the number of
-    steps run."""
+    message it prepared itself), greedy, then, on rank 0, the sampling step's variants (`SAMPLER_VARIANTS`:
+    sampled, filtered, and with logits processors, one row and two) on random logits of the model's dtype.
+    The sampler is warmed apart because only rank 0 samples: a compile there between two model steps would
+    keep the other ranks waiting inside a collective (and NCCL's watchdog aborts after its timeout); after
+    the model steps they wait for rank 0's next message instead. Returns the number of steps run."""
     steps = step_variants(runner.block_size, decode_eager=runner.graph_runner is None)
     for specs, is_prefill in steps:
         seqs = [_seq(n, cached, runner.block_size, GREEDY) for n, cached in specs]
-        logits, _ = runner.execute(runner.prepare(seqs, is_prefill))
+        logits, _, _ = runner.execute(runner.prepare(seqs, is_prefill))
         if runner.rank == 0:
             runner.sample(seqs, logits, None)
     if runner.rank == 0:
@@ -77,7 +78,7 @@ def warm_step_variants(runner) -> int:
         for n, sp in SAMPLER_VARIANTS:
             seqs = [_seq(2, 1, runner.block_size, sp) for _ in range(n)]
             logits = torch.randn(n, vocab, device=runner.device).to(runner.dtype)
-            runner.sampler(logits, runner.prepare_sample(seqs)).tolist()
+            runner.sample(seqs, logits, None, runner.prepare_processing(seqs)).token_ids()
     if runner.device_type == "cuda":
         torch.cuda.synchronize(runner.device)
     return len(steps) + (len(SAMPLER_VARIANTS) if runner.rank == 0 else 0)

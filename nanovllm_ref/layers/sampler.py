@@ -27,6 +27,15 @@ This is the idea of counter-based generators (Salmon et al., "Parallel random nu
 SC 2011; JAX's PRNG). Without seeds (the course's checks, a sampler of your own) the noise comes from
 torch's generator, as before.
 
+Non-finite logits (an fp16 overflow gives +inf; a broken model NaN). softmax of a row holding +inf is NaN
+everywhere (inf - inf), and argmax of a row holding NaN picks the NaN: left alone, every sampled row of such a
+batch would return the first NaN's index, silently. So every row goes through `finite_rows` first:
+- NaN logits become -inf: a NaN never wins, greedy or sampled;
+- a row holding +inf keeps only its +inf tokens, which share the probability mass equally (the limit of
+  softmax as those logits grow together): their logits become 0, all others -inf. Greedy takes the first
+  of them, as argmax does; a sampled row draws one of them uniformly, whatever the temperature.
+A row with nothing left (all NaN or -inf) has no distribution; it gives token 0, as argmax of it does.
+
 The sampler is one of the engine's swappable parts (`nanovllm_ref.Parts.sampler`): a function
 `(logits, metadata) -> token ids`. The all-greedy shortcut lives here, not in the model runner, so a
 replacement sampler is exercised by greedy runs too.
@@ -36,6 +45,22 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm_ref.utils.fusion import fused
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [num_seqs, vocab] float. Returns the same shape and dtype with NaN -> -inf, and in each row that
+    holds +inf: +inf -> 0, everything else -> -inf (module docstring). Rows of finite logits are unchanged.
+    No host sync."""
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    posinf = logits == float("inf")
+    has_posinf = posinf.any(dim=-1, keepdim=True)
+    return torch.where(has_posinf, torch.where(posinf, 0.0, float("-inf")).to(logits.dtype), logits)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """[num_seqs, vocab] -> [num_seqs] int64: argmax with NaN never winning (the first +inf wins a row that
+    has one, as plain argmax does)."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).argmax(dim=-1)
 
 
 def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -117,8 +142,9 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.T
     """logits: [num_seqs, vocab] any float dtype; temperatures: [num_seqs] fp32, >= 0; top_k, top_p, seeds,
     counters as in SamplingMetadata (None: off for every row / noise from torch's generator). Returns
     [num_seqs] int64: argmax where the temperature is 0, a draw from the filtered softmax(logits / T)
-    elsewhere. The engine compiles it for the unfiltered case only (top_k = top_p = None)."""
-    logits = logits.float()
+    elsewhere, non-finite logits handled by `finite_rows` first. The engine compiles it for the unfiltered
+    case only (top_k = top_p = None)."""
+    logits = finite_rows(logits.float())
     greedy = logits.argmax(dim=-1)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     scaled = top_k_top_p_filter(logits / t.unsqueeze(-1), top_k, top_p)
@@ -132,8 +158,8 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.T
 
 
 def _sample(rows, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    if metadata.all_greedy:                 # no noise to draw: one argmax
-        return logits.argmax(dim=-1)
+    if metadata.all_greedy:                 # no noise to draw: one argmax (NaN never wins)
+        return greedy_ids(logits)
     if metadata.top_k is not None or metadata.top_p is not None:
         # Filters run uncompiled: the sort dominates their cost, and Inductor (torch 2.11) fails to generate
         # the dynamic-shape cumsum over a 150k vocabulary (measured on the H200).

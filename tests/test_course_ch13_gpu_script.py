@@ -1,4 +1,4 @@
-"""bench/ch12_gpu.py (chapter 12's C.4 on the H200) on the CPU: its --cpu-smoke mode runs the same code path
+"""bench/ch13_gpu.py (chapter 13's C.4 on the H200) on the CPU: its --cpu-smoke mode runs the same code path
 with the tiny model and 4 requests; a failing engine is recorded, not fatal; the figure draws from the JSON."""
 import importlib.util
 import json
@@ -10,11 +10,11 @@ from pathlib import Path
 from nanovllm_ref import Parts
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "bench" / "ch12_gpu.py"
+SCRIPT = REPO / "bench" / "ch13_gpu.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("ch12_gpu", SCRIPT)
+    spec = importlib.util.spec_from_file_location("ch13_gpu", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -27,7 +27,7 @@ def test_cpu_smoke_writes_the_json_and_the_figure(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "ch12_gpu_h200.json").read_text())
+    data = json.loads((tmp_path / "ch13_gpu_h200.json").read_text())
     assert data["mode"] == "cpu-smoke" and data["torch"] and len(data["date"]) == 10 and "triton" in data
     w = data["workload"]
     assert (w["requests"], w["temperature"], w["ignore_eos"], w["timed_runs"]) == (4, 0.6, True, 3)
@@ -42,7 +42,7 @@ def test_cpu_smoke_writes_the_json_and_the_figure(tmp_path):
     yours = data["engines"]["yours"]["students_parts"]
     assert len(yours) == 14 and "sampler (ch08 E8.1-E8.4)" in yours
     assert "attention_backend (ch04 E4.2)" in yours            # the CPU runs chapter 04's decode, and says so
-    png = (tmp_path / "ch12_capstone_h200.png").read_bytes()
+    png = (tmp_path / "ch13_capstone_h200.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -53,7 +53,7 @@ def boom(logits, metadata):
 def test_a_failing_engine_is_recorded_with_its_error_and_the_figure_still_draws(tmp_path):
     mod = load_script()
     from nanovllm_bench.workload import make_model_folder
-    from nanovllm_course.figures_ch12 import capstone_throughput
+    from nanovllm_course.figures_ch13 import capstone_throughput
     path = make_model_folder("tiny", str(tmp_path / "model"))
     prompts, max_tokens = mod.workload(dict(mod.SMOKE, requests=2))
     rec = mod.run_engine(path, Parts(sampler=boom), prompts, max_tokens, mod.SMOKE)

@@ -1,4 +1,4 @@
-"""Planted wrong parts for tests/test_course_ch12.py. Module-level (importable, so they pickle into
+"""Planted wrong parts for tests/test_course_ch13.py. Module-level (importable, so they pickle into
 tensor-parallel workers like a student's exported parts do)."""
 import torch
 

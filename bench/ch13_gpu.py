@@ -1,15 +1,15 @@
-"""Chapter 12, section C.4 on a GPU: the capstone's engine (solutions/ exported as if they were a student's
+"""Chapter 13, section C.4 on a GPU: the capstone's engine (solutions/ exported as if they were a student's
 notebooks) against the reference engine on the benchmark workload; writes JSON and a figure drawn from it.
 
-    python bench/ch12_gpu.py                       # on a CUDA machine, from the repository root (< 240 s on an H200)
-    python bench/ch12_gpu.py --cpu-smoke --out D   # the same code path on a CPU: tiny model, 4 short requests
+    python bench/ch13_gpu.py                       # on a CUDA machine, from the repository root (< 240 s on an H200)
+    python bench/ch13_gpu.py --cpu-smoke --out D   # the same code path on a CPU: tiny model, 4 short requests
 
-Writes OUT/ch12_gpu_h200.json and OUT/ch12_capstone_h200.png, where OUT is --out, else $OUT, else
-artifacts/ch12_gpu/. The JSON holds the date, device, torch / triton versions, the workload, and per engine
+Writes OUT/ch13_gpu_h200.json and OUT/ch13_capstone_h200.png, where OUT is --out, else $OUT, else
+artifacts/ch13_gpu/. The JSON holds the date, device, torch / triton versions, the workload, and per engine
 the tok/s of each timed run, their median and which parts were the student's (or the error text, when that
 engine failed: one engine failing does not stop the other). Commit the JSON as
-bench/results/ch12_gpu_h200.json; `python -m nanovllm_course figures 12` then redraws
-figures/ch12_capstone_h200.png from it on any machine (nanovllm_course/figures_ch12.py).
+bench/results/ch13_gpu_h200.json; `python -m nanovllm_course figures 13` then redraws
+figures/ch13_capstone_h200.png from it on any machine (nanovllm_course/figures_ch13.py).
 
 Workload (C.4 of the notebook): Qwen3-0.6B's shape with dummy weights (nanovllm_bench.workload.make_model_folder),
 make_workload scaled to 64 requests, temperature 0.6, ignore_eos, CUDA graphs on. Each engine: one warm-up
@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))                   # nanovllm_ref and nanovllm_course from this checkout
 
-JSON_NAME = "ch12_gpu_h200.json"
-FIGURE_NAME = "ch12_capstone_h200.png"
+JSON_NAME = "ch13_gpu_h200.json"
+FIGURE_NAME = "ch13_capstone_h200.png"
 GPU = dict(requests=64, runs=3, warmup_requests=4, temperature=0.6,
            engine=dict(enforce_eager=False, max_model_len=2048))
 SMOKE = dict(requests=4, runs=3, warmup_requests=2, temperature=0.6,
@@ -96,16 +96,16 @@ def student_parts(smoke: bool, out_dir: str):
     """Export solutions/ the way a student's chapters are exported (the capstone's round trip, into a fresh
     package) and assemble the capstone with the course's choice of parts. Returns (parts, labels of the parts
     that are the student's). out_dir is unused (kept for the command line); the export goes to a temp folder."""
-    from nanovllm_course import ch12
-    cap = ch12.assemble(ch12.SOLUTIONS, ch12.reference_choose_parts)
+    from nanovllm_course import ch13
+    cap = ch13.assemble(ch13.SOLUTIONS, ch13.reference_choose_parts)
     # on a CPU chapter 06's Triton kernels would only be interpreted: run (and name) what the notebook's CPU runs
     choice, parts = (cap.choice, cap.cpu_parts) if smoke else (cap.gpu_choice, cap.gpu_parts)
-    return parts, [ch12.part_label(c) for c in choice.values()]
+    return parts, [ch13.part_label(c) for c in choice.values()]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "artifacts" / "ch12_gpu"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "artifacts" / "ch13_gpu"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model, 4 short requests, on the CPU")
     ap.add_argument("--budget-s", type=float, default=220.0, help="stop timing new runs past this many seconds")
     args = ap.parse_args(argv)
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     import torch
     if not args.cpu_smoke:
         if not torch.cuda.is_available():
-            print("needs a CUDA GPU (or --cpu-smoke); the committed figure is figures/ch12_capstone_h200.png")
+            print("needs a CUDA GPU (or --cpu-smoke); the committed figure is figures/ch13_capstone_h200.png")
             return 1
         os.environ.pop("TRITON_INTERPRET", None)    # compiled kernels, whatever the shell says
     settings = SMOKE if args.cpu_smoke else GPU
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         print(f"{who:9s}: " + (f"median {rec['median_tok_s']:,.0f} tok/s (runs {runs})" if rec["tok_s"] else "no run")
               + (f"; FAILED {rec['error']}" if rec["error"] else ""))
     try:
-        from nanovllm_course.figures_ch12 import capstone_throughput
+        from nanovllm_course.figures_ch13 import capstone_throughput
         print(f"wrote {capstone_throughput(out / FIGURE_NAME, data)}")
     except Exception:
         traceback.print_exc()

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Online serving benchmark on the lent H200, in one device call: `vllm serve` and our server, one after the
+# other, each driven by the same client (nanovllm_bench/serve.py) at the same Poisson request rates.
+#
+#   bash bench/gpu_run.sh serve        # unpacks the peers payload, then runs this script
+#   bash bench/gpu_serve.sh            # results in $OUT: serve_h200.json (the record), serve_h200.png, logs
+#
+# Needs vLLM 0.20.2 and its dependencies (FastAPI, uvicorn, pydantic, httpx among them) unpacked in $SITE
+# (default /tmp/peers/site, where bench/gpu_run.sh's `assemble` puts the peers payload: peers-stage calls,
+# then `serve`, `peers` or `flash-check`); our server and the client take FastAPI, uvicorn, pydantic and
+# httpx from there too. Both servers open the same config-only
+# Qwen3-0.6B folder with random weights (--load-format dummy, bf16, max_model_len 4096, no prefix caching:
+# the rates replay one workload) and a word-level tokenizer that decodes every id, so both detokenize and
+# stream real text. Env: RATES (default 8,16,32,inf), VLLM_S / OURS_S (seconds allowed per server, start-up
+# included: default 220 each, so the whole call, unpacking included, stays within 540 s), RATE_S (seconds per
+# rate before open requests count as failed, default 60), SKIP_VLLM=1 / SKIP_OURS=1.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SITE=${SITE:-/tmp/peers/site}
+RATES=${RATES:-8,16,32,inf}
+MODEL=/tmp/serve_qwen3_06b
+NAME=qwen3-0.6b-dummy
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+unset TRITON_INTERPRET
+START=$SECONDS
+say() { echo "=== $* (t=$((SECONDS - START)) s, $(date -u +%H:%M:%S))"; }
+
+if [ ! -d "$SITE/vllm" ] && [ -z "${SKIP_VLLM:-}" ]; then
+  echo "error: $SITE/vllm is missing: stage and unpack the peers payload first (bash bench/gpu_run.sh serve)"; exit 2
+fi
+CLIENT=(env PYTHONPATH="$PWD:$SITE" python3 -m nanovllm_bench serve)
+"${CLIENT[@]}" model "$MODEL" >/dev/null || exit 2
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+
+wait_health() {   # url pid seconds
+  "${CLIENT[@]}" wait --base-url "$1" --pid "$2" --timeout "$3"
+}
+stop() {          # pid: SIGTERM, then SIGKILL after 30 s; prints the exit status
+  kill -TERM "$1" 2>/dev/null
+  for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+  kill -0 "$1" 2>/dev/null && { echo "still running 30 s after SIGTERM: SIGKILL"; kill -KILL "$1"; }
+  wait "$1"; echo "exit status $?"
+}
+bench() {         # url server-name notes seconds-left
+  if [ "$4" -le 10 ]; then echo "no time left for the client ($4 s)"; return; fi
+  timeout "$4" "${CLIENT[@]}" run --base-url "$1" --server "$2" --notes "$3" --rates "$RATES" \
+    --record "$OUT/serve_h200.json" --time-limit "${RATE_S:-60}"
+  echo "client exit $?"
+}
+
+COMMON=(--load-format dummy --dtype bfloat16 --max-model-len 4096 --no-enable-prefix-caching --seed 0
+        --served-model-name "$NAME" --host 127.0.0.1)
+
+if [ -z "${SKIP_VLLM:-}" ]; then
+  say "vllm serve"
+  PYTHONPATH="$SITE" python3 -c 'import sys; from vllm.entrypoints.cli.main import main; sys.argv = ["vllm"] + sys.argv[1:]; main()' \
+    serve "$MODEL" "${COMMON[@]}" --port 8100 --disable-uvicorn-access-log > "$OUT/serve_vllm.log" 2>&1 &
+  PID=$! T0=$SECONDS LIMIT=${VLLM_S:-220}
+  if wait_health http://127.0.0.1:8100 $PID $((LIMIT - 60)); then
+    VER=$(PYTHONPATH="$SITE" python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null)
+    bench http://127.0.0.1:8100 vllm "vllm $VER serve, defaults + ${COMMON[*]}" $((LIMIT - (SECONDS - T0)))
+  else
+    tail -30 "$OUT/serve_vllm.log"
+  fi
+  stop $PID
+  for _ in $(seq 20); do   # wait for vLLM's memory to come back before our engine sizes its KV cache
+    [ "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)" -lt 2000 ] && break; sleep 1
+  done
+fi
+
+if [ -z "${SKIP_OURS:-}" ]; then
+  say "nanovllm_ref serve"
+  PYTHONPATH="$PWD:$SITE" python3 -m nanovllm_ref serve --model "$MODEL" "${COMMON[@]}" --port 8200 \
+    --log-level warning > "$OUT/serve_nanovllm_ref.log" 2>&1 &
+  PID=$! T0=$SECONDS LIMIT=${OURS_S:-220}
+  if wait_health http://127.0.0.1:8200 $PID $((LIMIT - 60)); then
+    REV=${NANOVLLM_REF_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+    bench http://127.0.0.1:8200 nanovllm_ref "nanovllm_ref $REV serve, defaults + ${COMMON[*]}" $((LIMIT - (SECONDS - T0)))
+  else
+    tail -30 "$OUT/serve_nanovllm_ref.log"
+  fi
+  stop $PID
+fi
+
+say "figure"
+[ -f "$OUT/serve_h200.json" ] && "${CLIENT[@]}" plot --record "$OUT/serve_h200.json" \
+  --figure "$OUT/serve_h200.png" --title "H200, Qwen3-0.6B shape (random weights, bf16)"
+say "done"

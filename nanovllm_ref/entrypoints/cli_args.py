@@ -1,0 +1,46 @@
+"""Command-line flags of `serve` and `chat` (the engine flags they share with `generate` are __main__'s).
+
+Only argparse here: building the parser must not import the server's stack (FastAPI, uvicorn).
+"""
+import argparse
+
+
+def add_more_engine_flags(p) -> None:
+    """Engine arguments a long-running server sets more often than `generate` does; None = engine default."""
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one prefill step")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory to use")
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
+                   help="dummy: random weights (benchmarks of a model shape)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the KV blocks of equal prompt prefixes")
+    p.add_argument("--seed", type=int, default=None, help="the engine's seed")
+    # Test hook (serving_engine.py): build the engine with module:callable instead of LLMEngine.
+    p.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--engine-factory-kwargs", default=None, help=argparse.SUPPRESS)
+
+
+def more_engine_args(args) -> dict:
+    names = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "load_format",
+             "enable_prefix_caching", "seed")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def add_serve_flags(p) -> None:
+    add_more_engine_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the --model value)")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="most requests held at once (waiting or running); one more is answered 503")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+
+
+def add_chat_flags(p) -> None:
+    add_more_engine_flags(p)
+    p.add_argument("--system", default=None, help="a system message that opens the conversation")
+    p.add_argument("--max-tokens", type=int, default=256, help="most new tokens per answer")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -1,0 +1,313 @@
+"""The OpenAI-compatible HTTP server: `python -m nanovllm_ref serve --model PATH` (serving chapter).
+
+FastAPI routes (vLLM's `vllm/entrypoints/openai/api_server.py` serves the same ones):
+
+| route | answers |
+|---|---|
+| GET /health | 200 while the engine loop runs (with the engine's stats() after the last step and the loop's host time), 503 once it failed or is shutting down |
+| GET /v1/models | the one served model, with its max_model_len |
+| POST /v1/completions | text for a prompt (str, token ids, or a batch of either) |
+| POST /v1/chat/completions | the assistant's next message for a conversation (the model's chat template) |
+
+Both POST routes stream with `"stream": true`: server-sent events, one `data: {chunk}` per piece of new text,
+a chunk with the finish_reason when a choice ends, a usage chunk when `stream_options.include_usage`, then
+`data: [DONE]`. A chunk may carry the text of several engine steps when the client reads slower than the
+engine writes. Without streaming, the answer is one JSON body; both carry `usage` and `finish_reason`.
+
+Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with `param` naming the field:
+400 for malformed JSON, a bad or unknown field, a field the engine cannot honour, or a request that can
+never fit (max_model_len or the KV cache); 404 for another model's name; 503 when the server already holds
+`--max-queued-requests` requests, or is stopping. A client that disconnects has its requests aborted
+(their KV blocks are freed at the next step). SIGTERM or Ctrl-C: in-flight requests are aborted (streams end
+with finish_reason "abort", unanswered requests get 503), then the engine's exit() runs and the process
+exits with status 0.
+"""
+import asyncio
+import json
+import logging
+import signal
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanovllm_ref.entrypoints.openai.engine_loop import Aborted, EngineDead, EngineLoop, Overloaded
+from nanovllm_ref.entrypoints.openai.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
+                                                      ChatCompletionChunk, ChatCompletionRequest,
+                                                      ChatCompletionResponse, CompletionChoice,
+                                                      CompletionRequest, CompletionResponse, DeltaMessage,
+                                                      ModelCard, ModelList, random_id)
+from nanovllm_ref.entrypoints.openai.serving import Choices, chat_inputs, completion_inputs
+
+logger = logging.getLogger("uvicorn.error")          # uvicorn configures it: one log for the server
+
+
+class ClientGone(Exception):
+    """Put in a group's queue when the client disconnected."""
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic error as an OpenAI error body naming its top-level field."""
+    err = exc.errors()[0]
+    loc = [p for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(f"malformed JSON body: {err.get('msg')} (at character {loc[0] if loc else '?'})",
+                        param=None)
+    if not loc:
+        return APIError(f"the request body is missing or not a JSON object: {err.get('msg')}", param=None)
+    field, path = str(loc[0]), ".".join(str(p) for p in loc)
+    if err.get("type") == "extra_forbidden":
+        return APIError(f"unknown field `{path}`: this server does not know it (a typo?)", param=field)
+    return APIError(f"{path}: {err.get('msg')}", param=field)
+
+
+def _sse(chunk) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+class _TextChunk:
+    """The SSE line of a text chunk, cut once per request from the pydantic chunk's own JSON around two marks
+    (the choice index and the text), then filled by string joins: the stream's hot path runs once per token
+    of every client, thousands of times a second, and building a pydantic model each time would cost more
+    than the rest of the server. The shape stays the model's, since the pieces come from its output."""
+    INDEX, TEXT = 987654321, "@@text@@"
+
+    def __init__(self, sample):
+        head, rest = sample.model_dump_json().split(str(self.INDEX), 1)
+        middle, tail = rest.split(json.dumps(self.TEXT), 1)
+        self.head, self.middle, self.tail = "data: " + head, middle, tail + "\n\n"
+
+    def __call__(self, index: int, text: str) -> str:
+        return f"{self.head}{index}{self.middle}{json.dumps(text, ensure_ascii=False)}{self.tail}"
+
+
+def _watch_disconnect(raw: Request, group) -> asyncio.Task:
+    """A task that aborts `group` when the client disconnects (uvicorn reports it through receive(); a send
+    to a gone client is silently dropped, so waiting for a failed write would never abort)."""
+    async def watch():
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+        group.abort()
+        group.queue.put_nowait(ClientGone())
+    return asyncio.create_task(watch())
+
+
+def build_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
+    """The FastAPI app over `engine_loop` (started and shut down by the app's lifespan). model_name: the name
+    /v1/models lists and requests must use (or leave out)."""
+    engine = engine_loop.engine
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await engine_loop.start()
+        try:
+            yield
+        finally:
+            await engine_loop.shutdown()
+
+    app = FastAPI(title="nanovllm_ref OpenAI-compatible server", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc: RequestValidationError):
+        err = _validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.get("/health")
+    async def health():
+        if engine_loop.dead is not None:
+            raise APIError(str(engine_loop.dead), status=503, type="service_unavailable")
+        return {"status": "ok", "open_requests": engine_loop.num_open, "engine": engine_loop.engine_stats,
+                "loop": {**engine_loop.timing, "process_cpu_s": time.process_time()}}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.max_model_len)])
+
+    def check_model(name):
+        if name is not None and name != model_name:
+            raise APIError(f"the model `{name}` does not exist; this server serves `{model_name}`",
+                           param="model", status=404, type="not_found_error")
+
+    async def admit(inputs, raw: Request):
+        """Submit to the loop and wait until the engine took them. Returns (group, disconnect watcher)."""
+        try:
+            group = engine_loop.submit(inputs)
+        except Overloaded as exc:
+            raise APIError(str(exc), status=503, type="service_unavailable") from exc
+        except EngineDead as exc:
+            raise APIError(str(exc), status=503, type="service_unavailable") from exc
+        watcher = _watch_disconnect(raw, group)
+        try:
+            await group.admitted
+        except (ValueError, TypeError) as exc:          # the engine refused a request the checks let through
+            watcher.cancel()
+            raise APIError(f"the engine refused the request: {exc}", param=None) from exc
+        except (Aborted, EngineDead) as exc:
+            watcher.cancel()
+            raise APIError(f"the request was not run: {engine_loop.dead or exc}", status=503,
+                           type="service_unavailable") from exc
+        except BaseException:
+            watcher.cancel()
+            group.abort()
+            raise
+        return group, watcher
+
+    async def collect(group, choices: Choices):
+        async for prompt_index, out in group:
+            choices.update(prompt_index, out)
+
+    async def run(body, raw: Request, inputs, chat: bool):
+        n = getattr(inputs[0].sampling_params, "n", 1)
+        choices = Choices([len(i.prompt_token_ids) for i in inputs], n)
+        # One id and one creation time for the response and every chunk of its stream, as OpenAI's.
+        head = dict(id=random_id("chatcmpl" if chat else "cmpl"), model=model_name, created=int(time.time()))
+        group, watcher = await admit(inputs, raw)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = (_chat_stream if chat else _completion_stream)(group, watcher, choices, head, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            await collect(group, choices)
+        except ClientGone:
+            return Response(status_code=499)            # nobody reads it
+        except (Aborted, EngineDead) as exc:
+            raise APIError(f"the request was not finished: {exc}", status=503, type="service_unavailable") from exc
+        finally:
+            watcher.cancel()
+            group.abort()
+        usage = choices.usage()
+        if chat:
+            return ChatCompletionResponse(**head, usage=usage, choices=[
+                ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                           stop_reason=c.stop_reason) for i, c in choices.final()])
+        return CompletionResponse(**head, usage=usage, choices=[
+            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for i, c in choices.final()])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, raw: Request):
+        check_model(body.model)
+        return await run(body, raw, completion_inputs(body, engine), chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        check_model(body.model)
+        return await run(body, raw, chat_inputs(body, engine), chat=True)
+
+    return app
+
+
+async def _stream_deltas(group, watcher, choices: Choices):
+    """Yield (deltas, error) as outputs arrive; error is "abort" (shutdown) or an error message, then stops.
+    Always aborts what is left of the group and stops the watcher at the end."""
+    try:
+        async for prompt_index, out in group:
+            deltas = choices.update(prompt_index, out)
+            for more_index, more in group.drain():
+                deltas += choices.update(more_index, more)
+            yield deltas, None
+    except ClientGone:
+        return
+    except Aborted:
+        yield [], "abort"
+    except EngineDead as exc:
+        yield [], str(exc)
+    finally:
+        watcher.cancel()
+        group.abort()
+
+
+def _usage_and_done(chunk_cls, head, choices, include_usage, error):
+    if error not in (None, "abort"):
+        yield f"data: {json.dumps({'error': {'message': error, 'type': 'service_unavailable'}})}\n\n"
+    if include_usage:
+        yield _sse(chunk_cls(**head, choices=[], usage=choices.usage()))
+    yield "data: [DONE]\n\n"
+
+
+async def _completion_stream(group, watcher, choices: Choices, head: dict, include_usage: bool):
+    text_chunk = _TextChunk(CompletionResponse(**head, choices=[CompletionChoice(
+        index=_TextChunk.INDEX, text=_TextChunk.TEXT)]))
+    error = None
+    async for deltas, error in _stream_deltas(group, watcher, choices):
+        for d in deltas:
+            if d.text:
+                yield text_chunk(d.index, d.text)
+            if d.finish_reason is not None:
+                yield _sse(CompletionResponse(**head, choices=[CompletionChoice(
+                    index=d.index, text="", finish_reason=d.finish_reason, stop_reason=d.stop_reason)]))
+    if error == "abort":
+        for i, c in choices.final():
+            if c.finish_reason is None:
+                yield _sse(CompletionResponse(**head, choices=[CompletionChoice(
+                    index=i, text="", finish_reason="abort")]))
+    for line in _usage_and_done(CompletionResponse, head, choices, include_usage, error):
+        yield line
+
+
+async def _chat_stream(group, watcher, choices: Choices, head: dict, include_usage: bool):
+    def chunk(index, delta, finish_reason=None, stop_reason=None):
+        return _sse(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+            index=index, delta=delta, finish_reason=finish_reason, stop_reason=stop_reason)]))
+    text_chunk = _TextChunk(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+        index=_TextChunk.INDEX, delta=DeltaMessage(content=_TextChunk.TEXT))]))
+    for i, _ in choices.final():                       # OpenAI's first chunk of a choice names the role
+        yield chunk(i, DeltaMessage(role="assistant", content=""))
+    error = None
+    async for deltas, error in _stream_deltas(group, watcher, choices):
+        for d in deltas:
+            if d.text:
+                yield text_chunk(d.index, d.text)
+            if d.finish_reason is not None:
+                yield chunk(d.index, DeltaMessage(), d.finish_reason, d.stop_reason)
+    if error == "abort":
+        for i, c in choices.final():
+            if c.finish_reason is None:
+                yield chunk(i, DeltaMessage(), "abort")
+    for line in _usage_and_done(ChatCompletionChunk, head, choices, include_usage, error):
+        yield line
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that, on SIGTERM / SIGINT, first aborts the open requests (so streaming connections
+    end at once instead of holding up the graceful shutdown), then stops as uvicorn does."""
+
+    def __init__(self, config, engine_loop: EngineLoop):
+        super().__init__(config)
+        self.engine_loop = engine_loop
+
+    def handle_exit(self, sig, frame):
+        if not self.should_exit:
+            logger.info("signal %s: aborting %d open requests, then shutting down", sig, self.engine_loop.num_open)
+            self.engine_loop.request_shutdown()
+        super().handle_exit(sig, frame)
+
+
+def run_server(args, model_path: str, engine_args: dict) -> int:
+    """Build the engine, serve until SIGTERM / SIGINT, return the exit status (0 after a clean shutdown).
+    args: the parsed `serve` flags (entrypoints/cli_args.py). Raises ValueError / TypeError for bad flags."""
+    from nanovllm_ref.entrypoints.openai.serving_engine import build_engine
+    engine = build_engine(model_path, engine_args, args.engine_factory, args.engine_factory_kwargs)
+    engine_loop = EngineLoop(engine, args.max_queued_requests)
+    app = build_app(engine_loop, args.served_model_name or args.model)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log, lifespan="on", timeout_graceful_shutdown=10)
+    server = _Server(config, engine_loop)
+    # uvicorn restores the handlers it found and re-raises the signal it caught once it has stopped; with
+    # these in place that second delivery does nothing, and the process exits 0 after a clean shutdown.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    except SystemExit:                                 # uvicorn could not start (the port is taken: it logged why)
+        engine.exit()
+        return 1
+    return 0

@@ -1,0 +1,213 @@
+"""The OpenAI wire format: request and response bodies of /v1/completions, /v1/chat/completions, their
+streamed chunks, /v1/models and the error body (serving chapter).
+
+Shapes follow OpenAI's API reference and vLLM's `vllm/entrypoints/openai/protocol.py`, which adds a few
+sampling fields of its own (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+include_stop_str_in_output, skip_special_tokens); clients send those in the JSON body (the `openai` client's
+`extra_body=`).
+
+Requests are strict (`extra="forbid"`): a field this server does not know is refused with a 400 that names
+it, never ignored, so a typo such as `temprature` cannot silently sample at the default. Fields it knows but
+cannot honour are refused by `sampling.py`. Types are checked here; value ranges are checked by
+`SamplingParams` itself, so the two never disagree.
+"""
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+# Strict scalars: "0.5" is not a temperature and true is not a max_tokens (pydantic's lax mode would convert
+# both). A JSON integer is still a valid float.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+
+
+def random_id(prefix: str) -> str:
+    """An id like OpenAI's: `cmpl-3f2a...` (32 hex digits after the prefix)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    """include_usage: send one more chunk before `[DONE]`, with `choices: []` and the request's usage."""
+    include_usage: Bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields both endpoints share. None means "not given"; sampling.py applies the defaults."""
+    model: Str | None = None
+    temperature: Float | None = None          # OpenAI's default is 1
+    top_p: Float | None = None
+    n: Int | None = None
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    stop: Str | list[Str] | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[Str, Float] | None = None
+    user: Str | None = None                   # the caller's own tag: accepted, not used
+    # vLLM's extra sampling fields
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int | None = None
+    ignore_eos: Bool | None = None
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: Bool | None = None
+    skip_special_tokens: Bool | None = None
+
+
+# A prompt is text, a list of texts, a list of token ids, or a list of token-id lists (a batch).
+Prompt = Str | list[Str] | list[Int] | list[list[Int]]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. max_tokens defaults to 16 as in OpenAI's API; None asks for the rest of the
+    context (max_model_len - prompt length)."""
+    prompt: Prompt
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: Bool | None = None
+    best_of: Int | None = None
+    suffix: Str | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: Str
+
+
+class ChatMessage(_Request):
+    """One message. content: a str, or a list of text parts (joined, as vLLM does for text-only models)."""
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Str | list[TextPart]
+    name: Str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. max_tokens (or its newer name max_completion_tokens) None: the rest of the
+    context. add_generation_prompt: end the rendered prompt with the assistant's turn marker (default)."""
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = None
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: Str | dict | None = None
+    parallel_tool_calls: Bool | None = None
+    add_generation_prompt: Bool = True
+    chat_template_kwargs: dict | None = None
+
+
+# -- responses -------------------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None          # "stop", "length", "abort"; None while streaming
+    stop_reason: int | str | None = None      # vLLM's: the stop id or string that ended it
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "nanovllm_ref"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    """OpenAI's error object. param: the request field at fault (dotted path for nested ones), or None."""
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """A request the server answers with an error body instead of a completion. status: 400 for a bad
+    request, 404 for an unknown model, 503 when the server is full or stopping. param: the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type = message, param, status, type
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param)).model_dump()

@@ -1,0 +1,101 @@
+"""The server's back-pressure and lifecycle, each on its own server process with the fake engine: a full
+admission queue answers 503 at once, SIGTERM aborts what is open and exits 0, start-up errors exit by name."""
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from serve_helpers import FAKE, ROOT, ServerProcess, child_env, make_tokenizer_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tokenizer_dir(tmp_path_factory.mktemp("serve_tok"))
+
+
+def _open_stream(client: httpx.Client, prompt, max_tokens=190):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    response = client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
+    assert response.status_code == 200, response.read()
+    lines = response.iter_lines()
+    first = next(lines)
+    assert first.startswith("data: "), first
+    return response, lines
+
+
+def test_full_admission_queue_answers_503_at_once_and_recovers(tmp_path, model_dir):
+    with ServerProcess(tmp_path, model_dir, {"step_delay": 0.02}, args=["--max-queued-requests", "2"]) as srv, \
+            httpx.Client(base_url=srv.url, timeout=httpx.Timeout(20)) as client:
+        held = [_open_stream(client, [5, 6, 7 + i]) for i in range(2)]
+        t = time.monotonic()
+        res = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=10)
+        assert time.monotonic() - t < 5, "the overloaded server made the client wait"
+        assert res.status_code == 503, res.text
+        assert res.headers.get("retry-after") == "1"
+        error = res.json()["error"]
+        assert error["type"] == "service_unavailable" and "max-queued-requests" in error["message"]
+        # A batch of two prompts needs two places: refused whole, and nothing of it reached the engine.
+        res = httpx.post(srv.url + "/v1/completions", json={"prompt": [[5, 9], [5, 10]], "max_tokens": 2}, timeout=10)
+        assert res.status_code == 503
+        assert not [e for e in srv.events("add") if e["prompt_token_ids"] in ([5, 6], [5, 9], [5, 10])]
+        assert httpx.get(srv.url + "/health", timeout=5).json()["open_requests"] == 2
+        for response, _ in held:
+            response.close()
+        srv.wait_for(lambda ev: len([e for e in ev if e["event"] == "abort"]) == 2, what="the two aborts")
+        res = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=10)
+        assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 2
+
+
+def test_sigterm_aborts_open_requests_calls_exit_and_exits_0(tmp_path, model_dir):
+    srv = ServerProcess(tmp_path, model_dir, {"step_delay": 0.02})
+    try:
+        with httpx.Client(base_url=srv.url, timeout=httpx.Timeout(20)) as client:
+            response, lines = _open_stream(client, [21, 22, 23])
+            t = time.monotonic()
+            status = srv.terminate(timeout=30)
+            rest = [line for line in lines if line]
+            response.close()
+        assert status == 0, srv.log()
+        assert time.monotonic() - t < 15, "shutdown waited for the open stream instead of aborting it"
+        assert rest[-1] == "data: [DONE]"
+        finishes = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest if line.startswith("data: {")]
+        assert finishes[-1] == "abort"
+        events = srv.record()
+        rid = [e for e in events if e["event"] == "add"][-1]["request_id"]
+        kinds = [e["event"] for e in events]
+        assert {"event": "abort", "request_id": rid, "known": True} in events
+        assert kinds[-1] == "exit" and events[-1]["unfinished"] == []
+        assert "Application shutdown complete" in srv.log()
+    finally:
+        srv.kill()
+
+
+def _serve(args, timeout=120):
+    cmd = [sys.executable, "-m", "nanovllm_ref", "serve", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_engine_factory_fails_by_name_before_serving(model_dir):
+    res = _serve(["--model", model_dir, "--engine-factory", "no_such_module:make"])
+    assert res.returncode == 2
+    assert "--engine-factory" in res.stderr and "no_such_module" in res.stderr
+    res = _serve(["--model", model_dir, "--engine-factory", FAKE, "--engine-factory-kwargs", "[1]"])
+    assert res.returncode == 2 and "must be a JSON object" in res.stderr
+    res = _serve(["--model", model_dir, "--engine-factory", FAKE, "--max-queued-requests", "0"])
+    assert res.returncode == 2 and "max_queued_requests must be an int >= 1" in res.stderr
+
+
+def test_port_in_use_exits_1(tmp_path, model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = _serve(["--model", model_dir, "--engine-factory", FAKE, "--port", str(port),
+                      "--engine-factory-kwargs", json.dumps({"record": str(tmp_path / "ev.jsonl")})])
+    assert res.returncode == 1, res.stderr
+    assert "address already in use" in res.stderr.lower()
+    events = [json.loads(line)["event"] for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert events[-1] == "exit"

@@ -1,0 +1,398 @@
+"""The serving layer's parts in one process, no HTTP: the engine loop (joins between steps, aborts, back-pressure,
+engine failure, shutdown) on the fake engine, the sampling-field mapping, the length rules, the deltas, and the
+adapter's check of the engine's request API."""
+import asyncio
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+from serve_fake_engine import FakeCompletion, FakeEngine, FakeRequestOutput, fake_answer
+from serve_helpers import make_tokenizer_dir
+
+from nanovllm_ref.entrypoints.openai import sampling
+from nanovllm_ref.entrypoints.openai.engine_loop import Aborted, EngineDead, EngineLoop, Overloaded
+from nanovllm_ref.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from nanovllm_ref.entrypoints.openai.serving import Choices, completion_inputs
+from nanovllm_ref.entrypoints.openai.serving_engine import (LLMEngineAdapter, check_serving_engine,
+                                                            default_engine_factory, engine_request_api_missing)
+from nanovllm_ref import sampling_params as sampling_params_module
+from nanovllm_ref.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tokenizer_dir(tmp_path_factory.mktemp("serve_tok"))
+
+
+def _input(ids, max_tokens=8, **kw):
+    return SimpleNamespace(prompt_token_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                                **kw))
+
+
+def _run(coro, timeout=30):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def _collect(group):
+    await group.admitted
+    last = {}
+    async for index, out in group:
+        last[index] = out
+    return [last[i].outputs[0].text for i in sorted(last)]
+
+
+def test_requests_join_the_running_batch_between_steps(model_dir):
+    engine = FakeEngine(model_dir, step_delay=0.005)
+    check_serving_engine(engine)
+
+    async def main():
+        loop = EngineLoop(engine)
+        await loop.start()
+        first = loop.submit([_input([5, 6, 7], max_tokens=30, ignore_eos=True)])
+        await first.admitted
+        while engine.num_steps < 5:
+            await asyncio.sleep(0.005)
+        second = loop.submit([_input([8, 9], max_tokens=5)])
+        texts = await asyncio.gather(_collect(first), _collect(second))
+        await loop.shutdown()
+        return first.request_ids[0], second.request_ids[0], texts
+
+    a, b, texts = _run(main())
+    assert texts == [[fake_answer(engine.tokenizer, [5, 6, 7], 30, ignore_eos=True)[0]],
+                     [fake_answer(engine.tokenizer, [8, 9], 5)[0]]]
+    batches = [e["batch"] for e in engine.calls if e["event"] == "step"]
+    joined = next(i for i, batch in enumerate(batches) if b in batch)
+    assert joined >= 5 and a in batches[joined] and a in batches[joined - 1] and b not in batches[joined - 1]
+    assert engine.closed and engine.calls[-1] == {"event": "exit", "unfinished": []}
+
+
+def test_abort_before_admission_never_reaches_the_engine_and_after_it_frees_the_request(model_dir):
+    engine = FakeEngine(model_dir, step_delay=0.01)
+
+    async def main():
+        loop = EngineLoop(engine)
+        await loop.start()
+        early = loop.submit([_input([5, 6])])
+        early.abort()                                   # still in the pending list: dropped there
+        with pytest.raises(Aborted):
+            await early.admitted
+        late = loop.submit([_input([7, 8], max_tokens=100, ignore_eos=True)])
+        await late.admitted
+        await asyncio.sleep(0.05)
+        late.abort()
+        while not [e for e in engine.calls if e["event"] == "abort"]:
+            await asyncio.sleep(0.005)
+        open_after = loop.num_open
+        await loop.shutdown()
+        return early.request_ids[0], late.request_ids[0], open_after
+
+    early, late, open_after = _run(main())
+    added = [e["request_id"] for e in engine.calls if e["event"] == "add"]
+    assert added == [late]
+    assert [e for e in engine.calls if e["event"] == "abort"] == [{"event": "abort", "request_id": late, "known": True}]
+    assert open_after == 0 and not engine.has_unfinished_requests()
+
+
+def test_submit_beyond_the_queue_bound_is_refused_at_once_and_a_place_frees_when_one_finishes(model_dir):
+    engine = FakeEngine(model_dir, step_delay=0.005)
+
+    async def main():
+        loop = EngineLoop(engine, max_queued_requests=3)
+        await loop.start()
+        groups = [loop.submit([_input([5, i], max_tokens=3)]) for i in range(3)]
+        with pytest.raises(Overloaded, match="--max-queued-requests 3"):
+            loop.submit([_input([9, 9])])
+        batch = [_input([9, 1]), _input([9, 2])]
+        with pytest.raises(Overloaded):
+            loop.submit(batch)                          # two places wanted, none free: nothing queued
+        await asyncio.gather(*(_collect(g) for g in groups))
+        again = loop.submit(batch)                      # all finished: the places are free again
+        texts = await _collect(again)
+        await loop.shutdown()
+        return texts
+
+    assert _run(main()) == [fake_answer(engine.tokenizer, [9, 1], 8)[0], fake_answer(engine.tokenizer, [9, 2], 8)[0]]
+
+
+def test_an_engine_refusal_fails_only_its_group_and_undoes_its_siblings(model_dir):
+    engine = FakeEngine(model_dir)
+
+    async def main():
+        loop = EngineLoop(engine)
+        await loop.start()
+        bad = loop.submit([_input([5, 6]), _input([0, 0, 1])])   # the fake refuses a prompt starting 0, 0
+        good = loop.submit([_input([7, 8])])
+        with pytest.raises(ValueError, match="fake engine refuses"):
+            await bad.admitted
+        texts = await _collect(good)
+        await loop.shutdown()
+        return bad.request_ids, texts
+
+    (sibling, refused), texts = _run(main())
+    assert texts == [fake_answer(engine.tokenizer, [7, 8], 8)[0]]
+    assert {"event": "abort", "request_id": sibling, "known": True} in engine.calls
+    assert refused not in [e["request_id"] for e in engine.calls if e["event"] == "add"]
+
+
+def test_a_failing_engine_fails_every_open_request_and_then_refuses_new_ones(model_dir):
+    engine = FakeEngine(model_dir, fail_at_step=3)
+
+    async def main():
+        loop = EngineLoop(engine)
+        await loop.start()
+        group = loop.submit([_input([5, 6], max_tokens=50, ignore_eos=True)])
+        with pytest.raises(EngineDead, match="failed on purpose"):
+            await _collect(group)
+        with pytest.raises(EngineDead):
+            loop.submit([_input([5, 6])])
+        dead = str(loop.dead)
+        await loop.shutdown()
+        return dead
+
+    assert "RuntimeError" in _run(main())
+    assert engine.closed
+
+
+def test_shutdown_aborts_open_requests_then_calls_exit(model_dir):
+    engine = FakeEngine(model_dir, step_delay=0.01)
+
+    async def main():
+        loop = EngineLoop(engine)
+        await loop.start()
+        group = loop.submit([_input([5, 6], max_tokens=100, ignore_eos=True)])
+        await group.admitted
+        await asyncio.sleep(0.05)
+        await loop.shutdown()
+        with pytest.raises(Aborted):
+            await _collect(group)
+        with pytest.raises(EngineDead, match="shutting down"):
+            loop.submit([_input([5, 6])])
+        return group.request_ids[0]
+
+    rid = _run(main())
+    kinds = [(e["event"], e.get("request_id")) for e in engine.calls if e["event"] in ("abort", "exit")]
+    assert kinds == [("abort", rid), ("exit", None)]
+    assert engine.calls[-1]["unfinished"] == []
+
+
+def test_max_queued_requests_is_checked():
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        EngineLoop(object(), max_queued_requests=0)
+
+
+# -- deltas --------------------------------------------------------------------------------------------------
+def _out(rid, text, ids, finish=None, index=0):
+    return FakeRequestOutput(rid, None, [1], [FakeCompletion(index, text, ids, finish)], finish is not None)
+
+
+def test_choices_stream_the_differences_of_cumulative_text():
+    choices = Choices([3, 4], n=1)
+    assert [(d.index, d.text) for d in choices.update(0, _out("a", "He", [1]))] == [(0, "He")]
+    assert choices.update(0, _out("a", "He", [1, 2])) == []          # new token, text held back
+    assert [(d.index, d.text) for d in choices.update(1, _out("b", "Yo", [5]))] == [(1, "Yo")]
+    delta = choices.update(0, _out("a", "Hello", [1, 2, 3], "stop"))[0]
+    assert (delta.index, delta.text, delta.finish_reason) == (0, "llo", "stop")
+    assert not choices.finished
+    choices.update(1, _out("b", "Yo!", [5, 6], "length"))
+    assert choices.finished
+    assert choices.usage().model_dump() == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert [(i, c.text) for i, c in choices.final()] == [(0, "Hello"), (1, "Yo!")]
+
+
+def test_choices_refuse_text_that_does_not_extend_what_was_sent():
+    choices = Choices([3], n=1)
+    choices.update(0, _out("a", "caf\ufffd", [1]))
+    with pytest.raises(RuntimeError, match="only append"):
+        choices.update(0, _out("a", "café", [1, 2]))
+
+
+# -- the sampling mapping and the length rules --------------------------------------------------------------
+def test_the_mapping_covers_exactly_the_sampling_fields_of_the_requests():
+    shared = set(CompletionRequest.model_fields) & set(ChatCompletionRequest.model_fields)
+    assert set(sampling.MAPPED) <= shared
+    both = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    assert set(sampling.NOT_SERVED) <= both
+    handled = set(sampling.MAPPED) | set(sampling.NOT_SERVED) | {
+        "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "user",
+        "add_generation_prompt", "chat_template_kwargs"}
+    assert both == handled, "a request field is neither mapped, refused nor handled by the server"
+
+
+def test_sampling_kwargs_pass_what_is_asked_and_refuse_what_the_server_cannot_serve():
+    req = CompletionRequest(prompt="x", temperature=0.5, top_k=4, n=1, presence_penalty=0.0, stop=[], min_p=0.2)
+    assert sampling.sampling_kwargs(req) == {"temperature": 0.5, "top_k": 4, "min_p": 0.2}
+    with pytest.raises(APIError) as info:
+        sampling.sampling_kwargs(CompletionRequest(prompt="x", best_of=2))
+    assert info.value.param == "best_of" and info.value.status == 400
+
+
+def test_the_engines_own_check_decides_and_its_errors_name_the_request_field(monkeypatch):
+    """check_with_engine asks the engine; a PENDING field is refused only while PENDING lists it (read at the
+    time of the request), and the error names the request field."""
+    from nanovllm_ref.engine.request import check_request
+    config = SimpleNamespace(hf_config=SimpleNamespace(vocab_size=100), max_num_seqs=4, max_model_len=64,
+                             kvcache_block_size=16, num_kvcache_blocks=8)
+    from nanovllm_ref.engine.scheduler import Scheduler
+    engine = SimpleNamespace(check_request=lambda ids, sp: check_request(
+        ids, sp, tokenizer=None, config=config, scheduler_cls=Scheduler, sp_where="the request"))
+    sp = sampling.make_sampling_params({"min_p": 0.2}, 4)
+    monkeypatch.setattr(sampling_params_module, "PENDING", {"min_p": 0.0})
+    with pytest.raises(APIError) as info:
+        sampling.check_with_engine(engine, [1, 2], sp)
+    assert info.value.param == "min_p" and "not implemented yet" in info.value.message
+    monkeypatch.setattr(sampling_params_module, "PENDING", {})
+    sampling.check_with_engine(engine, [1, 2], sp)                    # implemented now: accepted
+    with pytest.raises(APIError) as info:
+        sampling.check_with_engine(engine, [1, 2], sampling.make_sampling_params({"n": 5}, 4))
+    assert info.value.param == "n" and "max_num_seqs" in info.value.message
+    with pytest.raises(APIError) as info:
+        sampling.check_with_engine(engine, [1, 2], sampling.make_sampling_params({"stop_token_ids": [100]}, 4))
+    assert info.value.param == "stop_token_ids" and "outside the vocabulary" in info.value.message
+    with pytest.raises(APIError) as info:
+        sampling.check_with_engine(engine, [1, 200], sampling.make_sampling_params({}, 4), prompt_field="messages")
+    assert info.value.param == "messages"                               # no field named: the prompt's
+    sampling.check_with_engine(SimpleNamespace(), [1, 2], sp)          # an engine without the check: the add decides
+
+
+@pytest.mark.parametrize("kwargs,max_tokens,param", [({"temperature": -1.0}, 5, "temperature"),
+                                                     ({"top_p": 0.0}, 5, "top_p"), ({}, 0, "max_tokens"),
+                                                     ({"top_k": -3}, 5, "top_k")])
+def test_sampling_params_errors_name_the_request_field(kwargs, max_tokens, param):
+    with pytest.raises(APIError) as info:
+        sampling.make_sampling_params(kwargs, max_tokens)
+    assert info.value.param == param
+
+
+def test_chat_max_completion_tokens_is_named_in_its_errors(model_dir):
+    engine = FakeEngine(model_dir)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=10**5)
+    from nanovllm_ref.entrypoints.openai.serving import chat_inputs
+    with pytest.raises(APIError) as info:
+        chat_inputs(req, engine)
+    assert info.value.param == "max_completion_tokens"
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]}],
+                                max_tokens=3, max_completion_tokens=4)
+    (one,) = chat_inputs(req, engine)
+    assert one.sampling_params.max_tokens == 4                  # the newer name wins, as in vLLM
+    from nanovllm_ref.llm import chat_token_ids
+    assert one.prompt_token_ids == chat_token_ids(engine.tokenizer, [{"role": "user", "content": "a\nb"}])
+
+
+def test_kv_cache_rule_agrees_with_the_engines_block_count():
+    """check_fits_cache refuses exactly the requests whose blocks the engine's check would find too many."""
+    for block_size in (1, 4, 16, 256):
+        for num_blocks in (1, 3, 8):
+            for prompt_len in range(1, 40, 3):
+                for max_tokens in (1, 2, 7, 30):
+                    max_len = 64
+                    if prompt_len + max_tokens > max_len:
+                        continue
+                    longest = max(prompt_len, min(prompt_len + max_tokens, max_len) - 1)
+                    engine_refuses = -(-longest // block_size) > num_blocks
+                    try:
+                        sampling.check_fits_cache(prompt_len, max_tokens, max_len, num_blocks * block_size)
+                        refused = False
+                    except APIError:
+                        refused = True
+                    assert refused == engine_refuses, (block_size, num_blocks, prompt_len, max_tokens)
+
+
+def test_max_tokens_left_out_takes_what_the_context_and_cache_leave():
+    assert sampling.resolve_max_tokens(None, 10, 100) == 90
+    assert sampling.resolve_max_tokens(None, 10, 100, kv_cache_tokens=50) == 41
+    assert sampling.resolve_max_tokens(7, 10, 100) == 7
+    with pytest.raises(APIError) as info:
+        sampling.resolve_max_tokens(91, 10, 100)
+    assert info.value.param == "max_tokens" and "at most 90" in info.value.message
+    with pytest.raises(APIError) as info:
+        sampling.resolve_max_tokens(None, 100, 100, prompt_field="messages")
+    assert info.value.param == "messages"
+
+
+def test_completion_inputs_encode_text_prompts_with_the_tokenizer(model_dir):
+    engine = FakeEngine(model_dir)
+    (one,) = completion_inputs(CompletionRequest(prompt="Hello world", max_tokens=3, temperature=0), engine)
+    assert one.prompt_token_ids == engine.tokenizer.encode("Hello world")
+    assert (one.sampling_params.max_tokens, one.sampling_params.temperature) == (3, 0.0)
+
+
+# -- the adapter ----------------------------------------------------------------------------------------------
+class _NewAPIEngine:
+    """An LLMEngine stand-in with the request API the adapter forwards to."""
+    def __init__(self):
+        self.tokenizer = object()
+        self.config = SimpleNamespace(max_model_len=64, hf_config=SimpleNamespace(vocab_size=100),
+                                      num_kvcache_blocks=3, kvcache_block_size=16)
+        self.scheduler = SimpleNamespace(running=["s"], waiting=[], block_manager=SimpleNamespace(num_free_blocks=2))
+        self.log = []
+
+    def add_request(self, prompt, sampling_params=None, request_id=None):
+        self.log.append(("add", prompt, request_id))
+        return request_id
+
+    def abort_request(self, request_id):
+        self.log.append(("abort", request_id))
+
+    def step(self):
+        return ["out"]
+
+    def is_finished(self):
+        return False
+
+    def exit(self):
+        self.log.append(("exit",))
+
+
+def test_adapter_forwards_to_the_engines_request_api():
+    engine = _NewAPIEngine()
+    adapter = LLMEngineAdapter(engine)
+    check_serving_engine(adapter)
+    assert (adapter.max_model_len, adapter.vocab_size, adapter.kv_cache_tokens) == (64, 100, 48)
+    assert adapter.add_request([1, 2], None, "r1") == "r1"
+    adapter.abort_request("r1")
+    assert adapter.step() == ["out"] and adapter.has_unfinished_requests()
+    assert adapter.stats() == {"running": 1, "waiting": 0, "kv_blocks_free": 2, "kv_blocks_total": 3}
+    adapter.exit()
+    assert engine.log == [("add", [1, 2], "r1"), ("abort", "r1"), ("exit",)]
+
+
+def test_adapter_refuses_an_engine_without_the_request_api_and_the_factory_builds_the_real_one(tmp_path):
+    class Old:
+        def add_request(self, prompt, sampling_params): ...
+        def step(self): ...
+        def is_finished(self): ...
+        def exit(self): ...
+    assert engine_request_api_missing(Old) == ["abort_request", "add_request(..., request_id=)"]
+    with pytest.raises(TypeError, match="abort_request"):
+        LLMEngineAdapter(Old())
+    from nanovllm_ref.engine.llm_engine import LLMEngine
+    assert engine_request_api_missing(LLMEngine) == []
+    from nanovllm_models.tiny import make_tiny_model
+    adapter = default_engine_factory(make_tiny_model(str(tmp_path / "tiny")), max_model_len=128, device="cpu")
+    try:
+        check_serving_engine(adapter)
+        assert adapter.max_model_len == 128
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            adapter.check_request([1, 2], SamplingParams(n=10**4))
+    finally:
+        adapter.exit()
+
+
+@pytest.mark.parametrize("text", ["plain", ' "quoted" \\ back\\slash', "line\nbreak\ttab", "café ☕ 日本", "\x00\x1f", ""])
+def test_stream_text_chunks_equal_the_pydantic_chunks(text):
+    from nanovllm_ref.entrypoints.openai.api_server import _TextChunk
+    from nanovllm_ref.entrypoints.openai.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice,
+                                                          CompletionResponse, DeltaMessage)
+    head = dict(id="cmpl-x", model="m", created=123)
+    template = _TextChunk(CompletionResponse(**head, choices=[CompletionChoice(index=_TextChunk.INDEX,
+                                                                               text=_TextChunk.TEXT)]))
+    line = template(3, text)
+    assert line.startswith("data: ") and line.endswith("\n\n")
+    want = CompletionResponse(**head, choices=[CompletionChoice(index=3, text=text)]).model_dump()
+    assert json.loads(line[6:]) == want
+    template = _TextChunk(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+        index=_TextChunk.INDEX, delta=DeltaMessage(content=_TextChunk.TEXT))]))
+    want = ChatCompletionChunk(**head, choices=[ChatChunkChoice(index=0, delta=DeltaMessage(content=text))])
+    assert json.loads(template(0, text)[6:]) == want.model_dump()
