@@ -2,7 +2,8 @@
 
 The student writes a class with the reference Scheduler's constructor `(config, block_manager_cls)` and its
 methods: `schedule()` (E7.1: the prefill phase and the choice of phase), `_schedule_decode()` and `preempt()`
-(E7.2: the decode phase with preemption by recompute) and `postprocess()` (E7.3).
+(E7.2: the decode phase with preemption by recompute) and `postprocess()` (E7.3). E7.4 is a function: the
+timeline of the engine loop with and without async (overlap) scheduling.
 
 - `check_schedule_prefill(cls)` (E7.1), `check_schedule_decode(cls)` (E7.2), `check_postprocess(cls)`
   (E7.3): run the student's class in **lockstep** with `nanovllm_ref.engine.scheduler.Scheduler` on named
@@ -16,12 +17,22 @@ methods: `schedule()` (E7.1: the prefill phase and the choice of phase), `_sched
   the others (when the class has the `_schedule_decode` / `preempt` / `postprocess` methods of the
   notebook's layout; a class of another layout is checked whole).
 
+- `check_overlap_timeline(fn)` (E7.4): `fn(host_ms, device_ms, overlap) -> [(launch, device_start,
+  device_end)]`, the timeline of the engine loop's host and device clocks, synchronous (`overlap=False`) or
+  with async scheduling one step ahead (`overlap=True`, engine/llm_engine.py `_step_async`), compared with
+  `reference_overlap_timeline` at an abs/rel tolerance of 1e-9 on fresh random step times (one and two steps,
+  host shorter and longer than the device, a long prefill step among decodes, no host time); a wrong answer
+  that matches a known mistake (no overlap, the host more than one step ahead, two steps on the device at
+  once, the host on two steps at once) gets that mistake's hint.
+
 Every check draws fresh random streams on each call and prints `E7.n ok` and nothing else on success.
 `ReferenceScheduler`, `reference_schedule_prefill`, `reference_schedule_decode`, `reference_preempt` and
-`reference_postprocess` are the reference answers; `simulate`, `simulate_static` and `gantt_text` are the
+`reference_postprocess`, `reference_overlap_timeline` are the reference answers (`wall_ms` reads a timeline's
+end); `simulate`, `simulate_static` and `gantt_text` are the
 model-free simulator of the chapter's demos and figures; `MixedScheduler` is a vLLM-V1-style policy (one
 token budget shared by decodes and prefill chunks), for the simulator only.
 """
+import math
 import random
 import signal
 import threading
@@ -29,7 +40,7 @@ from collections import deque
 from contextlib import contextmanager
 from types import SimpleNamespace
 
-from nanovllm_course.common import fail, fresh_generator, ok
+from nanovllm_course.common import call_student, fail, fresh_generator, ok
 from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.invariants import check_block_manager
 from nanovllm_ref.engine.scheduler import Scheduler as EngineScheduler
@@ -764,6 +775,141 @@ def check_schedule_decode(cls) -> None:
 def check_postprocess(cls) -> None:
     """E7.3: postprocess() (with the reference schedule())."""
     _check("E7.3", cls)
+
+
+# -- E7.4: the overlap timeline ----------------------------------------------------------------------------------
+# A model of the engine loop's two clocks (engine/llm_engine.py, `_step` and `_step_async`). Step i costs the
+# host h_i ms (all host work between two launches: the bookkeeping of the ids that arrived, schedule, prepare,
+# launch) and the device d_i ms. Times in ms from 0; E_{-1} = E_{-2} = L_{-1} = 0.
+#   sync:  the host starts step i when step i-1's ids are back:   S_i = E_{i-1}
+#   async: the host starts step i once it has launched step i-1
+#          and step i-2's ids are back (one step ahead, no more): S_i = max(L_{i-1}, E_{i-2})
+#   both:  launch L_i = S_i + h_i; the device runs one step at a time: start_i = max(L_i, E_{i-1}),
+#          E_i = start_i + d_i. Wall time: E of the last step.
+
+
+def _timeline(host_ms, device_ms, overlap: bool, variant: str = "reference") -> list[tuple[float, float, float]]:
+    """The reference timeline, or one of the wrong variants the check recognises (to name the mistake)."""
+    out, launch_prev, end_prev, end_prev2 = [], 0.0, 0.0, 0.0
+    for h, d in zip(host_ms, device_ms):
+        if not overlap:
+            start_host = end_prev
+        elif variant == "unbounded":
+            start_host = launch_prev
+        elif variant == "host_parallel":
+            start_host = end_prev2
+        else:
+            start_host = max(launch_prev, end_prev2)
+        launch = start_host + h
+        start = launch if variant == "device_parallel" else max(launch, end_prev)
+        end = start + d
+        out.append((launch, start, end))
+        launch_prev, end_prev2, end_prev = launch, end_prev, end
+    return out
+
+
+def reference_overlap_timeline(host_ms: list[float], device_ms: list[float], overlap: bool) -> list[tuple]:
+    """E7.4's answer: [(launch, device_start, device_end)] per step, in ms, for the synchronous loop
+    (overlap=False) or async scheduling one step ahead (overlap=True); the rules are in the notebook."""
+    return _timeline(host_ms, device_ms, overlap)
+
+
+def wall_ms(timeline) -> float:
+    """When the last step's ids are on the host: the device end of the last step (0 for no steps)."""
+    return timeline[-1][2] if timeline else 0.0
+
+
+_HINT_ONE_AT_A_TIME = "the device runs one step at a time: step i starts at max(launch_i, end of step i-1)"
+
+
+def _known_mistakes(host, device, overlap: bool):
+    """(a wrong timeline, the hint that names its mistake) for this mode."""
+    if not overlap:
+        return [(_timeline(host, device, True), "that is the async timeline: with overlap=False the host starts "
+                                                "step i only when step i-1's ids are back, S_i = E_{i-1}"),
+                (_timeline(host, device, False, "device_parallel"), _HINT_ONE_AT_A_TIME)]
+    return [(_timeline(host, device, False), "with overlap=True the host does not wait for step i-1: it starts "
+                                             "step i as soon as it has launched step i-1 (and step i-2's ids are "
+                                             "back), while the device runs step i-1"),
+            (_timeline(host, device, True, "unbounded"), "the host runs at most ONE step ahead: before it schedules "
+                                                         "step i it needs step i-2's ids (which sequences finished "
+                                                         "there), so S_i = max(L_{i-1}, E_{i-2}), not just L_{i-1}"),
+            (_timeline(host, device, True, "device_parallel"), _HINT_ONE_AT_A_TIME),
+            (_timeline(host, device, True, "host_parallel"), "the host does one thing at a time: it starts step "
+                                                             "i's work only after it launched step i-1, "
+                                                             "S_i = max(L_{i-1}, E_{i-2})")]
+
+
+_FIELDS = ("launch", "device start", "device end")
+
+
+def _timeline_cases(rng: random.Random):
+    """(name, host_ms, device_ms): fresh random runs of steps in the regimes that behave differently."""
+    def draw(n, lo, hi):
+        return [round(rng.uniform(lo, hi), 3) for _ in range(n)]
+    n = rng.randint(6, 30)
+    prefill = draw(n, 0.2, 0.6)
+    spike = rng.randrange(n)
+    device = draw(n, 1.0, 2.0)
+    device[spike] *= 20                                       # a prefill step among decodes
+    return [
+        ("one step", draw(1, 0.1, 1), draw(1, 0.5, 3)),
+        ("two steps", draw(2, 0.1, 1), draw(2, 0.5, 3)),
+        ("host shorter than device (batch 1 on the H200)", draw(n, 0.2, 0.5), draw(n, 1.0, 1.5)),
+        ("host longer than device (host-bound)", draw(n, 1.0, 3.0), draw(n, 0.2, 0.8)),
+        ("mixed, with a long prefill step", prefill, device),
+        ("host and device times drawn alike", draw(n, 0.0, 2.0), draw(n, 0.0, 2.0)),
+        ("no host time", [0.0] * 5, draw(5, 0.5, 1.0)),
+    ]
+
+
+def check_overlap_timeline(fn) -> None:
+    """E7.4: `fn(host_ms, device_ms, overlap)` must give the reference's [(launch, device_start, device_end)]
+    per step (abs/rel tolerance 1e-9) on fresh random runs, synchronous and asynchronous."""
+    tag = "E7.4"
+    rng = _rng()
+    for name, host, device in _timeline_cases(rng):
+        for overlap in (False, True):
+            mode = "overlap=True" if overlap else "overlap=False"
+            got = call_student(tag, fn, list(host), list(device), overlap)
+            want = reference_overlap_timeline(host, device, overlap)
+            where = f"{len(host)} step{'s' if len(host) != 1 else ''}, {name}, {mode}"
+            try:
+                got = [tuple(float(v) for v in row) for row in got]
+            except (TypeError, ValueError):
+                fail(tag, f"overlap_timeline returned a {type(got).__name__}, not a list of tuples ({where})",
+                     "return a list with one (launch, device_start, device_end) tuple of floats per step")
+            if len(got) != len(want) or any(len(row) != 3 for row in got):
+                fail(tag, f"overlap_timeline returned {len(got)} row(s), expected {len(want)} tuples of 3 ({where})",
+                     "one (launch, device_start, device_end) tuple per step, in step order")
+            if _same(got, want):
+                continue
+            for wrong, hint in _known_mistakes(host, device, overlap):
+                if _same(got, wrong):
+                    i, f = _first_difference(got, want)
+                    fail(tag, f"step {i}: {_FIELDS[f]} at {got[i][f]:.3f} ms, expected {want[i][f]:.3f} ms "
+                              f"({where})", hint)
+            i, f = _first_difference(got, want)
+            hint = {0: "the launch is when the host's work for the step ends: L_i = S_i + h_i, with S_i as the "
+                       "rules above say for this mode",
+                    1: "the device starts a step once it is launched AND the previous step is done: "
+                       "max(L_i, E_{i-1})",
+                    2: "a step ends device_ms[i] after it starts on the device"}[f]
+            fail(tag, f"step {i}: {_FIELDS[f]} at {got[i][f]:.3f} ms, expected {want[i][f]:.3f} ms ({where})", hint)
+    ok(tag)
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9)
+                                    for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def _first_difference(got, want) -> tuple[int, int]:
+    for i, (ra, rb) in enumerate(zip(got, want)):
+        for f, (x, y) in enumerate(zip(ra, rb)):
+            if not math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9):
+                return i, f
+    return 0, 0
 
 
 # --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------

@@ -24,13 +24,23 @@
   ATen ops of the captured call and replays them on the same tensors (fp32, the engine with the capture-safe
   reference store), and whose capture fails, as CUDA's does, on an op that reads values on the host.
 
+- `check_qk_norm_rope_store(fn)` (E10.5): `fn(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache,
+  v_cache, slot_mapping, num_heads, num_kv_heads, head_dim) -> q`, what the fused decode kernel
+  (kernels/qk_norm_rope_store.py) computes, in plain PyTorch: compared with `reference_qk_norm_rope_store` (the
+  general route's reference ops in order) on fresh random fp32 and bf16 cases (GQA, one KV head with
+  head_dim 24, no q/k norm; a strided qkv; a padding row with slot -1): q and k_cache within atol = rtol =
+  1e-5 (bf16: 1.6e-2), v_cache bit for bit, other slots and the inputs unchanged; an answer that equals the
+  reference with one known mistake (no norm, a norm over the whole row, norm after RoPE, k normalised with
+  q's weight, interleaved RoPE pairs, k stored before RoPE, a rotated v, v from the wrong columns, slot -1
+  used as an index) gets that mistake's hint.
+
 Every check prints `E10.n ok` and nothing else on success. `reference_*` are the answers; the notebook's later
 sections use them, never the student's functions.
 """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanovllm_course.common import call_student, check_unchanged, fail, fresh_generator, ok, randint
+from nanovllm_course.common import call_student, check_close, check_unchanged, fail, fresh_generator, ok, randint
 from nanovllm_ref.attn.torch_backend import store_kvcache as reference_masked_store
 from nanovllm_ref.engine.cuda_graph import fill_static_inputs as reference_fill_static_inputs
 from nanovllm_ref.engine.cuda_graph import graph_batch_sizes as reference_graph_batch_sizes
@@ -38,7 +48,8 @@ from nanovllm_ref.utils.context import AttentionMetadata
 
 __all__ = ["reference_graph_batch_sizes", "reference_fill_static_inputs", "reference_store_kvcache",
            "reference_capture_decode_graph", "CPUGraphs", "CPUGraph", "CaptureError", "check_graph_batch_sizes", "check_fill_static_inputs",
-           "check_capture_safe_store", "check_graph_replay", "SyncSpy", "padding_table", "make_buffers"]
+           "check_capture_safe_store", "check_graph_replay", "SyncSpy", "padding_table", "make_buffers",
+           "reference_qk_norm_rope_store", "check_qk_norm_rope_store"]
 
 
 # -- E10.1 ------------------------------------------------------------------------------------------------------
@@ -535,6 +546,174 @@ def check_graph_replay(fn, dtypes=None, device: str | None = None) -> None:
         finally:
             llm.exit()
     ok(tag)
+
+
+# -- E10.5: what the fused q/k-norm + RoPE + KV-store kernel computes -------------------------------------------
+def reference_qk_norm_rope_store(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache,
+                                 slot_mapping, num_heads, num_kv_heads, head_dim):
+    """E10.5's answer: the general route's ops one after the other (models/qwen3.DecoderAttention): split the
+    fused QKV output, per-head RMSNorm of q and k (reference rms_norm; skipped when q_weight is None), RoPE
+    (reference apply_rope), store k and v at slot_mapping (-1: nothing). Returns q [T, H, d].
+    kernels/qk_norm_rope_store.py computes the same in one Triton kernel."""
+    return _qk_variant(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
+                       num_heads, num_kv_heads, head_dim)
+
+
+def _rope_interleaved(positions, x, cos, sin):
+    """RoPE on pairs (2i, 2i+1), the GPT-J layout (a known mistake here: the model uses rotate-half)."""
+    c, s_ = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
+    xf = x.float()
+    even, odd = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack((even * c - odd * s_, odd * c + even * s_), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def _qk_variant(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
+                h, hkv, d, mistake=None):
+    """The reference (mistake None), or the reference with one known mistake, to name what a student got wrong."""
+    from nanovllm_ref.attn.torch_backend import store_kvcache as torch_store
+    from nanovllm_ref.layers.layernorm import rms_norm
+    from nanovllm_ref.layers.rotary_embedding import apply_rope, apply_rotary
+    cos, sin = cos_sin_cache.chunk(2, dim=-1)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    if mistake == "v_columns":                       # v read right after q, i.e. from k's columns
+        v = qkv[:, h * d:(h + hkv) * d]
+    q, k, v = q.reshape(-1, h, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
+    if q_weight is not None and mistake != "no_norm":
+        if mistake == "norm_whole_row":
+            q = rms_norm(q.flatten(1), q_weight.repeat(h), eps).view(-1, h, d)
+            k = rms_norm(k.flatten(1), k_weight.repeat(hkv), eps).view(-1, hkv, d)
+        elif mistake != "norm_after_rope":
+            q = rms_norm(q, q_weight, eps)
+            k = rms_norm(k, q_weight if mistake == "k_with_q_weight" else k_weight, eps)
+    k_plain = k
+    if mistake == "interleaved":
+        q, k = _rope_interleaved(positions, q, cos, sin), _rope_interleaved(positions, k, cos, sin)
+    else:
+        q, k = apply_rope(positions, q, k, cos, sin)
+    if mistake == "norm_after_rope" and q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    stored_k = k_plain if mistake == "k_before_rope" else k
+    if mistake == "v_rotated":
+        v = apply_rotary(v, cos[positions], sin[positions])
+    slots = slot_mapping
+    if mistake == "padding_wraps":                   # slot -1 used as an index: the cache's last slot
+        slots = torch.where(slot_mapping < 0, k_cache.shape[0] * k_cache.shape[1] - 1, slot_mapping)
+    torch_store(stored_k.contiguous(), v.contiguous(), k_cache, v_cache, slots.to(slot_mapping.dtype))
+    return q
+
+
+_QK_MISTAKES = {
+    "no_norm": "Qwen3 RMS-normalises every head of q and k (q_weight, k_weight) BEFORE RoPE; only a model "
+               "without q/k norm (q_weight None) skips it",
+    "norm_whole_row": "RMSNorm here is per head: the mean of squares runs over one head's head_dim channels, "
+                      "not over the whole row of all heads",
+    "norm_after_rope": "normalise first, then rotate: RoPE comes after the q/k RMSNorm (the weight would "
+                       "otherwise scale rotated channels)",
+    "k_with_q_weight": "k is normalised with k_weight, q with q_weight",
+    "interleaved": "RoPE pairs channel i with channel i + d/2 (rotate half, GPT-NeoX layout), not 2i with 2i+1",
+    "k_before_rope": "the cache must hold k AFTER norm and RoPE: attention reads keys from the cache and never "
+                     "rotates them again",
+    "v_rotated": "v is stored as it is: no norm, no RoPE",
+    "v_columns": "qkv's columns are [q: H*d | k: Hkv*d | v: Hkv*d]; v starts at column (H + Hkv) * d",
+    "padding_wraps": "slot -1 is a padding row that stores nothing; used as an index it would hit the cache's "
+                     "last slot",
+}
+
+
+def _qk_cases(g):
+    """(name, dtype, T, H, Hkv, d, qk_norm, slots): fresh random cases of the shapes the kernel serves."""
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        t = randint(g, 2, 7)
+        cases += [("Qwen3-like GQA", dtype, t, 4, 2, 16, True),
+                  ("one KV head, head_dim 24 (half 12)", dtype, randint(g, 1, 5), 3, 1, 24, True),
+                  ("no q/k norm (Llama-like)", dtype, t, 2, 2, 8, False)]
+    return cases
+
+
+def check_qk_norm_rope_store(fn) -> None:
+    """E10.5: fn(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
+    num_heads, num_kv_heads, head_dim) -> q must match `reference_qk_norm_rope_store`: q and k_cache within
+    fp32 atol = rtol = 1e-5 (bf16: 1.6e-2), v_cache bit for bit, every slot the mapping does not name unchanged,
+    qkv unchanged."""
+    from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding
+    tag = "E10.5"
+    g = fresh_generator()
+    block_size, num_blocks, max_pos, eps = 4, 4, 64, 1e-6
+    for name, dtype, t, h, hkv, d, qk_norm in _qk_cases(g):
+        rope = RotaryEmbedding(d, max_pos, 10000.0)
+        width = (h + 2 * hkv) * d
+        qkv = torch.randn(t, width + 8, generator=g).to(dtype)[:, :width]      # a strided view, as in the model
+        perm = torch.randperm(num_blocks * block_size, generator=g)[:t].to(torch.int32)
+        perm[randint(g, 0, t - 1)] = -1 if t > 1 else perm[0]                  # a padding row (when t > 1)
+        positions = torch.randint(0, max_pos, (t,), generator=g)
+        positions[0] = max_pos - 1
+        weights = ((torch.randn(d, generator=g) * 0.5 + 1).to(dtype), (torch.randn(d, generator=g) * 0.5 + 1).to(dtype)) \
+            if qk_norm else (None, None)
+        k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+        v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+        args = (positions, rope.cos_sin_cache, *weights, eps)
+        tail = (perm, h, hkv, d)
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        want = reference_qk_norm_rope_store(qkv, *args, ref_k, ref_v, *tail)
+        before = {"qkv": qkv.clone(), "positions": positions.clone(), "slot_mapping": perm.clone()}
+        got_k, got_v = k_cache.clone(), v_cache.clone()
+        got = call_student(tag, fn, qkv, *args, got_k, got_v, *tail)
+        check_unchanged(tag, before, {"qkv": qkv, "positions": positions, "slot_mapping": perm})
+        case = f"({name}, {dtype}, T={t}, H={h}, Hkv={hkv}, d={d}, slots {perm.tolist()})"
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        diagnosis = None
+        outputs = (got, got_k, got_v)
+        if not (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+                and _close(got, want, tol) and _close(got_k, ref_k, tol) and torch.equal(got_v, ref_v)):
+            diagnosis = _diagnose_qk(outputs, qkv, args, k_cache, v_cache, tail, tol, qk_norm)
+        if diagnosis:
+            fail(tag, f"{diagnosis[0]} {case}", _QK_MISTAKES[diagnosis[1]])
+        hint_q = "q: split qkv into q | k | v columns, reshape to [T, H, d], normalise each head, then RoPE"
+        check_close(tag, got, want, rtol=tol, atol=tol, what=f"the returned q {case}", hint=hint_q)
+        untouched = _slots_changed(got_k, k_cache, perm) + _slots_changed(got_v, v_cache, perm)
+        if untouched:
+            fail(tag, f"cache slot {untouched[0]} changed, but no real row of the step writes it {case}",
+                 "write only the slots slot_mapping names; a row with slot -1 stores nothing")
+        check_close(tag, got_k, ref_k, rtol=tol, atol=tol, what=f"k_cache {case}",
+                    hint="store k after its RMSNorm and RoPE, at slot_mapping[t] (block = slot // block_size)")
+        if not torch.equal(got_v, ref_v):
+            fail(tag, f"v_cache differs from the reference {case}",
+                 "v is copied bit for bit into the same slots as k: v = qkv[:, (H + Hkv) * d:]")
+    ok(tag)
+
+
+def _close(a, b, tol) -> bool:
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def _slots_changed(now, then, slots) -> list[int]:
+    flat_now, flat_then = now.flatten(0, 1).flatten(1), then.flatten(0, 1).flatten(1)
+    changed = (flat_now != flat_then).any(1).nonzero().flatten().tolist()
+    real = set(slots[slots >= 0].tolist())
+    return [s for s in changed if s not in real]
+
+
+def _diagnose_qk(outputs, qkv, args, k_cache, v_cache, tail, tol, qk_norm):
+    """(what differed, mistake) when the student's outputs equal the reference with one known mistake."""
+    got, got_k, got_v = outputs
+    for mistake in _QK_MISTAKES:
+        if not qk_norm and mistake in ("no_norm", "norm_whole_row", "norm_after_rope", "k_with_q_weight"):
+            continue
+        mk, mv = k_cache.clone(), v_cache.clone()
+        mq = _qk_variant(qkv, *args, mk, mv, *tail, mistake=mistake)
+        if _close(got, mq, tol) and _close(got_k, mk, tol) and torch.equal(got_v, mv):
+            what = {"no_norm": "q and k_cache come out without the q/k RMSNorm",
+                    "norm_whole_row": "q and k_cache are normalised over the whole row, not per head",
+                    "norm_after_rope": "q and k_cache are normalised after RoPE",
+                    "k_with_q_weight": "k_cache holds k normalised with q_weight",
+                    "interleaved": "q and k_cache are rotated in (2i, 2i+1) pairs",
+                    "k_before_rope": "k_cache holds k before RoPE", "v_rotated": "v_cache holds a rotated v",
+                    "v_columns": "v_cache holds the k columns",
+                    "padding_wraps": "the padding row wrote the last cache slot"}[mistake]
+            return what, mistake
+    return None
 
 
 # --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------

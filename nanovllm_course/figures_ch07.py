@@ -1,6 +1,8 @@
-"""Figures of chapter 07 (the scheduler), all from the model-free simulator in `nanovllm_course.ch07`:
-step Gantt charts of static vs continuous batching, of preemption under a tight block budget, and of the
-reference's prefill-first policy vs a vLLM-V1-style mixed token budget."""
+"""Figures of chapter 07 (the scheduler), from the model-free simulator in `nanovllm_course.ch07`: step Gantt
+charts of static vs continuous batching, of preemption under a tight block budget, and of the reference's
+prefill-first policy vs a vLLM-V1-style mixed token budget; and the overlap (async) scheduling timeline, drawn
+from the committed H200 records in bench/results/ (so it redraws without a GPU)."""
+import json
 from pathlib import Path
 
 from matplotlib.patches import Patch, Rectangle
@@ -114,7 +116,82 @@ def v1_mixed(path: Path) -> Path:
     return save(fig, path)
 
 
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+ROUND2 = RESULTS / "bench_h200_round2_2026-11-30.json"          # synchronous loop, host time outside the runner
+ROUND3 = RESULTS / "bench_h200_round3_smoke_2026-12-01.json"    # async scheduling on: device vs wall per step
+
+
+def overlap_facts() -> dict:
+    """The numbers the overlap figure and chapter 07's text use, read from the committed H200 records:
+    host_ms (round 2: host time outside the model runner per step, synchronous loop), and per batch size of
+    the round-3 step profile (context 512, async scheduling on) graph_step_ms (wall time per step), gpu_step_ms
+    (the step's graph replayed back to back: device time) and host_not_overlapped_ms (their difference), with
+    round 2's graph_step_ms beside them (`round2_step_ms`)."""
+    r2 = json.loads(ROUND2.read_text())["step_profile"]
+    r3 = json.loads(ROUND3.read_text())["step_profile"]["decode_steps"]
+    work = r2["workload"]
+    facts = {"host_ms": 1000 * work["host_outside_run_s"] / (work["prefill_steps"] + work["decode_steps"]),
+             "batches": {}}
+    for key, row in r3.items():
+        batch = int(key[2:key.index("_")])
+        facts["batches"][batch] = {"graph_step_ms": row["graph_step_ms"], "gpu_step_ms": row["gpu_step_ms"],
+                                   "host_not_overlapped_ms": row["host_not_overlapped_ms"],
+                                   "round2_step_ms": r2["decode_steps"][key]["graph_step_ms"]}
+    return facts
+
+
+def overlap_timeline(path: Path, steps: int = 5) -> Path:
+    facts = overlap_facts()
+    h, d = facts["host_ms"], facts["batches"][1]["gpu_step_ms"]
+    fig, (ax, bx) = figure(1, 2, figsize=(12.5, 3.9), gridspec_kw={"width_ratios": [1.7, 1]})
+    lanes = [("sync: host", False, "host"), ("sync: GPU", False, "gpu"),
+             ("async: host", True, "host"), ("async: GPU", True, "gpu")]
+    host, device = [h] * steps, [d] * steps
+    for y, (name, overlap, lane) in enumerate(lanes):
+        timeline = ch07.reference_overlap_timeline(host, device, overlap)
+        for i, (launch, start, end) in enumerate(timeline):
+            lo, hi = (launch - h, launch) if lane == "host" else (start, end)
+            color = "#fdae6b" if lane == "host" else "#74c476"
+            ax.add_patch(Rectangle((lo, y - 0.35), hi - lo, 0.7, fc=color, ec="white", lw=0.8))
+            ax.text((lo + hi) / 2, y, str(i), ha="center", va="center", fontsize=7)
+        if lane == "gpu":
+            wall = ch07.wall_ms(timeline)
+            ax.annotate(f"{wall:.2f} ms for {steps} steps", (wall, y), xytext=(4, 0), textcoords="offset points",
+                        va="center", fontsize=8)
+    ax.set_yticks(range(len(lanes)), [name for name, _, _ in lanes], fontsize=8)
+    ax.set_ylim(len(lanes) - 0.4, -0.6)
+    ax.set_xlim(0, steps * (h + d) * 1.22)
+    ax.set_xlabel("ms")
+    ax.grid(False)
+    ax.set_title(f"batch 1: host {h:.2f} ms a step (round 2, measured), GPU {d:.2f} ms (round 3, measured);\n"
+                 "timelines from ch07.reference_overlap_timeline (E7.4)", fontsize=9)
+    ax.legend(handles=[Patch(fc="#fdae6b", label="host: bookkeeping, schedule, prepare, launch"),
+                       Patch(fc="#74c476", label="GPU: the step's graph")], fontsize=7.5, loc="lower right",
+              bbox_to_anchor=(1.0, -0.3), ncols=2, frameon=False)
+
+    batches = sorted(facts["batches"])
+    x = list(range(len(batches)))
+    gpu = [facts["batches"][b]["gpu_step_ms"] for b in batches]
+    exposed = [facts["batches"][b]["host_not_overlapped_ms"] for b in batches]
+    bx.bar(x, gpu, width=0.55, color="#74c476", label="device time (graph replayed back to back)")
+    bx.bar(x, exposed, width=0.55, bottom=gpu, color="#de2d26", label="host time not overlapped")
+    bx.scatter(x, [facts["batches"][b]["round2_step_ms"] for b in batches], marker="_", s=600, color="#3182bd",
+               zorder=3, label="round 2 step (synchronous, no decode kernels)")
+    for i, b in enumerate(batches):
+        row = facts["batches"][b]
+        top = max(row["graph_step_ms"], row["round2_step_ms"])
+        bx.text(i, top + 0.25, f"{row['graph_step_ms']:.2f} ms\n"
+                f"({row['host_not_overlapped_ms']:.3f} exposed)", ha="center", fontsize=7)
+    bx.set_xticks(x, [f"batch {b}" for b in batches])
+    bx.set_ylim(0, max(facts["batches"][b]["graph_step_ms"] for b in batches) * 1.55)
+    bx.set_ylabel("ms per decode step (context 512)")
+    bx.set_title("measured on the H200, round 3 (async scheduling on)", fontsize=9)
+    bx.legend(fontsize=7, loc="upper left")
+    return save(fig, path)
+
+
 def draw(out_dir: Path) -> list[Path]:
     return [static_vs_continuous(out_dir / "ch07_static_vs_continuous.png"),
             preemption(out_dir / "ch07_preemption.png"),
-            v1_mixed(out_dir / "ch07_v1_mixed.png")]
+            v1_mixed(out_dir / "ch07_v1_mixed.png"),
+            overlap_timeline(out_dir / "ch07_overlap_timeline.png")]

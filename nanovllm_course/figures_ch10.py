@@ -1,10 +1,13 @@
-"""Figures of chapter 10 (CUDA graphs): the measured H200 decode step, eager vs graph replay, and the padding
-that the capture buckets cost.
+"""Figures of chapter 10 (CUDA graphs and fusion): the measured H200 decode step, eager vs graph replay, the
+padding that the capture buckets cost, and round 3's hand-written decode kernels (read from
+bench/results/kernels_round3_h200_2026-12-01.json and the step profiles of the round 2 and round 3 records, so
+the figure redraws without a GPU).
 
 The numbers are copied from bench/results/bench_h200.json ("graph_sweep": Qwen3-0.6B shape, random weights,
 bf16, Triton attention, context 512, measured 2026-11-29 on one H200) and /work/shared facts (437-494 kernels
 per decode step, measured 2026-11-30), so the figure redraws without a GPU.
 """
+import json
 from pathlib import Path
 
 from nanovllm_course.figures import figure, save
@@ -79,6 +82,97 @@ def draw_bucket_padding(out_dir: Path, max_num_seqs: int = 160) -> Path:
     return save(fig, out_dir / "ch10_bucket_padding.png")
 
 
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+KERNELS_ROUND3 = RESULTS / "kernels_round3_h200_2026-12-01.json"
+STEP_PROFILES = {"round 2": RESULTS / "bench_h200_round2_2026-11-30.json",
+                 "round 3": RESULTS / "bench_h200_round3_smoke_2026-12-01.json"}
+
+
+def decode_kernel_facts() -> dict:
+    """What chapter 10's fusion section and its figure use, from the committed H200 records:
+    `layer`: {m: {"old"|"new"|"new+pdl": us per layer}} (one decoder layer of the Qwen3-0.6B shape, CUDA-graph
+    replays); `kernels_per_layer`: {m: (old, new)} in that layer benchmark; `step_kernels_per_layer`:
+    {"round 2"|"round 3": {batch: kernels per layer}} over a whole engine decode step (step_profile);
+    `gemm`: {op: {m: (triton us, cublas us)}}; `elementwise`: {op: {m: (old us, new us)}}."""
+    rec = json.loads(KERNELS_ROUND3.read_text())
+    layer, kernels = {}, {}
+    for row in rec["layer"]:
+        layer.setdefault(row["m"], {})[row["variant"]] = row["us_per_layer"]
+    for row in rec["layer_summary"]:
+        kernels[row["m"]] = (row["old_kernels_per_layer"], row["new_kernels_per_layer"])
+    gemm = {}
+    for row in rec["gemm"]:
+        if row["path"] == "triton+pdl":
+            continue                      # the GEMM alone with PDL: the layer timings show what PDL buys
+        path = "triton" if row["path"] == "triton" else "cublas"          # cuBLAS (+ Inductor's SiLU for gate_up)
+        gemm.setdefault(row["op"], {}).setdefault(row["m"], {})[path] = row["us"]
+    gemm = {op: {m: (v["triton"], v["cublas"]) for m, v in sorted(by_m.items()) if len(v) == 2}
+            for op, by_m in gemm.items()}
+    elementwise = {}
+    for row in rec["elementwise"]:
+        elementwise.setdefault(row["op"], {})[row["m"]] = (row["old_us"], row["new_us"])
+    steps = {}
+    for name, path in STEP_PROFILES.items():
+        decode = json.loads(path.read_text())["step_profile"]["decode_steps"]
+        steps[name] = {int(k[2:k.index("_")]): v["kernels_per_layer"] for k, v in decode.items()}
+    return {"layer": dict(sorted(layer.items())), "kernels_per_layer": dict(sorted(kernels.items())),
+            "step_kernels_per_layer": steps, "gemm": gemm, "elementwise": elementwise}
+
+
+def draw_decode_kernels(out_dir: Path) -> Path:
+    facts = decode_kernel_facts()
+    fig, (ax, bx, cx) = figure(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [1.25, 1, 1]})
+    ms = [m for m in facts["layer"] if m <= 64]
+    colors = {"old": "#bdbdbd", "new": "#3182bd", "new+pdl": "#08519c"}
+    labels = {"old": "round 2: cuBLAS + Inductor kernels", "new": "round 3: hand-written decode kernels",
+              "new+pdl": "round 3 + PDL"}
+    width = 0.27
+    for j, variant in enumerate(("old", "new", "new+pdl")):
+        xs = [i + (j - 1) * width for i, m in enumerate(ms) if variant in facts["layer"][m]]
+        ys = [facts["layer"][m][variant] for m in ms if variant in facts["layer"][m]]
+        ax.bar(xs, ys, width=width, color=colors[variant], label=labels[variant])
+        for x, y in zip(xs, ys):
+            ax.text(x, y + 1, f"{y:.0f}", ha="center", fontsize=7)
+    ax.set_xticks(range(len(ms)), [f"M={m}\n{facts['kernels_per_layer'][m][0]:.0f} -> "
+                                   f"{facts['kernels_per_layer'][m][1]:.0f} kernels" for m in ms], fontsize=8)
+    ax.set_ylabel("us per decoder layer (CUDA-graph replay)")
+    ax.set_ylim(0, max(max(v.values()) for m, v in facts["layer"].items() if m <= 64) * 1.25)
+    steps = facts["step_kernels_per_layer"]
+    ax.set_title(f"one decoder layer, Qwen3-0.6B shape, H200\n(a whole decode step at batch 1: "
+                 f"{steps['round 2'][1]:.1f} -> {steps['round 3'][1]:.1f} kernels a layer)", fontsize=9)
+    ax.legend(fontsize=7.5, loc="upper left")
+
+    markers = {"qkv": "o", "o_proj": "s", "gate_up": "^", "down": "D", "lm_head": "x"}
+    for op, by_m in facts["gemm"].items():
+        m_values = list(by_m)
+        bx.plot(m_values, [t / c for t, c in by_m.values()], marker=markers.get(op, "o"), label=op)
+    bx.axhline(1.0, color="#636363", ls=":", lw=1)
+    bx.text(20, 0.93, "as fast as cuBLAS", fontsize=8, color="#636363")
+    bx.set_xscale("log", base=2)
+    bx.set_xticks([1, 4, 16, 64], ["1", "4", "16", "64"])
+    bx.set_xlabel("M (decode batch)")
+    bx.set_ylabel("Triton time / cuBLAS time")
+    bx.set_title("small-M Triton GEMM / cuBLAS (M=1, 4: GEMV form;\n16, 64: tl.dot): the engine's GEMV runs at "
+                 "M=1 only", fontsize=9)
+    bx.legend(fontsize=7.5, loc="upper right")
+
+    ew = facts["elementwise"]
+    names = {"qk_norm_rope_store": "q/k-norm + RoPE + KV store", "add_rms_norm": "add + RMSNorm (+ split-K sum)"}
+    for op, style in (("qk_norm_rope_store", "-"), ("add_rms_norm", "--")):
+        m_values = sorted(ew[op])
+        cx.plot(m_values, [ew[op][m][0] for m in m_values], style, marker="o", color="#bdbdbd",
+                label=f"{names[op]}: before")
+        cx.plot(m_values, [ew[op][m][1] for m in m_values], style, marker="o", color="#3182bd",
+                label=f"{names[op]}: one kernel")
+    cx.set_xscale("log", base=2)
+    cx.set_xticks(sorted(ew["qk_norm_rope_store"]), [str(m) for m in sorted(ew["qk_norm_rope_store"])])
+    cx.set_xlabel("M (tokens in the step)")
+    cx.set_ylabel("us per call")
+    cx.set_title("the element-wise kernels, before vs fused", fontsize=9)
+    cx.legend(fontsize=7, loc="upper left")
+    return save(fig, out_dir / "ch10_decode_kernels_h200.png")
+
+
 def draw(out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
-    return [draw_launch_bound(out_dir), draw_bucket_padding(out_dir)]
+    return [draw_launch_bound(out_dir), draw_bucket_padding(out_dir), draw_decode_kernels(out_dir)]

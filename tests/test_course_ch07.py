@@ -642,3 +642,74 @@ class NeverFinished(Ref):
 def test_every_hint_is_reached(tag, cls, says):
     for _ in range(2):
         fails(tag, cls, says)
+
+
+# -- E7.4: the overlap timeline ------------------------------------------------------------------------------
+def _timeline(host_ms, device_ms, overlap, start_host=None, device_start=None, launch=None):
+    """A timeline written the way a student might, with one rule swapped for a plausible wrong one."""
+    out, launch_prev, end_prev, end_prev2 = [], 0.0, 0.0, 0.0
+    for h, d in zip(host_ms, device_ms):
+        s = (start_host or (lambda lp, e1, e2, ov: max(lp, e2) if ov else e1))(launch_prev, end_prev, end_prev2, overlap)
+        lau = (launch or (lambda s, h: s + h))(s, h)
+        start = (device_start or (lambda lau, e1: max(lau, e1)))(lau, end_prev)
+        out.append((lau, start, start + d))
+        launch_prev, end_prev2, end_prev = lau, end_prev, start + d
+    return out
+
+
+def _stub_timeline(host_ms, device_ms, overlap):
+    raise NotImplementedError("Exercise 7.4: fill in this code")
+
+
+TIMELINE_MUTANTS = {
+    # (the wrong version, what the message must say)
+    "ignores overlap": (lambda h, d, o: _timeline(h, d, False), "the host does not wait for step i-1"),
+    "always overlaps": (lambda h, d, o: _timeline(h, d, True), "that is the async timeline"),
+    "async waits for step i-1's ids": (
+        lambda h, d, o: _timeline(h, d, o, start_host=lambda lp, e1, e2, ov: max(lp, e1)),
+        "the host does not wait for step i-1"),
+    "host runs ahead without limit": (
+        lambda h, d, o: _timeline(h, d, o, start_host=lambda lp, e1, e2, ov: lp if ov else e1),
+        "at most ONE step ahead"),
+    "two steps at once on the device": (
+        lambda h, d, o: _timeline(h, d, o, device_start=lambda lau, e1: lau), "the device runs one step at a time"),
+    "host starts before its last launch": (
+        lambda h, d, o: _timeline(h, d, o, start_host=lambda lp, e1, e2, ov: e2 if ov else e1),
+        "the host does one thing at a time"),
+    "device start forgets the launch": (
+        lambda h, d, o: _timeline(h, d, o, device_start=lambda lau, e1: e1), "once it is launched AND"),
+    "launch before the host work": (
+        lambda h, d, o: _timeline(h, d, o, launch=lambda s, h: s), "L_i = S_i + h_i"),
+    "only the wall times": (lambda h, d, o: [(r[2],) for r in _timeline(h, d, o)], "tuples of 3"),
+    "not a list of tuples": (lambda h, d, o: None, "one (launch, device_start, device_end) tuple"),
+}
+
+
+def test_e7_4_reference_passes(capsys):
+    course_checks.passes(ch07.check_overlap_timeline, ch07.reference_overlap_timeline, "E7.4", capsys)
+    course_checks.passes(ch07.check_overlap_timeline, lambda h, d, o: _timeline(h, d, o), "E7.4", capsys)
+
+
+def test_e7_4_stub_is_not_implemented_yet():
+    course_checks.fails(ch07.check_overlap_timeline, _stub_timeline, "E7.4: not implemented yet")
+
+
+@pytest.mark.parametrize("name", sorted(TIMELINE_MUTANTS))
+def test_e7_4_mutants(name):
+    fn, says = TIMELINE_MUTANTS[name]
+    for _ in range(3):                                     # fresh random inputs each time
+        text = course_checks.fails(ch07.check_overlap_timeline, fn, "E7.4: ")
+        assert says in text, text
+
+
+def test_e7_4_worked_example_and_regimes():
+    """The notebook's worked example, and the two regimes: async hides the host up to the device's time."""
+    sync = ch07.reference_overlap_timeline([1, 1, 1], [2, 2, 2], False)
+    asyn = ch07.reference_overlap_timeline([1, 1, 1], [2, 2, 2], True)
+    assert sync == [(1, 1, 3), (4, 4, 6), (7, 7, 9)] and asyn == [(1, 1, 3), (2, 3, 5), (4, 5, 7)]
+    n, h, d = 50, 0.37, 1.21
+    assert ch07.wall_ms(ch07.reference_overlap_timeline([h] * n, [d] * n, False)) == pytest.approx(n * (h + d))
+    assert ch07.wall_ms(ch07.reference_overlap_timeline([h] * n, [d] * n, True)) == pytest.approx(h + n * d)
+    # host-bound: overlap hides the device instead, the host's time remains
+    assert ch07.wall_ms(ch07.reference_overlap_timeline([d] * n, [h] * n, True)) == pytest.approx(n * d + h)
+    assert ch07.wall_ms([]) == 0.0

@@ -15,9 +15,11 @@ from nanovllm_course import ch10
 from nanovllm_ref.attn.torch_backend import store_kvcache as masked_store
 
 CHECKS = {"E10.1": ch10.check_graph_batch_sizes, "E10.2": ch10.check_fill_static_inputs,
-          "E10.3": ch10.check_capture_safe_store, "E10.4": ch10.check_graph_replay}
+          "E10.3": ch10.check_capture_safe_store, "E10.4": ch10.check_graph_replay,
+          "E10.5": ch10.check_qk_norm_rope_store}
 REFERENCE = {"E10.1": ch10.reference_graph_batch_sizes, "E10.2": ch10.reference_fill_static_inputs,
-             "E10.3": ch10.reference_store_kvcache, "E10.4": ch10.reference_capture_decode_graph}
+             "E10.3": ch10.reference_store_kvcache, "E10.4": ch10.reference_capture_decode_graph,
+             "E10.5": ch10.reference_qk_norm_rope_store}
 
 fails = functools.partial(course_checks.fails_by_tag, CHECKS)
 
@@ -278,3 +280,110 @@ def test_graph_replay_hints_are_reached():
     if not torch.cuda.is_available():
         with pytest.raises(AssertionError, match="needs a CUDA GPU"):
             ch10.check_graph_replay(ch10.reference_capture_decode_graph, device="cuda")
+
+
+
+# -- E10.5 --------------------------------------------------------------------------------------------------------
+def _rms(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x, c, s, interleaved=False):
+    xf = x.float()
+    c, s = c.unsqueeze(-2), s.unsqueeze(-2)
+    if interleaved:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2).to(x.dtype)
+    a, b = xf.chunk(2, dim=-1)
+    return torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(x.dtype)
+
+
+def qk_student(qkv, positions, cos_sin, qw, kw, eps, k_cache, v_cache, slots, h, hkv, d, mistake=None):
+    """A student's version written from the spec (independent of ch10's own variants), with one mistake."""
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    if mistake == "v_from_k":
+        v = qkv[:, h * d:(h + hkv) * d]
+    q, k, v = q.reshape(-1, h, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
+    c, s = (t[positions] for t in cos_sin.chunk(2, dim=-1))
+    if qw is not None and mistake not in ("no_norm", "norm_after_rope"):
+        if mistake == "whole_row":
+            q = _rms(q.flatten(1), qw.repeat(h), eps).view(-1, h, d)
+            k = _rms(k.flatten(1), kw.repeat(hkv), eps).view(-1, hkv, d)
+        else:
+            q, k = _rms(q, qw, eps), _rms(k, qw if mistake == "k_uses_q_weight" else kw, eps)
+    k_unrotated = k
+    q, k = _rotate(q, c, s, mistake == "interleaved"), _rotate(k, c, s, mistake == "interleaved")
+    if qw is not None and mistake == "norm_after_rope":
+        q, k = _rms(q, qw, eps), _rms(k, kw, eps)
+    if mistake == "k_before_rope":
+        k = k_unrotated
+    if mistake == "v_rotated":
+        v = _rotate(v, c, s)
+    idx = slots.long()
+    if mistake == "padding_to_slot_0":
+        idx = idx.clamp(min=0)
+        k_cache.view(-1, hkv, d).index_copy_(0, idx, k.contiguous())
+        v_cache.view(-1, hkv, d).index_copy_(0, idx, v.contiguous())
+    else:
+        keep = idx >= 0
+        k_cache.view(-1, hkv, d).index_copy_(0, idx[keep], k[keep])
+        v_cache.view(-1, hkv, d).index_copy_(0, idx[keep], v[keep])
+    if mistake == "flat_q":
+        return q.flatten(1)
+    if mistake == "in_place":
+        qkv.mul_(1.0)
+        qkv[0, 0] += 1
+    return q
+
+
+QK_MUTANTS = {
+    "no_norm": ("without the q/k RMSNorm", "BEFORE RoPE"),
+    "whole_row": ("not per head", "per head"),
+    "norm_after_rope": ("after RoPE", "normalise first, then rotate"),
+    "k_uses_q_weight": ("normalised with q_weight", "k is normalised with k_weight"),
+    "interleaved": ("(2i, 2i+1) pairs", "rotate half"),
+    "k_before_rope": ("k_cache holds k before RoPE", "never rotates them again"),
+    "v_rotated": ("v_cache holds a rotated v", "no norm, no RoPE"),
+    "v_from_k": ("v_cache holds the k columns", "(H + Hkv) * d"),
+    "padding_to_slot_0": ("slot",),
+    "flat_q": ("has shape", "split qkv"),
+    "in_place": ("changed its input `qkv`",),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(QK_MUTANTS))
+def test_qk_norm_rope_store_mutants(mistake):
+    for _ in range(3):                                          # fresh random inputs each time
+        fails("E10.5", functools.partial(qk_student, mistake=mistake), *QK_MUTANTS[mistake])
+
+
+def test_qk_norm_rope_store_spec_version_passes(capsys):
+    """The spec's maths written out independently (one fp32 rounding per step) passes at the stated tolerance."""
+    for _ in range(3):
+        ch10.check_qk_norm_rope_store(qk_student)
+        assert capsys.readouterr().out == "E10.5 ok\n"
+
+
+def test_qk_norm_rope_store_reference_agrees_with_the_fused_kernels_reference():
+    """ch10's reference is the one tests/test_fused_kernels.py holds the Triton kernel to (same ops, same order)."""
+    from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding
+    from test_fused_kernels import _reference_qk_norm_rope_store
+    g = torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(16, 32, 10000.0)
+    qkv = torch.randn(5, 8 * 16, generator=g)
+    pos, slots = torch.tensor([0, 3, 31, 7, 2]), torch.tensor([4, -1, 0, 9, 15], dtype=torch.int32)
+    w = (torch.randn(16, generator=g) + 1, torch.randn(16, generator=g) + 1)
+    caches = [torch.randn(4, 4, 2, 16, generator=g) for _ in range(2)]
+    ours, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
+    q1 = ch10.reference_qk_norm_rope_store(qkv, pos, rope.cos_sin_cache, *w, 1e-6, *ours, slots, 4, 2, 16)
+    q2 = _reference_qk_norm_rope_store(qkv, pos, rope, *w, 1e-6, *theirs, slots, 4, 2, 16)
+    assert torch.equal(q1, q2) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_the_fused_triton_kernel_passes_its_own_exercise(capsys):
+    """kernels/qk_norm_rope_store.py (the Triton interpreter on a CPU) meets E10.5's contract: the exercise
+    states what the engine's fused kernel computes."""
+    from nanovllm_ref.kernels import qk_norm_rope_store as fused
+    ch10.check_qk_norm_rope_store(fused.qk_norm_rope_store)
+    assert capsys.readouterr().out == "E10.5 ok\n"
