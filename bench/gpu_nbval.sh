@@ -41,7 +41,7 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
       || { echo "wheel install failed"; exit 1; }
     cat /tmp/smol/part_aa .carry/b/part_ab > /tmp/smol/model.gguf || { echo "stage GGUF part 1 first: bash bench/gpu_run.sh stage"; exit 1; }
     $PY - <<'PY' || exit 1
-from nanovllm_ref import download
+from nanovllm_models import download
 download.verify_sha256("/tmp/smol/model.gguf", download.MODELS["smollm2"]["sha256"])
 print(download.convert_gguf("/tmp/smol/model.gguf", download.model_dir("smollm2")))
 PY

@@ -38,8 +38,13 @@ def _real(name: str, value, ok, rng: str) -> float:
 
 
 def _bool(name: str, value) -> bool:
+    # numpy's bool (bool_ before numpy 2) is not a bool subclass (nor an Integral): take it by its type name, as numpy ints are
+    # taken through numbers.Integral, without importing numpy here.
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):   # numpy 2, numpy 1
+        return bool(value)
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool, got {type(value).__module__}.{type(value).__qualname__}"
+                        if type(value).__module__ != "builtins" else f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 
@@ -88,7 +93,9 @@ class SamplingParams:
     seed: None, or an int: this request's random numbers come from it alone, so its samples are the same
         whatever else is in the batch and however it is batched. None: the engine draws a seed for the
         request from its own `seed` argument, in the order requests arrive. With n > 1 each sample gets a
-        seed of its own derived from it.
+        seed of its own derived from it. Any int in [-2**63, 2**64), taken mod 2**64 (as torch.manual_seed);
+        it picks one of 2**32 random streams through a 64-bit mix (engine/sequence.py, request_seed), so two
+        different seeds share a stream only by chance, 2**-32 a pair.
 
     Penalties (layers/logits_processors.py), on the logits before anything else, greedy rows included, in
     vLLM's order:

@@ -223,3 +223,26 @@ def test_cli_new_flags_reach_the_engine(capsys):
     code, out, _ = cli(["generate", "--model", tiny_dir("qwen3"), "--prompt", "Hello", "--device", "cpu",
                         "--max-tokens", "3", "--n", "2", "--top-k", str(10**30), "--temperature", "1"], capsys)
     assert code == 0 and "[sample 1 of 2]" in out and "[sample 2 of 2]" in out and "6 output tokens" in out
+
+
+def test_nearby_and_sign_flipped_seeds_give_different_samples():
+    """Seeds 0 and -1, 1 and 2**32, 2**63 - 1 and 2**63 went to one random stream (the two 32-bit halves were
+    xor-folded); seeds equal mod 2**64 (-2**63 and 2**63) stay one stream, as in torch.manual_seed."""
+    from nanovllm_ref.engine.sequence import request_seed
+    pairs = [(0, -1), (1, 2**32), (0, 2**32 + 1), (2**63 - 1, 2**63)]
+    for a, b in pairs:
+        assert request_seed(a) != request_seed(b), (a, b)
+    assert request_seed(-2**63) == request_seed(2**63) and request_seed(5, 0) != request_seed(5, 1)
+    llm = LLM(tiny_dir("qwen3"), max_model_len=64)
+    draws = {s: llm.generate([[1, 2, 3]], SamplingParams(temperature=1.0, seed=s, max_tokens=8), use_tqdm=False)[0]
+             .outputs[0].token_ids for s in (0, -1, 1, 2**32, 2**32 + 1)}
+    assert len({tuple(v) for v in draws.values()}) == 5, draws
+    again = llm.generate([[1, 2, 3]], SamplingParams(temperature=1.0, seed=-1, max_tokens=8), use_tqdm=False)
+    assert again[0].outputs[0].token_ids == draws[-1]
+
+
+def test_numpy_bool_is_taken_as_a_bool():
+    import numpy as np
+    assert SamplingParams(include_stop_str_in_output=np.bool_(True)).include_stop_str_in_output is True
+    with pytest.raises(TypeError, match=r"ignore_eos must be a bool, got numpy\.int64"):
+        SamplingParams(ignore_eos=np.int64(1))

@@ -29,6 +29,17 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+def request_seed(seed: int, index: int = 0) -> int:
+    """The [0, 2**32) stream seed of sample `index` of a request with SamplingParams.seed `seed` (any int in
+    [-2**63, 2**64), taken mod 2**64 as torch.manual_seed does): SplitMix64's finaliser (Steele et al.,
+    OOPSLA 2014) over seed + index * golden ratio, so nearby or sign-flipped seeds give unrelated streams;
+    two different seeds share one only by chance (2**-32 a pair)."""
+    z = (int(seed) + (index + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
 class Sequence:
     _ids = count()
 
@@ -40,11 +51,13 @@ class Sequence:
         # (each of n samples mixing in its index), else the one the engine drew for it, else one made from
         # the sequence id.
         if sampling_params.seed is not None:
-            seed = sampling_params.seed ^ (index * 0x9E3779B97F4A7C15)
-        elif seed is None:
-            seed = self.seq_id * 0x9E3779B1
-        seed = int(seed) % 2**64
-        self.seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+            # Through a full 64-bit mix: xor-folding the halves sent 0 and -1 (and 1 and 2**32) to one stream.
+            self.seed = request_seed(sampling_params.seed, index)
+        else:
+            if seed is None:
+                seed = self.seq_id * 0x9E3779B1
+            seed = int(seed) % 2**64
+            self.seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
         self.last_token = token_ids[-1]
