@@ -575,6 +575,16 @@ def _qk_variant(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache,
     from nanovllm_ref.layers.layernorm import rms_norm
     from nanovllm_ref.layers.rotary_embedding import apply_rope, apply_rotary
     cos, sin = cos_sin_cache.chunk(2, dim=-1)
+    if mistake == "sin_sign":                         # rotating the other way: x * cos + rotate_half(x) * -sin
+        sin = -sin
+    if mistake == "token_index":                      # cos/sin rows of 0..T-1, not of each token's position
+        positions = torch.arange(qkv.shape[0], device=qkv.device)
+    if mistake == "no_eps":                           # also what a hard-coded 1e-6 gives, within tolerance
+        eps = 0.0
+    if mistake == "eps_outside_root":
+        def rms_norm(x, w, eps):                      # noqa: F811 (the mistake: eps added after the root)
+            xf = x.float()
+            return w * (xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype)
     q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
     if mistake == "v_columns":                       # v read right after q, i.e. from k's columns
         v = qkv[:, h * d:(h + hkv) * d]
@@ -618,17 +628,25 @@ _QK_MISTAKES = {
     "v_columns": "qkv's columns are [q: H*d | k: Hkv*d | v: Hkv*d]; v starts at column (H + Hkv) * d",
     "padding_wraps": "slot -1 is a padding row that stores nothing; used as an index it would hit the cache's "
                      "last slot",
+    "no_eps": "RMSNorm adds the eps it is given under the root, x * rsqrt(mean(x**2) + eps): it is the "
+              "model's rms_norm_eps, so neither leave it out nor use a constant of your own (this case's eps is "
+              "large, so it shows)",
+    "eps_outside_root": "eps goes inside the root: x * rsqrt(mean(x**2) + eps), not x / (sqrt(mean(x**2)) + eps)",
+    "sin_sign": "rotate by +theta: x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]",
+    "token_index": "index cos_sin_cache by each token's position (positions[t]), not by its row t in the batch",
 }
 
 
 def _qk_cases(g):
-    """(name, dtype, T, H, Hkv, d, qk_norm, slots): fresh random cases of the shapes the kernel serves."""
+    """(name, dtype, T, H, Hkv, d, qk_norm, eps): fresh random cases of the shapes the kernel serves. T >= 2, so
+    every case has a padding row; the second case's eps is large (0.05-0.5) so that where it goes shows."""
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
         t = randint(g, 2, 7)
-        cases += [("Qwen3-like GQA", dtype, t, 4, 2, 16, True),
-                  ("one KV head, head_dim 24 (half 12)", dtype, randint(g, 1, 5), 3, 1, 24, True),
-                  ("no q/k norm (Llama-like)", dtype, t, 2, 2, 8, False)]
+        big_eps = float(torch.empty(1).uniform_(0.05, 0.5, generator=g))
+        cases += [("Qwen3-like GQA", dtype, t, 4, 2, 16, True, 1e-6),
+                  ("one KV head, head_dim 24 (half 12), a large eps", dtype, randint(g, 2, 5), 3, 1, 24, True, big_eps),
+                  ("no q/k norm (Llama-like)", dtype, t, 2, 2, 8, False, 1e-6)]
     return cases
 
 
@@ -640,15 +658,15 @@ def check_qk_norm_rope_store(fn) -> None:
     from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding
     tag = "E10.5"
     g = fresh_generator()
-    block_size, num_blocks, max_pos, eps = 4, 4, 64, 1e-6
-    for name, dtype, t, h, hkv, d, qk_norm in _qk_cases(g):
+    block_size, num_blocks, max_pos = 4, 4, 64
+    for name, dtype, t, h, hkv, d, qk_norm, eps in _qk_cases(g):
         rope = RotaryEmbedding(d, max_pos, 10000.0)
         width = (h + 2 * hkv) * d
         qkv = torch.randn(t, width + 8, generator=g).to(dtype)[:, :width]      # a strided view, as in the model
         perm = torch.randperm(num_blocks * block_size, generator=g)[:t].to(torch.int32)
-        perm[randint(g, 0, t - 1)] = -1 if t > 1 else perm[0]                  # a padding row (when t > 1)
+        perm[randint(g, 0, t - 1)] = -1                                         # a padding row
         positions = torch.randint(0, max_pos, (t,), generator=g)
-        positions[0] = max_pos - 1
+        positions[0] = max_pos - 1                                              # never the row index
         weights = ((torch.randn(d, generator=g) * 0.5 + 1).to(dtype), (torch.randn(d, generator=g) * 0.5 + 1).to(dtype)) \
             if qk_norm else (None, None)
         k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
@@ -661,7 +679,7 @@ def check_qk_norm_rope_store(fn) -> None:
         got_k, got_v = k_cache.clone(), v_cache.clone()
         got = call_student(tag, fn, qkv, *args, got_k, got_v, *tail)
         check_unchanged(tag, before, {"qkv": qkv, "positions": positions, "slot_mapping": perm})
-        case = f"({name}, {dtype}, T={t}, H={h}, Hkv={hkv}, d={d}, slots {perm.tolist()})"
+        case = f"({name}, {dtype}, T={t}, H={h}, Hkv={hkv}, d={d}, eps={eps:.3g}, slots {perm.tolist()})"
         tol = 1e-5 if dtype == torch.float32 else 1.6e-2
         diagnosis = None
         outputs = (got, got_k, got_v)
@@ -699,7 +717,8 @@ def _diagnose_qk(outputs, qkv, args, k_cache, v_cache, tail, tol, qk_norm):
     """(what differed, mistake) when the student's outputs equal the reference with one known mistake."""
     got, got_k, got_v = outputs
     for mistake in _QK_MISTAKES:
-        if not qk_norm and mistake in ("no_norm", "norm_whole_row", "norm_after_rope", "k_with_q_weight"):
+        if not qk_norm and mistake in ("no_norm", "norm_whole_row", "norm_after_rope", "k_with_q_weight",
+                                       "no_eps", "eps_outside_root"):
             continue
         mk, mv = k_cache.clone(), v_cache.clone()
         mq = _qk_variant(qkv, *args, mk, mv, *tail, mistake=mistake)
@@ -711,7 +730,12 @@ def _diagnose_qk(outputs, qkv, args, k_cache, v_cache, tail, tol, qk_norm):
                     "interleaved": "q and k_cache are rotated in (2i, 2i+1) pairs",
                     "k_before_rope": "k_cache holds k before RoPE", "v_rotated": "v_cache holds a rotated v",
                     "v_columns": "v_cache holds the k columns",
-                    "padding_wraps": "the padding row wrote the last cache slot"}[mistake]
+                    "padding_wraps": "the padding row wrote the last cache slot",
+                    "no_eps": "q and k_cache are normalised without the eps given (or with a tiny one)",
+                    "eps_outside_root": "q and k_cache are normalised with eps added after the square root",
+                    "sin_sign": "q and k_cache are rotated by -theta",
+                    "token_index": "q and k_cache are rotated by each token's row in the batch, not its position"
+                    }[mistake]
             return what, mistake
     return None
 

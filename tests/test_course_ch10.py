@@ -299,19 +299,30 @@ def _rotate(x, c, s, interleaved=False):
     return torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(x.dtype)
 
 
+def _rms_eps_outside(x, w, eps):
+    xf = x.float()
+    return w * (xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype)
+
+
 def qk_student(qkv, positions, cos_sin, qw, kw, eps, k_cache, v_cache, slots, h, hkv, d, mistake=None):
     """A student's version written from the spec (independent of ch10's own variants), with one mistake."""
+    rms = _rms_eps_outside if mistake == "eps_outside_root" else _rms
+    eps = {"no_eps": 0.0, "eps_hard_coded": 1e-6}.get(mistake, eps)
+    if mistake == "row_index":
+        positions = torch.arange(qkv.shape[0])
     q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
     if mistake == "v_from_k":
         v = qkv[:, h * d:(h + hkv) * d]
     q, k, v = q.reshape(-1, h, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
     c, s = (t[positions] for t in cos_sin.chunk(2, dim=-1))
+    if mistake == "minus_sin":
+        s = -s
     if qw is not None and mistake not in ("no_norm", "norm_after_rope"):
         if mistake == "whole_row":
-            q = _rms(q.flatten(1), qw.repeat(h), eps).view(-1, h, d)
-            k = _rms(k.flatten(1), kw.repeat(hkv), eps).view(-1, hkv, d)
+            q = rms(q.flatten(1), qw.repeat(h), eps).view(-1, h, d)
+            k = rms(k.flatten(1), kw.repeat(hkv), eps).view(-1, hkv, d)
         else:
-            q, k = _rms(q, qw, eps), _rms(k, qw if mistake == "k_uses_q_weight" else kw, eps)
+            q, k = rms(q, qw, eps), rms(k, qw if mistake == "k_uses_q_weight" else kw, eps)
     k_unrotated = k
     q, k = _rotate(q, c, s, mistake == "interleaved"), _rotate(k, c, s, mistake == "interleaved")
     if qw is not None and mistake == "norm_after_rope":
@@ -349,6 +360,11 @@ QK_MUTANTS = {
     "padding_to_slot_0": ("slot",),
     "flat_q": ("has shape", "split qkv"),
     "in_place": ("changed its input `qkv`",),
+    "no_eps": ("without the eps given", "under the root"),
+    "eps_hard_coded": ("without the eps given", "nor use a constant of your own"),
+    "eps_outside_root": ("eps added after the square root", "eps goes inside the root"),
+    "minus_sin": ("rotated by -theta", "rotate by +theta"),
+    "row_index": ("row in the batch, not its position", "positions[t]"),
 }
 
 

@@ -169,9 +169,36 @@ def test_sse_stop_reason_is_optional_but_checked_when_sent():
 
     for _ in range(CALLS):
         ch12.check_completion_events(no_stop_reason)
-    with pytest.raises(AssertionError, match="E12.3"):
+    with pytest.raises(AssertionError, match="stop_reason is what ended the choice"):
         for _ in range(10):                           # a draw holds a stop reason most of the time
             ch12.check_completion_events(wrong_stop_reason)
+
+
+def test_a_wrong_stop_reason_alone_is_named_as_such_every_run():
+    """A student's events right but for stop_reason None in every finish chunk were blamed, run by run, on
+    mistakes that change nothing on a case (the index mistake with one prompt matched it): a student report of
+    2026-12-01."""
+    def stop_reason_none(h, n, o, u):
+        out = []
+        for e in ch12.reference_completion_events(h, n, o, u):
+            if e != "data: [DONE]\n\n":
+                obj = json.loads(e[6:])
+                for c in obj["choices"]:
+                    if "stop_reason" in c:
+                        c["stop_reason"] = None
+                e = f"data: {json.dumps(obj)}\n\n"
+            out.append(e)
+        return out
+
+    rejected = 0
+    for _ in range(20):
+        try:
+            ch12.check_completion_events(stop_reason_none)
+        except AssertionError as exc:
+            text = str(exc)
+            assert "stop_reason is what ended the choice" in text and "stop_reason: yours null" in text, text
+            rejected += 1
+    assert rejected >= 15                             # a draw holds a stop reason most of the time
 
 
 # -- E12.1 admission and abort rules --------------------------------------------------------------------------------
