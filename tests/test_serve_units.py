@@ -502,3 +502,23 @@ def test_a_stream_whose_engine_dies_ends_every_choice_then_says_why(model_dir):
     assert "fake engine failed on purpose" in error["message"] and error["type"] == "service_unavailable"
     chunks = [json.loads(line[6:])["choices"][0] for line in lines[:-2]]
     assert {c["index"]: c["finish_reason"] for c in chunks if c["finish_reason"]} == {0: "abort", 1: "abort"}
+
+
+def test_an_unexpected_server_fault_is_a_500_in_openai_shape_and_the_server_goes_on(model_dir):
+    from fastapi.testclient import TestClient
+
+    from nanovllm_ref.entrypoints.openai.api_server import build_app
+
+    class Broken(FakeEngine):
+        def check_request(self, prompt_token_ids, sampling_params):
+            if prompt_token_ids[:1] == [9]:
+                raise RuntimeError("a bug, not the client's fault")
+
+    app = build_app(EngineLoop(Broken(model_dir)), "m")
+    with TestClient(app, raise_server_exceptions=False) as client:
+        res = client.post("/v1/completions", json={"prompt": [9, 9], "max_tokens": 2})
+        assert res.status_code == 500
+        assert res.json() == {"error": {"message": "the server failed on this request (RuntimeError); see its log",
+                                        "type": "internal_server_error", "param": None, "code": None}}
+        res = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+        assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 2
