@@ -72,7 +72,7 @@ def _sampling_params(args):
 def cmd_generate(args, prompts=None, chat=None, note=None):
     from nanovllm_ref import LLM
     from nanovllm_ref.config import Config
-    from nanovllm_ref.engine.request import check_request, load_tokenizer
+    from nanovllm_ref.engine.request import check_request, encode_text, load_tokenizer
     from nanovllm_ref.engine.scheduler import Scheduler
     from nanovllm_ref.llm import chat_token_ids
     # Cheap checks first: sampling settings, engine arguments and config.json, the tokenizer, then every
@@ -86,7 +86,7 @@ def cmd_generate(args, prompts=None, chat=None, note=None):
     max_len = config.max_model_len
     tokenizer = load_tokenizer(path, config.hf_config.vocab_size)
     token_ids = [chat_token_ids(tokenizer, [{"role": "user", "content": p}], where=f"prompt {i + 1}") if chat
-                 else tokenizer.encode(p) for i, p in enumerate(prompts)]
+                 else encode_text(tokenizer, p, f"prompt {i + 1}") for i, p in enumerate(prompts)]
     for i, ids in enumerate(token_ids):
         if len(ids) > max_len:
             raise ValueError(f"prompt {i + 1} has {len(ids)} tokens{' with the chat template' if chat else ''}, "

@@ -4,6 +4,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 
 from nanovllm_ref.engine.llm_engine import LLMEngine
+from nanovllm_ref.engine.request import check_text
 from nanovllm_ref.outputs import RequestOutput
 
 # apply_chat_template's own parameters: chat_template_kwargs may not set them (they are chat()'s arguments,
@@ -11,6 +12,35 @@ from nanovllm_ref.outputs import RequestOutput
 _RESERVED = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
              "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
              "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens")
+
+
+def _check_texts(value, where: str) -> None:
+    """check_text on every str in `value` (nested dicts and lists), naming the first bad one by its path, e.g.
+    `messages[1].content`: text the template renders must be text the tokenizer can encode."""
+    if isinstance(value, str):
+        check_text(value, where)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_texts(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_texts(v, f"{where}[{i}]")
+
+
+def check_chat_template_kwargs(chat_template_kwargs,
+                              own_parameters: str = "pass add_generation_prompt= etc. to chat() itself") -> dict:
+    """chat_template_kwargs as a dict ({} for None). Raises TypeError unless it is a dict with str keys, ValueError
+    if it sets one of apply_chat_template's own parameters (`own_parameters` says the caller where those are set
+    instead) or holds text that is not valid (check_text)."""
+    kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"chat_template_kwargs must be a dict with str keys or None, got {chat_template_kwargs!r:.80}")
+    reserved = sorted(set(kwargs) & set(_RESERVED))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}: they are apply_chat_template's own "
+                         f"parameters ({own_parameters})")
+    _check_texts(dict(kwargs), "chat_template_kwargs")
+    return dict(kwargs)
 
 
 def _check_conversation(conversation, where: str) -> None:
@@ -28,6 +58,7 @@ def _check_conversation(conversation, where: str) -> None:
             ok = content is None or isinstance(content, (str, list))
         if not ok:
             raise TypeError(f"{where}[{j}] must be a dict with a str 'role' and a str 'content', got {m!r:.80}")
+        _check_texts(dict(m), f"{where}[{j}]")
 
 
 def chat_token_ids(tokenizer, conversation, add_generation_prompt: bool = True, chat_template=None,
@@ -45,8 +76,9 @@ def chat_token_ids(tokenizer, conversation, add_generation_prompt: bool = True, 
     dicts (or functions, which transformers converts); documents: a list of {"title", "text"} dicts for RAG
     templates. chat_template_kwargs: more variables for the template, e.g. {"enable_thinking": False} for
     Qwen3 (not apply_chat_template's own parameters).
-    Raises TypeError for a malformed argument, ValueError if there is no chat template, for an error the
-    template raises when it compiles or renders (jinja), or one from transformers, naming the argument.
+    Raises TypeError for a malformed argument, ValueError if there is no chat template, for text that is not
+    valid (a lone surrogate, named by its path: `messages[1].content`), for an error the template raises when it
+    compiles or renders (jinja), or one from transformers, naming the argument.
     """
     _check_conversation(conversation, where)
     if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
@@ -61,27 +93,26 @@ def chat_token_ids(tokenizer, conversation, add_generation_prompt: bool = True, 
     for name, value in (("tools", tools), ("documents", documents)):
         if value is not None and (isinstance(value, (str, bytes, Mapping)) or not isinstance(value, SequenceABC)):
             raise TypeError(f"{name} must be a list or None, got {type(value).__name__}")
-    kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
-    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-        raise TypeError(f"chat_template_kwargs must be a dict with str keys or None, got {chat_template_kwargs!r:.80}")
-    reserved = sorted(set(kwargs) & set(_RESERVED))
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {reserved}: they are apply_chat_template's own "
-                         "parameters (pass add_generation_prompt= etc. to chat() itself)")
+    kwargs = check_chat_template_kwargs(chat_template_kwargs)
+    _check_texts(tools, "tools")
+    _check_texts(documents, "documents")
+    # The advice names only what the caller gave: a chat shell user has no tools or chat_template_kwargs to check.
+    given = [where] + [name for name, value in (("tools", tools), ("documents", documents),
+                                                ("chat_template_kwargs", kwargs)) if value]
+    given = ", ".join(given[:-1]) + " and " + given[-1] if len(given) > 1 else given[0]
     import jinja2
     try:
         ids = tokenizer.apply_chat_template([dict(m) for m in conversation], tools=tools, documents=documents,
                                             chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message, tokenize=True,
-                                            return_dict=False, **dict(kwargs))
+                                            return_dict=False, **kwargs)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"chat_template does not compile (jinja, line {exc.lineno}): {exc.message}") from exc
     except jinja2.TemplateError as exc:
-        raise ValueError(f"the chat template failed to render {where} (jinja: {exc}); check the messages, tools, "
-                         "documents and chat_template_kwargs against what the template expects") from exc
+        raise ValueError(f"the chat template failed to render {where} (jinja: {exc}); check {given} against what "
+                         "the template expects") from exc
     except Exception as exc:
-        raise ValueError(f"apply_chat_template refused {where} ({type(exc).__name__}: {exc}); check the messages, "
-                         "tools, documents and chat_template_kwargs") from exc
+        raise ValueError(f"apply_chat_template refused {where} ({type(exc).__name__}: {exc}); check {given}") from exc
     return [int(t) for t in ids]
 
 

@@ -50,6 +50,29 @@ def test_str_prompt_ids_are_checked_against_the_vocabulary():
         check_request(word, G, tokenizer=llm.tokenizer, config=config, scheduler_cls=Scheduler)
 
 
+# -- text that cannot be tokenized (a lone surrogate: half of a UTF-16 pair, from JSON's \ud800 escape) -----------
+def test_a_prompt_that_cannot_be_tokenized_is_a_value_error_naming_it_before_any_work():
+    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match=r"^prompts\[1\] is not valid text: character 2 is a lone surrogate"):
+        llm.generate(["fine", "ab\ud800"], G, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt is not valid text: character 0"):
+        llm.add_request("\udfff", G)
+    with pytest.raises(ValueError, match=r"messages\[0\]\[1\]\.content is not valid text"):
+        llm.chat([{"role": "system", "content": "ok"}, {"role": "user", "content": "x\udc80"}], G, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"chat_template_kwargs\.persona is not valid text"):
+        llm.chat([{"role": "user", "content": "hi"}], G, use_tqdm=False, chat_template_kwargs={"persona": "\ud800"})
+    assert llm.is_finished() and not llm.requests
+    assert llm.generate(["fine"], G, use_tqdm=False)[0].finished
+
+
+def test_cli_prompt_that_is_not_utf8_is_named_before_the_weights_load(tmp_path, capsys):
+    # argv bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape)
+    for flags in ([], ["--chat"]):
+        code, _, err = cli(["generate", "--model", weightless(tmp_path / str(len(flags))), "--prompt", "ok",
+                            "--prompt", "a\udcffb", "--device", "cpu", *flags], capsys)
+        assert code == 2 and "prompt 2" in err and "is not valid text" in err and "safetensors" not in err, err
+
+
 # -- sampling settings ----------------------------------------------------------------------------------------
 def test_huge_top_k_keeps_every_token_and_never_fails_mid_run():
     sp = SamplingParams(temperature=1.0, max_tokens=6, top_k=10**30, ignore_eos=True)

@@ -192,6 +192,10 @@ BAD = [
                               "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": False}},
      "chat_template_kwargs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 0}, "logprobs"),           # 0 asks for logprobs too
+    ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": False,
+                              "stream_options": {"include_usage": False}}, "stream_options"),
 ]
 
 
@@ -204,6 +208,110 @@ def test_bad_request_gets_400_naming_the_field(server, path, body, param):
     assert error["param"] == param, error
     assert error["type"] == "invalid_request_error" and error["message"]
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400_naming_the_limit(server):
+    res = httpx.post(server.url + "/v1/completions", json={"prompt": [[5, 6]] * 1025, "max_tokens": 2}, timeout=10)
+    error = res.json()["error"]
+    assert res.status_code == 400 and error["param"] == "prompt", res.text
+    assert "1025 prompts" in error["message"] and "at most 1024" in error["message"] and "retry" not in error["message"]
+
+
+# Text no tokenizer can encode: JSON's \ud800 escapes give a lone surrogate (json.dumps writes them as escapes).
+BAD_TEXT = [
+    ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}, "prompt", "prompt is not valid text: character 0"),
+    ("/v1/completions", {"prompt": ["fine", "a\ud800b"], "max_tokens": 2}, "prompt", "prompt[1] is not valid text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfffb"}], "max_tokens": 2}, "messages",
+     "messages[0].content is not valid text: character 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": [
+        {"type": "text", "text": "x"}, {"type": "text", "text": "\udc80"}]}]}, "messages",
+     "messages[1].content is not valid text: character 2"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"persona": "\udfff"}}, "chat_template_kwargs",
+     "chat_template_kwargs.persona is not valid text"),
+    ("/v1/completions", {"model": "\ud800", "prompt": PROMPT}, "model", "does not exist"),   # quoted in a 404
+]
+
+
+@pytest.mark.parametrize("path,body,param,message", BAD_TEXT, ids=[f"{p.split('/')[-1]}-{param}-{i}" for i, (
+    p, _, param, _) in enumerate(BAD_TEXT)])
+def test_text_the_tokenizer_cannot_encode_gets_a_4xx_naming_the_field(server, path, body, param, message):
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        res = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        assert res.status_code == (404 if param == "model" else 400), res.text
+        error = res.json()["error"]
+        assert error["param"] == param and message in error["message"], error
+        assert "lone surrogate" in error["message"] or param == "model"
+        assert res.headers.get("connection") != "close"           # a 500 would close the keep-alive connection
+        assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_a_reserved_chat_template_kwarg_is_refused_with_advice_for_http_clients(server):
+    res = httpx.post(server.url + "/v1/chat/completions", timeout=10, json={
+        "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": False}})
+    error = res.json()["error"]
+    assert res.status_code == 400 and error["param"] == "chat_template_kwargs", error
+    assert "add_generation_prompt is a field of the request body" in error["message"]
+    assert "chat()" not in error["message"]
+
+
+ROUTE_ERRORS = [
+    ("GET", "/v1/completions", None, 405, "GET is not allowed on /v1/completions; use POST"),
+    ("GET", "/nope", None, 404, "no route GET /nope"),
+    ("POST", "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400, "could not be parsed as JSON"),
+    ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "could not be parsed as JSON"),
+]
+
+
+@pytest.mark.parametrize("method,path,content,status,message", ROUTE_ERRORS,
+                         ids=["405", "404", "invalid-utf8", "deep-json"])
+def test_routing_and_parsing_errors_have_the_openai_error_shape(server, method, path, content, status, message):
+    res = httpx.request(method, server.url + path, content=content, timeout=10,
+                        headers={"Content-Type": "application/json"} if content else None)
+    assert res.status_code == status, res.text
+    body = res.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert message in body["error"]["message"], body
+    assert body["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_a_body_over_the_limit_gets_413_declared_or_chunked(server):
+    from nanovllm_ref.entrypoints.cli_args import DEFAULT_MAX_REQUEST_BYTES
+    over = b" " * (DEFAULT_MAX_REQUEST_BYTES + 1)
+    for content in (over, iter([over[:2**20]] * 9)):          # Content-Length, then chunked (no length)
+        res = httpx.post(server.url + "/v1/completions", content=content, timeout=30,
+                         headers={"Content-Type": "application/json"})
+        assert res.status_code == 413, res.text[:200]
+        error = res.json()["error"]
+        assert f"at most {DEFAULT_MAX_REQUEST_BYTES} bytes (--max-request-bytes)" in error["message"], error
+    chunked = iter([json.dumps({"prompt": [5, 6], "max_tokens": 3}).encode()])   # a chunked body within the limit
+    res = httpx.post(server.url + "/v1/completions", content=chunked, timeout=10,
+                     headers={"Content-Type": "application/json"})
+    assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 3, res.text
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    """While a 2.4 MB prompt is tokenized (seconds on a CPU), /health keeps answering: the longest wait between
+    two health answers is a small part of the long request's time (on the event loop it was nearly all of it)."""
+    import threading
+    import time
+    done = {}
+
+    def long_request():
+        start = time.monotonic()
+        res = httpx.post(server.url + "/v1/completions", json={"prompt": "hello world " * 200_000}, timeout=120)
+        done.update(status=res.status_code, param=res.json()["error"]["param"], seconds=time.monotonic() - start)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    answers = [time.monotonic()]
+    while thread.is_alive():
+        assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+        answers.append(time.monotonic())
+    thread.join()
+    assert (done["status"], done["param"]) == (400, "prompt")        # far longer than max_model_len
+    longest_wait = max(b - a for a, b in zip(answers, answers[1:]))
+    assert longest_wait < done["seconds"] / 3, (longest_wait, done)
 
 
 ASKS = {"n": 2, "stop": ["xyz"], "stop_token_ids": [5], "presence_penalty": 0.5, "frequency_penalty": 0.5,

@@ -75,6 +75,14 @@ def test_chat_shell_streams_keeps_history_stops_on_ctrl_c_and_quits_on_ctrl_d(tm
         answer = text.split(">>> ")[2]
         assert answer == fake_answer(tokenizer, second, MAX_TOKENS, eos_after=1000)[0] + "\n"
 
+        proc.stdin.flush()
+        proc.stdin.buffer.write(b"a\xffb\n")            # not UTF-8: refused by name, the history unchanged
+        proc.stdin.buffer.flush()
+        text = out.wait_for(lambda t: t.count(">>> ") == 4, what="the refusal of the line that is not UTF-8")
+        assert text.split(">>> ")[3] == ("error: your message is not valid text: character 1 is a lone surrogate "
+                                         "('\\udcff', half of a UTF-16 pair, which UTF-8 cannot encode); send "
+                                         "whole characters\n")
+
         proc.stdin.write("/reset\n")
         proc.stdin.close()                               # Ctrl-D
         assert proc.wait(timeout=30) == 0, out.text

@@ -40,6 +40,11 @@ def test_full_admission_queue_answers_503_at_once_and_recovers(tmp_path, model_d
         # A batch of two prompts needs two places: refused whole, and nothing of it reached the engine.
         res = httpx.post(srv.url + "/v1/completions", json={"prompt": [[5, 9], [5, 10]], "max_tokens": 2}, timeout=10)
         assert res.status_code == 503
+        # Three prompts can never fit two places: a 400 naming the prompt and the limit, not "retry later".
+        res = httpx.post(srv.url + "/v1/completions", json={"prompt": [[5, 9], [5, 10], [5, 11]], "max_tokens": 2},
+                         timeout=10)
+        assert res.status_code == 400 and res.json()["error"]["param"] == "prompt", res.text
+        assert "at most 2 prompts per request" in res.json()["error"]["message"]
         assert not [e for e in srv.events("add") if e["prompt_token_ids"] in ([5, 6], [5, 9], [5, 10])]
         assert httpx.get(srv.url + "/health", timeout=5).json()["open_requests"] == 2
         for response, _ in held:
@@ -88,7 +93,7 @@ def test_bad_engine_factory_fails_by_name_before_serving(model_dir):
     assert res.returncode == 2 and "max_queued_requests must be an int >= 1" in res.stderr
 
 
-def test_port_in_use_exits_1(tmp_path, model_dir):
+def test_port_in_use_exits_1_before_the_engine_loads(tmp_path, model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -96,6 +101,36 @@ def test_port_in_use_exits_1(tmp_path, model_dir):
         res = _serve(["--model", model_dir, "--engine-factory", FAKE, "--port", str(port),
                       "--engine-factory-kwargs", json.dumps({"record": str(tmp_path / "ev.jsonl")})])
     assert res.returncode == 1, res.stderr
-    assert "address already in use" in res.stderr.lower()
-    events = [json.loads(line)["event"] for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
-    assert events[-1] == "exit"
+    assert f"error: cannot listen on 127.0.0.1:{port}" in res.stderr and "address already in use" in res.stderr.lower()
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "ev.jsonl").exists(), "the engine was built although the port was taken"
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1", "http"])
+def test_a_port_outside_the_tcp_range_is_an_argument_error_before_loading(tmp_path, model_dir, port):
+    res = _serve(["--model", model_dir, "--engine-factory", FAKE, "--port", port,
+                  "--engine-factory-kwargs", json.dumps({"record": str(tmp_path / "ev.jsonl")})])
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "argument --port: a TCP port must be" in res.stderr
+    assert not (tmp_path / "ev.jsonl").exists()
+
+
+ODD_NAME = 'm 987654321 "@@text@@" @@text@@'      # the marks the stream's chunk template was once cut at
+
+
+def test_a_served_model_name_holding_the_chunk_marks_streams_intact(tmp_path, model_dir):
+    with ServerProcess(tmp_path, model_dir, {"step_delay": 0.005}, args=["--served-model-name", ODD_NAME]) as srv:
+        for path, body, text_of in (
+                ("/v1/completions", {"prompt": [5, 6, 7]}, lambda c: c["text"]),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                 lambda c: c["message"]["content"] if "message" in c else c["delta"]["content"] or "")):
+            body = {**body, "model": ODD_NAME, "max_tokens": 6}
+            full = httpx.post(srv.url + path, json=body, timeout=10).json()
+            with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=10) as res:
+                lines = [line for line in res.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+            chunks = [json.loads(line[6:]) for line in lines[:-1]]
+            assert {c["model"] for c in chunks} == {ODD_NAME} == {full["model"]}
+            assert len({c["id"] for c in chunks}) == 1 and all(c["choices"][0]["index"] == 0 for c in chunks)
+            streamed = "".join(text_of(c["choices"][0]) for c in chunks)
+            assert streamed == text_of(full["choices"][0]) and len(streamed.split()) == 6

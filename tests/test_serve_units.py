@@ -13,7 +13,7 @@ from serve_helpers import make_tokenizer_dir
 from nanovllm_ref.entrypoints.openai import sampling
 from nanovllm_ref.entrypoints.openai.engine_loop import Aborted, EngineDead, EngineLoop, Overloaded
 from nanovllm_ref.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from nanovllm_ref.entrypoints.openai.serving import Choices, completion_inputs
+from nanovllm_ref.entrypoints.openai.serving import Choices, chat_inputs, completion_inputs, completion_prompts
 from nanovllm_ref.entrypoints.openai.serving_engine import (LLMEngineAdapter, check_serving_engine,
                                                             default_engine_factory, engine_request_api_missing)
 from nanovllm_ref import sampling_params as sampling_params_module
@@ -386,13 +386,139 @@ def test_stream_text_chunks_equal_the_pydantic_chunks(text):
     from nanovllm_ref.entrypoints.openai.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice,
                                                           CompletionResponse, DeltaMessage)
     head = dict(id="cmpl-x", model="m", created=123)
-    template = _TextChunk(CompletionResponse(**head, choices=[CompletionChoice(index=_TextChunk.INDEX,
-                                                                               text=_TextChunk.TEXT)]))
+    template = _TextChunk(lambda i, t: CompletionResponse(**head, choices=[CompletionChoice(index=i, text=t)]))
     line = template(3, text)
     assert line.startswith("data: ") and line.endswith("\n\n")
     want = CompletionResponse(**head, choices=[CompletionChoice(index=3, text=text)]).model_dump()
     assert json.loads(line[6:]) == want
-    template = _TextChunk(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
-        index=_TextChunk.INDEX, delta=DeltaMessage(content=_TextChunk.TEXT))]))
+    template = _TextChunk(lambda i, t: ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+        index=i, delta=DeltaMessage(content=t))]))
     want = ChatCompletionChunk(**head, choices=[ChatChunkChoice(index=0, delta=DeltaMessage(content=text))])
     assert json.loads(template(0, text)[6:]) == want.model_dump()
+
+
+# -- which field an error names: chosen by which input was being checked, never from the error's text ----------
+RAISING_TEMPLATE = "{{ raise_exception('this template wants a system message first') }}"
+
+
+@pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}])
+def test_a_chat_template_failure_names_messages_whatever_its_text_says(model_dir, kwargs):
+    engine = FakeEngine(model_dir)
+    engine.tokenizer.chat_template = RAISING_TEMPLATE
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs=kwargs)
+    with pytest.raises(APIError) as info:
+        chat_inputs(request, engine)
+    assert info.value.param == "messages" and "wants a system message first" in info.value.message
+    # The advice names what the request sent: chat_template_kwargs only when it was given.
+    assert ("chat_template_kwargs" in info.value.message) == bool(kwargs), info.value.message
+
+
+def test_a_model_without_a_chat_template_points_to_completions(model_dir):
+    engine = FakeEngine(model_dir)
+    engine.tokenizer.chat_template = None
+    with pytest.raises(APIError) as info:
+        chat_inputs(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), engine)
+    assert info.value.param == "messages" and "/v1/completions" in info.value.message
+    assert "generate()" not in info.value.message                  # the offline advice means nothing to a client
+
+
+def test_chat_template_kwargs_errors_name_it_and_give_http_advice(model_dir):
+    engine = FakeEngine(model_dir)
+    for kwargs, says in (({"tokenize": False}, "may not set ['tokenize']"),
+                         ({"persona": "\udfff"}, "chat_template_kwargs.persona is not valid text")):
+        with pytest.raises(APIError) as info:
+            chat_inputs(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                              chat_template_kwargs=kwargs), engine)
+        assert info.value.param == "chat_template_kwargs" and says in info.value.message, info.value.message
+        assert "chat()" not in info.value.message
+
+
+def test_completion_prompts_that_cannot_be_tokenized_name_the_prompt(model_dir):
+    engine = FakeEngine(model_dir)
+    for prompt, where in (("\ud800", "prompt is"), (["ok", "x\udbff"], "prompt[1] is")):
+        with pytest.raises(APIError) as info:
+            completion_inputs(CompletionRequest(prompt=prompt, max_tokens=2), engine)
+        assert info.value.param == "prompt" and info.value.message.startswith(f"{where} not valid text")
+
+    class Failing:                                     # any other failure of the tokenizer is the text's fault too
+        def encode(self, text):
+            raise RuntimeError("the tokenizer broke on this")
+    with pytest.raises(APIError) as info:
+        completion_prompts("fine", Failing(), 100)
+    assert info.value.param == "prompt"
+    assert info.value.message == "prompt could not be tokenized (RuntimeError: the tokenizer broke on this)"
+
+
+def test_stream_options_need_stream_true(model_dir):
+    engine = FakeEngine(model_dir)
+    with pytest.raises(APIError) as info:
+        completion_inputs(CompletionRequest(prompt="hi", stream_options={"include_usage": True}), engine)
+    assert info.value.param == "stream_options" and "stream is true" in info.value.message
+    (one,) = completion_inputs(CompletionRequest(prompt="hi", max_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True}), engine)
+    assert one.sampling_params.max_tokens == 2
+
+
+# -- stream chunks ----------------------------------------------------------------------------------------------
+ODD_HEADS = [dict(id="cmpl-987654321", model="987654321", created=987654321),
+             dict(id="cmpl-@@text@@", model='"@@text@@"', created=1),
+             dict(id="x", model='m 987654321 "@@text0@@" 987654322 @@text@@ "@@text1@@"', created=1987654321),
+             dict(id="cmpl-x", model="caf\u00e9 \u2615", created=123)]
+
+
+@pytest.mark.parametrize("head", ODD_HEADS, ids=range(len(ODD_HEADS)))
+def test_stream_text_chunks_are_right_for_any_model_name_id_and_time(head):
+    """A served model name (or an id, or a creation time) holding the marks the template is cut at."""
+    from nanovllm_ref.entrypoints.openai.api_server import _TextChunk
+    from nanovllm_ref.entrypoints.openai.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice,
+                                                          CompletionResponse, DeltaMessage)
+    completion = _TextChunk(lambda i, t: CompletionResponse(**head, choices=[CompletionChoice(index=i, text=t)]))
+    chat = _TextChunk(lambda i, t: ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+        index=i, delta=DeltaMessage(content=t))]))
+    for index, text in ((0, " word"), (7, '987654321 "@@text@@"')):
+        want = CompletionResponse(**head, choices=[CompletionChoice(index=index, text=text)])
+        assert json.loads(completion(index, text)[6:]) == want.model_dump()
+        want = ChatCompletionChunk(**head, choices=[ChatChunkChoice(index=index, delta=DeltaMessage(content=text))])
+        assert json.loads(chat(index, text)[6:]) == want.model_dump()
+
+
+def test_a_stream_whose_engine_dies_ends_every_choice_then_says_why(model_dir):
+    from nanovllm_ref.entrypoints.openai.api_server import _completion_stream
+
+    async def main():
+        loop = EngineLoop(FakeEngine(model_dir, fail_at_step=3))
+        await loop.start()
+        group = loop.submit([_input([5, 6], max_tokens=50, ignore_eos=True, n=2)])
+        await group.admitted
+        watcher = asyncio.create_task(asyncio.sleep(3600))
+        head = dict(id="cmpl-x", model="m", created=1)
+        lines = [line async for line in _completion_stream(group, watcher, Choices([2], 2), head, False)]
+        await loop.shutdown()
+        return lines
+
+    lines = _run(main())
+    assert lines[-1] == "data: [DONE]\n\n"
+    error = json.loads(lines[-2][6:])["error"]
+    assert "fake engine failed on purpose" in error["message"] and error["type"] == "service_unavailable"
+    chunks = [json.loads(line[6:])["choices"][0] for line in lines[:-2]]
+    assert {c["index"]: c["finish_reason"] for c in chunks if c["finish_reason"]} == {0: "abort", 1: "abort"}
+
+
+def test_an_unexpected_server_fault_is_a_500_in_openai_shape_and_the_server_goes_on(model_dir):
+    from fastapi.testclient import TestClient
+
+    from nanovllm_ref.entrypoints.openai.api_server import build_app
+
+    class Broken(FakeEngine):
+        def check_request(self, prompt_token_ids, sampling_params):
+            if prompt_token_ids[:1] == [9]:
+                raise RuntimeError("a bug, not the client's fault")
+
+    app = build_app(EngineLoop(Broken(model_dir)), "m")
+    with TestClient(app, raise_server_exceptions=False) as client:
+        res = client.post("/v1/completions", json={"prompt": [9, 9], "max_tokens": 2})
+        assert res.status_code == 500
+        assert res.json() == {"error": {"message": "the server failed on this request (RuntimeError); see its log",
+                                        "type": "internal_server_error", "param": None, "code": None}}
+        res = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+        assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 2

@@ -46,6 +46,28 @@ def load_tokenizer(path: str, vocab_size: int | None = None):
     return tokenizer
 
 
+def check_text(text: str, where: str) -> None:
+    """Raise ValueError naming `where` if `text` is not valid Unicode text: a Python str (and a JSON string,
+    through its \\ud800 escapes) can hold a lone surrogate, half of a UTF-16 pair, which no UTF-8 text holds and
+    no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where} is not valid text: character {exc.start} is a lone surrogate "
+                         f"({text[exc.start]!r}, half of a UTF-16 pair, which UTF-8 cannot encode); send whole "
+                         "characters") from None
+
+
+def encode_text(tokenizer, text: str, where: str = "prompt") -> list[int]:
+    """Token ids of the str prompt `text` (tokenizer.encode: its special tokens added). Raises ValueError
+    naming `where` when the text cannot be tokenized: not valid text (check_text), or the tokenizer fails."""
+    check_text(text, where)
+    try:
+        return [int(t) for t in tokenizer.encode(text)]
+    except Exception as exc:                        # a tokenizer's own failure on this text: the text is at fault
+        raise ValueError(f"{where} could not be tokenized ({type(exc).__name__}: {exc})") from exc
+
+
 def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls, block_manager_cls=None,
                            prefix_caching: bool = False) -> None:
     if not isinstance(sp, SamplingParams):
@@ -82,7 +104,8 @@ def check_request(prompt, sp, *, tokenizer, config, scheduler_cls, where: str = 
     """Token ids of one validated request; raises ValueError / TypeError naming what is wrong (`where`,
     `sp_where`: how the prompt and its settings are called in the message). Changes nothing.
 
-    prompt: a str (encoded with the tokenizer's special tokens) or a list of int token ids. Checks: the ids
+    prompt: a str (encoded with the tokenizer's special tokens; text it cannot encode, such as a lone surrogate,
+    is a ValueError) or a list of int token ids. Checks: the ids
     are in [0, vocab_size) (str prompts too: a tokenizer's added tokens can lie past the embedding table),
     the prompt is not empty and fits max_model_len, and (once the cache is sized) the request can ever fit in
     the KV cache. sp: a SamplingParams; refused if it sets a field not implemented yet (PENDING), has stop
@@ -96,7 +119,7 @@ def check_request(prompt, sp, *, tokenizer, config, scheduler_cls, where: str = 
     if sp.n > config.max_num_seqs:
         raise ValueError(f"{sp_where}: n={sp.n} samples cannot run at once with max_num_seqs={config.max_num_seqs}")
     if isinstance(prompt, str):
-        token_ids = [int(t) for t in tokenizer.encode(prompt)]
+        token_ids = encode_text(tokenizer, prompt, where)
     elif isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray)):
         for j, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):

@@ -49,8 +49,15 @@ class ChatShell:
 
     def answer(self, user_text: str) -> str | None:
         """Stream the answer to one user message and add both to the history. Returns the answer's text (what
-        was printed, also when stopped), or None if the conversation no longer fits (nothing is kept)."""
+        was printed, also when stopped), or None if the message is not valid text (a lone surrogate: stdin
+        bytes that are not UTF-8) or the conversation no longer fits (nothing is kept)."""
+        from nanovllm_ref.engine.request import check_text
         from nanovllm_ref.llm import chat_token_ids
+        try:                                 # the line itself is at fault, not the history: say so, keep nothing
+            check_text(user_text, "your message")
+        except ValueError as exc:
+            self._write(f"error: {exc}\n")
+            return None
         self.history.append({"role": "user", "content": user_text})
         try:
             ids = chat_token_ids(self.engine.tokenizer, self.history)
@@ -116,6 +123,8 @@ def run_chat(args, model_path: str, engine_args: dict) -> int:
     shell_args = dict(system=args.system, max_tokens=args.max_tokens, temperature=args.temperature)
     SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)       # bad flags fail before loading
     engine = build_engine(model_path, engine_args, args.engine_factory, args.engine_factory_kwargs)
+    if hasattr(sys.stdin, "reconfigure"):      # bytes that are not UTF-8 arrive as lone surrogates (answer() says
+        sys.stdin.reconfigure(errors="surrogateescape")   # so), not as a UnicodeDecodeError out of input()
     try:
         ChatShell(engine, **shell_args).run()
     finally:

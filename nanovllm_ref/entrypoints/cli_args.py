@@ -4,6 +4,8 @@ Only argparse here: building the parser must not import the server's stack (Fast
 """
 import argparse
 
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20      # serve's body limit: 8 MiB, about 2M tokens of text, far beyond a context
+
 
 def add_more_engine_flags(p) -> None:
     """Engine arguments a long-running server sets more often than `generate` does; None = engine default."""
@@ -26,14 +28,30 @@ def more_engine_args(args) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
+def _int_in(name: str, low: int, high: int | None = None):
+    """An argparse type: an int in [low, high] (argparse's error then names the flag and says the range)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an int, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            allowed = f"{low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{name} must be in {allowed}, got {value}")
+        return value
+    return parse
+
+
 def add_serve_flags(p) -> None:
     add_more_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--port", type=_int_in("a TCP port", 1, 65535), default=8000, help="TCP port (1..65535)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the --model value)")
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="most requests held at once (waiting or running); one more is answered 503")
+    p.add_argument("--max-request-bytes", type=_int_in("the body size", 1), default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted; a larger one is answered 413")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")

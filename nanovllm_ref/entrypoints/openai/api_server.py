@@ -14,27 +14,41 @@ a chunk with the finish_reason when a choice ends, a usage chunk when `stream_op
 `data: [DONE]`. A chunk may carry the text of several engine steps when the client reads slower than the
 engine writes. Without streaming, the answer is one JSON body; both carry `usage` and `finish_reason`.
 
-Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with `param` naming the field:
-400 for malformed JSON, a bad or unknown field, a field the engine cannot honour, or a request that can
-never fit (max_model_len or the KV cache); 404 for another model's name; 503 when the server already holds
+Every error, whatever its origin (the checks here, FastAPI's routing and body parsing, an unexpected
+failure), uses OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with `param` naming the
+field: 400 for a body that is not UTF-8 JSON, a bad or unknown field, text the tokenizer cannot encode, a
+field the engine cannot honour, or a request that can never run (max_model_len, the KV cache, more prompts
+than --max-queued-requests); 404 for another model's name or an unknown route; 405 for a route's other
+methods; 413 for a body over --max-request-bytes; 500 for a server fault; 503 when the server already holds
 `--max-queued-requests` requests, or is stopping. A client that disconnects has its requests aborted
 (their KV blocks are freed at the next step). SIGTERM or Ctrl-C: in-flight requests are aborted (streams end
 with finish_reason "abort", unanswered requests get 503), then the engine's exit() runs and the process
 exits with status 0.
+
+The event loop only moves bytes: prompts are tokenized and chat templates rendered on one worker thread, so
+a long prompt delays its own answer, never the other clients' streams or /health (tokenizers release the
+GIL while they encode). One thread, because a transformers tokenizer is not documented as safe under
+concurrent calls; --max-request-bytes bounds how long one request can hold it.
 """
 import asyncio
+import itertools
 import json
 import logging
 import signal
+import socket
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from nanovllm_ref.entrypoints.openai.engine_loop import Aborted, EngineDead, EngineLoop, Overloaded
+from nanovllm_ref.entrypoints.cli_args import DEFAULT_MAX_REQUEST_BYTES
+from nanovllm_ref.entrypoints.openai.engine_loop import Aborted, EngineDead, EngineLoop, Overloaded, TooLarge
 from nanovllm_ref.entrypoints.openai.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
                                                       ChatCompletionChunk, ChatCompletionRequest,
                                                       ChatCompletionResponse, CompletionChoice,
@@ -64,6 +78,75 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(f"{path}: {err.get('msg')}", param=field)
 
 
+class _ErrorJSON(JSONResponse):
+    """An error body, ASCII-escaped: its message may quote what the client sent (a field name, a model name),
+    and text that is not valid Unicode (a lone surrogate) must still make a 4xx, not a failure to encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _error_response(err: APIError, headers: dict | None = None) -> JSONResponse:
+    if err.status == 503:
+        headers = {**(headers or {}), "Retry-After": "1"}
+    return _ErrorJSON(err.body(), status_code=err.status, headers=headers)
+
+
+def _http_error(method: str, path: str, exc: HTTPException) -> APIError:
+    """Starlette's and FastAPI's own errors (no route, a route's other method, a body that does not parse)
+    in OpenAI's shape."""
+    if exc.status_code == 404:
+        return APIError(f"no route {method} {path}; this server has GET /health, GET /v1/models, "
+                        "POST /v1/completions and POST /v1/chat/completions", status=404, type="not_found_error")
+    if exc.status_code == 405:
+        return APIError(f"{method} is not allowed on {path}; use {(exc.headers or {}).get('Allow', 'another method')}",
+                        status=405)
+    if exc.status_code == 400:                  # FastAPI: the body is not UTF-8, or JSON nested too deep to parse
+        return APIError(f"the request body could not be parsed as JSON ({exc.detail}): it must be a UTF-8 JSON "
+                        "object, not nested too deep")
+    return APIError(str(exc.detail), status=exc.status_code,
+                    type="invalid_request_error" if exc.status_code < 500 else "internal_server_error")
+
+
+class _BodyLimit:
+    """ASGI middleware: a request whose body exceeds max_bytes is answered 413 before the app reads it (one
+    client must not make the server parse and tokenize without bound). A declared Content-Length is checked
+    at once (the HTTP parser holds the body to it); a chunked body is read up to the limit, then passed on."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:      # a malformed one: the parser answers
+                return await self._refuse(scope, send, f"{int(length)}")
+            return await self.app(scope, receive, send)
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":     # the client left while sending
+                return
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_bytes:
+                return await self._refuse(scope, send, f"more than {self.max_bytes}")
+            if not message.get("more_body", False):
+                break
+        body = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def replay():                            # the body once, then the client's own messages
+            return body.pop() if body else await receive()
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, send, size: str):
+        err = APIError(f"the request body is {size} bytes; this server accepts at most {self.max_bytes} bytes "
+                       "(--max-request-bytes)", status=413)
+        await _error_response(err)(scope, None, send)
+
+
 def _sse(chunk) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
 
@@ -72,12 +155,22 @@ class _TextChunk:
     """The SSE line of a text chunk, cut once per request from the pydantic chunk's own JSON around two marks
     (the choice index and the text), then filled by string joins: the stream's hot path runs once per token
     of every client, thousands of times a second, and building a pydantic model each time would cost more
-    than the rest of the server. The shape stays the model's, since the pieces come from its output."""
-    INDEX, TEXT = 987654321, "@@text@@"
+    than the rest of the server. The shape stays the model's, since the pieces come from its output.
 
-    def __init__(self, sample):
-        head, rest = sample.model_dump_json().split(str(self.INDEX), 1)
-        middle, tail = rest.split(json.dumps(self.TEXT), 1)
+    build(index, text) -> the chunk model. The marks are chosen so each occurs exactly once in the sample's
+    JSON (index first): the one occurrence is then the one placed there, whatever the model name, id or
+    creation time hold (a name containing a mark would otherwise be cut in two); the next marks are tried
+    until they do."""
+
+    def __init__(self, build):
+        for k in itertools.count():
+            index, text = 987654321 + k, f"@@text{k}@@"
+            line, index_mark, text_mark = build(index, text).model_dump_json(), str(index), json.dumps(text)
+            if (line.count(index_mark) == 1 and line.count(text_mark) == 1
+                    and line.index(index_mark) < line.index(text_mark)):
+                break
+        head, rest = line.split(index_mark)
+        middle, tail = rest.split(text_mark)
         self.head, self.middle, self.tail = "data: " + head, middle, tail + "\n\n"
 
     def __call__(self, index: int, text: str) -> str:
@@ -95,10 +188,15 @@ def _watch_disconnect(raw: Request, group) -> asyncio.Task:
     return asyncio.create_task(watch())
 
 
-def build_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
+def build_app(engine_loop: EngineLoop, model_name: str,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app over `engine_loop` (started and shut down by the app's lifespan). model_name: the name
-    /v1/models lists and requests must use (or leave out)."""
+    /v1/models lists and requests must use (or leave out). max_request_bytes: the largest request body
+    accepted (413 beyond it)."""
     engine = engine_loop.engine
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
+    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -106,19 +204,32 @@ def build_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
         try:
             yield
         finally:
+            tokenize_pool.shutdown(wait=False, cancel_futures=True)
             await engine_loop.shutdown()
 
     app = FastAPI(title="nanovllm_ref OpenAI-compatible server", lifespan=lifespan)
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        headers = {"Retry-After": "1"} if exc.status == 503 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc: RequestValidationError):
-        err = _validation_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        return _error_response(_http_error(request.method, request.url.path, exc), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def server_fault(request, exc: Exception):        # logged by uvicorn with its traceback, not sent
+        return _error_response(APIError(f"the server failed on this request ({type(exc).__name__}); see its log",
+                                        status=500, type="internal_server_error"))
+
+    async def off_loop(fn, *args):
+        """fn(*args) on the tokenizing thread (a long prompt must not stall the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
 
     @app.get("/health")
     async def health():
@@ -140,6 +251,8 @@ def build_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
         """Submit to the loop and wait until the engine took them. Returns (group, disconnect watcher)."""
         try:
             group = engine_loop.submit(inputs)
+        except TooLarge as exc:
+            raise APIError(str(exc), param="prompt") from exc
         except Overloaded as exc:
             raise APIError(str(exc), status=503, type="service_unavailable") from exc
         except EngineDead as exc:
@@ -195,12 +308,12 @@ def build_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        return await run(body, raw, completion_inputs(body, engine), chat=False)
+        return await run(body, raw, await off_loop(completion_inputs, body, engine), chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        return await run(body, raw, chat_inputs(body, engine), chat=True)
+        return await run(body, raw, await off_loop(chat_inputs, body, engine), chat=True)
 
     return app
 
@@ -234,8 +347,8 @@ def _usage_and_done(chunk_cls, head, choices, include_usage, error):
 
 
 async def _completion_stream(group, watcher, choices: Choices, head: dict, include_usage: bool):
-    text_chunk = _TextChunk(CompletionResponse(**head, choices=[CompletionChoice(
-        index=_TextChunk.INDEX, text=_TextChunk.TEXT)]))
+    text_chunk = _TextChunk(lambda index, text: CompletionResponse(**head, choices=[CompletionChoice(
+        index=index, text=text)]))
     error = None
     async for deltas, error in _stream_deltas(group, watcher, choices):
         for d in deltas:
@@ -244,7 +357,7 @@ async def _completion_stream(group, watcher, choices: Choices, head: dict, inclu
             if d.finish_reason is not None:
                 yield _sse(CompletionResponse(**head, choices=[CompletionChoice(
                     index=d.index, text="", finish_reason=d.finish_reason, stop_reason=d.stop_reason)]))
-    if error == "abort":
+    if error is not None:                              # shutdown or a dead engine: every choice still ends
         for i, c in choices.final():
             if c.finish_reason is None:
                 yield _sse(CompletionResponse(**head, choices=[CompletionChoice(
@@ -257,8 +370,8 @@ async def _chat_stream(group, watcher, choices: Choices, head: dict, include_usa
     def chunk(index, delta, finish_reason=None, stop_reason=None):
         return _sse(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
             index=index, delta=delta, finish_reason=finish_reason, stop_reason=stop_reason)]))
-    text_chunk = _TextChunk(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
-        index=_TextChunk.INDEX, delta=DeltaMessage(content=_TextChunk.TEXT))]))
+    text_chunk = _TextChunk(lambda index, text: ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+        index=index, delta=DeltaMessage(content=text))]))
     for i, _ in choices.final():                       # OpenAI's first chunk of a choice names the role
         yield chunk(i, DeltaMessage(role="assistant", content=""))
     error = None
@@ -268,7 +381,7 @@ async def _chat_stream(group, watcher, choices: Choices, head: dict, include_usa
                 yield text_chunk(d.index, d.text)
             if d.finish_reason is not None:
                 yield chunk(d.index, DeltaMessage(), d.finish_reason, d.stop_reason)
-    if error == "abort":
+    if error is not None:
         for i, c in choices.final():
             if c.finish_reason is None:
                 yield chunk(i, DeltaMessage(), "abort")
@@ -291,13 +404,34 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """Raise OSError if a server could not listen on host:port now (the port is taken, or the host is not an
+    address of this machine): bind every address the host resolves to, as uvicorn will, and let go again."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, address in dict.fromkeys((i[0], i[1], i[2], "", i[4]) for i in infos):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+
+
 def run_server(args, model_path: str, engine_args: dict) -> int:
     """Build the engine, serve until SIGTERM / SIGINT, return the exit status (0 after a clean shutdown).
     args: the parsed `serve` flags (entrypoints/cli_args.py). Raises ValueError / TypeError for bad flags."""
     from nanovllm_ref.entrypoints.openai.serving_engine import build_engine
+    try:
+        check_can_listen(args.host, args.port)         # before the engine loads: a taken port fails in a second
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
     engine = build_engine(model_path, engine_args, args.engine_factory, args.engine_factory_kwargs)
-    engine_loop = EngineLoop(engine, args.max_queued_requests)
-    app = build_app(engine_loop, args.served_model_name or args.model)
+    try:
+        engine_loop = EngineLoop(engine, args.max_queued_requests)
+        app = build_app(engine_loop, args.served_model_name or args.model, args.max_request_bytes)
+    except BaseException:
+        engine.exit()
+        raise
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, lifespan="on", timeout_graceful_shutdown=10)
     server = _Server(config, engine_loop)

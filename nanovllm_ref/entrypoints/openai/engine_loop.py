@@ -16,7 +16,8 @@ sleeps on a condition while there is nothing to do.
 Back-pressure: at most `max_queued_requests` engine requests are held at once (waiting to join, or in the
 engine unfinished); `submit` beyond that raises Overloaded at once (a 503), so a flood of clients gets
 quick refusals instead of a queue that grows without bound. An HTTP request with several prompts takes
-one place per prompt and is admitted whole or not at all.
+one place per prompt and is admitted whole or not at all; one with more prompts than there are places could
+never be, and raises TooLarge (a 400) instead.
 
 Abort: a handler whose client went away calls `RequestGroup.abort()`; its unfinished requests are aborted
 in the engine at the next tick (`abort_request` frees their KV blocks), or dropped before they reach it.
@@ -41,6 +42,10 @@ logger = logging.getLogger("uvicorn.error")          # the server's log (uvicorn
 
 class Overloaded(Exception):
     """The server holds max_queued_requests requests already (answered with 503)."""
+
+
+class TooLarge(Exception):
+    """The HTTP request has more prompts than max_queued_requests: it could never be admitted (a 400)."""
 
 
 class EngineDead(Exception):
@@ -189,7 +194,12 @@ class EngineLoop:
     # -- handler side (event loop thread) --------------------------------------------------------------
     def submit(self, inputs: list) -> RequestGroup:
         """Queue the engine requests of one HTTP request: inputs is a list of objects with
-        `.prompt_token_ids` and `.sampling_params`. Raises Overloaded or EngineDead at once."""
+        `.prompt_token_ids` and `.sampling_params`. Raises TooLarge (more prompts than max_queued_requests:
+        waiting would never help), Overloaded or EngineDead at once."""
+        if len(inputs) > self.max_queued_requests:
+            raise TooLarge(f"the request has {len(inputs)} prompts and this server holds at most "
+                           f"{self.max_queued_requests} at once (--max-queued-requests); send at most "
+                           f"{self.max_queued_requests} prompts per request")
         if self.dead is not None:
             raise EngineDead(str(self.dead))
         if self._thread is None or not self._thread.is_alive():

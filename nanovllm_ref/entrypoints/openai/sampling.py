@@ -52,7 +52,7 @@ MAPPED = {
 # Fields the server knows but cannot serve (it would have to return or apply something it does not build yet:
 # log-probabilities, an echoed prompt, tool calls): refused unless neutral, whatever the engine can do.
 NOT_SERVED = {
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),          # completions' logprobs=0 asks for the chosen tokens' logprobs: refused too
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),

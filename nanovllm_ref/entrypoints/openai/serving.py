@@ -13,6 +13,7 @@ Choice index = prompt index * n + sample index, as in OpenAI's and vLLM's batche
 """
 from dataclasses import dataclass, field
 
+from nanovllm_ref.engine.request import encode_text
 from nanovllm_ref.entrypoints.openai.protocol import APIError, Usage
 from nanovllm_ref.entrypoints.openai.sampling import (check_fits_cache, check_with_engine, make_sampling_params,
                                                       resolve_max_tokens, sampling_kwargs)
@@ -36,7 +37,8 @@ def _check_ids(ids: list[int], vocab_size: int, where: str) -> list[int]:
 
 def completion_prompts(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
     """The token ids of each prompt of a /v1/completions body. prompt: a str, a list of str, a list of token
-    ids (one prompt, as vLLM accepts) or a list of token-id lists. Raises APIError (param "prompt")."""
+    ids (one prompt, as vLLM accepts) or a list of token-id lists. Raises APIError (param "prompt", the
+    message naming `prompt` or `prompt[i]`), also for text the tokenizer cannot encode."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -48,7 +50,13 @@ def completion_prompts(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
     out = []
     for i, p in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        ids = [int(t) for t in tokenizer.encode(p)] if isinstance(p, str) else list(p)
+        if isinstance(p, str):
+            try:
+                ids = encode_text(tokenizer, p, where)
+            except ValueError as exc:               # text the tokenizer cannot encode (a lone surrogate)
+                raise APIError(str(exc), param="prompt") from exc
+        else:
+            ids = list(p)
         out.append(_check_ids(ids, vocab_size, where))
     return out
 
@@ -58,20 +66,37 @@ def chat_prompt(messages, tokenizer, vocab_size: int, add_generation_prompt: boo
     """The token ids of a conversation rendered by the tokenizer's chat template (nanovllm_ref.llm's
     chat_token_ids, the same function `LLM.chat` uses; chat_template_kwargs: more template variables, e.g.
     {"enable_thinking": false} for Qwen3). Text parts of a message are joined by newlines. Raises APIError
-    (param "messages", or "chat_template_kwargs" for a bad one) if there is no template or the template
-    refuses the conversation."""
+    with param "chat_template_kwargs" for a bad one (checked first, on its own), else "messages" (text that
+    is not valid, no template, or the template refusing the conversation): the param is the input that was
+    being checked when the error came, never guessed from the error's text."""
     from jinja2 import TemplateError
 
-    from nanovllm_ref.llm import chat_token_ids
+    from nanovllm_ref.llm import chat_token_ids, check_chat_template_kwargs
+    try:
+        kwargs = check_chat_template_kwargs(chat_template_kwargs, own_parameters=_OWN_PARAMETERS)
+    except (TypeError, ValueError) as exc:
+        raise APIError(str(exc), param="chat_template_kwargs") from exc
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model's tokenizer has no chat template, so it cannot answer chat requests; send the "
+                       "text to /v1/completions instead", param="messages")
     conversation = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                      else "\n".join(part.text for part in m.content)} for m in messages]
     try:
         ids = chat_token_ids(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                             chat_template_kwargs=chat_template_kwargs or None)
-    except (TypeError, ValueError, TemplateError) as exc:
-        param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages"
-        raise APIError(f"messages could not be rendered by the chat template: {exc}", param=param) from exc
+                             chat_template_kwargs=kwargs or None)
+    except (TypeError, ValueError, TemplateError) as exc:   # its messages name the part of `messages` at fault
+        raise APIError(str(exc), param="messages") from exc
     return _check_ids(ids, vocab_size, "messages (rendered)")
+
+
+# Where an HTTP client sets what chat_template_kwargs may not (the offline message points to LLM.chat's arguments).
+_OWN_PARAMETERS = "add_generation_prompt is a field of the request body itself; the others are fixed by this server"
+
+
+def check_stream_options(request) -> None:
+    """stream_options only means something for a streamed answer: refused without `stream: true`, as vLLM does."""
+    if request.stream_options is not None and not request.stream:
+        raise APIError("stream_options can only be given when stream is true", param="stream_options")
 
 
 def engine_inputs(request, prompts: list[list[int]], engine, requested_max_tokens: int | None,
@@ -92,11 +117,13 @@ def engine_inputs(request, prompts: list[list[int]], engine, requested_max_token
 
 
 def completion_inputs(request, engine) -> list[EngineInput]:
+    check_stream_options(request)
     prompts = completion_prompts(request.prompt, engine.tokenizer, engine.vocab_size)
     return engine_inputs(request, prompts, engine, request.max_tokens)
 
 
 def chat_inputs(request, engine) -> list[EngineInput]:
+    check_stream_options(request)
     ids = chat_prompt(request.messages, engine.tokenizer, engine.vocab_size, request.add_generation_prompt,
                       request.chat_template_kwargs)
     if request.max_completion_tokens is not None:

@@ -32,7 +32,8 @@ Contract (vLLM's `LLMEngine` request API has the same shape):
   lie in [0, vocab_size)), `kv_cache_tokens` (tokens whose K/V the whole cache holds; None if unknown).
 
 The loop calls every method from one thread and never two at once, so an engine needs no locks. Only the
-tokenizer and `check_request` are also used from the HTTP side (encoding prompts and chat templates).
+tokenizer and `check_request` are also used from the HTTP side, on the server's one tokenizing thread
+(encoding prompts and chat templates, off the event loop).
 
 Test hook: `python -m nanovllm_ref serve --engine-factory module:callable [--engine-factory-kwargs JSON]`
 builds the engine with `callable(model, **engine_args, **kwargs)` instead of `default_engine_factory`
