@@ -194,7 +194,19 @@ def _classes():
                     ids = rel.checked_exercises(ref)
                     yield MissingCheck.from_parent(self, name=", ".join(ids), exercises=ids)
 
-    class GradedCheck(IPyNbCell):
+    class _Verdicts:
+        """Mixed into the items that fail with ExerciseNotOk: its verdict lines are the report, under the
+        notebook's own path."""
+
+        def repr_failure(self, excinfo):
+            if isinstance(excinfo.value, ExerciseNotOk):
+                return VerdictRepr(self.path, excinfo.value.lines)
+            return super().repr_failure(excinfo)
+
+        def reportinfo(self):
+            return self.path, None, f"{self.fspath.relto(self.config.rootdir) or self.path}::{self.name}"
+
+    class GradedCheck(_Verdicts, IPyNbCell):
         """A check cell: passes when every exercise it checks printed `Ex.y ok` (release.verdict_of)."""
 
         def __init__(self, name, parent, cell_num, cell, options, exercises):
@@ -216,13 +228,6 @@ def _classes():
             if raised is not None:                   # the solution itself: any other difference still fails
                 raise raised
 
-        def repr_failure(self, excinfo):
-            if isinstance(excinfo.value, ExerciseNotOk):
-                return VerdictRepr(self.path, excinfo.value.lines)
-            return super().repr_failure(excinfo)
-
-        def reportinfo(self):
-            return self.path, None, f"{self.fspath.relto(self.config.rootdir) or self.path}::{self.name}"
 
     class UngradedCell(IPyNbCell):
         """Any other cell of a student's notebook: runs, and reports a problem as xfailed (not graded)."""
@@ -239,7 +244,7 @@ def _classes():
                     why = rel._first_line(str(exc))
                 pytest.xfail(f"not graded: the cell starting {start!r} {why}")
 
-    class MissingCheck(pytest.Item):
+    class MissingCheck(_Verdicts, pytest.Item):
         """An exercise whose check cell is not in the student's notebook."""
 
         def __init__(self, *, exercises, **kwargs):
@@ -249,13 +254,6 @@ def _classes():
         def runtest(self):
             raise ExerciseNotOk([f"{ex} failed: its check cell is missing from the notebook" for ex in self.exercises])
 
-        def repr_failure(self, excinfo):
-            if isinstance(excinfo.value, ExerciseNotOk):
-                return VerdictRepr(self.path, excinfo.value.lines)
-            return super().repr_failure(excinfo)
-
-        def reportinfo(self):
-            return self.path, None, f"{self.fspath.relto(self.config.rootdir) or self.path}::{self.name}"
 
     return {"IPyNbFile": IPyNbFile, "GradedNotebook": GradedNotebook, "GradedCheck": GradedCheck,
             "UngradedCell": UngradedCell, "MissingCheck": MissingCheck}

@@ -346,23 +346,35 @@ def _usage_and_done(chunk_cls, head, choices, include_usage, error):
     yield "data: [DONE]\n\n"
 
 
-async def _completion_stream(group, watcher, choices: Choices, head: dict, include_usage: bool):
-    text_chunk = _TextChunk(lambda index, text: CompletionResponse(**head, choices=[CompletionChoice(
-        index=index, text=text)]))
+async def _events(group, watcher, choices: Choices, head: dict, include_usage: bool, chunk_cls, text_chunk,
+                  finish_chunk):
+    """The SSE lines of a stream after any opening chunks, for either endpoint: a chunk per piece of new text
+    (`text_chunk(index, text)`), one per choice that finishes (`finish_chunk(index, finish_reason,
+    stop_reason)`), "abort" for every open choice when the stream ends early, then usage and [DONE]."""
     error = None
     async for deltas, error in _stream_deltas(group, watcher, choices):
         for d in deltas:
             if d.text:
                 yield text_chunk(d.index, d.text)
             if d.finish_reason is not None:
-                yield _sse(CompletionResponse(**head, choices=[CompletionChoice(
-                    index=d.index, text="", finish_reason=d.finish_reason, stop_reason=d.stop_reason)]))
+                yield finish_chunk(d.index, d.finish_reason, d.stop_reason)
     if error is not None:                              # shutdown or a dead engine: every choice still ends
         for i, c in choices.final():
             if c.finish_reason is None:
-                yield _sse(CompletionResponse(**head, choices=[CompletionChoice(
-                    index=i, text="", finish_reason="abort")]))
-    for line in _usage_and_done(CompletionResponse, head, choices, include_usage, error):
+                yield finish_chunk(i, "abort", None)
+    for line in _usage_and_done(chunk_cls, head, choices, include_usage, error):
+        yield line
+
+
+async def _completion_stream(group, watcher, choices: Choices, head: dict, include_usage: bool):
+    text_chunk = _TextChunk(lambda index, text: CompletionResponse(**head, choices=[CompletionChoice(
+        index=index, text=text)]))
+
+    def finish_chunk(index, finish_reason, stop_reason):
+        return _sse(CompletionResponse(**head, choices=[CompletionChoice(
+            index=index, text="", finish_reason=finish_reason, stop_reason=stop_reason)]))
+    async for line in _events(group, watcher, choices, head, include_usage, CompletionResponse, text_chunk,
+                              finish_chunk):
         yield line
 
 
@@ -374,18 +386,9 @@ async def _chat_stream(group, watcher, choices: Choices, head: dict, include_usa
         index=index, delta=DeltaMessage(content=text))]))
     for i, _ in choices.final():                       # OpenAI's first chunk of a choice names the role
         yield chunk(i, DeltaMessage(role="assistant", content=""))
-    error = None
-    async for deltas, error in _stream_deltas(group, watcher, choices):
-        for d in deltas:
-            if d.text:
-                yield text_chunk(d.index, d.text)
-            if d.finish_reason is not None:
-                yield chunk(d.index, DeltaMessage(), d.finish_reason, d.stop_reason)
-    if error is not None:
-        for i, c in choices.final():
-            if c.finish_reason is None:
-                yield chunk(i, DeltaMessage(), "abort")
-    for line in _usage_and_done(ChatCompletionChunk, head, choices, include_usage, error):
+    async for line in _events(group, watcher, choices, head, include_usage, ChatCompletionChunk, text_chunk,
+                              lambda index, finish_reason, stop_reason: chunk(index, DeltaMessage(), finish_reason,
+                                                                              stop_reason)):
         yield line
 
 
