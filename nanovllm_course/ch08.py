@@ -587,7 +587,7 @@ def _penalty_variants(z, prompt_mask, counts, presence, frequency, repetition):
     def sub(zz, cc=c, mask=out, pp=p, ff=f):
         return zz - ff * cc - pp * mask.float()
 
-    return [
+    variants = [
         (sub(rep(z, seen, rule="divide")), "a negative logit of a seen token moved UP: you divided every seen "
          "logit by the repetition penalty", "z / r is smaller only for z > 0; for z < 0 multiply (z * r), so the "
          "token always becomes less likely"),
@@ -615,11 +615,14 @@ def _penalty_variants(z, prompt_mask, counts, presence, frequency, repetition):
          "a positive penalty makes a repeated token LESS likely: z - frequency * count - presence"),
         (sub(rep(z, torch.ones_like(seen))), "the repetition penalty changed tokens that were never seen",
          "apply it only where prompt_mask | (output_counts > 0)"),
-        (sub(rep(z, seen, rr=repetition.unsqueeze(0)), pp=presence.unsqueeze(0), ff=frequency.unsqueeze(0)),
-         "each row's settings were applied along the vocabulary (token j got row j's penalty): this batch is "
-         "square (B == V), so the shapes did not complain", "give the [B] settings a vocabulary axis: "
-         "presence.unsqueeze(-1) is [B, 1] and broadcasts over the row"),
     ]
+    if z.shape[0] == z.shape[1]:          # the settings along the vocabulary broadcast only in a square batch
+        variants.append((sub(rep(z, seen, rr=repetition.unsqueeze(0)), pp=presence.unsqueeze(0),
+                             ff=frequency.unsqueeze(0)),
+                         "each row's settings were applied along the vocabulary (token j got row j's penalty): this "
+                         "batch is square (B == V), so the shapes did not complain", "give the [B] settings a "
+                         "vocabulary axis: presence.unsqueeze(-1) is [B, 1] and broadcasts over the row"))
+    return variants
 
 
 def check_penalties(fn) -> None:

@@ -494,3 +494,20 @@ def test_e8_5_rejects_a_host_sync_and_an_unknown_mistake():
     fails(ch08.check_penalties, penalties_with_item, r"host sync.*aten._local_scalar_dense")
     # the repetition penalty squared: no named mistake, so the generic message with the formula
     fails(ch08.check_penalties, lambda z, m, c, p, f, r: penalties(z, m, c, p, f, r * r), "differs from the reference")
+
+
+def test_e8_5_an_answer_wrong_only_in_a_non_square_batch_gets_a_message_not_a_crash():
+    """Penalties computed in bf16 and cast at the end differ only in the bf16 case (7 x 151); the check's own
+    'settings along the vocabulary' variant was built there too and raised a shape RuntimeError from ch08.py
+    (a student's run of 2026-12-01). Now it is built only for a square batch."""
+    def bf16_maths(logits, prompt_mask, output_counts, presence, frequency, repetition):
+        z = logits.clone()
+        seen = prompt_mask | (output_counts > 0)
+        r = repetition.unsqueeze(-1).to(z.dtype)
+        z = torch.where(seen, torch.where(z < 0, z * r, z / r), z)
+        z = z - frequency.unsqueeze(-1).to(z.dtype) * output_counts.to(z.dtype) \
+            - presence.unsqueeze(-1).to(z.dtype) * (output_counts > 0).to(z.dtype)
+        return z.float()
+
+    for _ in range(3):
+        fails(ch08.check_penalties, bf16_maths, r"^E8\.5: .*7 rows x 151 tokens")
