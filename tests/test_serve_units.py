@@ -584,3 +584,54 @@ def test_an_unexpected_server_fault_is_a_500_in_openai_shape_and_the_server_goes
                                         "type": "internal_server_error", "param": None, "code": None}}
         res = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
         assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 2
+
+
+# -- logprobs in OpenAI's shapes --------------------------------------------------------------------------------
+def _lp(logprob, rank, text):
+    from nanovllm_ref.outputs import Logprob
+    return Logprob(logprob, rank, text)
+
+
+# Two tokens, k = 2: the first is the most likely (2 entries), the second is not among the top 2 (3 entries, first);
+# one top token's logprob is -inf (JSON has no infinity: -9999, as OpenAI and vLLM send it).
+DICTS = [{7: _lp(-0.1, 1, " a"), 9: _lp(-2.5, 2, " b")},
+         {4: _lp(-3.0, 3, "é"), 7: _lp(-0.2, 1, " a"), 8: _lp(float("-inf"), 2, None)}]
+
+
+class _Decoder:
+    def decode(self, ids):
+        return {8: "<s>"}[ids[0]]
+
+
+def test_completion_logprobs_have_openais_legacy_shape():
+    from nanovllm_ref.entrypoints.openai.serving import completion_logprobs
+    out = completion_logprobs([7, 4], DICTS, _Decoder(), offset=5).model_dump()
+    assert out == {"tokens": [" a", "é"], "token_logprobs": [-0.1, -3.0],
+                   "top_logprobs": [{" a": -0.1, " b": -2.5}, {"é": -3.0, " a": -0.2, "<s>": -9999.0}],
+                   "text_offset": [5, 7]}
+
+
+def test_chat_logprobs_list_the_k_most_likely_by_rank():
+    from nanovllm_ref.entrypoints.openai.serving import chat_logprobs
+    content = chat_logprobs([7, 4], DICTS, 2, _Decoder()).model_dump()["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in content] == [(" a", -0.1, [32, 97]),
+                                                                           ("é", -3.0, [0xC3, 0xA9])]
+    assert [[(t["token"], t["logprob"]) for t in c["top_logprobs"]] for c in content] == [
+        [(" a", -0.1), (" b", -2.5)], [(" a", -0.2), ("<s>", -9999.0)]]      # not the token itself: it is 3rd
+    assert [c["top_logprobs"] for c in chat_logprobs([7], [{7: _lp(-0.1, 1, " a")}], 0, _Decoder()).model_dump()[
+        "content"]] == [[]]                                                   # top_logprobs 0: the token alone
+
+
+def test_streamed_deltas_carry_each_tokens_logprobs_once():
+    """A token whose text is held back (a stop string may follow) has its logprobs sent with the next delta that
+    has text, or with the finishing one: the deltas joined equal the whole completion's."""
+    def out(text, ids, finish=None):
+        lps = [{t: _lp(-0.5 - t, 1, str(t))} for t in ids]
+        return FakeRequestOutput("a", None, [1], [FakeCompletion(0, text, ids, finish, None, lps)], finish is not None)
+    choices = Choices([1], n=1)
+    steps = [out("x", [1]), out("x", [1, 2]), out("xyz", [1, 2, 3]), out("xyz", [1, 2, 3, 4], "stop")]
+    deltas = [d for step in steps for d in choices.update(0, step)]
+    assert [(d.text, d.token_ids, d.finish_reason) for d in deltas] == [("x", [1], None), ("yz", [2, 3], None),
+                                                                      ("", [4], "stop")]
+    assert [lp for d in deltas for lp in d.logprobs] == steps[-1].outputs[0].logprobs
+    assert choices.final()[0][1].logprobs == steps[-1].outputs[0].logprobs

@@ -169,7 +169,7 @@ def chat_logprobs(token_ids, dicts, top_logprobs: int, tokenizer) -> ChatLogprob
     content = []
     for token_id, entries in zip(token_ids, dicts):
         items = list(entries.items())
-        top = sorted(items if len(items) <= top_logprobs else items[1:], key=lambda item: item[1].rank)
+        top = sorted(items if len(items) <= top_logprobs else items[1:], key=lambda item: item[1].rank)[:top_logprobs]
         content.append(_chat_logprob(tokenizer, token_id, entries[token_id], ChatLogprobsContent,
                                      top_logprobs=[_chat_logprob(tokenizer, t, lp) for t, lp in top]))
     return ChatLogprobs(content=content)
