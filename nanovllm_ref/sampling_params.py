@@ -2,9 +2,9 @@
 
 Every field is checked when the object is made, so a bad value fails at once with an error that names it: a
 RequestError (a ValueError; a RequestTypeError, also a TypeError, for a wrong type) whose `field` is the
-field's name (nanovllm_ref/errors.py). A field accepted before its engine side exists (so code written for vLLM constructs the same
-objects) goes into `PENDING`, and the engine refuses a request that sets it away from its default, by name,
-instead of ignoring it. Every field is implemented now, so PENDING is empty.
+field's name (nanovllm_ref/errors.py). A field accepted before its engine side exists (so code written for
+vLLM constructs the same objects) goes into `PENDING`, and the engine refuses a request that sets it away from
+its default, by name, instead of ignoring it. Every field is implemented now, so PENDING is empty.
 """
 import math
 import numbers

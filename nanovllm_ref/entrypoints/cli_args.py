@@ -75,11 +75,14 @@ def add_serve_flags(p) -> None:
                    help="uvicorn's log level")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     # CORS, vLLM's flags: which web pages (origins) a browser lets call this server, and how.
-    p.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=list(DEFAULT_CORS["allow_origins"]),
+    p.add_argument("--allowed-origins", type=_json_list("--allowed-origins"),
+                   default=list(DEFAULT_CORS["allow_origins"]),
                    help='origins whose pages may call the server, a JSON list (["*"]: any)')
-    p.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=list(DEFAULT_CORS["allow_methods"]),
+    p.add_argument("--allowed-methods", type=_json_list("--allowed-methods"),
+                   default=list(DEFAULT_CORS["allow_methods"]),
                    help="HTTP methods such a page may use, a JSON list")
-    p.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default=list(DEFAULT_CORS["allow_headers"]),
+    p.add_argument("--allowed-headers", type=_json_list("--allowed-headers"),
+                   default=list(DEFAULT_CORS["allow_headers"]),
                    help="request headers such a page may send, a JSON list")
     p.add_argument("--allow-credentials", action="store_true",
                    help="let such a page send cookies and HTTP authentication")

@@ -12,7 +12,12 @@ FastAPI routes (vLLM's `vllm/entrypoints/openai/api_server.py` serves the same o
 Both POST routes stream with `"stream": true`: server-sent events, one `data: {chunk}` per piece of new text,
 a chunk with the finish_reason when a choice ends, a usage chunk when `stream_options.include_usage`, then
 `data: [DONE]`. A chunk may carry the text of several engine steps when the client reads slower than the
-engine writes. Without streaming, the answer is one JSON body; both carry `usage` and `finish_reason`.
+engine writes. Without streaming, the answer is one JSON body; both carry `usage` and `finish_reason`, and
+`logprobs` when asked for (serving.py builds OpenAI's shapes; a stream's chunks carry each token's once).
+
+Browser clients: every route answers CORS preflights (OPTIONS with Origin and Access-Control-Request-Method),
+and every answer to another origin, errors included, carries Access-Control-Allow-Origin as --allowed-origins,
+--allowed-methods, --allowed-headers and --allow-credentials say (Starlette's CORSMiddleware, as vLLM).
 
 Every error, whatever its origin (the checks here, FastAPI's routing and body parsing, an unexpected
 failure), uses OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with `param` naming the

@@ -53,7 +53,7 @@ class _SamplingFields(_Request):
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     logit_bias: dict[Str, Float] | None = None
-    user: Str | None = None                   # an end-user id for the caller's abuse monitoring: no effect on the answer
+    user: Str | None = None                   # the caller's end-user id (abuse monitoring): no effect on the answer
     # vLLM's extra sampling fields
     top_k: Int | None = None
     min_p: Float | None = None
