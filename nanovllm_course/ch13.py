@@ -805,3 +805,12 @@ def check_capstone(choose_parts, cap: Capstone) -> None:
     if missing:
         print("still the reference's (each chapter grades its own): " + ", ".join(missing))
     ok(TAG)
+
+
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import Exercise, exercises  # noqa: E402
+
+# the capstone is made by the notebook's own cells (assemble and the sections C.1-C.3): no reference object
+EXERCISES = exercises(
+    Exercise("E13.1", check_capstone, ("choose_parts", "capstone")),
+)

@@ -1,7 +1,7 @@
 """The engine is the last word: a student's part, run inside the tiny Qwen3 engine, must give HF transformers'
 greedy ids (course machinery).
 
-An exercise that is an engine part (its chapter declares it in `PARTS`, see common.EnginePart) is graded in
+An exercise that is an engine part (its chapter declares it in the exercise's `parts`, see common.Exercise) is graded in
 two steps in one check cell: the chapter's own check, then the part inside the engine.
 
     with check("E4.3"):
@@ -129,12 +129,13 @@ def declared_for(tag: str, names) -> list:
     """The parts that exercise `tag` grades inside the engine, checked against the names a check cell passes:
     a name its chapter does not declare for `tag`, or a declared one left out, is a ValueError (an author's
     mistake, raised before anything runs)."""
-    parts = [p for p in export.declared_parts().get(_chapter(tag), []) if p.graded_by == tag]
+    exercise = export.declared_exercises().get(_chapter(tag), {}).get(tag)
+    parts = list(exercise.parts) if exercise is not None else []
     declared = {p.name for p in parts}
     unknown, missing = sorted(set(names) - declared), sorted(declared - set(names))
     if unknown or missing:
         raise ValueError(f"in_the_engine({tag!r}, ...): chapter {_chapter(tag)} declares {sorted(declared) or 'no part'} "
-                         f"for {tag} in its PARTS; got {sorted(names)}")
+                         f"for {tag} in its EXERCISES; got {sorted(names)}")
     return parts
 
 

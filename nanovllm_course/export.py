@@ -8,9 +8,9 @@ Why a file and not the notebook's functions: a tensor-parallel engine starts wor
 the parts pickled, and Python pickles a function by its module and name. A function defined in a notebook
 cell has no importable module, so it cannot reach a worker; the same function in `student/ch01.py` can.
 
-Which parts a chapter has is declared once, in the `PARTS` list at the end of nanovllm_course/chNN.py
-(common.EnginePart: name, Parts field, exercise, adapter, the check the capstone runs); `declared_parts()`
-reads them. The export writes beside the notebooks it reads (`<notebooks>/student/`) unless told where, and
+Which parts a chapter has is declared once, in the `EXERCISES` at the end of nanovllm_course/chNN.py (each
+common.Exercise's `parts`, common.EnginePart: name, Parts field, exercise, adapter, the check the capstone
+runs); `declared_parts()` reads them. The export writes beside the notebooks it reads (`<notebooks>/student/`) unless told where, and
 the capstone exports into a fresh temporary package each time (`fresh_package_dir`), so grading one student's
 folder never overwrites another's parts.
 
@@ -42,18 +42,29 @@ STUB_MARK = 'raise NotImplementedError("Exercise'
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-# -- the registry: each chapter module declares its engine parts once, in `PARTS` ----------------------------
+# -- the registry: each chapter module declares its exercises once, in `EXERCISES` ----------------------------
 @functools.lru_cache(maxsize=None)
-def declared_parts() -> dict:
-    """chapter ("04") -> [common.EnginePart, ...]: the `PARTS` list at the end of each nanovllm_course/chNN.py,
-    in chapter order. This is the one place a chapter registers a part: the export, the capstone and the
-    graded engine runs (engine_check) all read it."""
+def declared_exercises() -> dict:
+    """chapter ("04") -> {id: common.Exercise}: the `EXERCISES` at the end of each nanovllm_course/chNN.py, in
+    chapter order. This is the one place a chapter registers an exercise, its check, its reference and the engine
+    parts it grades: `grade`, the export, the capstone and the graded engine runs (engine_check) all read it."""
     found = {}
     for path in sorted(PACKAGE_DIR.glob("ch[0-9][0-9].py")):
         module = importlib.import_module(f"nanovllm_course.{path.stem}")
-        parts = getattr(module, "PARTS", None)
+        registry = getattr(module, "EXERCISES", None)
+        if registry:
+            found[path.stem[2:]] = dict(registry)
+    return found
+
+
+def declared_parts() -> dict:
+    """chapter ("04") -> [common.EnginePart, ...]: the engine parts of each chapter's exercises (their `parts`), in
+    chapter and exercise order; chapters without parts are left out."""
+    found = {}
+    for chapter, registry in declared_exercises().items():
+        parts = [part for exercise in registry.values() for part in exercise.parts]
         if parts:
-            found[path.stem[2:]] = list(parts)
+            found[chapter] = parts
     return found
 
 
