@@ -15,7 +15,6 @@ See nanovllm_course/README.md.
 """
 import argparse
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -130,13 +129,7 @@ def cmd_export(args) -> int:
                                f"numbers from {sorted(ex.EXPORTS)}")
     out = Path(args.out) if args.out else ex.default_out(Path(args.notebooks))
     rows = ex.export(Path(args.notebooks), out, chapters or None)
-    print(f"exported {len({r['chapter'] for r in rows})} chapter(s) from {args.notebooks}/ into {out}/")
-    print(ex.part_table(rows))
-    # in chapter order (E2.1 before E10.1): sort by the numbers in the id, not the text
-    missing = sorted({r["exercise"] for r in rows if r["status"] != "done"},
-                     key=lambda e: [int(n) for n in re.findall(r"\d+", e)])
-    if missing:
-        print(f"still the reference's (not done yet): {', '.join(missing)}")
+    print(ex.report(rows, args.notebooks, out))
     return 0
 
 

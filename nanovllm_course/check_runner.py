@@ -130,8 +130,14 @@ def _cell(cell):
 
 
 def _own_change(package: str, value) -> bool:
-    """True when a library replaced one of its own attributes with a function of its own (importing torch._dynamo
-    wraps torch.manual_seed): a Python function of that top-level package, in a file of the installed libraries."""
+    """True when a library replaced one of its own attributes with something of its own (importing torch._dynamo
+    wraps torch.manual_seed; torch.set_default_dtype rebinds torch.Storage): a Python function of that top-level
+    package in a file of the installed libraries, or a class of that package's modules."""
+    if isinstance(value, type):
+        module = sys.modules.get(value.__module__)
+        where = getattr(module, "__file__", None) or ""
+        return value.__module__.split(".")[0] == package and not _ours(value.__module__) \
+            and os.path.abspath(where).startswith(_LIBRARY_DIRS)
     fn = value if isinstance(value, types.FunctionType) else getattr(value, "__wrapped__", None)
     if not isinstance(fn, types.FunctionType):
         return False
@@ -240,6 +246,7 @@ class _Container:
         else:
             v.clear()
             v.update(source)
+        self.items = dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else set(v)
         return [f"the contents of {self.label}"]
 
 
@@ -444,8 +451,8 @@ class Runner:
                 line, text = self._judge(exercise)
             during = self._snapshot.restore()
             if during and line == f"{tag} ok":
-                line = (f"{tag} failed: while its check ran, your code replaced {_shown(during)} (the course put it "
-                        "back) (hint: an exercise computes its answer; it must not change the course's code)")
+                line = (f"{tag} failed: while its check ran, your code replaced {_shown(during)} (the course put the "
+                        "originals back) (hint: an exercise computes its answer; it must not change the course's code)")
             ok = line == f"{tag} ok"
             # what the student sees: as `check` shows it (held output, no "ok" line above a failure)
             kept = "".join(l for l in text.splitlines(keepends=True) if ok or l.strip() != f"{tag} ok")

@@ -356,3 +356,71 @@ def part_table(rows: list[dict]) -> str:
         if f.name not in shown:
             lines.append(f"{f.name:<22} {'reference':<10} (no exercise yet)")
     return "\n".join(lines)
+
+
+# -- exporting from inside a notebook --------------------------------------------------------------------------
+SAVED_NOTE = ("(read from the saved notebooks: save each chapter first, File > Save or Ctrl+S; an edit not saved "
+              "yet is not seen)")
+
+
+def report(rows: list[dict], source, out_dir) -> str:
+    """What `export` prints: where from and to, the part table, the exercises still the reference's."""
+    import re
+    lines = [f"exported {len({r['chapter'] for r in rows})} chapter(s) from {source}/ into {out_dir}/ {SAVED_NOTE}",
+             part_table(rows)]
+    # in chapter order (E2.1 before E10.1): sort by the numbers in the id, not the text
+    missing = sorted({r["exercise"] for r in rows if r["status"] != "done"},
+                     key=lambda e: [int(n) for n in re.findall(r"\d+", e)])
+    if missing:
+        lines.append(f"still the reference's (not done yet): {', '.join(missing)}")
+    return "\n".join(lines)
+
+
+def _source(obj) -> str | None:
+    import inspect
+    import textwrap
+    try:
+        return textwrap.dedent(inspect.getsource(obj)).strip()
+    except (OSError, TypeError):
+        return None
+
+
+def unsaved_edits(namespace, rows: list[dict], out_dir: Path) -> list[str]:
+    """The parts `namespace` (a running notebook's globals) defines itself whose code is in none of the exported
+    (saved) chapters: edits the notebook has run but not saved, which the export, reading files, cannot see.
+    Each entry names the part and the chapters whose saved copy differs."""
+    package = import_package(Path(out_dir)).__name__
+    found = []
+    for name in dict.fromkeys(r["name"] for r in rows):
+        live = namespace.get(name)
+        if live is None or getattr(live, "__module__", None) != "__main__":
+            continue
+        mine = _source(live)
+        if mine is None:
+            continue
+        chapters = sorted({r["chapter"] for r in rows if r["name"] == name})
+        saved = []
+        for chapter in chapters:
+            module = importlib.import_module(f"{package}.ch{chapter}")
+            saved.append(_source(getattr(module, name, None)) if hasattr(module, name) else None)
+        if mine not in saved:
+            found.append(f"{name} (saved in chapter {', '.join(chapters)} as different code)")
+    return found
+
+
+def export_here(namespace=None, folder: str | Path = ".", chapters=None, out: str | Path | None = None) -> list[dict]:
+    """`python -m nanovllm_course export`, from a notebook cell, in the kernel's own Python (a `!python` in a
+    notebook may start another Python, one without torch): export the chapter notebooks in `folder` (the
+    notebook's own by default) into `folder/student/` (or `out`) and print the report. Pass the notebook's
+    `globals()` as `namespace` and it also names each part this notebook has run in a version that is not the
+    saved one (save, then export again). Returns the manifest rows."""
+    folder = Path(folder)
+    out_dir = Path(out) if out is not None else default_out(folder)
+    rows = export(folder, out_dir, chapters)
+    print(report(rows, folder, out_dir))
+    if namespace is not None:
+        edits = unsaved_edits(namespace, rows, out_dir)
+        if edits:
+            print("not saved yet: this notebook runs another version of " + "; ".join(edits) +
+                  ". Save it (Ctrl+S) and export again.")
+    return rows

@@ -30,7 +30,7 @@ API for callers that execute notebooks themselves (tests that run each chapter o
     grade = session.grade_executed(executed, seconds=...)
     session.close()                                  # removes the secret's file if the preamble never ran
 
-`pytest --nbval` (nbval_grading.py) uses the same session per notebook: its collector is `.session`.
+`pytest --nbval` (nbval_grading.py) uses the same session per notebook: its collector is `.grading_session`.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class Verdict:
         if self.restored:
             shown = ", ".join(self.restored[:4]) + (f" and {len(self.restored) - 4} more" if len(self.restored) > 4 else "")
             found.append(f"{self.exercise}: before its check the notebook had replaced {shown}; the course put "
-                         "them back")
+                         "the originals back")
         return found
 
 
