@@ -457,7 +457,7 @@ def rows(grades) -> list[dict]:
     return found
 
 
-def table(grades, width: int = 90) -> str:
+def table(grades, width: int = 70) -> str:
     """The class as text: student, exercise, verdict, seconds (a verdict cut at `width` characters), then one
     total line per notebook and the class total."""
     body = [(r["student"], r["exercise"] + (" (optional)" if r["optional"] else ""),

@@ -283,8 +283,9 @@ def _classes():
                 self.user_properties.append((v.exercise, v.line))
                 if v.check_cell != "as released":
                     self.user_properties.append((f"{v.exercise} check cell", v.check_cell))
-                for note in v.notes():
-                    warnings.warn(pytest.PytestWarning(f"{self.nodeid}: {note}"))
+                for note in v.notes():                 # "E4.2: its check cell was deleted; ..."
+                    warnings.warn_explicit(f"{self.nodeid}: {note[len(v.exercise) + 2:]}", pytest.PytestWarning,
+                                           filename=str(self.path), lineno=0)
             bad = [v.line + (" (optional)" if v.optional else "") for v in verdicts if not v.ok]
             if any(not v.ok and not v.optional for v in verdicts):
                 raise ExerciseNotOk(bad)

@@ -467,3 +467,87 @@ def test_the_snapshot_puts_back_what_a_notebook_replaced():
         "nanovllm_course.common.check_close", "sys.modules['nanovllm_course.ch04']", "sys.stdout",
         "the code of torch.nn.functional.softmax", "the contents of nanovllm_course.engine_check.PROMPTS",
         "torch's default dtype (torch.set_default_dtype)", "torch.Tensor.__eq__ (added)", "torch.equal"]), changed
+
+
+# -- one Exercise per exercise ---------------------------------------------------------------------------------------
+SOLUTIONS = [p.name for p in rel.solution_paths(REPO / "solutions")]
+
+
+def _check_call(cell) -> list:
+    """[(exercise, check function name, [arg names], [in_the_engine keyword names] or None)] of a check cell of the
+    form `with check("E4.1"): chNN.check_x(a, b); in_the_engine("E4.1", a=a)`. Raises AssertionError otherwise."""
+    import ast
+    found = []
+    for node in ast.parse(cell.source).body:
+        assert isinstance(node, ast.With) and len(node.items) == 1, ast.unparse(node)
+        call = node.items[0].context_expr
+        assert isinstance(call, ast.Call) and getattr(call.func, "id", None) == "check", ast.unparse(node)
+        tag = call.args[0].value
+        body = [s.value for s in node.body]
+        assert all(isinstance(s, ast.Call) for s in body) and 1 <= len(body) <= 2, ast.unparse(node)
+        first = body[0]
+        assert isinstance(first.func, ast.Attribute) and not first.keywords, ast.unparse(first)
+        assert all(isinstance(a, ast.Name) for a in first.args), ast.unparse(first)
+        engine = None
+        if len(body) == 2:
+            assert getattr(body[1].func, "id", None) == "in_the_engine" and body[1].args[0].value == tag
+            assert all(isinstance(k.value, ast.Name) and k.value.id == k.arg for k in body[1].keywords)
+            engine = sorted(k.arg for k in body[1].keywords)
+        found.append((tag, first.func.value.id, first.func.attr, [a.id for a in first.args], engine))
+    return found
+
+
+@pytest.mark.parametrize("name", SOLUTIONS)
+def test_each_check_cell_runs_its_registered_exercise(name):
+    """`grade` runs EXERCISES[id].run(namespace) in place of a check cell: so every check cell must be exactly that
+    (the registered check on the registered names, then the engine run of the registered parts), every exercise of
+    the notebook registered, in notebook order, and `optional` exactly where the exercise's heading says so."""
+    import importlib
+    module = importlib.import_module(f"nanovllm_course.ch{name[:2]}")
+    nb = nbformat.read(REPO / "solutions" / name, as_version=4)
+    calls = [c for cell in nb.cells if rel.is_check_cell(cell) for c in _check_call(cell)]
+    assert [c[0] for c in calls] == list(module.EXERCISES), (calls, list(module.EXERCISES))
+    for tag, mod_name, fn_name, args, engine in calls:
+        exercise = module.EXERCISES[tag]
+        assert mod_name == f"ch{name[:2]}" and getattr(module, fn_name) is exercise.check, (tag, fn_name)
+        assert tuple(args) == exercise.args, (tag, args, exercise.args)
+        parts = sorted({p.name for p in exercise.parts})
+        assert (engine or []) == parts, (tag, engine, parts)
+    headings = {m.group(1): "(optional)" in m.group(0) for c in nb.cells if c.cell_type == "markdown"
+                for m in re.finditer(r"^#+ (E\d+\.\d+)\b.*$", c.source, re.M)}
+    assert {t: e.optional for t, e in module.EXERCISES.items()} == {t: headings[t] for t in module.EXERCISES}
+
+
+def test_exercise_refuses_what_it_cannot_run():
+    from nanovllm_course.common import EnginePart, Exercise, exercises
+    from nanovllm_course import ch04
+    with pytest.raises(ValueError, match="id must look like 'E9.2'"):
+        Exercise("4.1", ch04.check_slot_mapping, ("slot_mapping",))
+    with pytest.raises(TypeError, match="args must be a tuple of notebook names"):
+        Exercise("E4.1", ch04.check_slot_mapping, "slot_mapping")
+    with pytest.raises(ValueError, match="reference has 2 objects for the 1 args"):
+        Exercise("E4.1", ch04.check_slot_mapping, ("slot_mapping",), (1, 2))
+    with pytest.raises(ValueError, match="parts must be EngineParts graded by E4.1"):
+        Exercise("E4.1", ch04.check_slot_mapping, ("slot_mapping",), parts=(EnginePart("x", "rms_norm", "E4.2"),))
+    e = Exercise("E4.1", ch04.check_slot_mapping, ("slot_mapping",))
+    with pytest.raises(ValueError, match="E4.1 is declared twice"):
+        exercises(e, e)
+    with pytest.raises(NameError, match="'slot_mapping' is not defined"):
+        e.run({})
+
+
+def test_an_exercise_hint_is_the_fallback_of_its_failures(monkeypatch):
+    """A failure that brings no hint of its own (an exception raised in the student's code) takes the exercise's
+    `hint` where it has one, else the generic one; a check's own message keeps its runs of spaces."""
+    import dataclasses
+    from nanovllm_course import ch12, common
+    exc = IndexError("list index out of range")
+    assert common.verdict_line("E12.2", exc).endswith(
+        "(hint: run your function on a small input in a new cell to see the full traceback)")
+    monkeypatch.setitem(ch12.EXERCISES, "E12.2", dataclasses.replace(ch12.EXERCISES["E12.2"], hint="mind the prefix"))
+    assert common.verdict_line("E12.2", exc).endswith("(hint: mind the prefix)")
+    line = common.verdict_line("E12.2", common.CheckFailed(
+        "E12.2", "at step 3 you emitted ' test' where the engine's detokenizer emits '  test'\nsecond line",
+        "keep  both\n   lines"))
+    assert line == ("E12.2 failed: at step 3 you emitted ' test' where the engine's detokenizer emits '  test' "
+                    "(hint: keep  both lines)")
