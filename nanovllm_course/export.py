@@ -377,11 +377,12 @@ def report(rows: list[dict], source, out_dir) -> str:
 
 
 def _source(obj) -> str | None:
+    """The code of a function or class as its syntax tree (so comments and layout do not count), or None."""
     import inspect
     import textwrap
     try:
-        return textwrap.dedent(inspect.getsource(obj)).strip()
-    except (OSError, TypeError):
+        return ast.dump(ast.parse(textwrap.dedent(inspect.getsource(obj))))
+    except (OSError, TypeError, SyntaxError):
         return None
 
 

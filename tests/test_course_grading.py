@@ -551,3 +551,67 @@ def test_an_exercise_hint_is_the_fallback_of_its_failures(monkeypatch):
         "keep  both\n   lines"))
     assert line == ("E12.2 failed: at step 3 you emitted ' test' where the engine's detokenizer emits '  test' "
                     "(hint: keep  both lines)")
+
+
+# -- what students met: one line from a "your part" cell, unsaved edits, `!python` --------------------------------
+def test_a_your_part_cell_prints_one_line_and_returns_nothing(capsys):
+    """`your_part_in_the_engine` returns None, so a cell ending with it shows its one line and no `True`/`False`
+    after it (chapter 04's text promises one line); the solutions store exactly that: one stream, no result."""
+    from nanovllm_course import ch01
+    from nanovllm_course.engine_check import your_part_in_the_engine
+
+    def stub(x, weight, eps):
+        raise NotImplementedError("Exercise 1.1")
+
+    def broken(x, weight, eps):
+        raise IndexError("oops")
+
+    for fn, start in ((ch01.reference_rms_norm, "Your rms_norm ran inside the engine: greedy ids equal"),
+                      (stub, "Your rms_norm: still a stub"), (broken, "The engine with your rms_norm failed: IndexError")):
+        assert your_part_in_the_engine(rms_norm=fn) is None
+        out = capsys.readouterr().out
+        assert len(out.splitlines()) == 1 and out.startswith(start), out
+    for name in SOLUTIONS:
+        nb = nbformat.read(REPO / "solutions" / name, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code" and re.search(r"your_(part|sampler)_in_the_engine\(", cell.source) \
+                    and not rel.is_check_cell(cell):
+                kinds = [(o.output_type, len(o.get("text", "").splitlines())) for o in cell.outputs]
+                assert [k for k, _ in kinds] == ["stream"], (name, cell.source, kinds)     # no True/False after it
+                if "your_part_in_the_engine(" in cell.source:
+                    assert kinds == [("stream", 1)], (name, cell.source, kinds)
+
+
+def test_export_here_names_a_part_that_differs_from_its_saved_notebook(tmp_path, capsys):
+    """The export reads the saved notebooks: run in a notebook with its globals, it names the part this notebook
+    runs in another version than the saved one (an edit not saved), and says nothing when they agree."""
+    import linecache
+    from nanovllm_course import export as ex
+    write(solved("01_rmsnorm.ipynb"), tmp_path / "01_rmsnorm.ipynb")
+    saved = next(c.source for c in solved("01_rmsnorm.ipynb").cells if "def rms_norm(" in c.source)
+
+    def notebook_namespace(source, cell):
+        linecache.cache[cell] = (len(source), None, source.splitlines(True), cell)     # as IPython keeps cells
+        namespace = {"__name__": "__main__", "torch": __import__("torch")}
+        exec(compile(source, cell, "exec"), namespace)
+        return namespace
+
+    edited = notebook_namespace("import torch\n\ndef rms_norm(x, weight, eps):\n    return x * 2\n", "<cell-a>")
+    rows = ex.export_here(edited, tmp_path)
+    out = capsys.readouterr().out
+    assert [r["status"] for r in rows] == ["done", "done"]
+    assert out.startswith(f"exported 1 chapter(s) from {tmp_path}/ into {tmp_path / 'student'}/ {ex.SAVED_NOTE}")
+    assert out.splitlines()[-1] == ("not saved yet: this notebook runs another version of rms_norm (saved in chapter "
+                                    "01 as different code). Save it (Ctrl+S) and export again.")
+    ex.export_here(notebook_namespace(saved, "<cell-b>"), tmp_path)
+    assert "runs another version" not in capsys.readouterr().out
+
+
+def test_make_lab_puts_the_venvs_python_first_on_labs_path():
+    """A `!python` in a notebook is found on the PATH of the Lab that started its kernel: `make lab` puts the venv's
+    bin/ first there, so it is the Python with torch (chapter 09's export found one without)."""
+    proc = subprocess.run(["make", "-n", "lab"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if "jupyter lab" in l)
+    venv_bin = REPO / ".venv" / "bin"
+    assert line.startswith(f'PATH="{venv_bin}:$PATH" '), line
