@@ -9,12 +9,17 @@ without --nbval. It skips cells tagged `gpu` where there is no CUDA, and for eve
 whose name is a solution notebook's (`solutions/NN_slug.ipynb` of this checkout) it grades it as
 `python -m nanovllm_course grade` does:
 
-* each check cell runs the solution's check-cell source (matched by cell id, else by order among the cells
-  tagged `check`: release.match_check_cells) and becomes one test item named by its exercise ids
-  (`chapters/06_triton_kernels.ipynb::E6.1`); the item passes when the verdict line the cell printed is
-  `E6.1 ok` and fails with that line as its message (`E6.1 not done yet`, `E6.1 failed: ... (hint: ...)`),
-  decided by the same function as `grade` (release.verdict_of), so both agree on every exercise. A check
-  cell missing from the notebook is an item that fails `E6.1 failed: its check cell is missing ...`.
+* the notebook is prepared by a grading.Session, as `grade` prepares it (the collector keeps it as
+  `.grading_session`): check cells restored from the released chapter (an edited one gets its source back, a
+  deleted one is put back where it was) and replaced by the course's runner; the session's preamble runs in
+  nbval's kernel right after it starts (check_runner.py: the course's checks run there as the course's, whatever
+  the notebook replaced). Each check cell is one test item named by its exercise ids under the notebook's own
+  path (`/tmp/class/carol/04_kv_cache_paged_attention.ipynb::E4.1`: outside the rootdir pytest would name three
+  students' notebooks alike, or a file argument `::E4.1`); it passes when every exercise got the course's signed
+  `E4.1 ok` and fails with the verdict line as its message (`E4.1 not done yet`, `E4.1 failed: ... (hint: ...)`),
+  read by the same function as `grade` (grading.Session.verdicts_of_cell), so both agree on every exercise; an
+  optional exercise not ok xfails. A restored check cell is a warning naming the item. A check cell that cannot
+  be put back is an item failing `E4.1 failed: its check cell is missing ...`.
 * every other cell runs as the student left it and is not graded: its output is compared with the solution's
   stored one where the release keeps it (so a student's saved outputs neither pass nor fail anything), and a
   cell that raises, or prints something else, is reported as xfailed with the reason (`grade` prints it as a
