@@ -40,7 +40,6 @@ import dataclasses
 import hmac
 import json
 import os
-import re
 import secrets
 import tempfile
 import time
