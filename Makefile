@@ -15,6 +15,9 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 # chapters/; as root (containers) it needs --allow-root. tests/browser_lab.py starts Lab with the same flags.
 IS_ROOT := $(filter 0,$(shell id -u))
 LAB_ARGS := --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/chapters $(if $(IS_ROOT),--allow-root)
+# The venv's bin/ first on the PATH of Lab and so of its kernels: a `!python ...` or `!pip ...` in a notebook runs
+# the venv's Python (with torch), not whatever `python` the shell that ran make found first.
+LAB_PATH := $(abspath $(VENV))/bin
 SUDO := $(if $(IS_ROOT),,sudo)
 
 .PHONY: demo test test-browser chromium install model lab release bench-cpu clean
@@ -48,7 +51,7 @@ test: model
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/ solutions/ $(NBVAL)
 
 lab: model
-	$(VENV)/bin/jupyter lab $(LAB_ARGS)
+	PATH="$(LAB_PATH):$$PATH" $(VENV)/bin/jupyter lab $(LAB_ARGS)
 
 # Debian's chromium for the browser test (playwright drives it; it comes with the test extra).
 chromium:
@@ -58,7 +61,7 @@ chromium:
 # The student's JupyterLab in headless Chromium: figures load, maths renders, a check says ok.
 # Screenshots land in artifacts/browser/ (git-ignored).
 test-browser: $(STAMP) chromium
-	LAB_ARGS="$(LAB_ARGS)" CHROMIUM="$$(command -v chromium)" \
+	LAB_ARGS="$(LAB_ARGS)" LAB_PATH="$(LAB_PATH)" CHROMIUM="$$(command -v chromium)" \
 	  $(PY) -m pytest -q -p no:cacheprovider --timeout=300 tests/browser_lab.py
 
 release: $(STAMP)

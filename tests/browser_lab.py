@@ -9,7 +9,9 @@ playwright (CHROMIUM = its path). Checks:
   it (kernel started) leaves it unmodified: no dirty tab, and saving it writes the same bytes;
 * chapter 01: Run All on the untouched chapter runs to the end, each check cell printing one line
   `E1.x not done yet`; then a correct E1.1 typed into its cell and run with its check prints `E1.1 ok`;
-  a tqdm.auto progress bar in a new cell draws as a widget, not as stderr text;
+  a tqdm.auto progress bar in a new cell draws as a widget, not as stderr text; `!python` in a cell is a
+  Python with torch (Lab's PATH as `make lab` sets it); `export_here(globals())` run before saving names the
+  unsaved rms_norm, and after Ctrl+S exports it without a word about unsaved edits.
 * the serving chapter's server and a browser client: a page served from another origin (another local port)
   streams a chat answer from `python -m nanovllm_ref serve` (the fake engine) with `fetch`, through the CORS
   preflight, and shows it; the same page cannot read a server whose --allowed-origins leaves it out.
@@ -35,6 +37,9 @@ ARTIFACTS = REPO / "artifacts" / "browser"
 CHAPTERS = sorted(p.name for p in (REPO / "chapters").glob("[0-9][0-9]_*.ipynb"))
 LAB_ARGS = os.environ.get("LAB_ARGS", f"--ServerApp.root_dir={REPO} --LabApp.default_url=/lab/tree/chapters"
                           + (" --allow-root" if os.geteuid() == 0 else ""))
+# `make lab` puts the venv's bin/ first on Lab's PATH (the Makefile's LAB_PATH), so `!python` in a notebook is the
+# kernel's Python
+LAB_PATH = os.environ.get("LAB_PATH", str(Path(sys.executable).parent))
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 E11 = '''def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of each row of x (last dim), scaled by weight. Same shape and dtype as x."""
@@ -68,8 +73,9 @@ def lab(tmp_path_factory):
     cmd = [str(Path(sys.executable).parent / "jupyter"), "lab", *args, f"--ServerApp.root_dir={root}",
            "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0"]
+    env = dict(os.environ, PATH=LAB_PATH + os.pathsep + os.environ.get("PATH", ""))
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -176,6 +182,25 @@ def cell_output(page, i) -> str:
     return page.locator(".jp-NotebookPanel .jp-Cell").nth(i).locator(".jp-OutputArea").text_content()
 
 
+def run_new_cell(page, source: str, until: str, timeout: int = 90_000) -> str:
+    """Type `source` into a new cell below the current one, run it, wait until its output matches the regex
+    `until`; return the output's text. The cell is looked up afresh at each poll (JupyterLab may re-render it) and
+    kept in view."""
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")
+    page.keyboard.press("Enter")
+    page.keyboard.insert_text(source)
+    page.keyboard.press("Control+Enter")            # run it and stay on it
+    active = ".jp-NotebookPanel .jp-Cell.jp-mod-active"
+    page.wait_for_function(
+        """([sel, pat]) => { const c = document.querySelector(sel); if (!c) return false;
+                            c.scrollIntoView({block: "end"}); const o = c.querySelector('.jp-OutputArea');
+                            return !!o && new RegExp(pat).test(o.textContent); }""",
+        arg=[active, until], timeout=timeout)
+    page.wait_for_timeout(500)
+    return page.locator(active).locator(".jp-OutputArea").text_content()
+
+
 def test_run_all_then_solve_e11(browser, lab):
     name = "01_rmsnorm.ipynb"
     nb = nbformat.read(REPO / "chapters" / name, as_version=4)
@@ -225,6 +250,21 @@ def test_run_all_then_solve_e11(browser, lab):
         finally:
             page.screenshot(path=str(ARTIFACTS / "01_progress_bar.png"))
         assert page.locator(".jp-NotebookPanel [data-mime-type='application/vnd.jupyter.stderr']").count() == 0
+
+        # `!python` is the kernel's Python (with torch), as in a Lab started by `make lab`
+        out = run_new_cell(page, '!python -c "import torch; print(\'torch\', torch.__version__)"', r"torch \d|Error")
+        assert re.match(r"torch \d", out.strip()), out
+        # the export reads the saved notebook: before saving, it names the edited rms_norm
+        out = run_new_cell(page, "from nanovllm_course.export import export_here\nrows = export_here(globals())",
+                           r"not done yet\)|Error")
+        page.screenshot(path=str(ARTIFACTS / "01_export_unsaved.png"))
+        assert "this notebook runs another version of rms_norm (saved in chapter 01 as different code)" in out, out
+        page.keyboard.press("Escape")
+        page.keyboard.press("Control+s")
+        page.wait_for_timeout(1500)
+        out = run_new_cell(page, "rows = export_here(globals())", r"still the reference's|Error")
+        assert "runs another version" not in out and "rms_norm               yours" in out, out
+        page.screenshot(path=str(ARTIFACTS / "01_export_saved.png"))
     except BaseException:
         page.screenshot(path=str(ARTIFACTS / "01_failure.png"))
         raise
