@@ -606,12 +606,12 @@ def _softmax_mistake(results) -> str | None:
                 return hint
         except RuntimeError:
             continue
-    # right to 2-3 digits where the scores are of order 1, not to 1e-5: the precision of fp16 (11 bits) or bf16
+    # right to 1-3 digits where the scores are of order 1, not to 1e-5: the precision of fp16 (11 bits) or bf16
     # (8 bits); where they are near -1000 or in the hundreds, rounding the scores themselves moves the weights
-    rows = [0, 1, 3]
-    if all(torch.allclose(got[rows], (torch.softmax(scores, dim=-1) @ values)[rows], rtol=2e-2, atol=2e-2)
+    rows = [0, 3]         # random scores of order 3: bf16 rounds them by up to 0.03, and the weights by as much
+    if all(torch.allclose(got[rows], (torch.softmax(scores, dim=-1) @ values)[rows], rtol=0.1, atol=0.1)
            for _, scores, values, tile, got in results):
-        return ("your output is right to 2-3 digits only, the precision of fp16 or bf16 arithmetic: keep the scores, "
+        return ("your output is right to 1-3 digits only, the precision of fp16 or bf16 arithmetic: keep the scores, "
                 "m, l and acc in fp32 (the engine's kernel does the same with bf16 inputs)")
     return None
 

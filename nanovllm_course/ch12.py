@@ -314,6 +314,9 @@ def _detok_cases(g):
     soup = [rng.choice(range(3, len(bpe))) for _ in range(rng.randint(6, 14))]
     soup = [2 if rng.random() < 0.1 else t for t in soup]
     cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), soup, True))
+    # an invalid byte in the middle (a lone continuation byte: U+FFFD for good), then more text
+    cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), bpe.encode(" " + text(rng.randint(1, 3), 0.0)) +
+                  [rng.choice(_lone_bytes())] + bpe.encode(" " + text(rng.randint(2, 4), 0.0)), True))
     # a chat prompt (<|im_start|>user ... <|im_end|> <|im_start|>assistant), an answer with <|im_end|> inside
     # (ignore_eos) and after: once with the special tokens skipped, once shown (skip_special_tokens=False)
     for skip in (True, False):
@@ -344,6 +347,15 @@ def _detok_cases(g):
     long = sp.encode(text(40, 0.0))                                          # > 30 tokens
     cases.append(("metaspace", sp, sp.encode(text(2, 0.0)), long, True))
     return [(name, tok, list(p), list(c), chunks(len(c)), skip) for name, tok, p, c, skip in cases]
+
+
+@lru_cache(maxsize=None)
+def _lone_bytes() -> tuple:
+    """Byte-level token ids that stay U+FFFD whatever follows them (lone UTF-8 continuation bytes 0x80-0xBF)."""
+    bpe = byte_level_tokenizer()
+    space = bpe.encode(" the")
+    return tuple(t for t in range(3, len(bpe)) if bpe.decode([t]) == REPLACEMENT
+                 and bpe.decode([t] + space) == REPLACEMENT + " the")
 
 
 class _Window:
