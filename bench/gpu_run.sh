@@ -12,6 +12,10 @@
 #   or:                       bash bench/gpu_run.sh hfmerge   # HF continuous batching into $OUT's bench JSON (MERGE=...)
 #   or:                       bash bench/gpu_run.sh round3    # no payload: decode kernels alone, engine tests with
 #                             graphs and eager, ours with async + kernels vs without (one run each), step profile
+#   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
+#                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
+#                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
+#                             head; $OUT/profile4_<TAG>.json + the table in gpu_run.log. RUN=triton:graph (default)
 #
 # Peers (vLLM, upstream nano-vllm, HF, nanovllm_ref's back-ends) in one record: build the payload here first
 # (`python -m nanovllm_bench.payload`: parts .carry/peers/p1 .. pN, each <= 58 MiB), then back to back:
@@ -73,6 +77,17 @@ round3() {   # GPU speed round 3, first look: the new decode kernels, the engine
 }
 if [ "$mode" = round3 ]; then
   { round3; step "done"; } 2>&1 | tee "$OUT/gpu_run.log"
+  exit 0
+fi
+if [ "$mode" = profile4 ]; then   # issue 29: the whole workload profiled (no payload needed)
+  {
+    step "versions"
+    python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+    step "whole-workload profile of nanovllm_ref[${RUN:-triton:graph}] (nanovllm_bench/workload_profile.py)"
+    timeout ${PROFILE4_S:-230} python3 -m nanovllm_bench.workload_profile --out "$OUT" --run ${RUN:-triton:graph} \
+      --tag ${TAG:-h200_profile4} ${PROFILE4_ARGS:-} 2>&1 | grep -v DEBUG | grep -v USDT
+    step "done"
+  } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0
 fi
 assemble() {   # the staged payload parts (peers-stage) + the carried one -> /tmp/peers/{site,nanovllm_upstream}
