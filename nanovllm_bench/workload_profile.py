@@ -131,11 +131,14 @@ class StepRecorder:
 
 def _kv_tokens(batch) -> int:
     """KV tokens the rows of a launched step attend over: sum of the rows' lengths (a decode row of length n
-    attends over n tokens). `batch`: the runner's launch argument (a list of sequences, or a record that has
-    `context_lens`)."""
-    lens = getattr(batch, "context_lens", None)
-    if lens is not None:
-        return int(np.asarray(lens).sum())
+    attends over n tokens; a prefill row over its cached prefix and its chunk). `batch`: the runner's launch
+    argument (an engine/step_batch.StepBatch, or, before issue 29's record, a list of sequences)."""
+    meta = getattr(getattr(batch, "inputs", None), "metadata", None)
+    if meta is not None:
+        if meta.context_lens is not None:
+            return int(meta.context_lens.sum())
+        cu = meta.cu_seqlens_k
+        return int(cu[-1]) if cu is not None and len(cu) else 0
     try:
         return sum(len(s) for s in batch)
     except TypeError:

@@ -200,6 +200,14 @@ def divergence(path: str, prompt: list[int], got: list[int], want: list[int]) ->
             f"({float(top.values[0] - logits[got[i]]):.3g} below its top)")
 
 
+def sampling_batch(llm, seqs):
+    """A StepBatch holding only the sampling rows of `seqs` (engine/sampling_inputs.sampling_rows): what
+    ModelRunner.processing / sample read, for tests of the sampling side alone."""
+    from nanovllm_ref.engine.sampling_inputs import sampling_rows
+    from nanovllm_ref.engine.step_batch import StepBatch
+    return StepBatch(False, None, sampling=sampling_rows(seqs, llm.config.eos, llm.config.hf_config.vocab_size))
+
+
 def run_checked(llm, prompts, sampling_params, outputs: bool = False):
     """Like llm.generate, but checks the BlockManager invariants after every step.
 

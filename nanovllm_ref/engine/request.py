@@ -10,8 +10,6 @@ import numbers
 import warnings
 from collections.abc import Sequence as SequenceABC
 
-from nanovllm_ref.engine.block_manager import BlockManager
-from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.engine.stop import completion_text
 from nanovllm_ref.outputs import CompletionOutput, Logprob, RequestOutput
@@ -82,8 +80,9 @@ def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls, block
         if value is not None and value > MAX_LOGPROBS:
             raise ValueError(f"{where}: SamplingParams.{name}={value} asks for more than {MAX_LOGPROBS} top tokens "
                              f"per position (vLLM's default max_logprobs); use 0..{MAX_LOGPROBS}")
+    from nanovllm_ref.parts import is_reference_part, uses_reference_postprocess   # the identity question's home
     if (sp.prompt_logprobs is not None and prefix_caching and block_manager_cls is not None
-            and block_manager_cls is not BlockManager):
+            and not is_reference_part("block_manager", block_manager_cls)):
         raise ValueError(f"{where}: SamplingParams.prompt_logprobs with prefix caching needs the reference "
                          f"BlockManager (it gives such a request no prefix-cache hit, whose positions would have no "
                          f"logits); Parts.block_manager={block_manager_cls.__name__} has its own: pass "
@@ -91,7 +90,7 @@ def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls, block
     bad = [t for t in sp.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"{where}: stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    if getattr(scheduler_cls, "postprocess", None) is not Scheduler.postprocess:
+    if not uses_reference_postprocess(scheduler_cls):
         defaults = SamplingParams()
         used = [f for f in POSTPROCESS_FEATURES if getattr(sp, f) != getattr(defaults, f)]
         if used:
