@@ -16,6 +16,10 @@
 #                             (attention_backend=triton) with CUDA graphs and eager, told from faults by the
 #                             logprob-closeness check (tests/engine_helpers.py); fp32 exactness of the same tests
 #                             too (FP32=1, default on); junit XML into $OUT
+#   or (carry .carry/ab):     bash bench/gpu_run.sh ab4       # ~3-4 min: the baseline engine (.carry/ab/base.tgz,
+#                             made by `bash bench/make_ab_base.sh [COMMIT]`) then this tree's, one workload
+#                             profile each (plain generate, batch-1, decode probes 1:512 and 256:512), and the
+#                             side-by-side table (nanovllm_bench/ab.py); $OUT/ab4.json, profile4_ab_*.json
 #   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
@@ -97,6 +101,28 @@ if [ "$mode" = triton-check ]; then   # issue 29, item 5: bf16 equivalence on th
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
     for cfg in ${CFGS:-graphs eager}; do equiv bfloat16 triton $cfg pytest_gpu_triton_bf16_$cfg; done
     if [ "${FP32:-1}" = 1 ]; then equiv float32 triton graphs pytest_gpu_triton_fp32_graphs; fi
+    step "done"
+  } 2>&1 | tee "$OUT/gpu_run.log"
+  exit 0
+fi
+if [ "$mode" = ab4 ]; then   # issue 29: baseline engine vs this tree's, one call (carry .carry/ab)
+  {
+    step "versions"
+    python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+    rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar xzf .carry/ab/base.tgz -C /tmp/ab_base || exit 1
+    cat /tmp/ab_base/BASE_COMMIT 2>/dev/null
+    for side in ${AB_SIDES:-base new}; do
+      # base: the carried nanovllm_ref first on the path, this tree's bench and models; new: this tree only.
+      # From /tmp, so that the working directory's own nanovllm_ref does not shadow the carried one.
+      root=$([ $side = base ] && echo "/tmp/ab_base:$PWD" || echo "$PWD")
+      commit=$([ $side = base ] && cat /tmp/ab_base/BASE_COMMIT 2>/dev/null || echo "${NANOVLLM_REF_COMMIT:-}")
+      step "A/B: the $side engine, whole-workload profile (plain generate, batch-1, probes)"
+      (cd /tmp && NANOVLLM_REF_COMMIT="$commit" PYTHONPATH="$root:/tmp/site" timeout ${AB_S:-170} python3 -m nanovllm_bench.workload_profile \
+        --out "$OUT" --run ${RUN:-triton:graph} --tag ab_$side --no-kernel-profile --probes ${AB_PROBES:-1:512,256:512} \
+        --batch1 ${AB_BATCH1:-2} 2>&1 | grep -v DEBUG | grep -v USDT | tail -${AB_TAIL:-24})
+    done
+    step "A/B table"
+    python3 -m nanovllm_bench.ab "$OUT/profile4_ab_base.json" "$OUT/profile4_ab_new.json" --out "$OUT/ab4.json"
     step "done"
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0

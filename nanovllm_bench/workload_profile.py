@@ -350,7 +350,8 @@ def print_table(result: dict, file=sys.stdout) -> None:
     fl = s.get("floor", {})
     p(f"\nprofile4: {result['run']} on {result['machine']['device_name']}; {result['workload']['output_tokens']:,} "
       f"output tokens", file=file)
-    p(f"plain generate {_fmt(s['plain_s'])} s ({_fmt(result.get('plain_tok_s'), ',.0f')} tok/s); instrumented "
+    p(f"plain generate {_fmt(s['plain_s'])} s ({_fmt(result.get('plain_tok_s'), ',.0f')} tok/s); batch-1 "
+      f"{_fmt(result.get('batch1_tok_s'), ',.0f')} tok/s; instrumented "
       f"{s['total_s']:.2f} s; floor {_fmt(fl.get('floor_s'))} s (KV {_fmt(fl.get('kv_read_s'))}, weights "
       f"{_fmt(fl.get('weight_read_s'))}, prefill {_fmt(fl.get('prefill_s'))})", file=file)
     p(f"{'steps':>22} {'n':>6} {'wall s':>8} {'device s':>9} {'gpu idle s':>10} {'ms/step':>8} {'dev ms':>7} "
@@ -428,6 +429,8 @@ def main(argv=None) -> int:
                     "(default 1:512,64:512,128:1024,256:512,256:1024 on CUDA)")
     ap.add_argument("--no-kernel-profile", action="store_true", help="probes time steps only (no torch.profiler)")
     ap.add_argument("--no-probes", action="store_true", help="the workload run only")
+    ap.add_argument("--batch1", type=int, default=0, help="batch-1 runs as the bench makes them (the workload's "
+                    "first prompt cut to its batch1_prompt tokens, batch1_tokens new tokens): how many (median)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
 
@@ -484,10 +487,21 @@ def main(argv=None) -> int:
     print(f"plain generate: {plain_s:.3f} s, {produced / plain_s:,.0f} tok/s (start-up {startup_s:.1f} s)", flush=True)
 
     rows, total_s = run_instrumented(llm, _shifted(prompts, min(hf.vocab_size, 10001)), max_tokens, T)
+    batch1 = []
+    for _ in range(args.batch1):
+        sync()
+        t = time.perf_counter()
+        out = llm.generate([prompts[0][:workload.batch1_prompt]], SamplingParams(
+            temperature=T, max_tokens=workload.batch1_tokens, ignore_eos=True), use_tqdm=False)
+        sync()
+        batch1.append(len(out[0].outputs[0].token_ids) / (time.perf_counter() - t))
     summary = summarize(rows, total_s, plain_s, floor, stats["kv_bytes_per_token"], machine["copy_bandwidth_Bps"])
     runner = llm.model_runner
+    import nanovllm_ref
     result = dict(tag=args.tag or ("h200" if "H200" in machine["device_name"] else device), run=run_name,
+                  engine_path=os.path.dirname(os.path.abspath(nanovllm_ref.__file__)),
                   engine_args=engine_args, machine=machine, startup_s=startup_s, plain_tok_s=produced / plain_s,
+                  batch1_tok_s=statistics.median(batch1) if batch1 else None, batch1_runs=batch1,
                   workload=dict(workload.to_dict(), prompt_tokens=sum(map(len, prompts)), output_tokens=produced),
                   engine=dict(backend=runner.backend_name, cuda_graphs=runner.graph_runner is not None,
                               async_scheduling=llm.async_scheduling,

@@ -65,3 +65,28 @@ def test_bad_probe_is_refused_by_name():
     import argparse
     with pytest.raises(argparse.ArgumentTypeError, match="ROWS:CONTEXT"):
         wp.parse_probes("256")
+
+
+def test_ab_table_compares_two_profiles_of_one_call_and_refuses_different_workloads(tmp_path):
+    from nanovllm_bench import ab
+
+    def record(tok_s, b1, total, commit):
+        part = dict(wall_s=0.1, device_s=0.09)
+        return dict(run="nanovllm_ref[triton:graph]", plain_tok_s=tok_s, batch1_tok_s=b1,
+                    machine=dict(device_name="NVIDIA H200", commit=commit),
+                    workload=dict(output_tokens=133966, prompt_tokens=142827),
+                    summary=dict(total_s=total, prefill=part, decode=part, gpu_idle_s=0.05),
+                    probes=[dict(rows=1, context=512, step_ms=1.2, graph_replay_ms=1.18)])
+    lines = ab.compare(record(22752, 818, 5.7, "base1"), record(25000, 900, 5.2, "new1"))
+    assert "base1" in lines[0] and "new1" in lines[0]
+    tput = next(line for line in lines if line.startswith("throughput"))
+    assert "1.099x better" in tput
+    assert "0.912x better" in next(line for line in lines if line.startswith("instrumented run"))
+    other = record(1, 1, 1, "x")
+    other["workload"]["output_tokens"] = 5
+    with pytest.raises(ValueError, match="different workloads"):
+        ab.compare(record(1, 1, 1, "a"), other)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(record(1, 1, 1, "a")))
+    b.write_text(json.dumps(other))
+    assert ab.main([str(a), str(b)]) == 2

@@ -36,15 +36,16 @@ def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
     non-blocking copy on CUDA. A numpy array or CPU tensor that is already `dtype` stays as it is on the CPU
     (no copy). (torch.tensor(..., pin_memory=True) refuses numpy input, hence the ways in.)"""
     device = torch.device(device)
-    cuda = device.type == "cuda"
     if isinstance(data, np.ndarray):
-        data = torch.from_numpy(np.ascontiguousarray(data))
+        data = torch.from_numpy(data if data.flags.c_contiguous else np.ascontiguousarray(data))
     if isinstance(data, torch.Tensor):
-        data = data.to(dtype)
-        if not cuda:
-            return data.to(device)
+        if data.dtype != dtype:
+            data = data.to(dtype)
+        if device.type == "cpu":
+            return data
         # pin_memory() copies the tensor once into pinned memory
         return (data if data.is_pinned() else data.pin_memory()).to(device, non_blocking=True)
+    cuda = device.type == "cuda"
     return torch.tensor(data, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
@@ -78,10 +79,13 @@ def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) 
 def block_tables_array(seqs: list[Sequence]) -> np.ndarray:
     """[num_seqs, longest table] int32, each row a sequence's block table padded with -1 (numpy, one
     vectorised scatter of the concatenated tables)."""
-    lens = np.fromiter((len(seq.block_table) for seq in seqs), dtype=np.int64, count=len(seqs))
-    width = int(lens.max()) if len(seqs) else 0
+    tables = [seq.block_table for seq in seqs]
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = int(lens.max()) if len(tables) else 0
+    if width and int(lens.min()) == width:            # every table as long: no padding to do
+        return np.array(tables, dtype=np.int32)
     out = np.full((len(seqs), width), -1, dtype=np.int32)
-    flat = np.fromiter(chain.from_iterable(seq.block_table for seq in seqs), dtype=np.int32, count=int(lens.sum()))
+    flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
     out[np.arange(width)[None, :] < lens[:, None]] = flat
     return out
 
@@ -130,10 +134,11 @@ def prepare_decode(seqs: list[Sequence], block_size: int, device, slot_fn=None) 
     tables = block_tables_array(seqs)
     last = lens - 1
     if slot_fn is None:
-        slots = tables[np.arange(n), last // block_size].astype(np.int64) * block_size + last % block_size
+        slots = (tables[np.arange(n), last // block_size].astype(np.int64) * block_size + last % block_size
+                 ).astype(np.int32)
     else:
         slots = [slot_fn(seq.block_table, len(seq) - 1, len(seq), block_size)[0] for seq in seqs]
     meta = AttentionMetadata(is_prefill=False, slot_mapping=to_device(slots, torch.int32, device),
-                             context_lens=to_device(lens, torch.int32, device),
+                             context_lens=to_device(lens.astype(np.int32), torch.int32, device),
                              block_tables=to_device(tables, torch.int32, device))
     return StepInputs(to_device(input_ids, torch.int64, device), to_device(last, torch.int64, device), meta)
