@@ -18,6 +18,7 @@ Here the vocabulary is split over many programs (`_partial_kernel`: each one a s
 picks each row's winner among its slices: the smallest vocabulary index among equal scores, as argmax does.
 No host synchronisation, fixed shapes per batch size: capturable in a CUDA graph.
 """
+import functools
 import os
 
 import torch
@@ -132,11 +133,17 @@ def _merge_kernel(part_ptr, idx_ptr, temps_ptr, out_ptr, num_slices, BLOCK_S: tl
     tl.store(out_ptr + row, tl.where(temp > 0, sampled, greedy).to(tl.int64))
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def num_slices(batch: int, vocab: int, device: torch.device) -> int:
     """Vocabulary slices a row is split into: a power of two (so the merge kernel compiles for a handful of
     sizes only), about two programs per SM over the batch, no slice under MIN_SLICE logits, at most 64.
     On the H200 (132 SMs) and Qwen3's 151,936 logits: 32 slices at batch 1-8, 2 at 256, 1 from 512."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
     want = max(1, min(triton.cdiv(2 * sms, max(batch, 1)), vocab // MIN_SLICE, 64))
     return 1 << (want.bit_length() - 1)
 
