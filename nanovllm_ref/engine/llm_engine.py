@@ -22,7 +22,7 @@ sequence that stops at step n was also given a row in step n+1; that token is dr
 
 Every SamplingParams setting runs on both routes. The ones that read the tokens generated so far need no
 sync point: the penalties count the output tokens on the device, and a row's newest token, pending on the
-host, is read there from the previous step's ids (ModelRunner.prepare_processing, as the decode inputs read
+host, is read there from the previous step's ids (ModelRunner.processing, as the decode inputs read
 it); stop checks run on the host once the ids arrive, as above. Logprobs arrive with their step's ids and are
 kept for exactly the tokens the scheduler kept (a token dropped after a stop, or of an aborted request, has
 none): `_record_logprobs`.
