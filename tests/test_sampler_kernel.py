@@ -31,7 +31,7 @@ def test_kernel_draws_the_reference_tokens(dtype, batch, vocab):
 def test_rows_split_into_many_slices_pick_the_winner_across_them(monkeypatch):
     monkeypatch.setattr(ks, "MIN_SLICE", 1024)
     logits, temps, seeds, counters = _case(7, 2, 8192, torch.float32)
-    assert ks.num_slices(2, 8192, torch.device("cpu")) == 4       # 2 * 4 "SMs" / 2 rows
+    assert ks.num_slices(2, 8192, torch.device("cpu")) == 8       # 8 programs x 4 "SMs" / 2 rows, 8 slices of 1024
     assert ks.sample_rows(logits, temps, seeds=seeds, counters=counters).tolist() == \
         sample_rows(logits, temps, seeds=seeds, counters=counters).tolist()
     # the winner in the last slice, and in the first

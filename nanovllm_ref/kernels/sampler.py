@@ -14,7 +14,7 @@ Why a kernel: torch.compile made the row draw one reduction kernel per row (one 
 151,936 logits) with 64-bit integer hashing. On the H200 (profile4, 2026-12-01) that took 0.067 + 0.041 ms at
 batch 1 and 0.45 ms at batch 256 of a 6 ms step: 1.7 us a row, most of the decode step's per-row cost.
 Here the vocabulary is split over many programs (`_partial_kernel`: each one a slice of one row, hashing in
-32-bit integers, whose multiplies wrap as the reference's masks do), and a second kernel (`_merge_kernel`)
+32-bit integers, whose multiplies wrap as the reference's masks do, and no division per logit), and a second kernel (`_merge_kernel`)
 picks each row's winner among its slices: the smallest vocabulary index among equal scores, as argmax does.
 No host synchronisation, fixed shapes per batch size: capturable in a CUDA graph.
 """
@@ -30,6 +30,7 @@ DEFINED_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 BLOCK_V = 1024              # logits per loop iteration of one program
 MIN_SLICE = 4096            # the fewest logits a program reads (below this, launching it costs more)
+PROGRAMS_PER_SM = 8
 
 
 @triton.jit
@@ -45,14 +46,14 @@ def _mix32(x):
 @triton.jit
 def _neg_log_noise(row_hash, offs):
     """-log E for Exp(1) draws E = -log1p(-u), u from the hash of (row, token) as exponential_noise makes it.
-    log1p by Kahan's formula (exact where 1 - u rounds to 1: there log1p(-u) = -u)."""
+    log1p(-u) without a division: for u < 2**-6 its Taylor series to u**4 (the next term is below 2**-26 of the
+    sum), else log(1 - u), where 1 - u is exact or within 2**-25 of it (Sterbenz's lemma for u >= 0.5)."""
     col = offs.to(tl.uint32) * tl.full([], 0x27D4EB2F, tl.uint32)
     bits = _mix32(_mix32(row_hash ^ col) ^ row_hash)
     u = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 1.0 - 5.960464477539063e-08)
-    y = 1.0 - u
-    exact = y == 1.0
-    log1p_neg_u = tl.where(exact, -u, tl.log(y) * (-u) / tl.where(exact, -1.0, y - 1.0))
-    return -tl.log(-log1p_neg_u)
+    series = u * (1.0 + u * (0.5 + u * (0.3333333432674408 + u * 0.25)))
+    neg_log1p = tl.where(u < 0.015625, series, -tl.log(1.0 - u))       # -log1p(-u) = E > 0
+    return -tl.log(neg_log1p)
 
 
 @triton.jit
@@ -140,11 +141,13 @@ def _num_sms(device_index: int) -> int:
 
 def num_slices(batch: int, vocab: int, device: torch.device) -> int:
     """Vocabulary slices a row is split into: a power of two (so the merge kernel compiles for a handful of
-    sizes only), about two programs per SM over the batch, no slice under MIN_SLICE logits, at most 64.
-    On the H200 (132 SMs) and Qwen3's 151,936 logits: 32 slices at batch 1-8, 2 at 256, 1 from 512."""
+    sizes only), about PROGRAMS_PER_SM programs per SM over the batch (a program of 4 warps holds an eighth of
+    an SM's threads, so 8 fill it: each program streams its slice with no other latency hiding), no slice
+    under MIN_SLICE logits, at most 64. On the H200 (132 SMs) and Qwen3's 151,936 logits: 32 slices up to
+    batch 32, 4 at batch 256 (1,024 programs), 2 at 512."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    want = max(1, min(triton.cdiv(2 * sms, max(batch, 1)), vocab // MIN_SLICE, 64))
+    want = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(batch, 1)), vocab // MIN_SLICE, 64))
     return 1 << (want.bit_length() - 1)
 
 
