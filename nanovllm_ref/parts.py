@@ -195,6 +195,10 @@ class Parts:
             from nanovllm_ref.kernels.numerics import pdl_available
             pdl = pdl_available(torch.device("cuda", torch.cuda.current_device()))
             kernels = FusedKernels.all(pdl=pdl).restricted_to(self.kernels_allowed(qk_norm))
+        if name == "triton" and kernels.pdl:
+            # The decode attention's two kernels launched like the decode kernels around them (PDL, Hopper).
+            from nanovllm_ref.attn import FunctionBackend
+            backend = FunctionBackend(backend.varlen_prefill, backend.paged_prefill, backend.paged_decode_pdl)
         ops = self.model_ops(fuse, kernels, qk_norm, attention_backend=backend, store_kvcache=store)
         use_graphs = cuda and not config.enforce_eager
         sampler, rows, rows_name = self.sampler, None, "as written"
@@ -305,7 +309,8 @@ class EnginePlan:
 
     device_type, dtype, world_size: where and in what it runs. attention: the back-end's name ("triton",
     "flash_attn", "cpu", "torch", or "parts" for Parts.attention_backend); backend: that back-end (a module or
-    an attn.AttentionBackend); store_kvcache: the KV store the attention layers call. fuse: the reference
+    an attn.AttentionBackend; the triton one with its decode kernels launched by PDL when the decode kernels
+    are); store_kvcache: the KV store the attention layers call. fuse: the reference
     element-wise ops and sampler are compiled. ops: what the model's layers call (models/ops.ModelOps, with
     its decode kernels `ops.kernels`). prepare_prefill / prepare_decode: the input preparation, run on the
     host by the engine's step builder. sampler: (logits, SamplingMetadata) -> ids, as the runner calls it

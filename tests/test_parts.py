@@ -294,3 +294,29 @@ def test_exported_unfilled_chapters_fall_back_to_the_reference_and_say_so(tmp_pa
     assert ("still the reference's (not done yet): E1.1, E1.2, E2.1, E2.2, E3.3, E4.1, E4.2, E4.3, E5.2, E5.3, "
             "E6.1, E6.3, E7.1-E7.3, E8.1-E8.4, E9.1, E10.1, E10.3") in printed
     assert "rms_norm               reference  ch01 E1.1 rms_norm (stub)" in printed
+
+
+def test_the_plan_on_a_gpu_runs_every_kernel_the_reference_parts_allow(monkeypatch):
+    """Parts.resolve for a CUDA engine, checked on the CPU (the facts of the device monkeypatched: Triton compiles,
+    PDL is available): the decode kernels with PDL, the triton back-end's decode attention launched with PDL too,
+    the sampler's row draw as the Triton kernel inside the graph, async scheduling; with decode_kernels="off"
+    none of the kernels and the plain back-end; a sampler of yours runs as written, after the graph."""
+    from nanovllm_ref import parts as parts_mod
+    from nanovllm_ref.attn import triton_backend
+    from nanovllm_ref.config import Config
+    from nanovllm_ref.kernels import numerics, sampler as sampler_kernel
+    from nanovllm_ref.utils.fusion import FusedKernels
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(numerics, "pdl_available", lambda device: True)
+    config = Config(tiny_dir("qwen3"), kvcache_block_size=16, max_model_len=64, max_num_seqs=8)
+    plan = Parts().resolve(config, "cuda", torch.bfloat16)
+    assert plan.attention == "triton" and plan.use_graphs and plan.async_scheduling and plan.fuse
+    assert plan.ops.kernels == FusedKernels.all(pdl=True)
+    assert plan.ops.attention_backend.paged_decode is triton_backend.paged_decode_pdl
+    assert plan.graph_sample_rows is sampler_kernel.sample_rows and plan.graph_batch_sizes == (1, 2, 4, 8)
+    assert "row draw Triton kernel" in plan.describe() and "PDL on" in plan.describe()
+    off = Parts().resolve(Config(tiny_dir("qwen3"), kvcache_block_size=16, max_model_len=64, max_num_seqs=8,
+                                 decode_kernels="off"), "cuda", torch.bfloat16)
+    assert not off.ops.kernels.any() and off.ops.attention_backend is triton_backend
+    mine = Parts(sampler=parts_spies.sample).resolve(config, "cuda", torch.bfloat16)
+    assert mine.graph_sample_rows is None and mine.sampler is parts_spies.sample
