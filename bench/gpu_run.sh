@@ -12,6 +12,18 @@
 #   or:                       bash bench/gpu_run.sh hfmerge   # HF continuous batching into $OUT's bench JSON (MERGE=...)
 #   or:                       bash bench/gpu_run.sh round3    # no payload: decode kernels alone, engine tests with
 #                             graphs and eager, ours with async + kernels vs without (one run each), step profile
+#   or:                       bash bench/gpu_run.sh triton-check  # no payload, ~2-3 min: greedy equivalence in bf16
+#                             (attention_backend=triton) with CUDA graphs and eager, told from faults by the
+#                             logprob-closeness check (tests/engine_helpers.py); fp32 exactness of the same tests
+#                             too (FP32=1, default on); junit XML into $OUT
+#   or (carry .carry/ab):     bash bench/gpu_run.sh ab4       # ~3-4 min: the baseline engine (.carry/ab/base.tgz,
+#                             made by `bash bench/make_ab_base.sh [COMMIT]`) then this tree's, one workload
+#                             profile each (plain generate, batch-1, decode probes 1:512 and 256:512), and the
+#                             side-by-side table (nanovllm_bench/ab.py); $OUT/ab4.json, profile4_ab_*.json
+#   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
+#                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
+#                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
+#                             head; $OUT/profile4_<TAG>.json + the table in gpu_run.log. RUN=triton:graph (default)
 #
 # Peers (vLLM, upstream nano-vllm, HF, nanovllm_ref's back-ends) in one record: build the payload here first
 # (`python -m nanovllm_bench.payload`: parts .carry/peers/p1 .. pN, each <= 58 MiB), then back to back:
@@ -73,6 +85,57 @@ round3() {   # GPU speed round 3, first look: the new decode kernels, the engine
 }
 if [ "$mode" = round3 ]; then
   { round3; step "done"; } 2>&1 | tee "$OUT/gpu_run.log"
+  exit 0
+fi
+equiv() {   # equivalence tests vs HF: $1 dtype, $2 back-end, $3 graphs|eager, $4 junit name; PYTHONPATH as set
+  eager=$([ $3 = eager ] && echo true || echo false)
+  step "greedy equivalence, $2, $1 vs HF $1, CUDA graphs: $3 (fp32 exact; half dtypes: logprob-closeness)"
+  PYTHONPATH="${EQUIV_PYTHONPATH:-$PYTHONPATH}" \
+  NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"$1\", \"attention_backend\": \"$2\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
+    timeout ${EQUIV_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py \
+      ${EQUIV_TESTS:-} -k "not tensor_parallel and not tp_engine" -rs --junitxml="$OUT/$4.xml" 2>&1 | grep -v DEBUG | tail -25
+}
+if [ "$mode" = triton-check ]; then   # issue 29, item 5: bf16 equivalence on the Triton back-end (no payload)
+  {
+    step "versions"
+    python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+    for cfg in ${CFGS:-graphs eager}; do equiv bfloat16 triton $cfg pytest_gpu_triton_bf16_$cfg; done
+    if [ "${FP32:-1}" = 1 ]; then equiv float32 triton graphs pytest_gpu_triton_fp32_graphs; fi
+    step "done"
+  } 2>&1 | tee "$OUT/gpu_run.log"
+  exit 0
+fi
+if [ "$mode" = ab4 ]; then   # issue 29: baseline engine vs this tree's, one call (carry .carry/ab)
+  {
+    step "versions"
+    python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+    rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar xzf .carry/ab/base.tgz -C /tmp/ab_base || exit 1
+    cat /tmp/ab_base/BASE_COMMIT 2>/dev/null
+    for side in ${AB_SIDES:-base new}; do
+      # base: the carried nanovllm_ref first on the path, this tree's bench and models; new: this tree only.
+      # From /tmp, so that the working directory's own nanovllm_ref does not shadow the carried one.
+      root=$([ $side = base ] && echo "/tmp/ab_base:$PWD" || echo "$PWD")
+      commit=$([ $side = base ] && cat /tmp/ab_base/BASE_COMMIT 2>/dev/null || echo "${NANOVLLM_REF_COMMIT:-}")
+      step "A/B: the $side engine, whole-workload profile (plain generate, batch-1, probes)"
+      (cd /tmp && NANOVLLM_REF_COMMIT="$commit" PYTHONPATH="$root:/tmp/site" timeout ${AB_S:-170} python3 -m nanovllm_bench.workload_profile \
+        --out "$OUT" --run ${RUN:-triton:graph} --tag ab_$side --no-kernel-profile --probes ${AB_PROBES:-1:512,256:512} \
+        --batch1 ${AB_BATCH1:-2} 2>&1 | grep -v DEBUG | grep -v USDT | tail -${AB_TAIL:-24})
+    done
+    step "A/B table"
+    python3 -m nanovllm_bench.ab "$OUT/profile4_ab_base.json" "$OUT/profile4_ab_new.json" --out "$OUT/ab4.json"
+    step "done"
+  } 2>&1 | tee "$OUT/gpu_run.log"
+  exit 0
+fi
+if [ "$mode" = profile4 ]; then   # issue 29: the whole workload profiled (no payload needed)
+  {
+    step "versions"
+    python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+    step "whole-workload profile of nanovllm_ref[${RUN:-triton:graph}] (nanovllm_bench/workload_profile.py)"
+    timeout ${PROFILE4_S:-230} python3 -m nanovllm_bench.workload_profile --out "$OUT" --run ${RUN:-triton:graph} \
+      --tag ${TAG:-h200_profile4} ${PROFILE4_ARGS:-} 2>&1 | grep -v DEBUG | grep -v USDT
+    step "done"
+  } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0
 fi
 assemble() {   # the staged payload parts (peers-stage) + the carried one -> /tmp/peers/{site,nanovllm_upstream}
@@ -233,13 +296,10 @@ PYEOF
   fi
   if [ "$mode" = flash-check ]; then
     assemble || exit 1
+    # bf16 greedy equivalence with attention_backend=flash_attn (vLLM's FA3), graphs and eager: a divergence
+    # from HF bf16 passes only as a near tie on both sides (tests/engine_helpers.py, check_logprobs_close)
     for cfg in ${CFGS:-graphs eager}; do
-      eager=$([ $cfg = eager ] && echo true || echo false)
-      step "greedy equivalence with attention_backend=flash_attn (bf16 vs HF bf16), CUDA graphs: $cfg"
-      PYTHONPATH="$PWD:/tmp/peers/site" NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"bfloat16\", \"attention_backend\": \"flash_attn\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
-        timeout ${FLASH_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py \
-          tests/test_triton_engine.py -k "not tensor_parallel and not tp_engine" -rs \
-          --junitxml="$OUT/pytest_gpu_flash_$cfg.xml" 2>&1 | grep -v DEBUG | tail -25
+      EQUIV_PYTHONPATH="$PWD:/tmp/peers/site" EQUIV_TIMEOUT=${FLASH_TIMEOUT:-200} equiv bfloat16 flash_attn $cfg pytest_gpu_flash_bf16_$cfg
     done
     if [ -n "${PROFILE:-}" ]; then
       step "step profile of ours (triton, graphs, async, decode kernels): every step of the workload, decode steps at 1/64/256"

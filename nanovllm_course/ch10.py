@@ -517,7 +517,7 @@ def check_graph_replay(fn, dtypes=None, device: str | None = None) -> None:
             for seq in seqs:                       # prefill: writes the prompts' K/V, gives each a first token
                 llm.scheduler.block_manager.allocate(seq)
                 seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
-            first = runner.run(seqs, True)
+            first = runner.run(llm.step_builder.build(seqs, True))
             for seq, tok in zip(seqs, first):
                 seq.num_cached_tokens = len(seq)
                 seq.append_token(tok)

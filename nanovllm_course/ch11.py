@@ -20,7 +20,8 @@ answer it computes the usual wrong answers and names the one that matches the st
 Tools: `Step` and `time_steps(llm, ...)` (a step trace of the real engine, the format of E11.2),
 `reference_*` answers, `h200_results()` (the committed H200 JSONs as one table), `peer_rows` /
 `peers_markdown` (a record of `python -m nanovllm_bench`, whose peers include vLLM and upstream nano-vllm, as a
-table), `PUBLISHED` (the nano-vllm vs vLLM numbers of the GeeeekExplorer/nano-vllm README) and `VLLM_EARLIER`.
+table), `PUBLISHED` (the nano-vllm vs vLLM numbers of the GeeeekExplorer/nano-vllm README), `VLLM_EARLIER` (another
+lease) and `VLLM_SAME_CALL` (vLLM and our engine in one call).
 """
 from __future__ import annotations
 
@@ -593,6 +594,11 @@ PEERS_RECORD = "bench_h200_peers_2026-12-01_call2.json"
 # the latest vLLM numbers there are until a call of `python -m nanovllm_bench` records vLLM's row itself.
 VLLM_EARLIER = dict(version="0.20.2", date="2026-12-01", tok_s=18_770, min_tok_s=18_610, max_tok_s=19_386,
                     batch1_tok_s=506, ours_then=18_995, ours_then_commit="45c6c05")
+# vLLM and our engine side by side in one call (issue 29: `bench/gpu_run.sh peers` at ae49a08, median of 3): the
+# only kind of record a ratio between two engines may come from. VLLM_EARLIER is from another lease.
+VLLM_SAME_CALL = dict(version="0.20.2", date="2026-12-01", commit="ae49a08", tok_s=22_080, min_tok_s=21_667,
+                      max_tok_s=22_980, batch1_tok_s=483, ours=22_967, ours_min=22_101, ours_max=23_129,
+                      ours_batch1=818, nano_vllm=20_078, nano_vllm_batch1=446)
 
 
 def h200_results(folder: Path = RESULTS) -> list[dict]:

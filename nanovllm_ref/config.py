@@ -39,10 +39,11 @@ class Config:
     gpu_memory_utilization: fraction of GPU memory the engine may use in all (weights + activations + KV).
     tensor_parallel_size: number of processes (GPUs, or CPU ranks over gloo) sharing each layer.
     enforce_eager: never use CUDA graphs.
-    decode_kernels: "auto" (default): on CUDA the decode step uses the hand-written Triton kernels (fused add +
-        RMSNorm, q/k-norm + RoPE + KV store, small-batch GEMMs with split-K and SiLU epilogues,
-        models/decode_kernels.py) wherever the parts are the reference ones; "off": the same model with
-        cuBLAS GEMMs and the compiled element-wise ops only (for comparisons). CPU engines use neither.
+    decode_kernels: "auto" (default): on CUDA the model uses the hand-written Triton kernels (fused add +
+        RMSNorm, q/k-norm + RoPE + KV store, small-batch GEMMs with split-K and SiLU epilogues;
+        utils/fusion.FusedKernels, chosen by nanovllm_ref.Parts.resolve) wherever the parts are the reference
+        ones; "off": the same model with cuBLAS GEMMs and the compiled element-wise ops only (for comparisons).
+        CPU engines use neither.
     async_scheduling: schedule and launch step n+1 while the device still runs step n, the sampled ids staying
         on the device (engine/llm_engine.py). None (default): on with CUDA when the engine can (one process,
         the reference scheduler), else off; True: on (refused by name where it cannot run); False: off.

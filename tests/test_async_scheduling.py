@@ -103,15 +103,15 @@ def test_async_graph_path_reads_pending_tokens_on_the_device():
     path = tiny_dir("qwen3")
     a = LLM(path, async_scheduling=True, enforce_eager=True, max_num_seqs=8, kvcache_block_size=16)
     a.model_runner.capture_cudagraph(EagerReplayRunner)
-    assert a.model_runner.plan.sampler_in_graph
+    assert a.model_runner.graph_samples
     prompts = _prompts(5, n=6)
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     seen = []
     orig_pack = a.model_runner.graph_runner.inputs.pack
 
-    def pack(seqs, block_size, padded):
-        part = orig_pack(seqs, block_size, padded)
-        seen.append(sum(1 for seq in seqs if seq.num_pending))
+    def pack(batch, padded):
+        part = orig_pack(batch, padded)
+        seen.append(0 if batch.prev_rows is None else int((batch.prev_rows >= 0).sum()))
         return part
 
     a.model_runner.graph_runner.inputs.pack = pack

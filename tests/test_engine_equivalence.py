@@ -1,12 +1,17 @@
-"""Greedy token ids of nanovllm_ref must equal HF transformers' on the same checkpoint (the oracle)."""
+"""Greedy token ids of nanovllm_ref must equal HF transformers' on the same checkpoint (the oracle): exactly
+in float32; in bf16 / fp16 (the GPU runs of bench/gpu_run.sh: triton-check, flash-check) up to rounding, as
+`engine_helpers.assert_matches_hf` tells it from a fault (ids equal up to a first divergence that is a near tie
+on both sides)."""
 import random
 
 import pytest
+import torch
 
 from nanovllm_ref import SamplingParams
-from engine_helpers import LLM, divergence, hf_greedy, run_checked, tiny_dir
+from engine_helpers import ORACLE_DTYPE, LLM, assert_matches_hf, greedy, hf_greedy, run_checked, tiny_dir
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+GREEDY = greedy(10, ignore_eos=True)
+EXACT = ORACLE_DTYPE == torch.float32
 
 
 def varied_prompts(seed=0, n=5, vocab=500, lengths=(1, 3, 7, 16, 29)):
@@ -20,17 +25,15 @@ def test_greedy_batch_of_varied_lengths_matches_hf(arch, block_size):
     path = tiny_dir(arch)
     prompts = varied_prompts(seed=block_size)
     llm = LLM(path, kvcache_block_size=block_size, max_model_len=128, max_num_seqs=8)
-    got, _ = run_checked(llm, prompts, GREEDY)
-    for p, g in zip(prompts, got):
-        want = hf_greedy(path, p, 10)
-        assert g == want, divergence(path, p, g, want)
+    got, _ = run_checked(llm, prompts, GREEDY, outputs=True)
+    assert_matches_hf(path, prompts, got, 10)
 
 
 def test_llama_with_tied_embeddings_matches_hf():
     path = tiny_dir("llama", tie_word_embeddings=True)
     prompts = varied_prompts(seed=11, n=3)
     got = LLM(path, kvcache_block_size=4, max_model_len=64).generate(prompts, GREEDY, use_tqdm=False)
-    assert [g["token_ids"] for g in got] == [hf_greedy(path, p, 10) for p in prompts]
+    assert_matches_hf(path, prompts, got, 10)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -42,12 +45,10 @@ def test_prefix_cache_hits_keep_outputs_identical(block_size):
     block_multiple = base[:16]                        # a multiple of every block size tested
     prompts = [base, same, shared, block_multiple, block_multiple]
     llm = LLM(path, kvcache_block_size=block_size, max_model_len=64, max_num_seqs=2)
-    first, _ = run_checked(llm, prompts, GREEDY)
-    second, _ = run_checked(llm, prompts, GREEDY)    # everything now hits the cache from the first call
-    expected = [hf_greedy(path, p, 10) for p in prompts]
-    for p, a, b, want in zip(prompts, first, second, expected):
-        assert a == want, f"first call: {divergence(path, p, a, want)}"
-        assert b == want, f"second call (prefix-cache hits): {divergence(path, p, b, want)}"
+    first, _ = run_checked(llm, prompts, GREEDY, outputs=True)
+    second, _ = run_checked(llm, prompts, GREEDY, outputs=True)    # everything now hits the cache from the first
+    assert_matches_hf(path, prompts, first, 10, "first call: ")
+    assert_matches_hf(path, prompts, second, 10, "second call (prefix-cache hits): ")
 
 
 def test_prefix_hit_on_block_multiple_prompt_recomputes_last_block():
@@ -60,9 +61,11 @@ def test_prefix_hit_on_block_multiple_prompt_recomputes_last_block():
     llm.scheduler.schedule()
     # 8 tokens = 2 full blocks, both cached; the last block is recomputed so there is a token to sample from.
     assert seq.num_cached_tokens == 4 and seq.num_scheduled_tokens == 4
+    done = []
     while not llm.is_finished():
-        llm.step()
-    assert seq.completion_token_ids == hf_greedy(path, prompt, 10)
+        done += [o for o in llm.step() if o.finished]
+    assert seq.completion_token_ids == done[0].outputs[0].token_ids
+    assert_matches_hf(path, [prompt], done, 10)
 
 
 def test_second_request_reuses_prefix_blocks_and_skips_their_compute():
@@ -81,27 +84,26 @@ def test_chunked_prefill_with_small_token_budget_matches_hf(budget):
     path = tiny_dir("qwen3")
     prompts = varied_prompts(seed=budget, n=4, lengths=(29, 3, 17, 40))
     llm = LLM(path, kvcache_block_size=4, max_model_len=64, max_num_batched_tokens=budget)
-    got, steps = run_checked(llm, prompts, GREEDY)
-    assert got == [hf_greedy(path, p, 10) for p in prompts]
+    got, steps = run_checked(llm, prompts, GREEDY, outputs=True)
+    assert_matches_hf(path, prompts, got, 10)
     assert steps >= sum(len(p) for p in prompts) // budget      # the prompts really were cut into chunks
 
 
 def test_forced_preemption_with_few_blocks_matches_hf():
     path = tiny_dir("llama")
     prompts = varied_prompts(seed=9, n=6, lengths=(9, 14, 5, 11))
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(path, kvcache_block_size=4, max_model_len=64, num_kvcache_blocks=12)
-    got, _ = run_checked(llm, prompts, sp)
+    got, _ = run_checked(llm, prompts, greedy(24, ignore_eos=True), outputs=True)
     assert llm.scheduler.num_preemptions > 0
-    assert got == [hf_greedy(path, p, 24) for p in prompts]
+    assert_matches_hf(path, prompts, got, 24)
 
 
 def test_max_tokens_1_returns_exactly_the_first_greedy_token():
     path = tiny_dir("qwen3")
     prompts = varied_prompts(seed=12, n=3)
-    out = LLM(path, kvcache_block_size=4, max_model_len=64).generate(
-        prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    assert [o["token_ids"] for o in out] == [hf_greedy(path, p, 1) for p in prompts]
+    out = LLM(path, kvcache_block_size=4, max_model_len=64).generate(prompts, greedy(1), use_tqdm=False)
+    assert [len(o["token_ids"]) for o in out] == [1, 1, 1]
+    assert_matches_hf(path, prompts, out, 1)
 
 
 def test_eos_stops_generation_unless_ignore_eos():
@@ -112,22 +114,26 @@ def test_eos_stops_generation_unless_ignore_eos():
     path_eos = tiny_dir("qwen3", eos_token_id=eos_token)
     stop_at = free_run.index(eos_token) + 1
     llm = LLM(path_eos, kvcache_block_size=4, max_model_len=64)
-    stopped, ignored = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=12),
-                                                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)],
-                                    use_tqdm=False)
-    assert stopped["token_ids"] == free_run[:stop_at] == hf_greedy(path_eos, prompt, 12, eos=[eos_token, 2])
-    assert ignored["token_ids"] == free_run
+    stopped, ignored = llm.generate([prompt, prompt], [greedy(12), greedy(12, ignore_eos=True)], use_tqdm=False)
+    assert_matches_hf(path_eos, [prompt], [ignored], 12)
+    if EXACT:
+        assert stopped["token_ids"] == free_run[:stop_at] == hf_greedy(path_eos, prompt, 12, eos=[eos_token, 2])
+        assert ignored["token_ids"] == free_run
+    else:         # in a half dtype our own run may part from HF's before the eos: ours must stop at our first eos
+        ours = ignored["token_ids"]
+        cut = ours.index(eos_token) + 1 if eos_token in ours else len(ours)
+        assert stopped["token_ids"] == ours[:cut]
 
 
 def test_per_prompt_sampling_params_and_mixed_greedy_sampled_batch():
     path = tiny_dir("qwen3")
     prompts = varied_prompts(seed=14, n=4)
-    sps = [SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=1.0, max_tokens=7),
-           SamplingParams(temperature=0, max_tokens=9), SamplingParams(temperature=0.5, max_tokens=1)]
+    sps = [greedy(3, ignore_eos=True), SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True),
+           greedy(9, ignore_eos=True), SamplingParams(temperature=0.5, max_tokens=1)]
     out = LLM(path, kvcache_block_size=4, max_model_len=64).generate(prompts, sps, use_tqdm=False)
     assert [len(o["token_ids"]) for o in out] == [3, 7, 9, 1]
-    assert out[0]["token_ids"] == hf_greedy(path, prompts[0], 3)
-    assert out[2]["token_ids"] == hf_greedy(path, prompts[2], 9)
+    assert_matches_hf(path, [prompts[0]], [out[0]], 3)
+    assert_matches_hf(path, [prompts[2]], [out[2]], 9)
 
 
 def test_string_prompts_decode_to_text():

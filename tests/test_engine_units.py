@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from nanovllm_ref.engine.model_runner import graph_batch_sizes
+from nanovllm_ref.engine.cuda_graph import graph_batch_sizes
 from nanovllm_ref.layers.layernorm import RMSNorm
 
 

@@ -1,20 +1,20 @@
-"""The model's fused decode route (models/qwen3.py, models/decode_kernels.py; utils/fusion.FusedKernels) on
-tiny checkpoints.
+"""The model's Triton kernels (models/qwen3.py, layers/*: each module picks its kernel when built;
+utils/fusion.FusedKernels; nanovllm_ref.Parts.model_ops) on tiny checkpoints.
 
-- The engine with decode kernels on gives HF transformers' greedy ids (qwen3 and llama, fp32, several
-  kernel sets, an awkward shape: hidden 72, head_dim 24), and really takes the fused route.
-- Decode batches larger than max_m take the general route; both routes in one run still match HF.
+- The engine with kernels on gives HF transformers' greedy ids (qwen3 and llama, fp32, several kernel sets,
+  an awkward shape: hidden 72, head_dim 24), and the kernels really run: the small GEMM for batches of up to
+  max_m rows (prefill too), the norm kernels every step, the q/k-norm + RoPE + store kernel in decode steps.
+- Batches larger than max_m run cuBLAS GEMMs with the norm and q/k kernels; both kinds in one run match HF.
 - A student's part keeps its kernel off and runs as written; asking for that kernel is refused by name.
-- bf16: the fused route's logits stay within bf16 noise of the general route's, with the same ids.
-- Tensor parallel (gloo, 2 ranks): the split-K partials are all-reduced before they are summed, so TP=2 on
-  the fused route gives TP=1's logits.
+- bf16: the kernels' logits stay within bf16 noise of the kernel-free model's, with the same ids.
+- Tensor parallel (gloo, 2 ranks): the split-K partials are all-reduced before they are summed, so TP=2 with
+  the kernels gives TP=1's logits.
 
-The engine is built with the kernels by handing the model class a `kernels=` argument (the model runner
-builds models with `fuse` only; on a CPU that means no kernels). Without CUDA the kernels run in the Triton
-interpreter; with CUDA the same tests run them compiled (the TP test is the CPU's gloo path only).
+The engine is built with a given kernel set by wrapping the model class so that its ModelOps carry it (the
+engine's own choice, decode_kernels="auto", turns kernels on for CUDA only). Without CUDA the kernels run in
+the Triton interpreter; with CUDA the same tests run them compiled (the TP test is the CPU's gloo path only).
 """
 import dataclasses
-import functools
 import itertools
 import multiprocessing as mp
 import socket
@@ -26,10 +26,9 @@ import parts_spies
 from engine_helpers import LLM, hf_greedy, tiny_dir
 from nanovllm_ref import Parts, SamplingParams
 from nanovllm_ref.engine import model_runner
-from nanovllm_ref.kernels import small_gemm
+from nanovllm_ref.kernels import rms_norm as rms_norm_kernels, small_gemm
 from nanovllm_ref.layers.attention import Attention
-from nanovllm_ref.models import decode_kernels, get_model_class, qwen3
-from nanovllm_ref.models.decode_kernels import kernels_allowed
+from nanovllm_ref.models import get_model_class, qwen3
 from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM
 from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
 from nanovllm_ref.utils.fusion import FusedKernels
@@ -48,34 +47,49 @@ KERNEL_SETS = {
 
 
 @pytest.fixture
-def route_calls(monkeypatch):
-    """Counts of the decode layers run on each route, and of the q/k-norm + RoPE + store kernel's calls."""
-    calls = {"fused": 0, "general": 0, "qk_store": 0}
-    fused, general, qk = qwen3.DecoderLayer.decode_fused, qwen3.DecoderLayer.forward, decode_kernels.qk_norm_rope_store
+def kernel_calls(monkeypatch):
+    """Calls of each Triton kernel the model runs: the small GEMM's three forms (with the M of each call),
+    the add + RMSNorm kernel, and the q/k-norm + RoPE + store kernel."""
+    calls = {"linear": [], "partials": [], "silu": [], "norm": 0, "qk_store": 0}
+
+    def gemm(key, fn):
+        def wrapper(x, *args, **kwargs):
+            calls[key].append(x.shape[0])
+            return fn(x, *args, **kwargs)
+        return wrapper
 
     def count(key, fn):
         def wrapper(*args, **kwargs):
             calls[key] += 1
             return fn(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(qwen3.DecoderLayer, "decode_fused", count("fused", fused))
-    monkeypatch.setattr(qwen3.DecoderLayer, "forward", count("general", general))
-    monkeypatch.setattr(decode_kernels, "qk_norm_rope_store", count("qk_store", qk))
+    monkeypatch.setattr(small_gemm, "linear", gemm("linear", small_gemm.linear))
+    monkeypatch.setattr(small_gemm, "linear_partials", gemm("partials", small_gemm.linear_partials))
+    monkeypatch.setattr(small_gemm, "linear_silu_mul", gemm("silu", small_gemm.linear_silu_mul))
+    monkeypatch.setattr(rms_norm_kernels, "add_rms_norm", count("norm", rms_norm_kernels.add_rms_norm))
+    monkeypatch.setattr(qwen3, "_qk_norm_rope_store", count("qk_store", qwen3._qk_norm_rope_store))
     return calls
 
 
+def _reset(calls):
+    calls.update(linear=[], partials=[], silu=[], norm=0, qk_store=0)
+
+
 @pytest.fixture
-def llm_with_kernels(monkeypatch, route_calls):
-    """LLM(path, ...) whose model is built with `kernels=`. The route counts start after start-up (a GPU
-    engine runs warm-up steps)."""
+def llm_with_kernels(monkeypatch, kernel_calls):
+    """LLM(path, ...) whose model's ModelOps carry `kernels`. The counts start after start-up (a GPU engine runs
+    warm-up steps)."""
     real = model_runner.get_model_class
 
     def make(path, kernels, **engine_args):
-        monkeypatch.setattr(model_runner, "get_model_class", lambda hf: functools.partial(real(hf), kernels=kernels))
-        # Eager and fp32: every decode step runs the model's Python forward (the spies count the routes, a
+        def model_class(hf):
+            cls = real(hf)
+            return lambda cfg, ops: cls(cfg, ops=dataclasses.replace(ops, kernels=kernels))
+        monkeypatch.setattr(model_runner, "get_model_class", model_class)
+        # Eager and fp32: every decode step runs the model's Python forward (the spies count the kernels, a
         # CUDA graph would replay without it), and HF's fp32 ids are the oracle on a GPU too.
         llm = LLM(path, **{"enforce_eager": True, "dtype": "float32", **engine_args})
-        route_calls.update(fused=0, general=0, qk_store=0)
+        _reset(kernel_calls)
         return llm
     return make
 
@@ -100,9 +114,12 @@ def _ids(outputs):
     return [o["token_ids"] for o in outputs]
 
 
+LAYERS = 2                                    # the tiny models' layers
+
+
 @pytest.mark.parametrize("kernel_set", sorted(KERNEL_SETS))
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_engine_on_fused_decode_kernels_matches_hf_greedy(arch, kernel_set, llm_with_kernels, route_calls):
+def test_engine_on_triton_kernels_matches_hf_greedy(arch, kernel_set, llm_with_kernels, kernel_calls):
     path = tiny_dir(arch)
     kernels = KERNEL_SETS[kernel_set]
     # Block size 4: prompts of 7 and 17 tokens put decode slots on both sides of block boundaries.
@@ -111,22 +128,26 @@ def test_engine_on_fused_decode_kernels_matches_hf_greedy(arch, kernel_set, llm_
     got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm.exit()
     assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
-    layers = 2
-    assert route_calls["fused"] == 5 * layers, "every decode step after the first token runs the fused route"
-    assert route_calls["qk_store"] == (5 * layers if kernels.qk_norm_rope_store else 0)
+    steps = 1 + 5                             # one prefill (26 rows <= max_m: the small GEMM too), 5 decodes
+    gemms = kernel_calls["linear"] + kernel_calls["partials"] + kernel_calls["silu"]
+    assert len(gemms) == (steps * LAYERS * 4 if kernels.gemm else 0)
+    assert len(kernel_calls["partials"]) == (steps * LAYERS * 2 if kernels.split_k else 0)
+    assert len(kernel_calls["silu"]) == (steps * LAYERS if kernels.gemm_silu else 0)
+    assert kernel_calls["norm"] == (steps * (2 * LAYERS + 1) if kernels.add_rms_norm else 0)
+    assert kernel_calls["qk_store"] == (5 * LAYERS if kernels.qk_norm_rope_store else 0), "decode steps only"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_engine_with_several_k_splits_matches_hf_greedy(arch, llm_with_kernels, route_calls, many_splits):
+def test_engine_with_several_k_splits_matches_hf_greedy(arch, llm_with_kernels, kernel_calls, many_splits):
     path = tiny_dir(arch)
     llm = llm_with_kernels(path, FusedKernels.all(), kvcache_block_size=4, max_model_len=64)
     got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm.exit()
     assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
-    assert route_calls["fused"] == 5 * 2
+    assert len(kernel_calls["partials"]) == 6 * LAYERS * 2
 
 
-def test_decode_batches_over_4_use_the_tl_dot_gemm_and_match_hf(llm_with_kernels, route_calls):
+def test_decode_batches_over_4_use_the_tl_dot_gemm_and_match_hf(llm_with_kernels, kernel_calls):
     """Six sequences: decode batches of 6 and 5 take small_gemm's tl.dot path (M > GEMV_MAX_M)."""
     path = tiny_dir("qwen3")
     prompts = PROMPTS + [[3, 4, 5], [40, 41, 42, 43], [7] * 9]
@@ -136,10 +157,11 @@ def test_decode_batches_over_4_use_the_tl_dot_gemm_and_match_hf(llm_with_kernels
     got = _ids(llm.generate(prompts, sps, use_tqdm=False))
     llm.exit()
     assert got == [hf_greedy(path, p, sp.max_tokens) for p, sp in zip(prompts, sps)]
-    assert route_calls["fused"] == 3 * 2 and small_gemm.GEMV_MAX_M < 5
+    assert {6, 5} <= set(kernel_calls["linear"]) and small_gemm.GEMV_MAX_M < 5
+    assert kernel_calls["qk_store"] == 3 * LAYERS
 
 
-def test_awkward_shape_on_fused_decode_kernels_matches_hf(llm_with_kernels, route_calls):
+def test_awkward_shape_on_triton_kernels_matches_hf(llm_with_kernels, kernel_calls):
     """hidden 72 and intermediate 120 (not powers of two), head_dim 24 (half 12), 3 heads over 1 KV head."""
     path = tiny_dir("qwen3", hidden_size=72, intermediate_size=120, head_dim=24, num_attention_heads=3,
                     num_key_value_heads=1)
@@ -147,36 +169,28 @@ def test_awkward_shape_on_fused_decode_kernels_matches_hf(llm_with_kernels, rout
     got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm.exit()
     assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
-    assert route_calls["fused"] > 0
+    assert kernel_calls["qk_store"] == 5 * LAYERS and kernel_calls["partials"]
 
 
-def test_decode_batches_over_max_m_take_the_large_batch_route(llm_with_kernels, route_calls, monkeypatch):
-    """max_m=2: the 3-sequence decode steps run the large-batch route (the element-wise kernels, the GEMMs
-    cuBLAS's: no small GEMM is called), the 2- and 1-sequence ones the fused route; only the prefill step runs
-    the general route; the ids are HF's either way."""
-    from nanovllm_ref.layers import linear
-    ms = []
-    real_small = linear.QKVParallelLinear.forward_small
-
-    def spy(self, x, pdl=False):
-        ms.append(x.shape[0])
-        return real_small(self, x, pdl)
-    monkeypatch.setattr(linear.QKVParallelLinear, "forward_small", spy)
+def test_batches_over_max_m_run_cublas_gemms_with_the_norm_and_qk_kernels(llm_with_kernels, kernel_calls):
+    """max_m=2: the 3-row decode steps and the 26-row prefill run F.linear (no small GEMM is called), the 2- and
+    1-row decode steps the small GEMM; the norm kernels run every step and the q/k kernel every decode step;
+    the ids are HF's either way."""
     path = tiny_dir("qwen3")
     llm = llm_with_kernels(path, FusedKernels.all(max_m=2), kvcache_block_size=4, max_model_len=64)
     sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)]
     got = _ids(llm.generate(PROMPTS, sps, use_tqdm=False))
     llm.exit()
     assert got == [hf_greedy(path, p, n) for p, n in zip(PROMPTS, (3, 5, 7))]
-    # decode steps: 2 of batch 3 (large), 2 of batch 2 and 2 of batch 1 (fused); the prefill step (general).
-    assert route_calls == {"fused": 6 * 2, "general": 1 * 2, "qk_store": 6 * 2}
-    assert sorted(set(ms)) == [1, 2], "a decode step of more than max_m rows must use cuBLAS, not the small GEMM"
-    assert FusedKernels.all(max_m=2).large_batch().enabled() == ["rms_norm", "add_rms_norm", "qk_norm_rope_store"]
+    # decode steps: 2 of batch 3 (cuBLAS), 2 of batch 2 and 2 of batch 1 (small GEMM); the prefill (cuBLAS).
+    assert sorted(set(kernel_calls["linear"])) == [1, 2], "more than max_m rows must use cuBLAS, not the small GEMM"
+    assert len(kernel_calls["linear"]) == 4 * LAYERS
+    assert kernel_calls["qk_store"] == 6 * LAYERS and kernel_calls["norm"] == 7 * (2 * LAYERS + 1)
 
 
-def test_a_replaced_part_keeps_its_kernel_off_and_runs_as_written(llm_with_kernels, route_calls):
+def test_a_replaced_part_keeps_its_kernel_off_and_runs_as_written(llm_with_kernels, kernel_calls):
     parts = Parts(rms_norm=parts_spies.rms_norm)
-    allowed = kernels_allowed(parts, qk_norm=True)
+    allowed = parts.kernels_allowed(qk_norm=True)
     # q/k norm is an rms_norm call, so its fused kernel goes too; the GEMMs and add + RMSNorm stay.
     assert allowed.enabled() == ["add_rms_norm", "gemm", "gemm_silu", "split_k"]
     path = tiny_dir("qwen3")
@@ -187,34 +201,33 @@ def test_a_replaced_part_keeps_its_kernel_off_and_runs_as_written(llm_with_kerne
     spied = parts_spies.CALLS["rms_norm"] - before
     llm.exit()
     assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
-    # q_norm and k_norm of every layer in each of the 5 decode steps are the student's (plus prefill's).
-    assert spied >= 5 * 2 * 2
-    assert route_calls["fused"] == 5 * 2 and route_calls["qk_store"] == 0
+    # q_norm and k_norm of every layer, and layer 0's input norm, in each of the 6 steps are the student's.
+    assert spied == 6 * (2 * LAYERS + 1)
+    assert kernel_calls["qk_store"] == 0 and kernel_calls["norm"] == 6 * 2 * LAYERS
 
 
 def test_asking_for_a_kernel_that_a_part_replaced_is_refused_by_name():
-    from transformers import AutoConfig
-    hf = AutoConfig.from_pretrained(tiny_dir("qwen3"))
     with pytest.raises(ValueError, match="FusedKernels.rms_norm .*rms_norm"):
-        Qwen3ForCausalLM(hf, parts=Parts(rms_norm=parts_spies.rms_norm), kernels=FusedKernels.all())
+        Parts(rms_norm=parts_spies.rms_norm).model_ops(kernels=FusedKernels.all())
     with pytest.raises(ValueError, match="FusedKernels.gemm_silu"):
-        Qwen3ForCausalLM(hf, parts=Parts(silu_and_mul=parts_spies.silu_and_mul), kernels=FusedKernels.all())
+        Parts(silu_and_mul=parts_spies.silu_and_mul).model_ops(kernels=FusedKernels.all())
     with pytest.raises(TypeError, match="kernels must be a FusedKernels"):
-        Qwen3ForCausalLM(hf, kernels=True)
+        Parts().model_ops(kernels=True)
     # A store of one's own: the fused kernel would write the cache in its place, so it stays off.
-    assert not kernels_allowed(Parts(store_kvcache=parts_spies.store_kvcache), qk_norm=True).qk_norm_rope_store
-    assert kernels_allowed(Parts(), qk_norm=True) == FusedKernels.all()
+    assert not Parts(store_kvcache=parts_spies.store_kvcache).kernels_allowed(qk_norm=True).qk_norm_rope_store
+    assert Parts().kernels_allowed(qk_norm=True) == FusedKernels.all()
 
 
 def test_fuse_on_a_cpu_builds_no_kernels_and_an_explicit_record_is_kept():
     from transformers import AutoConfig
     hf = AutoConfig.from_pretrained(tiny_dir("llama"))
-    assert Qwen3ForCausalLM(hf, fuse=True).kernels == FusedKernels()
+    assert Qwen3ForCausalLM(hf, ops=Parts().model_ops(fuse=True)).kernels == FusedKernels()
     assert not Qwen3ForCausalLM(hf).kernels.any()
     # Llama has no q/k norm, so a replaced rms_norm leaves the q/k + RoPE + store kernel allowed.
-    assert kernels_allowed(Parts(rms_norm=parts_spies.rms_norm), qk_norm=False).qk_norm_rope_store
+    assert Parts(rms_norm=parts_spies.rms_norm).kernels_allowed(qk_norm=False).qk_norm_rope_store
     kernels = FusedKernels(gemm=True, max_m=8)
-    assert Qwen3ForCausalLM(hf, kernels=kernels).kernels is kernels
+    model = Qwen3ForCausalLM(hf, ops=Parts().model_ops(kernels=kernels, qk_norm=False))
+    assert model.kernels is kernels and model.model.layers[0].mlp.gate_up_proj.small_gemm.max_m == 8
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
@@ -232,6 +245,7 @@ def test_fused_kernels_record_refuses_combinations_it_cannot_run(kwargs, exc, ma
 def test_restricting_a_record_drops_what_depends_on_a_removed_kernel():
     narrowed = FusedKernels.all(pdl=True).restricted_to(FusedKernels(gemm=True, rms_norm=True))
     assert narrowed.enabled() == ["rms_norm", "gemm"] and narrowed.pdl
+    assert FusedKernels.all(max_m=2).large_batch().enabled() == ["rms_norm", "add_rms_norm", "qk_norm_rope_store"]
 
 
 # -- the model alone: a greedy session with hand-made metadata (bf16, tensor parallel) -----------------------
@@ -243,7 +257,7 @@ def build_model(path: str, dtype: torch.dtype, kernels: FusedKernels | None, ran
     torch.set_default_dtype(dtype)                      # as the model runner builds it (RoPE tables stay fp32)
     try:
         with torch.device(DEVICE), tensor_parallel(rank, world):
-            model = get_model_class(hf)(hf, kernels=kernels)
+            model = get_model_class(hf)(hf, ops=Parts().model_ops(kernels=kernels, qk_norm=get_model_class(hf).QK_NORM))
     finally:
         torch.set_default_dtype(default)
     load_model(model, path)
@@ -252,7 +266,7 @@ def build_model(path: str, dtype: torch.dtype, kernels: FusedKernels | None, ran
 
 @torch.inference_mode()
 def greedy_session(model, prompts, steps: int, block_size: int = 4, blocks_per_seq: int = 8):
-    """One prefill step (general route) and `steps` decode steps of all prompts together. Returns (ids per
+    """One prefill step and `steps` decode steps of all prompts together. Returns (ids per
     prompt, [logits of each step] on rank 0). Under tensor parallelism rank 0 broadcasts the ids."""
     with torch.device(model.model.embed_tokens.weight.device):
         return _greedy_session(model, prompts, steps, block_size, blocks_per_seq)
@@ -299,15 +313,15 @@ def _greedy_session(model, prompts, steps, block_size, blocks_per_seq):
     return out, all_logits
 
 
-def test_bf16_fused_route_stays_within_bf16_noise_of_the_general_route(route_calls):
+def test_bf16_kernels_stay_within_bf16_noise_of_the_model_without_them(kernel_calls):
     path = tiny_dir("qwen3")
     general_ids, general = greedy_session(build_model(path, torch.bfloat16, None), PROMPTS, 4)
     fused_ids, fused = greedy_session(build_model(path, torch.bfloat16, FusedKernels.all()), PROMPTS, 4)
-    assert route_calls["fused"] == 4 * 2
+    assert kernel_calls["qk_store"] == 4 * LAYERS
     assert fused_ids == general_ids
     for a, b in zip(general, fused):
         rel = ((a.float() - b.float()).norm() / a.float().norm()).item()
-        assert rel < 2e-2, f"fused decode logits differ from the general route's by {rel:.1e} (relative norm)"
+        assert rel < 2e-2, f"the kernels' logits differ from the general route's by {rel:.1e} (relative norm)"
 
 
 def _free_port() -> int:

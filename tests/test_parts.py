@@ -109,13 +109,70 @@ def test_fusion_is_chosen_per_model_not_per_process():
     from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM
     from transformers import AutoConfig
     hf = AutoConfig.from_pretrained(tiny_dir("qwen3"))
-    fused = Qwen3ForCausalLM(hf, fuse=True)           # not run: compiling needs no GPU to be built
+    fused = Qwen3ForCausalLM(hf, ops=Parts().model_ops(fuse=True))   # not run: compiling needs no GPU to be built
     plain = Qwen3ForCausalLM(hf)
     assert fused.model.norm.norm is rms_norm.compiled() and fused.model.layers[0].self_attn.fused_qk_norm_rope
     assert plain.model.norm.norm is rms_norm and plain.model.layers[0].self_attn.fused_qk_norm_rope is None
-    mine = Qwen3ForCausalLM(hf, parts=Parts(rms_norm=parts_spies.rms_norm), fuse=True)
+    mine = Qwen3ForCausalLM(hf, ops=Parts(rms_norm=parts_spies.rms_norm).model_ops(fuse=True))
     assert mine.model.norm.norm is parts_spies.rms_norm              # a part runs as written
     assert mine.model.layers[0].self_attn.fused_qk_norm_rope is None
+    with pytest.raises(TypeError, match="ops must be a models.ops.ModelOps"):
+        Qwen3ForCausalLM(hf, ops=Parts())
+
+
+def test_is_reference_answers_the_identity_question_for_every_field():
+    from nanovllm_ref.attn import cpu_backend, torch_backend
+    assert all(Parts().is_reference(f.name) for f in dataclasses.fields(Parts))
+    mine = Parts(rms_norm=parts_spies.rms_norm, scheduler=parts_spies.SpyScheduler)
+    assert not mine.is_reference("rms_norm") and not mine.is_reference("scheduler") and mine.is_reference("sampler")
+    assert mine.replaced() == ["rms_norm", "scheduler"]
+    # the stores the engine picks itself count as the reference store (they write what the fused kernel writes)
+    for store in (torch_backend.store_kvcache, cpu_backend.store_kvcache):
+        assert Parts(store_kvcache=store).is_reference("store_kvcache")
+    assert not Parts(store_kvcache=parts_spies.store_kvcache).is_reference("store_kvcache")
+    with pytest.raises(ValueError, match="'rms_nrom' is not a Parts field"):
+        Parts().is_reference("rms_nrom")
+
+
+def test_the_plan_is_resolved_once_and_logged_at_start_up(caplog):
+    """The engine's choices, one frozen record per runner (Parts.resolve), logged at INFO as vLLM logs its own."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="nanovllm_ref"):
+        llm = LLM(tiny_dir("qwen3"), kvcache_block_size=4, parts=Parts(sampler=parts_spies.sample))
+    plan = llm.model_runner.plan
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.use_graphs = True
+    assert plan.sampler is parts_spies.sample and plan.graph_sample_rows is None and plan.replaced == ("sampler",)
+    text = plan.describe()
+    assert "sampler: Parts.sampler, row draw as written; after the forward" in text
+    assert "replaced parts: sampler" in text and text in caplog.text
+    llm.exit()
+
+
+def test_no_engine_file_but_parts_compares_functions_by_identity():
+    """The identity question (is this the reference part?) is answered by Parts.is_reference alone: an `is`
+    comparison between two objects (not None / True / False) anywhere else in nanovllm_ref fails this test,
+    except the object identities of the server's request groups, listed here."""
+    import ast
+    allowed = {("entrypoints/openai/engine_loop.py", "other is group"),
+               ("entrypoints/openai/engine_loop.py", "g is group"),
+               ("entrypoints/openai/engine_loop.py", "a[0] is not group"),
+               ("entrypoints/openai/engine_loop.py", "self._groups.get(rid) is group"),
+               ("entrypoints/openai/sampling.py", "value is n")}
+    root = ROOT / "nanovllm_ref"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "parts.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(o, (ast.Is, ast.IsNot)) for o in node.ops):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(x, ast.Constant) and x.value in (None, True, False) for x in sides):
+                    continue
+                if (rel, ast.unparse(node)) not in allowed:
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "identity comparisons outside parts.py (ask Parts.is_reference instead): " + "; ".join(found)
 
 
 def test_importing_the_engine_sets_no_environment_variable():
@@ -237,3 +294,29 @@ def test_exported_unfilled_chapters_fall_back_to_the_reference_and_say_so(tmp_pa
     assert ("still the reference's (not done yet): E1.1, E1.2, E2.1, E2.2, E3.3, E4.1, E4.2, E4.3, E5.2, E5.3, "
             "E6.1, E6.3, E7.1-E7.3, E8.1-E8.4, E9.1, E10.1, E10.3") in printed
     assert "rms_norm               reference  ch01 E1.1 rms_norm (stub)" in printed
+
+
+def test_the_plan_on_a_gpu_runs_every_kernel_the_reference_parts_allow(monkeypatch):
+    """Parts.resolve for a CUDA engine, checked on the CPU (the facts of the device monkeypatched: Triton compiles,
+    PDL is available): the decode kernels with PDL, the triton back-end's decode attention launched with PDL too,
+    the sampler's row draw as the Triton kernel inside the graph, async scheduling; with decode_kernels="off"
+    none of the kernels and the plain back-end; a sampler of yours runs as written, after the graph."""
+    from nanovllm_ref import parts as parts_mod
+    from nanovllm_ref.attn import triton_backend
+    from nanovllm_ref.config import Config
+    from nanovllm_ref.kernels import numerics, sampler as sampler_kernel
+    from nanovllm_ref.utils.fusion import FusedKernels
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(numerics, "pdl_available", lambda device: True)
+    config = Config(tiny_dir("qwen3"), kvcache_block_size=16, max_model_len=64, max_num_seqs=8)
+    plan = Parts().resolve(config, "cuda", torch.bfloat16)
+    assert plan.attention == "triton" and plan.use_graphs and plan.async_scheduling and plan.fuse
+    assert plan.ops.kernels == FusedKernels.all(pdl=True)
+    assert plan.ops.attention_backend.paged_decode is triton_backend.paged_decode_pdl
+    assert plan.graph_sample_rows is sampler_kernel.sample_rows and plan.graph_batch_sizes == (1, 2, 4, 8)
+    assert "row draw Triton kernel" in plan.describe() and "PDL on" in plan.describe()
+    off = Parts().resolve(Config(tiny_dir("qwen3"), kvcache_block_size=16, max_model_len=64, max_num_seqs=8,
+                                 decode_kernels="off"), "cuda", torch.bfloat16)
+    assert not off.ops.kernels.any() and off.ops.attention_backend is triton_backend
+    mine = Parts(sampler=parts_spies.sample).resolve(config, "cuda", torch.bfloat16)
+    assert mine.graph_sample_rows is None and mine.sampler is parts_spies.sample

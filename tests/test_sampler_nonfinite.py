@@ -11,7 +11,7 @@ from nanovllm_ref.layers.logits_processors import apply_min_p, apply_penalties
 from nanovllm_ref.layers.logprobs import gather_logprobs
 from nanovllm_ref.layers.sampler import SamplingMetadata, finite_rows, sample, sample_rows
 
-from engine_helpers import LLM, tiny_dir
+from engine_helpers import LLM, sampling_batch, tiny_dir
 
 INF, NAN = float("inf"), float("nan")
 VOCAB = 40
@@ -108,7 +108,7 @@ def test_engine_sampler_step_with_fp16_overflow_returns_the_inf_tokens(async_sch
     runner = llm.model_runner
     vocab = llm.config.hf_config.vocab_size
 
-    def batch(seed: int) -> list[Sequence]:
+    def rows(seed: int) -> list[Sequence]:
         # Explicit seeds, one set per round: the counter-based noise of a sequence is a function of its seed
         # and token index, so repeating one batch would repeat its draws (and seq_id-derived seeds would make
         # the outcome depend on which tests ran before).
@@ -129,8 +129,8 @@ def test_engine_sampler_step_with_fp16_overflow_returns_the_inf_tokens(async_sch
     logits = logits.to(runner.device)
     drawn = set()
     for seed in range(30):
-        seqs = batch(seed)
-        ids = runner.sample(seqs, logits, None, runner.prepare_processing(seqs)).token_ids()
+        batch = sampling_batch(llm, rows(seed))
+        ids = runner.sample(batch, logits, None, runner.processing(batch)).token_ids()
         assert ids[0] == ids[4] == 100 and set(ids) <= {100, 300}
         drawn.update(ids[1:4])
     assert drawn == {100, 300}, "sampled rows must draw both +inf tokens"

@@ -24,7 +24,7 @@ from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.layers.logits_processors import apply_min_p, apply_penalties, bin_counts, min_p_keep
 from nanovllm_ref.layers.sampler import top_k_top_p_filter
 
-from engine_helpers import LLM, hf_model, tiny_dir
+from engine_helpers import LLM, hf_model, sampling_batch, tiny_dir
 from test_thin_step import CountingSampler, EagerReplayRunner
 
 
@@ -199,10 +199,10 @@ def test_pending_token_is_counted_from_the_previous_steps_ids_on_the_device():
     seq.append_pending(row=1)                       # the previous step samples its next token in row 1
     other = Sequence([8], 4, SamplingParams(temperature=0))
     runner.last_ids[:2] = torch.tensor([100, 9])
-    proc = runner.prepare_processing([other, seq])
+    proc = runner.processing(sampling_batch(llm, [other, seq]))
     assert proc.output_counts[1, 9] == 2 and proc.output_counts[1].sum() == 2, "the pending 9 must count"
     assert proc.output_counts[0].sum() == 0 and proc.prompt_mask[1, [5, 6, 7]].all() and proc.prompt_mask[1].sum() == 3
-    assert runner.prepare_processing([other]) is None
+    assert runner.processing(sampling_batch(llm, [other])) is None
     llm.exit()
 
 

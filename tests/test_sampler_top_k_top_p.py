@@ -11,7 +11,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 from nanovllm_ref import SamplingParams
 from nanovllm_ref.layers.sampler import SamplingMetadata, sample, top_k_top_p_filter
 
-from engine_helpers import LLM, hf_model, tiny_dir
+from engine_helpers import LLM, hf_model, sampling_batch, tiny_dir
 
 
 # -- SamplingParams -------------------------------------------------------------------------------------------
@@ -232,10 +232,13 @@ def test_sampler_has_no_host_sync_and_the_spy_sees_one():
     assert spy.seen == ["aten._local_scalar_dense", "aten.nonzero"]
 
 
-def test_prepare_sample_leaves_top_k_top_p_out_unless_a_sampled_row_uses_them():
+def test_sampling_metadata_leaves_top_k_top_p_out_unless_a_sampled_row_uses_them():
+    from nanovllm_ref.engine.sampling_inputs import sampling_metadata
     from nanovllm_ref.engine.sequence import Sequence
     llm = LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=64)
-    prep = llm.model_runner.prepare_sample
+
+    def prep(seqs):
+        return sampling_metadata(sampling_batch(llm, seqs).sampling, llm.model_runner.device)
     seq = lambda **kw: Sequence([1, 2], 4, SamplingParams(**kw))
     m = prep([seq(temperature=1.0), seq(temperature=0, top_k=5, top_p=0.5)])
     assert m.top_k is None and m.top_p is None and not m.all_greedy
@@ -305,7 +308,8 @@ def test_engine_first_token_frequencies_match_hf_with_mixed_top_k_top_p():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_sampler_on_cuda_filters_like_hf_and_keeps_greedy_rows():
     """What a GPU engine runs: the torch.compile'd sampler (fullgraph: no graph break, so no host sync)."""
-    from nanovllm_ref.layers.sampler import sample_compiled
+    from nanovllm_ref.layers.sampler import sample_rows, sampler_with
+    sample_compiled = sampler_with(sample_rows.compiled())
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(7)
     row = torch.randn(64, generator=g) * 2

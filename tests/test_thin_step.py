@@ -1,11 +1,11 @@
 """The thin decode step and the start-up warm-up (issue: GPU speed round 2), checked on a CPU.
 
-- StaticDecodeInputs.pack (one packed host buffer per step, block-table rows rewritten only when they
-  change) gives exactly engine/inputs.prepare_decode's values, through growth, row reuse and preemption.
+- StaticDecodeInputs.pack (one packed host buffer per step, from the step's batch record) gives exactly
+  engine/inputs.prepare_decode's values, through growth, row reuse and preemption.
 - The graph path of the model runner (packed upload, LM head and sampler inside the step, logits kept for
   samplers that run outside) is exercised on a CPU by a graph runner whose "graph" replays the captured step
   eagerly: greedy ids equal the engine without graphs and HF.
-- Tensor-parallel workers receive a compact message per step, not the sequences.
+- Tensor-parallel workers receive a compact message per step (the batch record), not the sequences.
 - After start-up, a varied workload compiles nothing (torch.compile counters); without the warm-up the
   same workload does, so the test can fail.
 The real CUDA-graph replay, and Triton's compile cache, are checked on the H200 (bench/gpu_run.sh).
@@ -22,8 +22,9 @@ from nanovllm_ref import SamplingParams
 from nanovllm_ref.engine import model_runner as model_runner_mod
 from nanovllm_ref.engine import warmup
 from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, StaticDecodeInputs
-from nanovllm_ref.engine.inputs import prepare_decode, step_from_host, step_to_host
+from nanovllm_ref.engine.inputs import prepare_decode, prepare_prefill
 from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.engine.step_batch import StepBatch, StepBuilder
 
 from engine_helpers import LLM, hf_greedy, tiny_dir
 
@@ -56,8 +57,14 @@ def _seq(n, table, block_size=4, temperature=0.0):
     return seq
 
 
+def _batch(seqs, block_size, is_prefill=False) -> StepBatch:
+    """The engine's batch record of a step over `seqs` (engine/step_batch.py)."""
+    config = SimpleNamespace(kvcache_block_size=block_size, eos=frozenset(), hf_config=SimpleNamespace(vocab_size=1000))
+    return StepBuilder(prepare_prefill, prepare_decode, config).build(seqs, is_prefill)
+
+
 def _assert_pack_matches(inputs: StaticDecodeInputs, seqs, block_size, padded):
-    part = inputs.pack(seqs, block_size, padded)
+    part = inputs.pack(_batch(seqs, block_size), padded)
     # what a step of `padded` rows reads, and no more: one slice of max_bs per field, then `padded` table rows
     assert len(part) == len(inputs.FIELDS) * inputs.max_bs + padded * inputs.max_blocks
     twin = StaticDecodeInputs(inputs.max_bs, inputs.max_blocks, "cpu")     # a TP worker receiving `part`
@@ -101,7 +108,7 @@ def test_pack_equals_prepare_decode_through_growth_reuse_and_preemption():
 def test_pack_refuses_a_table_wider_than_the_graphs():
     inputs = StaticDecodeInputs(max_bs=2, max_blocks=2, device="cpu")
     with pytest.raises(ValueError, match="more than the 2"):
-        inputs.pack([_seq(9, [0, 1, 2])], 4, 1)
+        inputs.pack(_batch([_seq(9, [0, 1, 2])], 4), 1)
 
 
 def _graph_llm(**kw):
@@ -175,18 +182,17 @@ def test_tensor_parallel_step_message_is_compact():
         seq.block_table = list(range(i * 57, i * 57 + 57))
         seq.num_cached_tokens = 899
         seqs.append(seq)
-    message = runner.prepare(seqs, False, remote=True)
+    message = runner.message(_batch(seqs, 16))
     sent = len(pickle.dumps(message))
     whole = len(pickle.dumps(seqs))
-    assert sent < 12_000 < whole, (sent, whole)
-    # and it round-trips to the same tensors
-    assert isinstance(message, model_runner_mod.ModelStep)
-    host = message.inputs
-    back = step_from_host(host, "cpu")
+    assert sent < 16_000 < whole, (sent, whole)
+    # without the sampling rows (only rank 0 samples), and it round-trips to the same tensors
+    assert isinstance(message, model_runner_mod.ModelStep) and message.batch.sampling is None
+    back = pickle.loads(pickle.dumps(message)).batch.inputs
     want = prepare_decode(seqs, 16, "cpu")
     assert back.input_ids.dtype == torch.int64 and torch.equal(back.input_ids, want.input_ids)
     assert torch.equal(back.metadata.block_tables, want.metadata.block_tables)
-    assert np.array_equal(step_to_host(want)["positions"], host["positions"])
+    assert torch.equal(back.positions, want.positions)
     llm.exit()
 
 
@@ -204,10 +210,11 @@ def _count_compiles():
 def fused_on_cpu(monkeypatch):
     """The engine with its compiled ops on a CPU; torch.compile with the "eager" backend (Dynamo traces and
     counts graphs, nothing is code-generated), so the test is about when compiles happen, and quick."""
+    from nanovllm_ref import parts
     from nanovllm_ref.utils import fusion
     import torch._dynamo
     real_compile = torch.compile
-    monkeypatch.setattr(model_runner_mod, "fuse_by_default", lambda device_type: True)
+    monkeypatch.setattr(parts, "fuse_by_default", lambda device_type: True)
     monkeypatch.setattr(fusion.torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw))
     compiled_fns = [f for f in _fused_functions()]
     for f in compiled_fns:
@@ -249,7 +256,7 @@ def test_no_compile_after_start_up(fused_on_cpu, dtype):
     # bfloat16 (a GPU's dtype): the logits processors hand the sampler fp32 logits, a variant of its own.
     llm = LLM(tiny_dir("qwen3"), kvcache_block_size=16, max_num_batched_tokens=32, max_num_seqs=6, enforce_eager=True,
               dtype=dtype)
-    assert llm.model_runner.fuse
+    assert llm.model_runner.plan.fuse
     before = _count_compiles()
     assert before > 0, "the engine compiled nothing at start-up: the fixture did not switch fusion on"
     _varied_workload(llm)
@@ -281,11 +288,11 @@ def test_cuda_graph_draws_follow_softmax_and_change_every_replay():
     assert runner.graph_samples
     first = _seq(6, [1], block_size=16)
     first.num_cached_tokens, first.num_scheduled_tokens = 0, 6
-    runner.run([first], True)                               # the context's K/V, in block 1
+    runner.run(_batch([first], 16, True))                   # the context's K/V, in block 1
     draws = []
     for _ in range(40):
         seqs = [_seq(7, [1], block_size=16, temperature=1.0) for _ in range(64)]     # 64 new seeds
-        runner.run(seqs, False)
+        runner.run(_batch(seqs, 16))
         draws.append(runner.graph_runner.buffers["token_ids"][:64].clone())
     draws = torch.stack(draws)
     assert len({tuple(r.tolist()) for r in draws}) == 40, "two replays drew identical rows: frozen noise"
@@ -343,17 +350,17 @@ def test_to_device_takes_numpy_arrays_as_tp_workers_receive_them():
 
 def test_eager_steps_switches_graph_replay_off_inside_the_block_only():
     """ModelRunner.eager_steps(): the hook benchmarks use to run decode steps eagerly; the captured graphs
-    and the plan come back after the block, also when the block raises."""
+    come back after the block, also when the block raises."""
     llm = _graph_llm()
     runner = llm.model_runner
-    graphs, plan = runner.graph_runner, runner.plan
-    assert plan.use_graphs and plan.sampler_in_graph
+    graphs = runner.graph_runner
+    assert runner.graph_samples
     with pytest.raises(RuntimeError, match="inside"):
         with runner.eager_steps():
-            assert runner.graph_runner is None and not runner.plan.use_graphs and not runner.graph_samples
-            seqs = [_seq(5, [0], block_size=16)]
-            assert isinstance(runner.prepare(seqs, False), model_runner_mod.ModelStep)
+            assert runner.graph_runner is None and not runner.graph_samples
+            batch = _batch([_seq(5, [0], block_size=16)], 16)
+            assert isinstance(runner.message(batch), model_runner_mod.ModelStep)
             raise RuntimeError("inside")
-    assert runner.graph_runner is graphs and runner.plan == plan
-    assert isinstance(runner.prepare([_seq(5, [0], block_size=16)], False), model_runner_mod.PackedDecodeStep)
+    assert runner.graph_runner is graphs and runner.graph_samples
+    assert isinstance(runner.message(_batch([_seq(5, [0], block_size=16)], 16)), model_runner_mod.PackedDecodeStep)
     llm.exit()

@@ -18,7 +18,8 @@ import torch
 from nanovllm_ref.kernels import attention as _attn
 from nanovllm_ref.kernels.store_kvcache import store_kvcache, store_kvcache_torch  # noqa: F401  (re-export)
 
-__all__ = ["varlen_prefill", "paged_prefill", "paged_decode", "store_kvcache", "store_kvcache_torch"]
+__all__ = ["varlen_prefill", "paged_prefill", "paged_decode", "paged_decode_pdl", "store_kvcache",
+           "store_kvcache_torch"]
 
 PREFER_TORCH_VARLEN = False  # use torch's varlen_attn for varlen_prefill where it applies
 _torch_varlen = None         # (function, its keyword names) once probed; False if unusable
@@ -85,3 +86,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     """One new query per sequence against its whole paged context. q: [B, H, D] -> [B, H, D].
     Split-KV (Flash-Decoding); no host synchronisation, so it can be captured in a CUDA graph."""
     return _attn.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_decode_pdl(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """`paged_decode` with its kernels launched by programmatic dependent launch (Hopper): what an engine whose
+    decode kernels use PDL attends with (nanovllm_ref.Parts.resolve)."""
+    return _attn.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, use_pdl=True)

@@ -10,10 +10,11 @@ and `run_model`.
 What one captured step holds, and why (a "thin" step: the host does as little per step as it can):
 - The static inputs are views of ONE int32 device buffer (ids, positions, slots, context lengths,
   temperatures as raw fp32 bits, block tables), filled by ONE copy from a pinned host twin
-  (`StaticDecodeInputs`), instead of six tiny host-to-device copies and the eight small kernels of
-  `fill_static_inputs`, each of which costs more host time than the bytes it moves.
-- Block-table rows on the host are rewritten only when a sequence's table changed since the last step
-  (a new block, or another sequence in that row), not rebuilt every step.
+  (`StaticDecodeInputs`: `pack` copies the step's batch record, engine/step_batch.StepBatch, into the host
+  twin, `upload` sends it), instead of six tiny host-to-device copies and the eight small kernels of
+  `fill_static_inputs` (the readable form of the same thing, chapter 10's E10.2), each of which costs more
+  host time than the bytes it moves. Whoever prepared the record (the reference prepare_decode or a part of
+  yours) does not matter: it is plain host data either way.
 - With `sample=True` (one process, the reference sampler) the graph also runs the LM head and the sampler:
   the step ends with token ids in a static buffer, and the logits stay in another for samplers that run
   outside (top-k/top-p, min_tokens, penalties and min_p, a replaced sampler) and for logprobs. The
@@ -46,7 +47,8 @@ def fill_static_inputs(buffers: dict, input_ids: torch.Tensor, positions: torch.
                        meta: AttentionMetadata) -> None:
     """Copy one decode step's inputs (batch B) into the captured graph's static buffers (max batch ≥ B).
     Rows B.. are padding: slot -1 (write nothing), context length 0, block table -1; the block-table
-    columns past this step's width are cleared too, so no stale block id of an earlier step survives."""
+    columns past this step's width are cleared too, so no stale block id of an earlier step survives.
+    (Chapter 10's E10.2. The engine does the same with one packed copy: StaticDecodeInputs.)"""
     batch = input_ids.shape[0]
     buffers["input_ids"][:batch] = input_ids
     buffers["positions"][:batch] = positions
@@ -65,10 +67,10 @@ class StaticDecodeInputs:
     the block tables M * W, last): input_ids, positions, slot_mapping, context_lens, temperatures (fp32
     bits), seeds (uint32 bits: each row's sampling seed), prev_rows (async scheduling: the row of the
     previous step's sampled ids that holds this row's input token, or -1 when input_ids has it),
-    block_tables [M, W]. `views(buf)` names the slices of either buffer. `pack(seqs, block_size,
-    padded)` writes one step into the host buffer and returns the part a step of `padded` rows reads: the
-    five small fields and the first `padded` block-table rows (numpy; what tensor-parallel workers
-    receive). `upload(part)` copies such a part to the device in one non-blocking copy."""
+    block_tables [M, W]. `views(buf)` names the slices of either buffer. `pack(batch, padded)` writes one
+    step's batch record into the host buffer and returns the part a step of `padded` rows reads: the small
+    fields and the first `padded` block-table rows (numpy; what tensor-parallel workers receive).
+    `upload(part)` copies such a part to the device in one non-blocking copy."""
 
     FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "temperatures", "seeds", "prev_rows")
 
@@ -81,7 +83,6 @@ class StaticDecodeInputs:
         self.device_views = self.views(self.device_buf)
         self.host_views = self.views(self.host)
         self.host_views["block_tables"][:] = -1
-        self._rows: list[list[int] | None] = [None] * max_bs      # what each host block-table row holds
         self._copied = torch.cuda.Event() if self.host_buf.is_pinned() else None   # the last upload's end
 
     def views(self, buf) -> dict:
@@ -96,43 +97,35 @@ class StaticDecodeInputs:
             out["seeds"] = out["seeds"].view(np.uint32)
         return out
 
-    def pack(self, seqs, block_size: int, padded: int) -> np.ndarray:
-        """Write the decode inputs of `seqs` (B of them) into rows 0..B-1 of the host buffer and padding into
-        rows B..padded-1 (slot -1, context 0, block table -1); returns the part of the buffer a step of
-        `padded` rows reads (a view). Same values as engine/inputs.prepare_decode.
-        Raises ValueError if a block table is wider than the graphs were captured for."""
+    def pack(self, batch, padded: int) -> np.ndarray:
+        """Write the decode step `batch` (engine/step_batch.StepBatch, B rows) into rows 0..B-1 of the host
+        buffer and padding into rows B..padded-1 (slot -1, context 0, block table -1); returns the part of the
+        buffer a step of `padded` rows reads (a view). Raises ValueError if a block table is wider than the
+        graphs were captured for."""
         self._wait_for_last_copy()
-        h, batch = self.host_views, len(seqs)
-        lens = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int64, count=batch)
-        h["input_ids"][:batch] = [max(seq.last_token, 0) for seq in seqs]        # PENDING (-1) is read on device
-        h["prev_rows"][:batch] = [seq.pending_row if seq.num_pending else -1 for seq in seqs]
-        h["positions"][:batch] = lens - 1
-        h["context_lens"][:batch] = lens
-        h["temperatures"][:batch] = [seq.temperature for seq in seqs]
-        h["seeds"][:batch] = [seq.seed for seq in seqs]
-        tables, rows = h["block_tables"], self._rows
-        for i, seq in enumerate(seqs):
-            table = seq.block_table
-            if rows[i] != table:                      # a new block, or another sequence in this row
-                n = len(table)
-                if n > self.max_blocks:
-                    raise ValueError(f"a sequence holds {n} blocks, more than the {self.max_blocks} the "
-                                     "captured graphs were sized for (max_model_len / block_size)")
-                tables[i, :n] = table
-                tables[i, n:] = -1
-                rows[i] = list(table)
-        last = lens - 1
-        h["slot_mapping"][:batch] = tables[np.arange(batch), last // block_size] * block_size + last % block_size
-        if padded > batch:
-            h["input_ids"][batch:padded] = 0
-            h["positions"][batch:padded] = 0
-            h["slot_mapping"][batch:padded] = -1
-            h["context_lens"][batch:padded] = 0
-            h["temperatures"][batch:padded] = 0
-            h["seeds"][batch:padded] = 0
-            h["prev_rows"][batch:padded] = -1
-            tables[batch:padded] = -1
-            rows[batch:padded] = [None] * (padded - batch)
+        h, step, rows = self.host_views, batch.inputs, batch.sampling
+        meta = step.metadata
+        b = int(step.input_ids.shape[0])
+        tables = meta.block_tables.numpy()
+        width = tables.shape[1]
+        if width > self.max_blocks:
+            raise ValueError(f"a sequence holds {width} blocks, more than the {self.max_blocks} the captured "
+                             "graphs were sized for (max_model_len / block_size)")
+        np.maximum(step.input_ids.numpy(), 0, out=h["input_ids"][:b], casting="unsafe")  # PENDING (-1): on device
+        h["positions"][:b] = step.positions.numpy()
+        h["slot_mapping"][:b] = meta.slot_mapping.numpy()
+        h["context_lens"][:b] = meta.context_lens.numpy()
+        h["temperatures"][:b] = rows.temperatures
+        h["seeds"][:b] = rows.seeds
+        h["prev_rows"][:b] = -1 if batch.prev_rows is None else batch.prev_rows
+        h["block_tables"][:b, :width] = tables
+        h["block_tables"][:b, width:] = -1
+        if padded > b:
+            for name in ("input_ids", "positions", "context_lens", "temperatures", "seeds"):
+                h[name][b:padded] = 0
+            h["slot_mapping"][b:padded] = -1
+            h["prev_rows"][b:padded] = -1
+            h["block_tables"][b:padded] = -1
         return self.host[:len(self.FIELDS) * self.max_bs + padded * self.max_blocks]
 
     def upload(self, part: np.ndarray) -> None:
@@ -225,18 +218,6 @@ class CUDAGraphRunner:
         bs = self.padded_size(batch)
         self.graphs[bs].replay()
         return bs
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        """Generic path (any prepare_decode part): copy this step's device tensors into the static
-        buffers, replay; returns hidden states [B, hidden], or None when no graph fits."""
-        batch = input_ids.shape[0]
-        if self.padded_size(batch) is None:
-            return None
-        fill_static_inputs(self.buffers, input_ids, positions, meta)
-        self.buffers["temperatures"].zero_()
-        self.buffers["prev_rows"].fill_(-1)           # the caller resolved pending tokens already
-        self.replay(batch)
-        return self.buffers["outputs"][:batch]
 
     def release(self):
         self.graphs, self.buffers, self.model = {}, {}, None

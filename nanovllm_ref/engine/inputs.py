@@ -1,16 +1,18 @@
 """Input preparation: a scheduled batch of sequences -> the tensors of one forward (chapter 04).
 
 Pure functions of `(seqs, block_size, device)`: they read the sequences and allocate nothing but the
-returned tensors, so the model runner, the course checks and a student's replacement (through
-`nanovllm_ref.Parts`) all call them the same way. Upstream nano-vllm keeps this code in
-`ModelRunner.prepare_prefill/prepare_decode`.
+returned tensors, so the engine, the course checks and a student's replacement (through `nanovllm_ref.Parts`)
+all call them the same way. The engine calls them on the host (device "cpu"), on the scheduler's side of the
+step, and puts what they return into the step's batch record (engine/step_batch.py); the model runner copies
+it to the GPU (`upload`). Upstream nano-vllm keeps this code in `ModelRunner.prepare_prefill/prepare_decode`.
 
 Layouts (tokens of all sequences packed one after another, no padding):
 - prefill: for each sequence, tokens [num_cached_tokens, num_cached_tokens + num_scheduled_tokens): a whole
   prompt, the part after a cached prefix, or one chunk of a long prompt.
 - decode: the last token of each sequence, at position len(seq) - 1.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from itertools import chain
 
 import numpy as np
 import torch
@@ -30,14 +32,33 @@ class StepInputs:
 
 
 def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
-    """A host list or numpy array -> a tensor on `device`; through pinned memory and a non-blocking copy
-    on CUDA. (torch.tensor(..., pin_memory=True) refuses numpy input, hence the two ways in.)"""
+    """A host list, numpy array or CPU tensor -> a tensor of `dtype` on `device`; through pinned memory and a
+    non-blocking copy on CUDA. A numpy array or CPU tensor that is already `dtype` stays as it is on the CPU
+    (no copy). (torch.tensor(..., pin_memory=True) refuses numpy input, hence the ways in.)"""
     device = torch.device(device)
+    if isinstance(data, np.ndarray):
+        data = torch.from_numpy(data if data.flags.c_contiguous else np.ascontiguousarray(data))
+    if isinstance(data, torch.Tensor):
+        if data.dtype != dtype:
+            data = data.to(dtype)
+        if device.type == "cpu":
+            return data
+        # pin_memory() copies the tensor once into pinned memory
+        return (data if data.is_pinned() else data.pin_memory()).to(device, non_blocking=True)
     cuda = device.type == "cuda"
-    if cuda and isinstance(data, np.ndarray):
-        # pin_memory() copies the array once into pinned memory
-        return torch.from_numpy(np.ascontiguousarray(data)).to(dtype).pin_memory().to(device, non_blocking=True)
     return torch.tensor(data, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
+
+
+def upload(step: "StepInputs", device) -> "StepInputs":
+    """A StepInputs made on the host (device "cpu") with its tensors on `device` (the same object when that is
+    the CPU): pinned, non-blocking copies on CUDA."""
+    if torch.device(device).type == "cpu":
+        return step
+    def up(t):
+        return to_device(t, t.dtype, device) if isinstance(t, torch.Tensor) else t
+    meta = step.metadata
+    return StepInputs(up(step.input_ids), up(step.positions),
+                      AttentionMetadata(**{f.name: up(getattr(meta, f.name)) for f in fields(meta)}))
 
 
 def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -55,11 +76,23 @@ def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) 
     return slots
 
 
+def block_tables_array(seqs: list[Sequence]) -> np.ndarray:
+    """[num_seqs, longest table] int32, each row a sequence's block table padded with -1 (numpy, one
+    vectorised scatter of the concatenated tables)."""
+    tables = [seq.block_table for seq in seqs]
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = int(lens.max()) if len(tables) else 0
+    if width and int(lens.min()) == width:            # every table as long: no padding to do
+        return np.array(tables, dtype=np.int32)
+    out = np.full((len(seqs), width), -1, dtype=np.int32)
+    flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    out[np.arange(width)[None, :] < lens[:, None]] = flat
+    return out
+
+
 def block_tables_tensor(seqs: list[Sequence], device) -> torch.Tensor:
     """[num_seqs, longest table] int32, each row a sequence's block table padded with -1."""
-    width = max(len(seq.block_table) for seq in seqs)
-    return to_device([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs],
-                     torch.int32, device)
+    return to_device(block_tables_array(seqs), torch.int32, device)
 
 
 def prepare_prefill(seqs: list[Sequence], block_size: int, device, slot_fn=slot_mapping) -> StepInputs:
@@ -88,34 +121,24 @@ def prepare_prefill(seqs: list[Sequence], block_size: int, device, slot_fn=slot_
     return StepInputs(to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device), meta)
 
 
-def prepare_decode(seqs: list[Sequence], block_size: int, device, slot_fn=slot_mapping) -> StepInputs:
+def prepare_decode(seqs: list[Sequence], block_size: int, device, slot_fn=None) -> StepInputs:
     """Inputs of a decode step: the last token of each sequence, at position len - 1, written to the slot
-    of that position; attention reads len(seq) keys through the block table. `slot_fn` as in prepare_prefill."""
-    input_ids = [seq.last_token for seq in seqs]
-    positions = [len(seq) - 1 for seq in seqs]
-    context_lens = [len(seq) for seq in seqs]
-    if slot_fn is slot_mapping:       # the common case, without a list per sequence
-        slots = [seq.block_table[(len(seq) - 1) // block_size] * block_size + (len(seq) - 1) % block_size
-                 for seq in seqs]
+    of that position; attention reads len(seq) keys through the block table. `slot_fn`: None computes every
+    slot at once from the block tables (what `slot_mapping` gives, vectorised), or a function with
+    `slot_mapping`'s signature called for each sequence (chapter 04's exercise plugs in here).
+    An input id is PENDING (-1) for a sequence whose last token a step still in flight samples (async
+    scheduling); the step's batch record says where the model runner reads it (engine/step_batch.py)."""
+    n = len(seqs)
+    lens = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int64, count=n)
+    input_ids = np.fromiter((seq.last_token for seq in seqs), dtype=np.int64, count=n)
+    tables = block_tables_array(seqs)
+    last = lens - 1
+    if slot_fn is None:
+        slots = (tables[np.arange(n), last // block_size].astype(np.int64) * block_size + last % block_size
+                 ).astype(np.int32)
     else:
         slots = [slot_fn(seq.block_table, len(seq) - 1, len(seq), block_size)[0] for seq in seqs]
     meta = AttentionMetadata(is_prefill=False, slot_mapping=to_device(slots, torch.int32, device),
-                             context_lens=to_device(context_lens, torch.int32, device),
-                             block_tables=block_tables_tensor(seqs, device))
-    return StepInputs(to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device), meta)
-
-
-def step_to_host(step: StepInputs) -> dict:
-    """A StepInputs as plain numpy arrays and ints (picklable in a few kB; what rank 0 sends to
-    tensor-parallel workers instead of the sequences and their whole token lists)."""
-    meta = {f: getattr(step.metadata, f) for f in AttentionMetadata.__dataclass_fields__}
-    host = {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in meta.items()}
-    return dict(input_ids=step.input_ids.cpu().numpy(), positions=step.positions.cpu().numpy(), metadata=host)
-
-
-def step_from_host(host: dict, device) -> StepInputs:
-    """The inverse of step_to_host: tensors on `device` (pinned, non-blocking copies on CUDA)."""
-    def up(a):
-        return to_device(a, torch.from_numpy(a).dtype, device) if a is not None else None
-    meta = {k: up(v) if hasattr(v, "dtype") else v for k, v in host["metadata"].items()}
-    return StepInputs(up(host["input_ids"]), up(host["positions"]), AttentionMetadata(**meta))
+                             context_lens=to_device(lens.astype(np.int32), torch.int32, device),
+                             block_tables=to_device(tables, torch.int32, device))
+    return StepInputs(to_device(input_ids, torch.int64, device), to_device(last, torch.int64, device), meta)

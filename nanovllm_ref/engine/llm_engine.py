@@ -22,7 +22,7 @@ sequence that stops at step n was also given a row in step n+1; that token is dr
 
 Every SamplingParams setting runs on both routes. The ones that read the tokens generated so far need no
 sync point: the penalties count the output tokens on the device, and a row's newest token, pending on the
-host, is read there from the previous step's ids (ModelRunner.prepare_processing, as the decode inputs read
+host, is read there from the previous step's ids (ModelRunner.processing, as the decode inputs read
 it); stop checks run on the host once the ids arrive, as above. Logprobs arrive with their step's ids and are
 kept for exactly the tokens the scheduler kept (a token dropped after a stop, or of an aborted request, has
 none): `_record_logprobs`.
@@ -50,6 +50,7 @@ from nanovllm_ref.engine.model_runner import ModelRunner
 from nanovllm_ref.engine.request import Request, check_request, load_tokenizer
 from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.engine.sequence import SequenceStatus
+from nanovllm_ref.engine.step_batch import StepBuilder
 from nanovllm_ref.outputs import RequestOutput, StepStats
 from nanovllm_ref.parts import Parts
 from nanovllm_ref.sampling_params import SamplingParams
@@ -120,7 +121,9 @@ class LLMEngine:
         # The scheduler sees the cache's real size (a derived copy: the Config passed in is never changed).
         self.config = config.derived(num_kvcache_blocks=self.model_runner.num_kvcache_blocks)
         self.scheduler = parts.scheduler(self.config, parts.block_manager)
-        self.async_scheduling = self._async_route(config, parts, self.model_runner.device_type)
+        # Each step's batch record for the model runner, built from the scheduled sequences (engine/step_batch.py)
+        self.step_builder = StepBuilder(parts.prepare_prefill, parts.prepare_decode, self.config)
+        self.async_scheduling = self.model_runner.plan.async_scheduling       # decided by Parts.resolve
         self._in_flight = None            # async: (seqs, PendingStep, samples) of the step launched, not finished
         self.requests: dict[str, Request] = {}       # unfinished requests by id (engine/request.py)
         self._request_ids = count()
@@ -239,18 +242,6 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "abort", None
         return bool(seqs)
 
-    @staticmethod
-    def _async_route(config: Config, parts: Parts, device_type: str) -> bool:
-        """Whether `step` runs asynchronously (module docstring). Raises ValueError for async_scheduling=True
-        where it cannot run."""
-        possible = config.tensor_parallel_size == 1 and parts.scheduler is Scheduler
-        if config.async_scheduling is None:
-            return possible and device_type == "cuda"
-        if config.async_scheduling and not possible:
-            raise ValueError("async_scheduling=True needs the reference scheduler (Parts.scheduler) and "
-                             "tensor_parallel_size=1; leave it None or False")
-        return config.async_scheduling
-
     def _step(self) -> list[Request]:
         """One engine step; returns the requests that got new tokens in it (finished ones included, and
         dropped from `requests`). Sets `last_step` (the step launched)."""
@@ -264,7 +255,7 @@ class LLMEngine:
             seqs, is_prefill = self.scheduler.schedule()
             known = [len(seq) for seq in seqs]
             num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else len(seqs)
-            pending = self.model_runner.launch(seqs, is_prefill)     # also sends the step to TP workers
+            pending = self.model_runner.launch(self.step_builder.build(seqs, is_prefill))   # also to TP workers
             self.scheduler.postprocess(seqs, pending.token_ids())
             self._record_logprobs(seqs, known, pending)
             self.last_step = StepStats("prefill" if is_prefill else "decode", num_tokens, len(seqs))
@@ -287,7 +278,7 @@ class LLMEngine:
             seqs, is_prefill = self.scheduler.schedule()
             if seqs:
                 num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else len(seqs)
-                pending = self.model_runner.launch(seqs, is_prefill)
+                pending = self.model_runner.launch(self.step_builder.build(seqs, is_prefill))
                 launched = (seqs, pending, self.scheduler.on_launch(seqs, pending=True))
                 self.last_step = StepStats("prefill" if is_prefill else "decode", num_tokens, len(seqs))
         arrived = []
@@ -319,7 +310,8 @@ class LLMEngine:
         if prompt is not None:
             ids, lps, ranks = prompt
             row = 0
-            for seq, first, count in pending.prompt_owners:
+            for seq_row, first, count in pending.prompt_owners:
+                seq = seqs[seq_row]
                 k = seq.num_prompt_logprobs
                 if first == len(seq.prompt_logprobs):         # in order, once (a recompute never repeats it)
                     seq.prompt_logprobs.extend((ids[r][:1 + k], lps[r][:1 + k], ranks[r])

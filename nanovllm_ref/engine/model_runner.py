@@ -1,66 +1,65 @@
-"""Runs the model for one scheduled batch: inputs in, next tokens out (chapters 04, 08, 09, 10).
+"""Runs the model for one step's batch: a plain record in, next tokens out (chapters 04, 08, 09, 10).
 
 A short orchestrator over modules that each teach one thing:
-- engine/inputs.py: the batch -> input ids, positions and attention metadata (`Parts.prepare_prefill/decode`);
+- engine/step_batch.py: the step's batch record (StepBatch), built on the scheduler's side from the
+  sequences; the runner never sees a Sequence;
+- engine/inputs.py: `upload` of the record's host tensors (Parts.prepare_prefill/decode made them);
 - utils/context.py: `with attention_metadata(meta):` hands the metadata to the attention layers;
 - engine/kv_cache.py: sizing and allocating the paged KV cache;
 - engine/cuda_graph.py: decode CUDA graphs (capture, the packed static inputs, replay);
-- engine/sampling_inputs.py: the batch -> the sampler's, the logits processors' and prompt logprobs' inputs;
-- layers/logits_processors.py: penalties and min_p on the logits, before the sampler;
-- layers/sampler.py: logits -> token ids (`Parts.sampler`);
-- layers/logprobs.py: the raw distribution's logprobs of the chosen and the most likely tokens.
+- engine/sampling_inputs.py: the record's sampling rows -> the sampler's, the processors' and min_tokens'
+  device tensors;
+- layers/logits_processors.py, layers/sampler.py, layers/logprobs.py: what runs on the logits.
+What runs is decided once, when the runner is built, by `Parts.resolve` (nanovllm_ref/parts.py): the runner's
+`plan`, an EnginePlan (attention back-end and KV store, the model's ops and kernels, sampler, graphs).
 
-Entry points: rank 0 calls `launch(seqs, is_prefill)` once per step; it prepares the step's message, sends
-it to the other tensor-parallel ranks, every rank runs `execute(message)`, and rank 0 samples. `launch`
+Entry points: rank 0 calls `launch(batch)` once per step; it makes the step's message, sends it to the
+other tensor-parallel ranks, every rank runs `execute(message)`, and rank 0 samples (`sample`). `launch`
 returns a `PendingStep` at once: the sampled ids stay on the device (in `last_ids`, where the next step can
 read them as inputs) and reach the host through a pinned, non-blocking copy when `token_ids()` is called,
 so the engine can schedule and launch the next step meanwhile (async scheduling, engine/llm_engine.py).
-`run(seqs, is_prefill)` is launch + wait. Worker ranks sit in `loop()` (called by engine/worker.py) until an
-`Exit` message. Start-up warm-ups call `execute(prepare(...))` on each rank alone.
+Worker ranks sit in `loop()` (called by engine/worker.py) until an `Exit` message. Start-up warm-ups call
+`execute(message(batch))` on each rank alone.
 
 Messages (one per step, rank 0 -> every rank; a few kB, never the sequences with their token lists):
-- `ModelStep(inputs, prev_rows, logit_rows)`: what `Parts.prepare_prefill` / `prepare_decode` returned, on
-  this device, or as numpy arrays (`step_to_host`) when it travels to a worker; `logit_rows`: the prompt
-  positions of a prefill whose logits every rank computes too (prompt_logprobs);
 - `PackedDecodeStep(packed, batch, sample_in_graph)`: the decode graphs' packed input buffer (one pinned
   copy, engine/cuda_graph.py) and the batch size; `sample_in_graph` says whether the graph's own ids are the
   answer;
+- `ModelStep(batch)`: the StepBatch itself (without its sampling rows: StepBatch.for_workers), for a step
+  that runs eagerly; each rank copies its host tensors to its device;
 - `Exit()`: leave the process group and free the memory.
 
-Decode step routes. What can be known at start-up is decided once, when the graphs are captured, into a
-`StepPlan`; per step only two facts choose the row: does the batch fit a captured graph, and does a row need
-the sampler after the graph (`needs_sampler_after_graph`: top-k / top-p on a sampled row, which runs
-uncompiled; a row still short of its min_tokens, whose stop ids are masked out of its logits first; a row
-with a presence, frequency or repetition penalty, greedy or not, and a sampled row with min_p, whose logits
-the processors change first).
+Decode step routes. Per step only two facts choose the row: does the batch fit a captured graph, and does a
+row need the sampler after the graph (`SamplingRows.after_graph`: top-k / top-p on a sampled row; a row still
+short of its min_tokens, whose stop ids are masked out of its logits first; a row with a presence, frequency
+or repetition penalty, greedy or not, and a sampled row with min_p, whose logits the processors change first).
 
-| inputs                            | forward            | sampler                 | when                                                  |
-|-----------------------------------|--------------------|-------------------------|-------------------------------------------------------|
-| packed buffer, one pinned copy    | CUDA graph replay  | inside the graph        | plan.sampler_in_graph, no row needs_sampler_after_graph |
-| packed buffer, one pinned copy    | CUDA graph replay  | after, on the logits    | plan.packed_inputs otherwise (replaced sampler, TP > 1, such a row) |
-| Parts.prepare_decode, copied in   | CUDA graph replay  | after, on the logits    | plan.use_graphs with a replaced prepare_decode         |
-| Parts.prepare_decode              | eager              | after, on the logits    | no graphs (CPU, enforce_eager), or more rows than the largest graph |
+| inputs                            | forward            | sampler                 | when                                                     |
+|-----------------------------------|--------------------|-------------------------|----------------------------------------------------------|
+| packed buffer, one pinned copy    | CUDA graph replay  | inside the graph        | plan.graph_sample_rows (the reference sampler, one process) and no row after_graph |
+| packed buffer, one pinned copy    | CUDA graph replay  | after, on the logits    | graphs otherwise (a sampler of yours, TP > 1, such a row)  |
+| the record's tensors, copied in   | eager              | after, on the logits    | no graphs (CPU, enforce_eager), or more rows than the largest graph |
 
-"After, on the logits" is, in order: min_tokens' mask, the processors (penalties, then min_p; built by
-`prepare_processing` before the forward, so the newest output token of an async step, still pending on the
-host, is counted from `last_ids` on the device before the graph overwrites them), then `Parts.sampler`.
+"After, on the logits" is, in order: min_tokens' mask, the processors (penalties, then min_p; their inputs
+made before the forward, so the newest output token of an async step, still pending on the host, is counted
+from `last_ids` on the device before the graph overwrites them), then `plan.sampler`.
 Logprobs (SamplingParams.logprobs) change no route: they are computed from the step's raw logits, which every
 route keeps, and the ids the step chose, and travel to the host with the ids (`PendingStep`).
 
-Prefill steps always run eagerly with `Parts.prepare_prefill` and sample after the forward. A prefill with
-prompt_logprobs also computes the logits of its chunk's prompt positions (`logit_rows`, on every rank, since
-the LM head gathers across ranks), from which the prompt's logprobs come.
+Prefill steps always run eagerly and sample after the forward. A prefill with prompt_logprobs also computes
+the logits of its chunk's prompt positions (`StepBatch.logit_rows`, on every rank, since the LM head gathers
+across ranks), from which the prompt's logprobs come.
 
 At start-up the runner:
-- builds the model with the engine's parts inside `tensor_parallel(rank, size)` and loads the weights;
+- resolves the parts into its plan and logs it (logger "nanovllm_ref", INFO);
+- builds the model with the plan's ops inside `tensor_parallel(rank, size)` and loads the weights;
 - runs one prefill at the largest batch, to measure peak activation memory (GPU);
 - sizes the KV cache from what is left (`num_kvcache_blocks`; the engine builds the scheduler with it);
-- captures the decode CUDA graphs and fixes the StepPlan;
+- captures the decode CUDA graphs (plan.graph_batch_sizes);
 - warms every other kernel and compiled variant (engine/warmup.py), so no request pays for a compile.
 Upstream nano-vllm `engine/model_runner.py` pickles the sequences to the workers and has one decode route.
 """
 import contextlib
-import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,20 +68,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm_ref.attn import get_backend, resolve_backend
 from nanovllm_ref.config import Config
 from nanovllm_ref.engine import kv_cache, sampling_inputs, warmup
-from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, resolve_pending  # noqa: F401
-from nanovllm_ref.engine.inputs import StepInputs, prepare_decode, step_from_host, step_to_host, to_device
-from nanovllm_ref.engine.sampling_inputs import PromptRows, needs_sampler_after_graph
-from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, resolve_pending
+from nanovllm_ref.engine.inputs import to_device, upload
+from nanovllm_ref.engine.step_batch import StepBatch, prefill_batch
 from nanovllm_ref.layers.logits_processors import LogitsProcessing
 from nanovllm_ref.layers.logprobs import LogprobsTensors, gather_logprobs
-from nanovllm_ref.layers.sampler import SamplingMetadata, sample as reference_sample, sample_rows
 from nanovllm_ref.models import get_model_class
-from nanovllm_ref.parts import Parts
+from nanovllm_ref.parts import Parts, logger
 from nanovllm_ref.utils.context import attention_metadata
-from nanovllm_ref.utils.fusion import FusedKernels, choose
 from nanovllm_ref.utils.loader import load_model
 from nanovllm_ref.utils import onednn
 from nanovllm_ref.utils.parallel import tensor_parallel
@@ -109,24 +104,11 @@ def resolve_dtype(name: str, hf_config, device: str) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def fuse_by_default(device_type: str) -> bool:
-    """Whether an engine on this device compiles its small ops (utils/fusion.py): on CUDA only, where
-    launches dominate; on a CPU compiling costs more start-up time than it saves."""
-    return device_type == "cuda"
-
-
 # -- the messages of one step (module docstring) ---------------------------------------------------------
 @dataclass(frozen=True)
 class ModelStep:
-    """A step whose inputs came from Parts.prepare_prefill / prepare_decode: a StepInputs on this device,
-    or its numpy form (engine/inputs.step_to_host) when the message goes to a tensor-parallel worker.
-    prev_rows: None, or [num_seqs] int32 on the device: rows whose input token the previous step sampled
-    (async scheduling; -1 = the prepared input id is the token). logit_rows: None, or [P] int64 (a tensor
-    here, numpy for a worker): indices into a prefill's packed tokens whose logits are computed too, for
-    prompt_logprobs."""
-    inputs: StepInputs | dict
-    prev_rows: torch.Tensor | None = None
-    logit_rows: torch.Tensor | np.ndarray | None = None
+    """A step that runs eagerly: its StepBatch (on a tensor-parallel message, StepBatch.for_workers)."""
+    batch: StepBatch
 
 
 @dataclass(frozen=True)
@@ -143,24 +125,6 @@ class PackedDecodeStep:
 @dataclass(frozen=True)
 class Exit:
     """Leave the process group and give the memory back."""
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """The decode routes one runner can take, fixed when its graphs are captured (module docstring).
-    use_graphs: decode replays CUDA graphs; packed_inputs: from the packed buffer (the reference
-    prepare_decode); sampler_in_graph: the graph ends in sampled ids (packed inputs, the reference sampler,
-    one process: with tensor parallelism the LM head gathers logits across ranks after the graph)."""
-    use_graphs: bool = False
-    packed_inputs: bool = False
-    sampler_in_graph: bool = False
-
-    @classmethod
-    def for_parts(cls, parts: Parts, world_size: int) -> "StepPlan":
-        """The plan of a runner that has decode graphs, with these parts and this many ranks."""
-        packed = parts.prepare_decode is prepare_decode
-        return cls(use_graphs=True, packed_inputs=packed,
-                   sampler_in_graph=packed and world_size == 1 and parts.sampler is reference_sample)
 
 
 def _to_host(tensors: LogprobsTensors | None, pinned: bool) -> LogprobsTensors | None:
@@ -182,8 +146,8 @@ class PendingStep:
     two buffers take turns, so the next step's copy never overwrites ids not yet read.
     `logprobs()` (after the same wait) returns (sample, prompt): the step's LogprobsTensors as Python lists
     (token ids [B][1 + k], logprobs [B][1 + k], ranks [B]; None when no row asked for logprobs), and the same
-    for its prompt rows (None without prompt_logprobs); `prompt_owners` says which sequence each run of
-    prompt rows belongs to (PromptRows.owners)."""
+    for its prompt rows (None without prompt_logprobs); `prompt_owners` says which batch row each run of
+    prompt rows belongs to (StepBatch.prompt_owners: (row, first prompt position, count))."""
 
     def __init__(self, ids: torch.Tensor, host: torch.Tensor | None, logprobs: LogprobsTensors | None = None,
                  prompt_logprobs: LogprobsTensors | None = None, prompt_owners=()):
@@ -212,8 +176,8 @@ class PendingStep:
 class ModelRunner:
     """config: the engine's Config; rank: this process's tensor-parallel rank; conns: rank 0's pipes to the
     workers, or a worker's one pipe; port: the process-group rendezvous port (tp > 1); parts: the engine's
-    nanovllm_ref.Parts (None = the reference parts). After construction `num_kvcache_blocks` holds the
-    size of the KV cache (the Config is never changed)."""
+    nanovllm_ref.Parts (None = the reference parts), resolved into `plan` (an EnginePlan). After construction
+    `num_kvcache_blocks` holds the size of the KV cache (the Config is never changed)."""
 
     def __init__(self, config: Config, rank: int = 0, conns=None, port: int | None = None, parts: Parts | None = None):
         self.config = config
@@ -226,9 +190,6 @@ class ModelRunner:
         self.device = torch.device(f"cuda:{rank}" if self.device_type == "cuda" else "cpu")
         self.dtype = resolve_dtype(config.dtype, hf, self.device_type)
         self.enforce_eager = config.enforce_eager or self.device_type != "cuda"
-        # Fuse RMSNorm / RoPE / SiLU-and-mul / the sampler into one compiled kernel each on GPU
-        # (utils/fusion.py). The choice is this engine's: the model is built with it.
-        self.fuse = fuse_by_default(self.device_type)
         if self.device_type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
@@ -236,10 +197,9 @@ class ModelRunner:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=120))
 
-        self.model = self.kv_cache = self.graph_runner = None
-        self.plan = StepPlan()
+        self.model = self.kv_cache = self.graph_runner = self.plan = None
         self.num_kvcache_blocks = 0
-        self.out_of_step = False          # rank 0: a tensor-parallel step was interrupted midway (see run)
+        self.out_of_step = False          # rank 0: a tensor-parallel step was interrupted midway (see launch)
         try:
             self._build()
         except BaseException:
@@ -247,21 +207,26 @@ class ModelRunner:
             raise
 
     @property
+    def backend_name(self) -> str:
+        """The attention back-end's name (EnginePlan.attention)."""
+        return self.plan.attention
+
+    @property
     def graph_samples(self) -> bool:
-        """True when decode graphs end in sampled ids (StepPlan.sampler_in_graph)."""
-        return self.plan.sampler_in_graph
+        """True when decode graphs are captured and end in sampled ids (EnginePlan.graph_sample_rows)."""
+        return self.graph_runner is not None and self.graph_runner.sample_rows is not None
 
     def _build(self):
-        """Model, weights, warm-ups, KV cache and CUDA graphs (see the module docstring)."""
+        """Plan, model, weights, warm-ups, KV cache and CUDA graphs (see the module docstring)."""
         config, rank, hf = self.config, self.rank, self.config.hf_config
-        model_parts = self._resolve_attention(self.parts)
+        self.plan = self.parts.resolve(config, self.device_type, self.dtype, self.world_size)
+        if rank == 0:
+            logger.info("%s", self.plan.describe())
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device), tensor_parallel(rank, self.world_size):
-                # decode_kernels="off": no hand-written decode kernels (by default the model picks all it can)
-                off = dict(kernels=FusedKernels()) if config.decode_kernels == "off" else {}
-                self.model = get_model_class(hf)(hf, parts=model_parts, fuse=self.fuse, **off)
+                self.model = get_model_class(hf)(hf, ops=self.plan.ops)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -271,7 +236,7 @@ class ModelRunner:
         self.model.eval()
         if self.device_type == "cpu":
             onednn.pack(self.model)           # oneDNN copies of the linear weights (utils/onednn.py)
-        self.sampler = choose(self.parts.sampler, Parts().sampler, self.fuse)
+        self.sampler = self.plan.sampler
         # The last step's sampled ids stay here on the device (a decode step's pending inputs are read from
         # it); on CUDA two pinned host buffers take turns receiving them.
         rows = max(config.max_num_seqs, 2)
@@ -281,34 +246,12 @@ class ModelRunner:
         self._turn = 0
         self._profile_peak_memory()
         self.allocate_kv_cache()
-        if not self.enforce_eager:
+        if self.plan.use_graphs:
             self.capture_cudagraph()
-        if self.fuse or self.device_type == "cuda":
+        if self.plan.fuse or self.device_type == "cuda":
             warmup.warm_step_variants(self)
 
     # -- set-up -----------------------------------------------------------------------------------------
-    def _resolve_attention(self, parts: Parts) -> Parts:
-        """Parts with the attention back-end and KV store filled in: the parts' own, or the engine's choice
-        (config.attention_backend; the Triton store on CUDA or with the triton back-end, else the back-end
-        module's own store_kvcache if it has one, else the torch one)."""
-        if parts.attention_backend is not None:
-            if self.config.attention_backend != "auto":
-                raise ValueError(f"attention_backend={self.config.attention_backend!r} conflicts with "
-                                 "Parts.attention_backend; leave attention_backend='auto' when parts bring one")
-            self.backend_name = "parts"
-            backend = parts.attention_backend
-        else:
-            self.backend_name = resolve_backend(self.config.attention_backend, self.device_type, self.block_size,
-                                                dtype=self.dtype)
-            backend = get_backend(self.backend_name)
-        store = parts.store_kvcache
-        if store is None and (self.device_type == "cuda" or self.backend_name == "triton"):
-            from nanovllm_ref.kernels.store_kvcache import store_kvcache
-            store = store_kvcache
-        elif store is None and parts.attention_backend is None:
-            store = getattr(backend, "store_kvcache", None)      # the "cpu" back-end brings its own
-        return dataclasses.replace(parts, attention_backend=backend, store_kvcache=store)
-
     @torch.no_grad()
     def _init_dummy_weights(self):
         """Random weights with the checkpoint's shapes (benchmarks only): N(0, 0.02), norms at 1."""
@@ -334,10 +277,7 @@ class ModelRunner:
         # The biggest step the scheduler can produce: max_num_batched_tokens prompt tokens.
         seq_len = min(self.config.max_model_len, self.config.max_num_batched_tokens)
         num_seqs = max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
-        seqs = [Sequence([0] * seq_len, self.block_size) for _ in range(num_seqs)]
-        for seq in seqs:
-            seq.num_scheduled_tokens = seq_len
-        self.execute(self.prepare(seqs, True))
+        self.execute(ModelStep(prefill_batch(num_seqs, seq_len)))
         torch.cuda.empty_cache()
 
     def kv_block_bytes(self) -> int:
@@ -353,69 +293,59 @@ class ModelRunner:
                                                    self.block_size, self.dtype, self.device)
 
     def capture_cudagraph(self, runner_cls=CUDAGraphRunner):
-        """Capture one decode graph per size in Parts.graph_batch_sizes(max_num_seqs) (engine/cuda_graph.py)
-        and fix the StepPlan. runner_cls: CUDAGraphRunner, or (tests on a CPU) a subclass whose `_record`
-        replays eagerly."""
+        """Capture one decode graph per size in plan.graph_batch_sizes (Parts.graph_batch_sizes(max_num_seqs);
+        engine/cuda_graph.py). runner_cls: CUDAGraphRunner, or (tests on a CPU) a subclass whose `_record`
+        replays eagerly; there the sizes come from Parts.graph_batch_sizes and the in-graph sampler is the
+        reference row draw the plan would use."""
         cfg = self.config
         max_blocks = (cfg.max_model_len + self.block_size - 1) // self.block_size
-        plan = StepPlan.for_parts(self.parts, self.world_size)
-        rows = choose(sample_rows, sample_rows, self.fuse) if plan.sampler_in_graph else None
+        sizes = list(self.plan.graph_batch_sizes or self.parts.graph_batch_sizes(cfg.max_num_seqs))
+        rows = self.plan.graph_sample_rows
+        if not self.plan.use_graphs and self.world_size == 1 and "sampler" not in self.plan.replaced:
+            from nanovllm_ref.layers.sampler import sample_rows
+            rows = sample_rows                    # a CPU test of the graph path: the eager row draw
         try:
-            self.graph_runner = runner_cls(self.model, self.parts.graph_batch_sizes(cfg.max_num_seqs), max_blocks,
-                                           cfg.hf_config.hidden_size, self.dtype, self.device,
-                                           sample_rows=rows, vocab_size=cfg.hf_config.vocab_size,
+            self.graph_runner = runner_cls(self.model, sizes, max_blocks, cfg.hf_config.hidden_size, self.dtype,
+                                           self.device, sample_rows=rows, vocab_size=cfg.hf_config.vocab_size,
                                            token_ids=self.last_ids)
         except Exception as exc:
-            mine = self.parts.replaced()
+            mine = list(self.plan.replaced)
             raise RuntimeError(f"CUDA graph capture of the decode step failed ({type(exc).__name__}: {exc})"
                                + (f"; a part may not be capture-safe (no host syncs, no boolean-mask indexing): "
                                   f"Parts fields replaced: {mine}" if mine else "")
                                + "; enforce_eager=True runs without CUDA graphs") from exc
-        self.plan = plan
 
     @contextlib.contextmanager
     def eager_steps(self):
         """Inside the block, this rank runs decode steps eagerly: no CUDA-graph replay, the model's kernels
         launched one by one (what a profiler needs to see them). The graphs stay captured and replay again
         after the block. Benchmarks and tests use it; an engine never needs it."""
-        saved_runner, saved_plan = self.graph_runner, self.plan
-        self.graph_runner, self.plan = None, StepPlan()
+        saved = self.graph_runner
+        self.graph_runner = None
         try:
             yield self
         finally:
-            self.graph_runner, self.plan = saved_runner, saved_plan
+            self.graph_runner = saved
 
     # -- one step ---------------------------------------------------------------------------------------
-    def prepare(self, seqs: list[Sequence], is_prefill: bool, remote: bool = False,
-                logit_rows: list[int] | None = None):
-        """This step's message (module docstring): a PackedDecodeStep when the plan has packed inputs and a
-        graph fits the batch, else a ModelStep from the parts' input preparation, its tensors on this device,
-        or as numpy arrays when `remote` (the message then travels to tensor-parallel workers). logit_rows:
-        a prefill's extra logit rows (PromptRows.rows), or None."""
-        if not is_prefill and self.plan.packed_inputs:
-            padded = self.graph_runner.padded_size(len(seqs))
+    def message(self, batch: StepBatch):
+        """This step's message (module docstring): a PackedDecodeStep when graphs are captured and one fits
+        the batch, else a ModelStep of the record (without its sampling rows)."""
+        if not batch.is_prefill and self.graph_runner is not None:
+            padded = self.graph_runner.padded_size(batch.num_seqs)
             if padded is not None:
-                packed = self.graph_runner.inputs.pack(seqs, self.block_size, padded)
-                in_graph = self.plan.sampler_in_graph and not any(map(needs_sampler_after_graph, seqs))
-                return PackedDecodeStep(packed, len(seqs), in_graph)
-        prepare = self.parts.prepare_prefill if is_prefill else self.parts.prepare_decode
-        pending = [seq.pending_row if seq.num_pending else -1 for seq in seqs]
-        if any(r >= 0 for r in pending):
-            if is_prefill or remote:
-                raise RuntimeError("a pending token reached a prefill step or a tensor-parallel message; "
-                                   "async scheduling runs decode steps of one process only")
-            return ModelStep(prepare(seqs, self.block_size, self.device), to_device(pending, torch.int32, self.device))
-        if logit_rows is not None:
-            logit_rows = np.asarray(logit_rows, dtype=np.int64) if remote else to_device(logit_rows, torch.int64,
-                                                                                         self.device)
-        if not remote:
-            return ModelStep(prepare(seqs, self.block_size, self.device), logit_rows=logit_rows)
-        return ModelStep(step_to_host(prepare(seqs, self.block_size, "cpu")), logit_rows=logit_rows)
+                packed = self.graph_runner.inputs.pack(batch, padded)
+                in_graph = self.graph_runner.sample_rows is not None and not batch.sampling.after_graph
+                return PackedDecodeStep(packed, batch.num_seqs, in_graph)
+        if batch.prev_rows is not None and self.conns:
+            raise RuntimeError("a pending token reached a tensor-parallel message; async scheduling runs one "
+                               "process only")
+        return ModelStep(batch.for_workers())
 
     @torch.inference_mode()
     def execute(self, message) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Every rank: the forward of one step. Returns (logits [num_seqs, vocab], token ids [num_seqs]
-        int64 when the graph sampled them, else None, prompt logits [P, vocab] for the message's logit_rows,
+        int64 when the graph sampled them, else None, prompt logits [P, vocab] for the batch's logit_rows,
         else None). With tensor parallelism only rank 0's logits are the whole vocabulary (the LM head
         gathers them there; the other ranks get None)."""
         if isinstance(message, PackedDecodeStep):
@@ -423,95 +353,77 @@ class ModelRunner:
             graph.inputs.upload(message.packed)
             graph.replay(message.batch)
             b = message.batch
-            if self.plan.sampler_in_graph:
+            if graph.sample_rows is not None:
                 ids = graph.buffers["token_ids"][:b] if message.sample_in_graph else None
                 return graph.buffers["logits"][:b], ids, None
             return self.model.compute_logits(graph.buffers["outputs"][:b]), None, None
-        step = message.inputs if isinstance(message.inputs, StepInputs) else step_from_host(message.inputs, self.device)
+        batch = message.batch
+        step = upload(batch.inputs, self.device)
         meta, input_ids = step.metadata, step.input_ids
-        if message.prev_rows is not None:
-            input_ids = resolve_pending(input_ids, message.prev_rows, self.last_ids)
-        rows = message.logit_rows
+        if batch.prev_rows is not None:
+            input_ids = resolve_pending(input_ids, to_device(batch.prev_rows, torch.int32, self.device), self.last_ids)
         with attention_metadata(meta):
-            if meta.is_prefill:
-                every = self.model(input_ids, step.positions)
-                hidden = every[meta.cu_seqlens_q[1:] - 1]
-            else:
-                hidden = self.graph_runner.run(input_ids, step.positions, meta) if self.plan.use_graphs else None
-                if hidden is None:                   # eager, or more rows than the largest graph
-                    hidden = self.model(input_ids, step.positions)
-        if rows is None or not meta.is_prefill:
+            every = self.model(input_ids, step.positions)    # eager: prefill, no graphs, or too many rows
+        hidden = every[meta.cu_seqlens_q[1:] - 1] if meta.is_prefill else every
+        if batch.logit_rows is None or not meta.is_prefill:
             return self.model.compute_logits(hidden), None, None
-        if isinstance(rows, np.ndarray):
-            rows = to_device(rows, torch.int64, self.device)
         # One LM-head call for both (on every rank: it gathers across ranks); the sampled rows come first.
+        rows = to_device(batch.logit_rows, torch.int64, self.device)
         logits = self.model.compute_logits(torch.cat([hidden, every[rows]]))
         if logits is None:
             return None, None, None
         n = hidden.shape[0]
         return logits[:n], None, logits[n:]
 
-    def prepare_sample(self, seqs: list[Sequence]) -> SamplingMetadata:
-        """The sampler's view of the batch, on this device (engine/sampling_inputs.sampling_metadata)."""
-        return sampling_inputs.sampling_metadata(seqs, self.device)
-
-    def prepare_processing(self, seqs: list[Sequence]) -> LogitsProcessing | None:
+    def processing(self, batch: StepBatch) -> LogitsProcessing | None:
         """The logits processors' view of the batch, or None (engine/sampling_inputs.logits_processing). Call
         it before the step's forward: a pending token is read from `last_ids`, which the graph overwrites."""
-        return sampling_inputs.logits_processing(seqs, self.device, self.config.hf_config.vocab_size, self.last_ids)
+        return sampling_inputs.logits_processing(batch.sampling, self.device, self.config.hf_config.vocab_size,
+                                                 self.last_ids)
 
-    def prompt_rows(self, seqs: list[Sequence]) -> PromptRows | None:
-        """Rank 0, a prefill step: its prompt-logprob rows, or None (engine/sampling_inputs.prompt_rows)."""
-        return sampling_inputs.prompt_rows(seqs)
-
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: torch.Tensor | None,
-               processing: LogitsProcessing | None = None, prompt_logits: torch.Tensor | None = None,
-               prompt: PromptRows | None = None) -> PendingStep:
-        """Rank 0: this step's next token per sequence, from the graph's own ids (already in `last_ids`) or
-        from the sampler (copied there) after min_tokens' mask and the processors, on its way to the host with
-        the logprobs the rows ask for (from the raw `logits`; the prompt's from `prompt_logits`, the rows of
-        `prompt`)."""
-        n = len(seqs)
+    def sample(self, batch: StepBatch, logits: torch.Tensor, token_ids: torch.Tensor | None,
+               processing: LogitsProcessing | None = None, prompt_logits: torch.Tensor | None = None) -> PendingStep:
+        """Rank 0: this step's next token per row, from the graph's own ids (already in `last_ids`) or from the
+        sampler (copied there) after min_tokens' mask and the processors, on its way to the host with the
+        logprobs the rows ask for (from the raw `logits`; the prompt's from `prompt_logits`, the batch's
+        logit_rows)."""
+        rows = batch.sampling
+        n = rows.num_rows
         if token_ids is None:
-            metadata = self.prepare_sample(seqs)
-            chosen = sampling_inputs.mask_stop_tokens(logits, seqs, self.config.eos)
+            metadata = sampling_inputs.sampling_metadata(rows, self.device)
+            chosen = sampling_inputs.mask_stop_tokens(logits, rows)
             if processing is not None:
                 chosen = processing.apply(chosen)
             self.last_ids[:n].copy_(self.sampler(chosen, metadata))
         elif processing is not None:
-            raise RuntimeError("a step with logits processors sampled inside the graph (needs_sampler_after_graph)")
+            raise RuntimeError("a step with logits processors sampled inside the graph (SamplingRows.after_graph)")
         elif token_ids.data_ptr() != self.last_ids.data_ptr():     # a graph runner with its own buffer
             self.last_ids[:n].copy_(token_ids)
-        num_top = max((seq.num_logprobs for seq in seqs if seq.num_logprobs is not None), default=None)
-        logprobs = None if num_top is None else gather_logprobs(logits, num_top, self.last_ids[:n])
+        logprobs = None if rows.num_logprobs is None else gather_logprobs(logits, rows.num_logprobs, self.last_ids[:n])
         prompt_logprobs = None
-        if prompt is not None:
-            targets = to_device(prompt.targets, torch.int64, self.device)
-            prompt_logprobs = gather_logprobs(prompt_logits, prompt.num_top, targets)
+        if batch.logit_rows is not None:
+            targets = to_device(batch.prompt_targets, torch.int64, self.device)
+            prompt_logprobs = gather_logprobs(prompt_logits, batch.prompt_num_top, targets)
         host = None
         if self._host_ids is not None:
             host, self._turn = self._host_ids[self._turn], 1 - self._turn
-        return PendingStep(self.last_ids[:n], host, logprobs, prompt_logprobs, prompt.owners if prompt else ())
+        return PendingStep(self.last_ids[:n], host, logprobs, prompt_logprobs, batch.prompt_owners)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """Rank 0: one step for `seqs`, waited for: one sampled token id per sequence."""
-        return self.launch(seqs, is_prefill).token_ids()
+    def run(self, batch: StepBatch) -> list[int]:
+        """Rank 0: one step, waited for: one sampled token id per row."""
+        return self.launch(batch).token_ids()
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool) -> PendingStep:
-        """Rank 0: one step for `seqs`. Sends the step's message to the workers (tensor parallel), runs it
-        here, and returns its sampled ids on their way to the host (PendingStep)."""
-        prompt = self.prompt_rows(seqs) if is_prefill else None
-        message = self.prepare(seqs, is_prefill, remote=bool(self.conns), logit_rows=prompt.rows if prompt else None)
-        processing = self.prepare_processing(seqs)            # before the forward (prepare_processing)
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Rank 0: one step of `batch` (engine/step_batch.StepBatch). Sends the step's message to the workers
+        (tensor parallel), runs it here, and returns its sampled ids on their way to the host (PendingStep)."""
+        message = self.message(batch)
+        processing = self.processing(batch)            # before the forward (see `processing`)
 
         def run_here() -> PendingStep:
             logits, token_ids, prompt_logits = self.execute(message)
-            pending = self.sample(seqs, logits, token_ids, processing, prompt_logits, prompt)
-            for seq, first, count in prompt.owners if prompt else ():
-                seq.num_prompt_logprobs_launched = first + count
-            return pending
+            return self.sample(batch, logits, token_ids, processing, prompt_logits)
 
         if not self.conns:
             return run_here()
@@ -575,7 +487,6 @@ class ModelRunner:
         for layer in self._attention_layers() if self.model is not None else []:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.graph_runner, self.kv_cache, self.model = None, None, None
-        self.plan = StepPlan()
         if self.device_type == "cuda":
             import gc
             gc.collect()

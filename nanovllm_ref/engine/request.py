@@ -12,8 +12,6 @@ import numbers
 import warnings
 from collections.abc import Sequence as SequenceABC
 
-from nanovllm_ref.engine.block_manager import BlockManager
-from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.engine.stop import completion_text
 from nanovllm_ref.errors import RequestError, RequestTypeError
@@ -106,8 +104,9 @@ def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls, block
         if value is not None and value > MAX_LOGPROBS:
             raise RequestError(name, f"{where}: SamplingParams.{name}={value} asks for more than {MAX_LOGPROBS} "
                                      f"top tokens per position (vLLM's default max_logprobs); use 0..{MAX_LOGPROBS}")
+    from nanovllm_ref.parts import is_reference_part, uses_reference_postprocess   # the identity question's home
     if (sp.prompt_logprobs is not None and prefix_caching and block_manager_cls is not None
-            and block_manager_cls is not BlockManager):
+            and not is_reference_part("block_manager", block_manager_cls)):
         raise RequestError("prompt_logprobs", f"{where}: SamplingParams.prompt_logprobs with prefix caching needs "
                            f"the reference BlockManager (it gives such a request no prefix-cache hit, whose "
                            f"positions would have no logits); Parts.block_manager={block_manager_cls.__name__} has "
@@ -116,7 +115,7 @@ def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls, block
     if bad:
         raise RequestError("stop_token_ids", f"{where}: stop_token_ids {bad[:5]} are outside the vocabulary "
                                              f"[0, {vocab_size})")
-    if getattr(scheduler_cls, "postprocess", None) is not Scheduler.postprocess:
+    if not uses_reference_postprocess(scheduler_cls):
         defaults = SamplingParams()
         used = [f for f in POSTPROCESS_FEATURES if getattr(sp, f) != getattr(defaults, f)]
         if used:

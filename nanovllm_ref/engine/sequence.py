@@ -94,6 +94,10 @@ class Sequence:
         # moves it on at launch; position p gives token p + 1's logprob).
         self.num_prompt_logprobs_launched = 0
         self.sampling_params = sampling_params
+        # A setting beyond temperature and seed (filters, min_p, penalties, min_tokens, logprobs): the step's
+        # sampling rows look at this sequence one setting at a time (engine/sampling_inputs.py).
+        self.special = ((self.temperature > 0 and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0))
+                        or self.penalized or self.min_tokens > 0 or self.num_logprobs is not None)
         self.request_id, self.index = request_id, index
         self.detokenizer = detokenizer                 # engine/detokenizer.py, or None (no text)
         # The sibling samples (n > 1) that fork from this one once its prompt is prefilled.

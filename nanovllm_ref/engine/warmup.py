@@ -22,6 +22,7 @@ same steps (the collectives line up); only rank 0 samples. The sampler's random 
 import torch
 
 from nanovllm_ref.engine.sequence import Sequence
+from nanovllm_ref.engine.step_batch import StepBuilder
 from nanovllm_ref.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -68,17 +69,38 @@ def warm_step_variants(runner) -> int:
     keep the other ranks waiting inside a collective (and NCCL's watchdog aborts after its timeout); after
     the model steps they wait for rank 0's next message instead. Returns the number of steps run."""
     steps = step_variants(runner.block_size, decode_eager=runner.graph_runner is None)
+    builder = StepBuilder(runner.plan.prepare_prefill, runner.plan.prepare_decode, runner.config)
+    sizes = [(n, sp) for n, sp in SAMPLER_VARIANTS] + [(n, SAMPLED) for n in row_draw_sizes(runner)]
     for specs, is_prefill in steps:
         seqs = [_seq(n, cached, runner.block_size, GREEDY) for n, cached in specs]
-        logits, _, _ = runner.execute(runner.prepare(seqs, is_prefill))
+        batch = builder.build(seqs, is_prefill)
+        logits, _, _ = runner.execute(runner.message(batch))
         if runner.rank == 0:
-            runner.sample(seqs, logits, None)
+            runner.sample(batch, logits, None)
     if runner.rank == 0:
         vocab = runner.config.hf_config.vocab_size
-        for n, sp in SAMPLER_VARIANTS:
+        for n, sp in sizes:
             seqs = [_seq(2, 1, runner.block_size, sp) for _ in range(n)]
+            batch = builder.build(seqs, False)
             logits = torch.randn(n, vocab, device=runner.device).to(runner.dtype)
-            runner.sample(seqs, logits, None, runner.prepare_processing(seqs)).token_ids()
+            runner.sample(batch, logits, None, runner.processing(batch)).token_ids()
     if runner.device_type == "cuda":
         torch.cuda.synchronize(runner.device)
-    return len(steps) + (len(SAMPLER_VARIANTS) if runner.rank == 0 else 0)
+    return len(steps) + (len(sizes) if runner.rank == 0 else 0)
+
+
+def row_draw_sizes(runner) -> list[int]:
+    """Batch sizes at which the sampler's row draw after the graph compiles its other variants: the Triton
+    kernel (kernels/sampler.py) splits a row into 1..32 vocabulary slices by batch size, and its merge
+    kernel compiles once per power of two (the graphs' own draws warm those at the captured sizes, but a
+    step that samples after the graph may have any size). None off CUDA or with the compiled draw."""
+    if runner.device_type != "cuda" or not runner.plan.sample_rows_name.startswith("Triton"):
+        return []
+    from nanovllm_ref.kernels.sampler import num_slices
+    vocab, seen, sizes = runner.config.hf_config.vocab_size, set(), []
+    for n in range(3, runner.config.max_num_seqs + 1):
+        s = num_slices(n, vocab, runner.device)
+        if s not in seen:
+            seen.add(s)
+            sizes.append(n)
+    return sizes

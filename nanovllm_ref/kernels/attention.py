@@ -56,6 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm_ref.kernels.numerics import pdl_launch_kwargs
+
 LOG2E = 1.4426950408889634
 
 # Triton picks interpreter or compiler when each @triton.jit below runs (see nanovllm_ref/kernels/__init__.py).
@@ -280,8 +282,10 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, CAST_FP32: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:           # launched before the kernel in front of it ended: wait until its writes are visible
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -338,8 +342,10 @@ def _paged_decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
@@ -382,11 +388,15 @@ def _decode_block_n() -> int:
     return 16 if _interpreting() else 64
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, block_n=None):
+def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, block_n=None,
+                 use_pdl: bool = False):
     """One query per sequence against its paged context. q: [B, H, D] -> [B, H, D].
 
     num_splits / block_n override the heuristics (tests and benchmarks); the engine passes neither.
-    No host synchronisation: safe to capture in a CUDA graph."""
+    use_pdl: launch both kernels with programmatic dependent launch (Hopper, kernels/numerics.py), each waiting
+    on the device for the kernel before it: the decode step's other kernels are launched so, and a launch that
+    overlaps the previous kernel's tail saves about a microsecond (the engine's plan sets it with its decode
+    kernels' PDL). No host synchronisation: safe to capture in a CUDA graph."""
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -420,11 +430,13 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_IN_BLOCK=block_size % block_n == 0, CAST_FP32=_interpreting(),
-        ONE_SPLIT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+        ONE_SPLIT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype), USE_PDL=use_pdl, num_warps=4,
+        num_stages=2, **pdl_launch_kwargs(use_pdl),
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, USE_PDL=use_pdl,
+            num_warps=4, **pdl_launch_kwargs(use_pdl),
         )
     return out

@@ -7,6 +7,8 @@ q, k, v arrive flat from the fused QKV projection: [num_tokens, heads * head_dim
    - prefill with a cached prefix or an earlier chunk: keys come from the cache (`paged_prefill`);
    - decode: one query per sequence against its whole context in the cache (`paged_decode`).
 Before the KV cache exists (the model runner's warm-up), step 1 is skipped and prefill uses k, v directly.
+A decode step whose k and v a fused kernel already wrote into the cache (models/qwen3.py: q/k norm + RoPE +
+store in one kernel) calls the layer with k = v = None: step 1 is skipped, step 2 is the same.
 
 The step's metadata (slot mapping, cu_seqlens, block tables, context lengths) is not an argument of
 forward: it is read from `current_metadata()`, set by the model runner's `with attention_metadata(meta):`
@@ -35,15 +37,25 @@ class Attention(nn.Module):
         self.backend = backend
         self.store = store if store is not None else store_kvcache_torch
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [N, H * D]; k, v: [N, Hkv * D] -> [N, H * D]."""
+    @property
+    def has_cache(self) -> bool:
+        """The KV cache exists (the model runner allocated it after its warm-up)."""
+        return self.k_cache.numel() > 0
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [N, H * D] (or [N, H, D]); k, v: [N, Hkv * D], or both None in a decode step whose k and v are in
+        the cache already (module docstring) -> [N, H * D]."""
         ctx = current_metadata()
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        has_cache = self.k_cache.numel() > 0
-        if has_cache:
-            self.store(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        has_cache = self.has_cache
+        if k is None:
+            if ctx.is_prefill or not has_cache:
+                raise ValueError("k and v may be left out only in a decode step, once the KV cache exists")
+        else:
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            if has_cache:
+                self.store(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             if ctx.block_tables is None or not has_cache:
                 o = self.backend.varlen_prefill(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
@@ -55,11 +67,4 @@ class Attention(nn.Module):
         else:
             o = self.backend.paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables,
                                           ctx.context_lens, self.scale)
-        return o.reshape(-1, self.num_heads * self.head_dim)
-
-    def decode_cached(self, q: torch.Tensor) -> torch.Tensor:
-        """Decode attention when this step's k and v are already in the cache (the fused decode route's
-        q/k-norm + RoPE + store kernel wrote them): q [B, H, D] -> [B, H * D]."""
-        ctx = current_metadata()
-        o = self.backend.paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)
         return o.reshape(-1, self.num_heads * self.head_dim)

@@ -28,24 +28,33 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 class RMSNorm(nn.Module):
     """RMSNorm with a learned scale. `norm` and `add_norm` are the functions it calls (the reference ones
-    by default; the model passes the engine's choice: compiled, or a student's part from nanovllm_ref.Parts)."""
+    by default; the model passes the engine's choice: compiled, or a student's part from nanovllm_ref.Parts).
+    kernel: None, or "norm" / "add" / "both": which of the two forms run as the Triton kernel of
+    kernels/rms_norm.py (one kernel for the residual add and the norm, same numbers up to fp32 sum order;
+    the engine builds it only where the form's function is the reference); pdl: launch it with PDL."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, norm=rms_norm, add_norm=add_rms_norm):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, norm=rms_norm, add_norm=add_rms_norm,
+                 kernel: str | None = None, pdl: bool = False):
         super().__init__()
+        if kernel not in (None, "norm", "add", "both"):
+            raise ValueError(f"kernel must be None, 'norm', 'add' or 'both', got {kernel!r}")
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.norm, self.add_norm = norm, add_norm
+        self.kernel, self.pdl = kernel, pdl
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x: [num_tokens, hidden]. Without residual returns norm(x); with it returns
-        (norm(x + residual), x + residual)."""
+    def forward(self, x, residual: torch.Tensor | None = None):
+        """x: [num_tokens, hidden], or a row-parallel GEMM's layers.linear.SplitK partials (then the kernel sums
+        them first, and the result is also the new residual stream). Without residual returns norm(x); with it
+        returns (norm(x + residual), x + residual)."""
+        partials = getattr(x, "partials", None)                # a SplitK hand-off (layers/linear.py)
+        if self.kernel in ("both", "add" if residual is not None else "norm") or partials is not None:
+            if self.kernel is None:
+                raise TypeError("split-K partials reach an RMSNorm built without its kernel")
+            from nanovllm_ref.kernels.rms_norm import add_rms_norm as add_rms_norm_kernel
+            out, h = add_rms_norm_kernel(x if partials is None else partials, residual, self.weight, self.eps,
+                                         use_pdl=self.pdl)
+            return out if residual is None else (out, h)
         if residual is None:
             return self.norm(x, self.weight, self.eps)
         return self.add_norm(x, residual, self.weight, self.eps)
-
-    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, use_pdl: bool = False):
-        """(norm(x + residual), x + residual) in one Triton kernel (kernels/rms_norm.py), also when x is a
-        GEMM's split-K partial sums [S, T, hidden] fp32; with residual None, (norm(x), x). Same numbers as
-        the reference functions; the model's fused decode route calls it only where those are the parts."""
-        from nanovllm_ref.kernels.rms_norm import add_rms_norm as add_rms_norm_kernel
-        return add_rms_norm_kernel(x, residual, self.weight, self.eps, use_pdl=use_pdl)

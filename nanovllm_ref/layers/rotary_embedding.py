@@ -37,21 +37,22 @@ def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: t
 
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin tables of one head size; `forward(positions, q, k)` rotates q and k.
-    `cos_sin` builds the tables and `rotary` applies them (the reference functions by default).
+    `cos_sin` builds the tables (None: the reference `rope_cos_sin`; a part of yours: Parts.rope_cos_sin) and
+    `rotary` applies them (the reference by default).
     rope_parameters: the config's RoPE setting (`rope_scaling.rope_parameters_of`); None or type "default"
     is plain RoPE. Raises ValueError for a scaling the engine does not implement, or for a scaled RoPE with
-    a `cos_sin` other than the reference (which knows only plain RoPE)."""
+    a `cos_sin` of yours (which knows only plain RoPE)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_parameters: dict | None = None,
-                 cos_sin=rope_cos_sin, rotary=apply_rope):
+                 cos_sin=None, rotary=apply_rope):
         super().__init__()
         kind = (rope_parameters or {}).get("rope_type", "default")
         if kind == "default":
             if rope_parameters:
                 rope_frequencies(head_dim, base, rope_parameters, max_position)    # refuses unsupported keys
-            cos, sin = cos_sin(head_dim, max_position, base)
+            cos, sin = (cos_sin or rope_cos_sin)(head_dim, max_position, base)
         else:
-            if cos_sin is not rope_cos_sin:
+            if cos_sin is not None:
                 raise ValueError(f"config.json rope scaling rope_type={kind!r} needs the reference rope_cos_sin "
                                  "(Parts.rope_cos_sin builds plain RoPE tables only)")
             inv_freq, scale = rope_frequencies(head_dim, base, rope_parameters, max_position)

@@ -40,6 +40,7 @@ The sampler is one of the engine's swappable parts (`nanovllm_ref.Parts.sampler`
 `(logits, metadata) -> token ids`. The all-greedy shortcut lives here, not in the model runner, so a
 replacement sampler is exercised by greedy runs too.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -173,9 +174,8 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     return _sample(sample_rows, logits, metadata)
 
 
-def sample_compiled(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """`sample` with the row draw compiled by torch.compile (what an engine with fusion on calls)."""
-    return _sample(sample_rows.compiled(), logits, metadata)
-
-
-sample.compiled = lambda: sample_compiled
+def sampler_with(rows):
+    """The reference sampler with `rows` as the draw of its unfiltered rows: `sample_rows` itself, compiled by
+    torch.compile, or the Triton kernel of kernels/sampler.py (the engine's choice when Parts.sampler is the
+    reference: nanovllm_ref/parts.py). Returns a function (logits, SamplingMetadata) -> [B] int64."""
+    return functools.partial(_sample, rows)

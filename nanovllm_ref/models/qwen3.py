@@ -8,63 +8,58 @@ packed into one dimension, [num_tokens, hidden]; the attention context says wher
 
 `packed_modules_mapping` tells the loader which checkpoint tensors go into which fused parameter.
 
-Built as `Qwen3ForCausalLM(hf_config, parts=None, fuse=False, kernels=None)`: `parts` (a nanovllm_ref.Parts,
-or None for the reference parts) supplies the element-wise ops, the weight loaders, the attention back-end
-and the KV store; `fuse=True` swaps the reference element-wise ops for their compiled versions
-(utils/fusion.py). `kernels` (a utils.fusion.FusedKernels) names the hand-written Triton kernels of the
-decode step; None means "every one the parts allow" when fuse=True and the model is built on a CUDA device,
-and none otherwise (models/decode_kernels.py decides).
+Built as `Qwen3ForCausalLM(hf_config, ops=None)`: `ops` (models/ops.ModelOps, made by the engine with
+nanovllm_ref.Parts.model_ops; None = the reference, eager) says what each layer calls: the element-wise ops
+and weight loaders (compiled, or a student's parts), the attention back-end and KV store, and the Triton
+kernels (`ops.kernels`, utils/fusion.FusedKernels). Each module picks its kernels when it is built and has
+one forward (vLLM's CustomOp dispatch); what a step's size or kind changes is decided inside it:
 
-Three routes through the model, chosen once per step in `DecoderModel.forward` (`step_kernels`):
-| route          | when                                                    | per layer (Qwen3)                          |
-| general        | prefill; no kernels                                     | the modules' forward: cuBLAS GEMMs and     |
-|                |                                                         | the (compiled) reference ops               |
-| fused decode   | decode of 1..max_m tokens with any kernel on            | `decode_fused`: add+RMSNorm, qkv GEMM,     |
-|                |                                                         | q/k-norm+RoPE+store, attention (1-2),      |
-|                |                                                         | o_proj split-K, add+RMSNorm, gate_up+SiLU, |
-|                |                                                         | down split-K: 9 kernels (8 with one split) |
-| large decode   | decode of > max_m tokens with an element-wise kernel on | `decode_fused` with cuBLAS GEMMs: the same |
-|                | (`FusedKernels.large_batch`)                            | add+RMSNorm and q/k-norm+RoPE+store kernels|
-Inside the fused route each step uses its kernel only where `kernels` says so, and otherwise the same
-module call as the general route, so a student's part still runs as written.
+| module                 | built with a kernel (ops.kernels)           | in a step                                     |
+|------------------------|---------------------------------------------|-----------------------------------------------|
+| RMSNorm (every norm)   | rms_norm / add_rms_norm: one Triton kernel  | every step; it also sums split-K partials     |
+| qkv / o / gate_up /    | gemm: the small-M Triton GEMM               | batches of 1..max_m rows; larger ones cuBLAS  |
+| down projections       |                                             |                                               |
+| o_proj, down_proj      | split_k: out as layers.linear.SplitK        | the same batches: partials the next norm sums |
+| gate_up_proj           | gemm_silu: SiLU-and-mul in its epilogue     | the same batches (the MLP's act_fn is then    |
+|                        |                                             | Identity: gate_up applies it)                 |
+| attention              | qk_norm_rope_store: q/k norm + RoPE + KV    | decode steps once the cache exists; prefill   |
+|                        | store in one kernel                         | runs the modules (or their compiled kernel)   |
+A decode step of up to max_m rows then runs 9 kernels a layer (8 with one attention split); a larger one
+keeps the norm and q/k kernels with cuBLAS GEMMs.
 """
 import torch
 from torch import nn
 
 from nanovllm_ref.config import rope_theta
-from nanovllm_ref.layers.activation import SiluAndMul, silu_and_mul
+from nanovllm_ref.layers.activation import SiluAndMul
 from nanovllm_ref.layers.attention import Attention
 from nanovllm_ref.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm_ref.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
-from nanovllm_ref.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                        load_gate_up_shard, load_qkv_shard)
+from nanovllm_ref.layers.layernorm import RMSNorm, rms_norm
+from nanovllm_ref.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, SmallGemm)
 from nanovllm_ref.layers.rope_scaling import rope_parameters_of
-from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding, apply_rope, apply_rotary, rope_cos_sin
-from nanovllm_ref.models import decode_kernels
+from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from nanovllm_ref.models.ops import ModelOps
 from nanovllm_ref.utils.context import current_metadata
-from nanovllm_ref.utils.fusion import FusedKernels, choose, fused
+from nanovllm_ref.utils.fusion import fused
 from nanovllm_ref.utils.parallel import get_tp_size
 
-# The reference of each part a model uses (nanovllm_ref.Parts field name -> function).
-_REFERENCE_OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope_cos_sin": rope_cos_sin,
-                  "rotary": apply_rope, "silu_and_mul": silu_and_mul, "qkv_weight_loader": load_qkv_shard,
-                  "gate_up_weight_loader": load_gate_up_shard}
+
+def _gemm(ops: ModelOps, **form) -> SmallGemm | None:
+    """How a linear layer runs small batches under `ops` (layers/linear.SmallGemm), or None (F.linear)."""
+    k = ops.kernels
+    return SmallGemm(max_m=k.max_m, pdl=k.pdl, **form) if k.gemm else None
 
 
-class ModelOps:
-    """The functions a model calls, resolved once from `parts` (None = the reference), `fuse` and `kernels`
-    (the decode step's Triton kernels: see the module docstring; ValueError names a kernel that the parts
-    do not allow)."""
+def _norm_kernel(ops: ModelOps) -> str | None:
+    k = ops.kernels
+    return {(True, True): "both", (True, False): "norm", (False, True): "add"}.get((k.rms_norm, k.add_rms_norm))
 
-    def __init__(self, parts=None, fuse: bool = False, kernels: FusedKernels | None = None, qk_norm: bool = True):
-        for name, ref in _REFERENCE_OPS.items():
-            setattr(self, name, choose(getattr(parts, name, ref) if parts is not None else ref, ref, fuse))
-        self.attention_backend = getattr(parts, "attention_backend", None)
-        self.store_kvcache = getattr(parts, "store_kvcache", None)
-        # Qwen3's q/k norm + RoPE in one compiled kernel, only when both parts are the reference ones.
-        reference_qk = getattr(parts, "rms_norm", rms_norm) is rms_norm and getattr(parts, "rotary", apply_rope) is apply_rope
-        self.qk_norm_rope = qk_norm_rope.compiled() if fuse and reference_qk else None
-        self.kernels = decode_kernels.resolve(parts, fuse, kernels, qk_norm)
+
+def _qk_norm_rope_store(*args, **kwargs):
+    """kernels/qk_norm_rope_store.qk_norm_rope_store, imported at its first call (defining a Triton kernel fixes
+    interpreter or compiler for the process: nanovllm_ref/kernels/__init__.py)."""
+    from nanovllm_ref.kernels.qk_norm_rope_store import qk_norm_rope_store
+    return qk_norm_rope_store(*args, **kwargs)
 
 
 @fused
@@ -90,20 +85,32 @@ class DecoderAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          total_kv, bias=bias, loader=ops.qkv_weight_loader)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+                                          total_kv, bias=bias, loader=ops.qkv_weight_loader, small_gemm=_gemm(ops))
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
+                                        small_gemm=_gemm(ops, split_k=ops.kernels.split_k))
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config),
                                           rope_parameters_of(config), cos_sin=ops.rope_cos_sin, rotary=ops.rotary)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
                               backend=ops.attention_backend, store=ops.store_kvcache)
         self.qk_norm = qk_norm
-        self.fused_qk_norm_rope = ops.qk_norm_rope
+        self.fused_qk_norm_rope = ops.qk_norm_rope            # compiled q/k norm + RoPE (GPU), or None
+        self.qk_kernel = ops.kernels.qk_norm_rope_store        # q/k norm + RoPE + KV store, one Triton kernel
+        self.pdl = ops.kernels.pdl
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attend(positions, self.qkv_proj(hidden_states)))
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor):
+        """positions [T] int64, hidden_states [T, hidden] -> o_proj's output [T, hidden] (or its SplitK)."""
+        qkv = self.qkv_proj(hidden_states)
+        if self.qk_kernel and not current_metadata().is_prefill and self.attn.has_cache:
+            # One kernel: q/k norm, RoPE, and k, v written into the cache; attention then reads them there.
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            q = _qk_norm_rope_store(qkv, positions, self.rotary_emb.cos_sin_cache, *norms, self.attn.k_cache,
+                                    self.attn.v_cache, current_metadata().slot_mapping, self.num_heads,
+                                    self.num_kv_heads, self.head_dim, use_pdl=self.pdl)
+            return self.o_proj(self.attn(q))
+        return self.o_proj(self.attend(positions, qkv))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, (H + 2 * Hkv) * d] -> attention output [T, H * d]: q/k norm, RoPE, KV store, attention."""
@@ -119,50 +126,26 @@ class DecoderAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k)
         return self.attn(q.flatten(1), k.flatten(1), v)
 
-    def decode_fused(self, positions: torch.Tensor, hidden_states: torch.Tensor, kernels: FusedKernels):
-        """The decode step of `forward` on the kernels that `kernels` turns on (the fused route of the module
-        docstring). hidden_states: [B, hidden] -> [B, hidden], or o_proj's split-K partials [S, B, hidden]
-        fp32 when kernels.split_k (the next add + RMSNorm kernel sums them)."""
-        pdl = kernels.pdl
-        qkv = self.qkv_proj.forward_small(hidden_states, pdl) if kernels.gemm else self.qkv_proj(hidden_states)
-        if kernels.qk_norm_rope_store and self.attn.k_cache.numel() > 0:
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-            q = decode_kernels.qk_norm_rope_store(
-                qkv, positions, self.rotary_emb.cos_sin_cache, norms[0], norms[1], norms[2], self.attn.k_cache,
-                self.attn.v_cache, current_metadata().slot_mapping, self.num_heads, self.num_kv_heads,
-                self.head_dim, use_pdl=pdl)
-            o = self.attn.decode_cached(q)            # k and v of this step are in the cache already
-        else:
-            o = self.attend(positions, qkv)
-        if kernels.split_k:
-            return self.o_proj.forward_partials(o, pdl)
-        return self.o_proj.forward_small(o, pdl) if kernels.gemm else self.o_proj(o)
-
 
 class DecoderMLP(nn.Module):
     def __init__(self, config, ops: ModelOps | None = None):
         ops = ops if ops is not None else ModelOps()
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
+        act = SiluAndMul(ops.silu_and_mul)
+        # With the SiLU epilogue gate_up_proj applies SiLU-and-mul itself (in its GEMM for small batches), so
+        # act_fn is the identity; otherwise gate_up_proj returns [gate | up] and act_fn applies it.
+        epilogue = ops.kernels.gemm_silu
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
-                                                       loader=ops.gate_up_weight_loader)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = SiluAndMul(ops.silu_and_mul)
+                                                       loader=ops.gate_up_weight_loader, act=act if epilogue else None,
+                                                       small_gemm=_gemm(ops, silu_epilogue=epilogue))
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+                                           small_gemm=_gemm(ops, split_k=ops.kernels.split_k))
+        self.act_fn = nn.Identity() if epilogue else act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        """x [T, hidden] -> down_proj's output [T, hidden] (or its SplitK)."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-    def decode_fused(self, x: torch.Tensor, kernels: FusedKernels) -> torch.Tensor:
-        """`forward` on the decode kernels: [B, hidden] -> [B, hidden], or down's split-K partials
-        [S, B, hidden] fp32 when kernels.split_k."""
-        pdl = kernels.pdl
-        if kernels.gemm_silu:
-            h = self.gate_up_proj.forward_silu_mul(x, pdl)           # gate_up GEMM + SiLU-and-mul, one kernel
-        else:
-            h = self.act_fn(self.gate_up_proj.forward_small(x, pdl) if kernels.gemm else self.gate_up_proj(x))
-        if kernels.split_k:
-            return self.down_proj.forward_partials(h, pdl)
-        return self.down_proj.forward_small(h, pdl) if kernels.gemm else self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -171,11 +154,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, qk_norm, ops)
         self.mlp = DecoderMLP(config, ops)
-        norms = dict(eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm)
+        norms = dict(eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm, kernel=_norm_kernel(ops),
+                     pdl=ops.kernels.pdl)
         self.input_layernorm = RMSNorm(config.hidden_size, **norms)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norms)
 
     def forward(self, positions, hidden_states, residual):
+        """hidden_states: [T, hidden] (or the previous layer's SplitK); residual: [T, hidden] or None (layer 0).
+        Returns (the MLP's output, the residual stream)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -185,26 +171,6 @@ class DecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
-    def decode_fused(self, positions, hidden_states, residual, kernels: FusedKernels):
-        """`forward` of a decode step on the decode kernels. hidden_states: [B, hidden], or the previous
-        layer's split-K partials [S, B, hidden] fp32; returns the same kinds (hidden or partials, residual)."""
-        hidden_states, residual = _norm(self.input_layernorm, hidden_states, residual, kernels)
-        hidden_states = self.self_attn.decode_fused(positions, hidden_states, kernels)
-        hidden_states, residual = _norm(self.post_attention_layernorm, hidden_states, residual, kernels)
-        return self.mlp.decode_fused(hidden_states, kernels), residual
-
-
-def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, kernels: FusedKernels):
-    """One RMSNorm of the fused decode route: (normed, new residual). The Triton kernel where `kernels`
-    says so (it also takes split-K partials for x), else the module as the general route calls it."""
-    if residual is None:
-        if kernels.rms_norm:
-            return norm.forward_fused(x, None, kernels.pdl)
-        return norm(x), x
-    if kernels.add_rms_norm:
-        return norm.forward_fused(x, residual, kernels.pdl)
-    return norm(x, residual)
-
 
 class DecoderModel(nn.Module):
     def __init__(self, config, qk_norm: bool, ops: ModelOps | None = None):
@@ -212,31 +178,11 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(config, qk_norm, ops) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm)
-        self.kernels = ops.kernels
-
-    def step_kernels(self, num_tokens: int) -> FusedKernels | None:
-        """The kernels of this step's route (module docstring), or None for the general route: a decode step
-        of 1..max_m tokens takes every kernel on; a larger decode step only the element-wise ones (the GEMMs
-        are cuBLAS's at that size, and without the small GEMMs there are no split-K partials)."""
-        if not self.kernels.any() or current_metadata().is_prefill or num_tokens < 1:
-            return None
-        if num_tokens <= self.kernels.max_m:
-            return self.kernels
-        large = self.kernels.large_batch()
-        return large if large.any() else None
-
-    def fused_route(self, num_tokens: int) -> bool:
-        """Whether this step takes a fused decode route (module docstring)."""
-        return self.step_kernels(num_tokens) is not None
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm,
+                            kernel=_norm_kernel(ops), pdl=ops.kernels.pdl)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        kernels = self.step_kernels(input_ids.shape[0])
-        if kernels is not None:
-            for layer in self.layers:
-                hidden_states, residual = layer.decode_fused(positions, hidden_states, residual, kernels)
-            return _norm(self.norm, hidden_states, residual, kernels)[0]
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -254,10 +200,13 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, parts=None, fuse: bool = False, kernels: FusedKernels | None = None):
+    def __init__(self, config, ops: ModelOps | None = None):
         super().__init__()
-        self.model = DecoderModel(config, self.QK_NORM, ModelOps(parts, fuse, kernels, self.QK_NORM))
-        self.kernels = self.model.kernels          # which decode kernels this model uses (utils/fusion.py)
+        ops = ops if ops is not None else ModelOps()
+        if not isinstance(ops, ModelOps):
+            raise TypeError(f"ops must be a models.ops.ModelOps or None, got {type(ops).__name__}")
+        self.model = DecoderModel(config, self.QK_NORM, ops)
+        self.kernels = ops.kernels                 # which Triton kernels this model uses (utils/fusion.py)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -9,9 +9,9 @@ Only the small functions are compiled, not the whole model: compile time stays a
 code stays plain PyTorch, and the attention back-ends are untouched.
 
 The switch belongs to the engine, not to the process: `@fused` leaves the function as it is and only gives
-it a `.compiled()` method; a model built with `fuse=True` (the model runner does this on CUDA) calls the
-compiled version, one built with `fuse=False` calls the function itself. So a CPU engine and a GPU engine
-in one process do not change each other.
+it a `.compiled()` method; an engine on CUDA builds its model with the compiled versions of the reference
+functions (nanovllm_ref.Parts.model_ops, the one place that tells a reference part from yours), an engine on a
+CPU with the functions themselves. So a CPU engine and a GPU engine in one process do not change each other.
 
 Hand-written Triton kernels for the decode step (issue 21; `nanovllm_ref/kernels/`)
 Compiling each small function still leaves ~17 kernels a layer in a batch-1 decode step (round 2's
@@ -19,22 +19,22 @@ profile): Inductor fuses inside one function, not across a GEMM. Three kernels w
 layer to 9 (8 when attention runs one KV split): residual add + RMSNorm that also sums the previous GEMM's
 split-K partials (kernels/rms_norm.py), q/k-norm + RoPE + KV store (kernels/qk_norm_rope_store.py), and a
 small-M GEMM in three forms: full K, split-K partials, and with SiLU-and-mul in its epilogue
-(kernels/small_gemm.py). `FusedKernels`
-names which of them a model uses; the model decides it once, when it is built (models/decode_kernels.py):
+(kernels/small_gemm.py). `FusedKernels` names which of them a model uses; the engine decides it once
+(nanovllm_ref.Parts.resolve, by this table) and each layer picks its kernel when it is built (models/qwen3.py):
 
 | FusedKernels field   | replaces, in a decode step of <= max_m tokens           | allowed when (Parts)                  |
-| rms_norm             | the plain RMSNorm of layer 0's input                    | rms_norm is the reference             |
-| add_rms_norm         | every residual add + RMSNorm                            | add_rms_norm is the reference         |
+| rms_norm             | the plain RMSNorm of layer 0's input (every step)       | rms_norm is the reference             |
+| add_rms_norm         | every residual add + RMSNorm (every step)               | add_rms_norm is the reference         |
 | qk_norm_rope_store   | q/k RMSNorm, RoPE and the KV store                      | rotary and store_kvcache (and rms_norm |
 |                      |                                                         | with q/k norm) are the reference      |
 | gemm                 | F.linear of qkv, o, gate_up and down projections        | always                                |
 | gemm_silu            | gate_up GEMM + SiLU-and-mul (one kernel)                | gemm, silu_and_mul is the reference   |
 | split_k              | o_proj / down write fp32 partials that add_rms_norm sums| gemm and add_rms_norm                 |
 
-`fuse=True` on a CUDA device turns on every kernel the parts allow (the engine's GPU default); a model
-built on a CPU uses none unless it is handed a `FusedKernels` (tests do, under the Triton interpreter).
-Prefill steps and decode steps of more than max_m tokens keep the general path; so does the q/k part of a
-decode step run before the KV cache exists (the kernel writes into it).
+On CUDA the engine turns on every kernel the parts allow (decode_kernels="auto"); a model built on a CPU
+uses none unless it is handed a `FusedKernels` (tests do, under the Triton interpreter). The GEMM kernels
+serve 1..max_m rows (larger batches and most prefills run cuBLAS, and then no split-K partials flow); the
+norm kernels serve every step; the q/k kernel serves decode steps once the KV cache exists (it writes into it).
 """
 import dataclasses
 import functools
@@ -52,14 +52,6 @@ def fused(fn):
 
     fn.compiled = compiled
     fn.eager = fn
-    return fn
-
-
-def choose(fn, reference, fuse: bool):
-    """The function a model should call for one part: the compiled reference when `fuse` is on and `fn`
-    is the reference itself; otherwise `fn` unchanged (a student's part always runs as written)."""
-    if fuse and fn is reference and hasattr(fn, "compiled"):
-        return fn.compiled()
     return fn
 
 
