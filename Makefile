@@ -17,7 +17,8 @@ IS_ROOT := $(filter 0,$(shell id -u))
 LAB_ARGS := --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/chapters $(if $(IS_ROOT),--allow-root)
 SUDO := $(if $(IS_ROOT),,sudo)
 
-.PHONY: demo test test-browser chromium install model lab release bench-cpu clean
+.PHONY: demo test test-engine test-kernels test-serve test-course test-bench test-fast test-browser suite-timing \
+	chromium install model lab release bench-cpu clean
 
 # The stamp names the checkout installed into the venv. A .venv copied or moved from another checkout still
 # imports that checkout's code (pip's editable install records its path), so then the stamp is out of date.
@@ -44,8 +45,30 @@ model: $(STAMP)
 demo: model
 	@$(PY) -m nanovllm_ref demo
 
+# The whole suite: tests/ and the solution notebooks under nbval. Each notebook runs once; its `::grade` item
+# grades that same run (tests/suite_plugin.py). TEST_WORKERS xdist workers share the cores; a notebook runs whole
+# on one worker (--dist loadgroup). One thread each: the workers, the notebook kernels and the TP ranks they start
+# would otherwise each take every core. The chapter timings report lands in artifacts/chapter_timings.{csv,json}.
+# A developer's loop: `make test-engine` (kernels, serve, course, bench) runs one area, `make test-fast` all
+# but the slow tests; PYTEST_ARGS adds options (e.g. PYTEST_ARGS='-k stops -x').
+TEST_WORKERS ?= 2
+TEST_PATHS := solutions/ tests/
+PYTEST_ARGS ?=
+PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -p no:cacheprovider --timeout=900 \
+	-n $(TEST_WORKERS) --dist loadgroup
+
 test: model
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/ solutions/ $(NBVAL)
+	$(PYTEST) $(TEST_PATHS) $(NBVAL) $(PYTEST_ARGS)
+
+test-engine test-kernels test-serve test-course test-bench: model
+	$(PYTEST) -m $(@:test-%=%) $(TEST_PATHS) $(NBVAL) $(PYTEST_ARGS)
+
+test-fast: model
+	$(PYTEST) -m "not slow" $(TEST_PATHS) $(NBVAL) $(PYTEST_ARGS)
+
+# `make test` quiet, then with both cores kept busy, each timed; the record goes to bench/results/ (see the script).
+suite-timing: model
+	bench/suite_timing.sh
 
 lab: model
 	$(VENV)/bin/jupyter lab $(LAB_ARGS)

@@ -603,42 +603,67 @@ def _match_check_cells(student_nb, reference_nb) -> list[tuple[object, int | Non
     return pairs
 
 
-def grade_notebook(student_nb, reference_nb=None, cwd: str | Path = CHAPTERS, *, name: str = "notebook",
-                   timeout: int = 300) -> Grade:
-    """Run a student's notebook top to bottom (fresh kernel, every cell even after an error) and grade each
-    exercise by what its check cell printed, compared with the reference's (the solution's) stored
-    `E1.1 ok`. Check cells run the reference's source, so an edited check cell still checks the same
-    thing. Without a reference the notebook grades itself (ids from its check cells' source)."""
-    import time
-
+def prepare_for_grading(student_nb, reference_nb=None):
+    """The notebook as `grade` runs it (a copy): each check cell matched to the reference's
+    (match_check_cells) takes the reference's source and the `check` tag, so an edited check cell still
+    checks the same thing. Without a reference the notebook is its own."""
     nb = copy.deepcopy(student_nb)
     reference_nb = reference_nb if reference_nb is not None else student_nb
-    pairs = _match_check_cells(nb, reference_nb)
-    for ref, i in pairs:
+    for ref, i in _match_check_cells(student_nb, reference_nb):
         if i is not None:
             nb.cells[i].source = ref.source
             nb.cells[i].metadata["tags"] = list(dict.fromkeys(tags(nb.cells[i]) + [CHECK_TAG]))
-    start = time.perf_counter()
-    done, errors = execute_notebook(nb, cwd, timeout=timeout)
-    seconds = time.perf_counter() - start
-    errors_at = {e.index: e for e in errors}
+    return nb
+
+
+def grade_executed(student_nb, executed_nb, reference_nb=None, *, name: str = "notebook", seconds: float = 0.0,
+                   ran=None) -> Grade:
+    """Grade a notebook that has already run: `executed_nb` is prepare_for_grading(student_nb, reference_nb)
+    after execution, with the outputs its kernel produced (execute_notebook's, or those a `pytest --nbval`
+    run recorded). Each exercise's verdict is read from its check cell's stdout or error output
+    (verdict_of), compared with the reference's `Ex.y ok`; an exercise whose check cell is not in
+    `student_nb` fails as missing; every other cell that ran and has an error output is a note. `ran`: the
+    indices of the cells that ran (None: every code cell); a cell that did not run (a `gpu` cell without
+    CUDA) keeps its stored outputs and is not read for errors. This is `grade`'s verdict on the run, so
+    that one execution can feed `grade` and `pytest --nbval` alike (tests/nbval_record.py)."""
+    reference_nb = reference_nb if reference_nb is not None else student_nb
+    ran = set(range(len(executed_nb.cells)) if ran is None else ran)
+    errors_at = {}
+    for i, cell in enumerate(executed_nb.cells):
+        if cell.cell_type == "code" and i in ran:
+            for out in cell.get("outputs", []):
+                if out.get("output_type") == "error" and i not in errors_at:
+                    errors_at[i] = (out.get("ename", ""), out.get("evalue", ""))
     verdicts, check_index = [], set()
-    for ref, i in pairs:
+    for ref, i in _match_check_cells(student_nb, reference_nb):
         for ex in checked_exercises(ref):
             expected = f"{ex} ok"
             if i is None:
                 verdicts.append(Verdict(ex, f"{ex} failed: its check cell is missing from the notebook", expected))
                 continue
             check_index.add(i)
-            e = errors_at.get(i)
-            line = verdict_of(ex, _stdout(done.cells[i]), (e.ename, e.evalue) if e else None)
-            verdicts.append(Verdict(ex, line, expected))
-    notes = []
-    for i, e in sorted(errors_at.items()):
-        if i not in check_index:
-            notes.append(f"the cell starting {_first_line(done.cells[i].source, 60)!r} raised "
-                         f"{e.ename}: {_first_line(e.evalue)}")
+            verdicts.append(Verdict(ex, verdict_of(ex, _stdout(executed_nb.cells[i]), errors_at.get(i)), expected))
+    notes = [f"the cell starting {_first_line(executed_nb.cells[i].source, 60)!r} raised {e[0]}: {_first_line(e[1])}"
+             for i, e in sorted(errors_at.items()) if i not in check_index]
     return Grade(name, verdicts, notes, seconds)
+
+
+def grade_notebook(student_nb, reference_nb=None, cwd: str | Path = CHAPTERS, *, name: str = "notebook",
+                   timeout: int = 300) -> Grade:
+    """Run a student's notebook top to bottom (fresh kernel, every cell even after an error) and grade each
+    exercise by what its check cell printed, compared with the reference's (the solution's) stored
+    `E1.1 ok`. Check cells run the reference's source, so an edited check cell still checks the same
+    thing. Without a reference the notebook grades itself (ids from its check cells' source).
+    = prepare_for_grading, execute_notebook, grade_executed."""
+    import time
+
+    nb = prepare_for_grading(student_nb, reference_nb)
+    start = time.perf_counter()
+    done, _ = execute_notebook(nb, cwd, timeout=timeout)
+    seconds = time.perf_counter() - start
+    skip_gpu = not cuda_available()
+    ran = [i for i, c in enumerate(done.cells) if c.cell_type == "code" and not (skip_gpu and is_gpu_cell(c))]
+    return grade_executed(student_nb, done, reference_nb, name=name, seconds=seconds, ran=ran)
 
 
 def reference_for(path: Path, solutions: Path = SOLUTIONS):

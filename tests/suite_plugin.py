@@ -1,0 +1,367 @@
+"""The test suite's own machinery (a pytest plugin; the repository's conftest.py loads it for every run here,
+tests/ and the notebooks in solutions/ or chapters/ alike).
+
+* **Areas.** Every test item carries exactly one area marker: `engine`, `kernels`, `serve`, `course` or `bench`
+  (pyproject.toml registers them, with `slow`). A test file's area comes from its name (FILE_AREAS); a test
+  marked with an area itself keeps its own. `make test-engine` and the like select one (`-m engine`);
+  tests/test_suite_rules.py holds every item to one area.
+* **Slow.** `slow` marks what `make test-fast` leaves out: the tests in SLOW_FILES and the tests marked
+  `@pytest.mark.slow` in their file.
+* **One run of a notebook feeds grade and nbval.** For each notebook cell that `pytest --nbval` runs, the
+  source it ran and the outputs its kernel gave (nbval's `item.test_outputs`) are recorded, with the verdict
+  of each check item. Each solution notebook gets one more item, `solutions/NN_slug.ipynb::grade`, after its
+  cells: `grade`'s verdict on that same run (release.grade_executed) is every exercise ok and agrees with
+  the nbval items' verdicts; so one execution of each complete chapter is the maintainers' stored-output
+  gate, the nbval grading of a correct student, and `grade` of one. With `--nbval-record=DIR` each
+  notebook's run is also written to `DIR/<name>` (the notebook as it ran, outputs included) and
+  `DIR/<stem>.json` (the cells that ran, the nbval verdicts, seconds): tests/test_course_machinery.py
+  grades the unfilled and mixed chapters from those files.
+* **xdist.** A notebook's items share one kernel, so they carry `xdist_group` (the notebook), and
+  `make test` runs with `--dist loadgroup`: each notebook runs whole on one worker.
+* **The chapter timings report.** At the end of a run the time each chapter took (the solution under
+  nbval, and the released chapter run unfilled by tests/test_course_machinery.py) is printed beside its CPU
+  budget and written to artifacts/chapter_timings.csv and .json, with the load average and a calibration
+  measured in the same run. A budget is a number in this report, never a test's pass or fail: a busy
+  machine is slower, not wrong.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import fnmatch
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "artifacts"
+
+# The Triton kernels run on a CPU only under the Triton interpreter, chosen before any kernel is defined.
+# nanovllm_ref sets no environment variable itself, so the test session chooses it here (notebook kernels
+# and tensor-parallel workers started by the tests inherit it).
+# (A process started by this session finds the choice in its environment and need not import torch to make it.)
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+AREAS = ("engine", "kernels", "serve", "course", "bench")
+
+# (file name pattern, area): the first that matches a test file's name gives its tests' area.
+FILE_AREAS = (
+    ("test_serve_bench.py", "bench"),            # the online benchmark client
+    ("test_fused_kernels_bench.py", "bench"),    # bench/kernels_round3.py
+    ("test_course_ch13_gpu_script.py", "bench"),  # bench/ch13_gpu.py
+    ("test_bench*.py", "bench"),
+    ("test_serve_*.py", "serve"),
+    ("test_course_*.py", "course"),
+    ("test_release_*.py", "course"),
+    ("test_suite_*.py", "course"),               # the suite's own rules
+    ("test_packaging.py", "course"),             # the install routes agree
+    ("browser_lab.py", "course"),
+    ("*.ipynb", "course"),                       # the chapter notebooks under nbval
+    ("test_triton_*.py", "kernels"),
+    ("test_fused_kernels*.py", "kernels"),
+    ("test_attention_backends.py", "kernels"),
+    ("test_cpu_backend.py", "kernels"),
+    ("test_engine_*.py", "engine"),
+    ("test_sampler_*.py", "engine"),
+    ("test_scheduler_*.py", "engine"),
+    ("test_async_scheduling.py", "engine"),
+    ("test_thin_step.py", "engine"),
+    ("test_parts.py", "engine"),
+    ("test_smollm2_*.py", "engine"),
+)
+
+# Files whose every test is slow (a chapter run, a server on the real model, tensor-parallel workers...).
+SLOW_FILES = ("*.ipynb", "browser_lab.py")
+
+
+def area_of_file(name: str) -> str | None:
+    return next((area for pattern, area in FILE_AREAS if fnmatch.fnmatch(name, pattern)), None)
+
+
+def pytest_addoption(parser):
+    parser.getgroup("nbval").addoption(
+        "--nbval-record", default=None, metavar="DIR",
+        help="write each notebook's run (the notebook as it ran, and a JSON of verdicts and seconds) into DIR "
+             "(tests/suite_plugin.py)")
+
+
+def pytest_configure(config):
+    config.stash[_RUNS] = {}
+    # the calibration is measured by the session that writes the report: not by workers, nor by the recorded
+    # runs that tests start (--nbval-record)
+    reporting = _is_controller(config) and not config.getoption("nbval_record")
+    config.stash[_REPORT] = {"chapters": {}, "start": time.time(), "load_start": os.getloadavg(),
+                             "calibration_s": [_calibrate()] if reporting else []}
+
+
+def _is_controller(config) -> bool:
+    return not hasattr(config, "workerinput")
+
+
+# -- areas, slow, xdist groups -------------------------------------------------------------------------------
+def _is_notebook_item(item) -> bool:
+    return item.path is not None and item.path.suffix == ".ipynb"
+
+
+def pytest_itemcollected(item):
+    if not any(m.name in AREAS for m in item.iter_markers()):
+        area = area_of_file(item.path.name)
+        if area is not None:
+            item.add_marker(area)
+    if any(fnmatch.fnmatch(item.path.name, p) for p in SLOW_FILES) and not item.get_closest_marker("slow"):
+        item.add_marker("slow")
+    if _is_notebook_item(item) and item.config.pluginmanager.hasplugin("xdist"):
+        item.add_marker(pytest.mark.xdist_group(_rel_path(item.path)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`, where a notebook's items are one group: xdist's own grouping reads a suffix that
+    pytest 9's node ids no longer carry (xdist 3.8 sets `item._nodeid`), so the notebook is found by its
+    path; xdist_group marks still group where the suffix is there (pytest 8)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class NotebookGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if path.endswith(".ipynb"):
+                return path
+            return super()._split_scope(nodeid)
+
+    return NotebookGroupScheduling(config, log)
+
+
+def _rel_path(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+# -- recording a notebook's run --------------------------------------------------------------------------------
+_RUNS = pytest.StashKey[dict]()
+_REPORT = pytest.StashKey[dict]()
+
+
+class NotebookRun:
+    """What one `pytest --nbval` run of a notebook executed: {cell index: (source, tags, outputs)} of the cells
+    that ran, {exercise: verdict line} of its check items, and the seconds its items took."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.ran: dict[int, tuple] = {}
+        self.verdicts: dict[str, str] = {}
+        self.seconds = 0.0
+
+    def executed(self, nb):
+        """A copy of `nb` (the notebook as nbval read it) with each cell that ran as it ran."""
+        done = copy.deepcopy(nb)
+        for i, (source, tags, outputs) in self.ran.items():
+            done.cells[i].source = source
+            done.cells[i].metadata["tags"] = list(tags)
+            done.cells[i].outputs = copy.deepcopy(outputs)
+        return done
+
+    def write(self, folder: Path, nb) -> None:
+        import nbformat
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / self.path.name).write_text(nbformat.writes(self.executed(nb)) + "\n", encoding="utf-8")
+        (folder / f"{self.path.stem}.json").write_text(json.dumps(
+            {"notebook": str(self.path), "ran": sorted(self.ran), "verdicts": self.verdicts,
+             "seconds": self.seconds}, indent=1), encoding="utf-8")
+
+
+def run_of(config, path) -> NotebookRun:
+    runs = config.stash[_RUNS]
+    key = str(Path(path).resolve())
+    if key not in runs:
+        runs[key] = NotebookRun(path)
+    return runs[key]
+
+
+def _cell_index(item) -> int | None:
+    """The index in the notebook (item.parent.nb) of the code cell an nbval item runs (its cell_num counts
+    code cells only)."""
+    nb = getattr(item.parent, "nb", None)
+    if nb is None or getattr(item, "cell_num", None) is None:
+        return None
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    return code[item.cell_num] if item.cell_num < len(code) else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if not _is_notebook_item(item):
+        return report
+    run = run_of(item.config, item.path)
+    run.seconds += call.duration
+    if call.when != "call":
+        return report
+    outputs = getattr(item, "test_outputs", None)
+    i = _cell_index(item)
+    if outputs is not None and i is not None:
+        cell = item.cell
+        run.ran[i] = (cell.source, list((cell.get("metadata") or {}).get("tags") or []), outputs)
+    exercises = getattr(item, "exercises", None)
+    if exercises:                         # a check item (nbval_grading.GradedCheck or MissingCheck)
+        lines = getattr(call.excinfo.value, "lines", None) if call.excinfo is not None else None
+        bad = {line.split(" ")[0]: line for line in lines or []}
+        for ex in exercises:
+            run.verdicts[ex] = bad.get(ex, f"{ex} ok")
+    return report
+
+
+def pytest_sessionfinish(session):
+    folder = session.config.getoption("nbval_record")
+    if not folder:
+        return
+    import nbformat
+    for run in session.config.stash[_RUNS].values():
+        run.write(Path(folder), nbformat.read(run.path, as_version=4))
+
+
+# -- `grade` on the solution's run ----------------------------------------------------------------------------------
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    if isinstance(collector, pytest.File) and collector.path.suffix == ".ipynb" and report.passed and report.result \
+            and any(hasattr(item, "exercises") for item in report.result):
+        from nanovllm_course.nbval_grading import reference_of
+        if reference_of(collector.path)[1]:                      # the solution notebook itself
+            report.result.append(GradeOfTheRun.from_parent(collector, name="grade"))
+    return report
+
+
+class GradeOfTheRun(pytest.Item):
+    """`grade`'s verdict on the run the cells before it made (see the module doc)."""
+
+    def runtest(self):
+        import nbformat
+
+        from nanovllm_course import release as rel
+        run = run_of(self.config, self.path)
+        nb = nbformat.read(self.path, as_version=4)
+        skip_gpu = not rel.cuda_available()
+        should_run = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and not (skip_gpu and rel.is_gpu_cell(c))]
+        missing = [i for i in should_run if i not in run.ran]
+        assert not missing, f"cells {missing} of {self.path.name} did not run in this session, so grade has no run to read"
+        grade = rel.grade_executed(nb, run.executed(nb), nb, name=self.path.name, seconds=run.seconds,
+                                   ran=sorted(run.ran))
+        want = [f"{e} ok" for c in nb.cells if rel.is_check_cell(c) for e in rel.ok_lines(c)]
+        assert [v.line for v in grade.verdicts] == want and grade.notes == [], grade.lines()
+        assert run.verdicts == {v.exercise: v.line for v in grade.verdicts}, \
+            f"nbval's verdicts {run.verdicts} differ from grade's {grade.lines()}"
+
+    def reportinfo(self):
+        return self.path, None, f"{_rel_path(self.path)}::grade"
+
+
+# -- the chapter timings report ---------------------------------------------------------------------------------
+def _calibrate() -> float:
+    """Seconds of a fixed single-threaded workload (float32 matmuls and a Python loop): the same run's yardstick,
+    so a chapter's time can be read as a multiple of it on any machine and load."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(192, 192, generator=torch.Generator().manual_seed(0))
+        start = time.perf_counter()
+        for _ in range(200):
+            a = torch.tanh(a @ a * 0.01)
+        total = 0
+        for k in range(300_000):
+            total += k % 7
+        return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _chapter_of(nodeid: str) -> tuple[str, str] | None:
+    path = nodeid.split("::")[0]
+    name = Path(path).name
+    if not name.endswith(".ipynb") or not name[:2].isdigit():
+        return None
+    return name, Path(path).parent.name
+
+
+def pytest_runtest_logreport(report):
+    config = _CONFIG.get("config")
+    if config is None or not _is_controller(config):
+        return
+    chapters = config.stash[_REPORT]["chapters"]
+    where = _chapter_of(report.nodeid)
+    if where is not None and where[1] == "solutions":
+        row = chapters.setdefault(where[0], {})
+        row["solution_s"] = row.get("solution_s", 0.0) + report.duration
+        if report.when == "call" and report.failed:
+            row["solution_failed"] = True
+    for key, value in report.user_properties:
+        if key == "chapter_run" and report.when == "call":
+            chapters.setdefault(value["chapter"], {})[f"{value['run']}_s"] = value["seconds"]
+
+
+_CONFIG: dict = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    _CONFIG["config"] = session.config
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not _is_controller(config):
+        return
+    data = config.stash[_REPORT]
+    if not data["chapters"] or config.getoption("nbval_record"):
+        return
+    from nanovllm_course import release as rel
+    import nbformat
+    data["calibration_s"].append(_calibrate())
+    cal = sum(data["calibration_s"]) / len(data["calibration_s"])
+    rows = []
+    for name in sorted(data["chapters"]):
+        got = data["chapters"][name]
+        path = rel.SOLUTIONS / name
+        budget = rel.cpu_budget(nbformat.read(path, as_version=4)) if path.is_file() else None
+        row = {"chapter": name, "budget_s": budget}
+        for run in ("solution", "unfilled"):
+            s = got.get(f"{run}_s")
+            row[f"{run}_s"] = None if s is None else round(s, 2)
+            row[f"{run}_x_calibration"] = None if s is None else round(s / cal, 1)
+            row[f"{run}_over_budget"] = None if s is None or budget is None else s > budget
+        rows.append(row)
+    workers = getattr(config.option, "numprocesses", None) or 0
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["start"])),
+            "wall_s": round(time.time() - data["start"], 1), "xdist_workers": workers, "cpus": os.cpu_count(),
+            "load_average_start": [round(x, 2) for x in data["load_start"]],
+            "load_average_end": [round(x, 2) for x in os.getloadavg()],
+            "calibration_s": [round(x, 4) for x in data["calibration_s"]]}
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "chapter_timings.json").write_text(json.dumps({"run": meta, "chapters": rows}, indent=1) + "\n")
+    with open(ARTIFACTS / "chapter_timings.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    tr = terminalreporter
+    tr.section("chapter timings (a report, not a test: a busy machine is slower, not wrong)")
+    tr.line(f"{workers or 1} worker(s) on {os.cpu_count()} CPUs; load average {meta['load_average_start'][0]} at "
+            f"the start, {meta['load_average_end'][0]} at the end; calibration {cal:.2f} s")
+
+    def cell(x, fmt="{:.0f}"):
+        return "-" if x is None else fmt.format(x)
+    tr.line(f"{'chapter':36} {'budget s':>8} {'solution s':>10} {'unfilled s':>10}  over budget")
+    for r in rows:
+        over = [run for run in ("solution", "unfilled") if r[f"{run}_over_budget"]]
+        tr.line(f"{r['chapter']:36} {cell(r['budget_s']):>8} {cell(r['solution_s']):>10} {cell(r['unfilled_s']):>10}"
+                f"  {', '.join(over) or '-'}")
+    tr.line(f"written to {_rel_path(ARTIFACTS / 'chapter_timings.csv')} and .json")
+
