@@ -4,7 +4,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -30,9 +29,12 @@ def test_full_admission_queue_answers_503_at_once_and_recovers(tmp_path, model_d
     with ServerProcess(tmp_path, model_dir, {"step_delay": 0.02}, args=["--max-queued-requests", "2"]) as srv, \
             httpx.Client(base_url=srv.url, timeout=httpx.Timeout(20)) as client:
         held = [_open_stream(client, [5, 6, 7 + i]) for i in range(2)]
-        t = time.monotonic()
         res = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=10)
-        assert time.monotonic() - t < 5, "the overloaded server made the client wait"
+        # answered at once: both held requests were still in the engine's running batch when the 503 came back
+        # (a server that queued the client until a place freed would have answered after one of them finished)
+        held_ids = {e["request_id"] for e in srv.events("add") if e["prompt_token_ids"] in ([5, 6, 7], [5, 6, 8])}
+        assert len(held_ids) == 2 and held_ids <= set(srv.events("step")[-1]["batch"]), \
+            "the overloaded server made the client wait"
         assert res.status_code == 503, res.text
         assert res.headers.get("retry-after") == "1"
         error = res.json()["error"]
@@ -59,15 +61,14 @@ def test_sigterm_aborts_open_requests_calls_exit_and_exits_0(tmp_path, model_dir
     try:
         with httpx.Client(base_url=srv.url, timeout=httpx.Timeout(20)) as client:
             response, lines = _open_stream(client, [21, 22, 23])
-            t = time.monotonic()
             status = srv.terminate(timeout=30)
             rest = [line for line in lines if line]
             response.close()
         assert status == 0, srv.log()
-        assert time.monotonic() - t < 15, "shutdown waited for the open stream instead of aborting it"
         assert rest[-1] == "data: [DONE]"
         finishes = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest if line.startswith("data: {")]
-        assert finishes[-1] == "abort"
+        # aborted, not waited for: a stream left to finish would end with 'length' (190 tokens, ignore_eos)
+        assert finishes[-1] == "abort", "shutdown waited for the open stream instead of aborting it"
         events = srv.record()
         rid = [e for e in events if e["event"] == "add"][-1]["request_id"]
         kinds = [e["event"] for e in events]
