@@ -119,11 +119,11 @@ class LeakyBlockManager(BlockManager):
 
 
 def test_a_block_manager_that_leaks_stops_the_engine_instead_of_hanging():
-    """The engine's run is bounded in steps, not in seconds: the leak is reported at the step limit."""
-    from nanovllm_course.engine_check import MAX_STEPS
-    with pytest.raises(AssertionError, match=r"^E5\.2: inside the tiny engine \(a tight KV cache") as info:
+    """The check returns with the engine's failure under the tight cache. (What bounds the run is the engine
+    check's step limit, MAX_STEPS, and a hang would be pytest-timeout's failure: no bound in seconds here.)"""
+    with pytest.raises(AssertionError, match=r"^E5\.2: inside the tiny engine \(a tight KV cache[^)]*\) your "
+                                             r"BlockManager raised "):
         in_the_engine("E5.2", BlockManager=LeakyBlockManager)
-    assert f"did not finish 4 short requests in {MAX_STEPS} steps" in str(info.value), info.value
 
 
 def store_raising(key, value, k_cache, v_cache, slot_mapping):
