@@ -5,7 +5,7 @@ tests/ and the notebooks in solutions/ or chapters/ alike).
   (pyproject.toml registers them, with `slow`). A test file's area comes from its name (FILE_AREAS); a test
   marked with an area itself keeps its own. `make test-engine` and the like select one (`-m engine`);
   tests/test_suite_rules.py holds every item to one area.
-* **Slow.** `slow` marks what `make test-fast` leaves out: the tests in SLOW_FILES and the tests marked
+* **Slow.** `slow` marks what `make test-fast` leaves out: the tests named in SLOW (measured) and any marked
   `@pytest.mark.slow` in their file.
 * **One run of a notebook feeds grade and nbval.** For each notebook cell that `pytest --nbval` runs, the
   source it ran and the outputs its kernel gave (nbval's `item.test_outputs`) are recorded, with the verdict
@@ -76,8 +76,67 @@ FILE_AREAS = (
     ("test_smollm2_*.py", "engine"),
 )
 
-# Files whose every test is slow (a chapter run, a server on the real model, tensor-parallel workers...).
-SLOW_FILES = ("*.ipynb", "browser_lab.py")
+# `slow`: what took 3 s or more on the 2-core CPU (measured 2026-12-01 under load, by test function): chapter
+# runs, tensor-parallel workers, torch.compile warm-ups, servers and the real model. A file named here with "*"
+# is slow throughout; a test may also carry @pytest.mark.slow itself.
+SLOW = {
+    "*.ipynb": "*", "browser_lab.py": "*",
+    "test_serve_lifecycle.py": "*", "test_serve_chat_shell.py": "*", "test_smollm2_engine.py": "*",
+    "test_fused_kernels_bench.py": "*", "test_triton_engine.py": "*",
+    "test_async_scheduling.py": ("test_async_outputs_equal_sync_and_hf",),
+    "test_attention_backends.py": ("test_flash_adapter_maps_our_three_calls_onto_each_implementation",),
+    "test_bench.py": ("test_a_missing_or_failing_peer_gets_a_row_with_the_reason_and_the_others_still_run",
+                      "test_a_peer_past_its_time_limit_is_a_timeout_row",
+                      "test_cpu_bench_records_median_min_max_load_and_equality_with_hf",
+                      "test_cpu_tiny_honours_max_num_seqs_and_kvcache_block_size",
+                      "test_cpu_tiny_mode_at_tensor_parallel_2_measures_against_two_devices_floor",
+                      "test_cpu_tiny_mode_runs_every_peer_through_the_harness_and_writes_the_record",
+                      "test_step_profile_at_tensor_parallel_2_times_whole_steps_over_gloo",
+                      "test_the_bench_commands_forward_from_the_engine_cli",
+                      "test_tp_comm_cpu_smoke_counts_one_decode_steps_collectives"),
+    "test_course_ch13_gpu_script.py": ("test_cpu_smoke_writes_the_json_and_the_figure",),
+    "test_cpu_backend.py": ("test_engine_greedy_ids_equal_hf",),
+    "test_engine_detokenizer.py": ("test_smollm2_text_keeps_the_contract_and_streams_the_same",),
+    "test_engine_robustness.py": ("test_failed_tp_start_does_not_block_the_next_tp_engine",
+                                  "test_tp1_engine_stays_correct_while_a_tp2_engine_is_alive"),
+    "test_engine_stops.py": ("test_special_eos_text_shows_only_when_kept_and_not_skipped",),
+    "test_engine_tp_and_errors.py": ("test_tensor_parallel_2_on_cpu_equals_tp_1_and_hf",
+                                     "test_tp_engine_killed_mid_run_leaves_no_workers_and_next_engine_starts",
+                                     "test_tp_step_interrupted_on_rank0_closes_the_engine_with_a_clear_error",
+                                     "test_tp_step_that_raises_on_every_rank_reaches_the_caller_and_exit_still_finishes",
+                                     "test_two_tp_engines_one_after_another_do_not_clash"),
+    "test_fused_kernels_model.py": ("test_awkward_shape_on_fused_decode_kernels_matches_hf",
+                                    "test_bf16_fused_route_stays_within_bf16_noise_of_the_general_route",
+                                    "test_decode_batches_over_4_use_the_tl_dot_gemm_and_match_hf",
+                                    "test_decode_batches_over_max_m_take_the_large_batch_route",
+                                    "test_engine_on_fused_decode_kernels_matches_hf_greedy",
+                                    "test_engine_with_several_k_splits_matches_hf_greedy",
+                                    "test_tensor_parallel_fused_decode_all_reduces_split_k_partials"),
+    "test_parts.py": ("test_exported_parts_pickle_into_tensor_parallel_workers",
+                      "test_exported_solutions_run_in_the_engine_with_hf_equal_ids",
+                      "test_exported_unfilled_chapters_fall_back_to_the_reference_and_say_so",
+                      "test_parts_from_an_importable_module_run_in_tensor_parallel_workers",
+                      "test_triton_on_cpu_without_the_interpreter_is_refused_by_name"),
+    "test_sampler_logprobs.py": ("test_tensor_parallel_prompt_and_completion_logprobs_equal_one_rank",),
+    "test_sampler_penalties_min_p.py": ("test_greedy_with_penalties_equals_hf_generate",),
+    "test_serve_api.py": ("test_a_long_prompt_is_tokenized_off_the_event_loop",
+                          "test_completion_streamed_equals_non_streamed_and_the_engine_answer"),
+    "test_serve_bench.py": ("test_client_runs_the_rates_against_the_fake_server_and_plots",
+                            "test_overhead_measures_the_same_workload_offline_and_through_the_server"),
+    "test_serve_real_engine.py": "*",
+    "test_smollm2_convert.py": ("test_hf_greedy_generation_fp32_matches_reference_ids",),
+    "test_thin_step.py": ("test_no_compile_after_start_up", "test_tensor_parallel_graph_path_on_cpu_equals_hf",
+                          "test_without_warm_up_the_workload_compiles"),
+    "test_triton_kernels.py": ("test_paged_prefill_with_cached_prefix_matches_reference",
+                               "test_varlen_prefill_on_fused_qkv_views_matches_reference"),
+}
+
+
+def is_slow(file_name: str, function: str) -> bool:
+    for pattern, tests in SLOW.items():
+        if fnmatch.fnmatch(file_name, pattern) and (tests == "*" or function in tests):
+            return True
+    return False
 
 
 def area_of_file(name: str) -> str | None:
@@ -114,7 +173,7 @@ def pytest_itemcollected(item):
         area = area_of_file(item.path.name)
         if area is not None:
             item.add_marker(area)
-    if any(fnmatch.fnmatch(item.path.name, p) for p in SLOW_FILES) and not item.get_closest_marker("slow"):
+    if not item.get_closest_marker("slow") and is_slow(item.path.name, getattr(item, "originalname", item.name)):
         item.add_marker("slow")
     if _is_notebook_item(item) and item.config.pluginmanager.hasplugin("xdist"):
         item.add_marker(pytest.mark.xdist_group(_rel_path(item.path)))
@@ -122,9 +181,13 @@ def pytest_itemcollected(item):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup`, where a notebook's items are one group: xdist's own grouping reads a suffix that
-    pytest 9's node ids no longer carry (xdist 3.8 sets `item._nodeid`), so the notebook is found by its
-    path; xdist_group marks still group where the suffix is there (pytest 8)."""
+    """`--dist loadgroup`, where a notebook's items are one group, and the longest work is handed out first.
+
+    xdist's own grouping reads a node-id suffix that pytest 9's node ids no longer carry (xdist 3.8 sets
+    `item._nodeid`), so a notebook is found by its path (xdist_group marks still group where the suffix is
+    there, pytest 8). Work units go out longest first (LPT: the run ends when the last unit does, so a long one
+    handed out last sets the tail): a chapter's notebook, and its unfilled run, weigh its CPU budget; a slow
+    test 20 s; the rest 0, in collection order."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
@@ -136,7 +199,36 @@ def pytest_xdist_make_scheduler(config, log):
                 return path
             return super()._split_scope(nodeid)
 
+        def add_node_collection(self, node, collection):
+            weights = {}
+
+            def weight(nodeid):
+                scope = self._split_scope(nodeid)
+                if scope not in weights:
+                    weights[scope] = expected_seconds(scope)
+                return weights[scope]
+            super().add_node_collection(node, sorted(collection, key=lambda nodeid: -weight(nodeid)))
+
+        def schedule(self):
+            self.config.option.loadscopereorder = False      # keep the order above (xdist sorts by item count)
+            super().schedule()
+
     return NotebookGroupScheduling(config, log)
+
+
+def expected_seconds(scope: str) -> float:
+    """A work unit's weight for the scheduler: a chapter notebook or a test of one chapter (`...[NN_slug.ipynb]`)
+    its CPU budget, a slow test 20 s, any other 0."""
+    import re
+    m = re.search(r"(\d\d_[a-z0-9_]+\.ipynb)", scope)
+    if m and (scope.endswith(".ipynb") or "unfilled" in scope):
+        try:
+            meta = json.loads((REPO / "solutions" / m.group(1)).read_text(encoding="utf-8"))["metadata"]
+            return float(meta["nanovllm"]["cpu_budget_s"])
+        except (OSError, KeyError, ValueError):
+            return 20.0
+    path, _, name = scope.partition("::")
+    return 20.0 if is_slow(Path(path).name, name.split("[")[0]) else 0.0
 
 
 def _rel_path(path: Path) -> str:

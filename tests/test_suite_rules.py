@@ -84,3 +84,16 @@ def test_no_test_asserts_an_upper_bound_on_a_wall_time():
     for path in sorted(TESTS.glob("*.py")):
         found += _upper_bounds_on_time(path.read_text(encoding="utf-8"), path.name)
     assert found == [], "\n".join(found)
+
+
+def test_the_slow_table_names_test_functions_that_exist():
+    """tests/suite_plugin.SLOW names tests by file and function: a renamed or removed test must leave it too."""
+    stale = []
+    for pattern, tests in suite_plugin.SLOW.items():
+        if tests == "*":
+            assert pattern.startswith("*") or (TESTS / pattern).is_file(), pattern
+            continue
+        tree = ast.parse((TESTS / pattern).read_text(encoding="utf-8"))
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        stale += [f"{pattern}::{t}" for t in tests if t not in defined]
+    assert stale == []
