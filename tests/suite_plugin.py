@@ -95,6 +95,21 @@ SLOW = {
                       "test_the_bench_commands_forward_from_the_engine_cli",
                       "test_tp_comm_cpu_smoke_counts_one_decode_steps_collectives"),
     "test_course_ch13_gpu_script.py": ("test_cpu_smoke_writes_the_json_and_the_figure",),
+    "test_course_ch12.py": ("test_hold_streams_keeps_every_stream_open_so_the_fifth_client_gets_503",),
+    "test_course_ch13.py": ("test_c2_shows_both_engines_answers_and_their_throughput_on_this_cpu",
+                            "test_chapter_10_a_stub_falls_back_to_chapter_04s_store_on_the_cpu_and_says_so",
+                            "test_round_trip_every_part_is_yours_and_the_check_says_ok",
+                            "test_the_capstone_table_names_each_part_its_owner_and_what_did_not_run",
+                            "test_the_live_smollm2_reference_agrees_with_hf_scoring_its_ids",
+                            "test_the_stream_sees_a_scheduler_that_requeues_at_the_back_and_e12_1_blames_it"),
+    "test_course_engine_check.py": ("test_every_solution_part_runs_inside_the_engine",),
+    "test_course_machinery.py": ("test_an_unfilled_chapter_fails_at_each_exercise_by_its_id_in_nbval_and_grade",
+                                 "test_check_command_exit_status",
+                                 "test_export_writes_beside_the_notebooks_and_two_graders_at_once_do_not_collide",
+                                 "test_grade_reports_one_line_per_exercise",
+                                 "test_make_test_grades_every_solution_run_with_its_grade_item",
+                                 "test_pytest_nbval_and_grade_agree_on_right_wrong_and_missing_answers"),
+    "test_packaging.py": ("test_the_engine_imports_nothing_from_the_course_the_bench_or_the_checkpoint_tools",),
     "test_cpu_backend.py": ("test_engine_greedy_ids_equal_hf",),
     "test_engine_detokenizer.py": ("test_smollm2_text_keeps_the_contract_and_streams_the_same",),
     "test_engine_robustness.py": ("test_failed_tp_start_does_not_block_the_next_tp_engine",
@@ -199,36 +214,38 @@ def pytest_xdist_make_scheduler(config, log):
                 return path
             return super()._split_scope(nodeid)
 
-        def add_node_collection(self, node, collection):
-            weights = {}
-
-            def weight(nodeid):
-                scope = self._split_scope(nodeid)
-                if scope not in weights:
-                    weights[scope] = expected_seconds(scope)
-                return weights[scope]
-            super().add_node_collection(node, sorted(collection, key=lambda nodeid: -weight(nodeid)))
-
         def schedule(self):
-            self.config.option.loadscopereorder = False      # keep the order above (xdist sorts by item count)
+            # keep the workers' order (pytest_collection_modifyitems below puts the longest first); xdist would
+            # sort by item count. (The order must be the workers' own: the controller sends them indices.)
+            self.config.option.loadscopereorder = False
             super().schedule()
 
     return NotebookGroupScheduling(config, log)
 
 
-def expected_seconds(scope: str) -> float:
-    """A work unit's weight for the scheduler: a chapter notebook or a test of one chapter (`...[NN_slug.ipynb]`)
-    its CPU budget, a slow test 20 s, any other 0."""
+def expected_seconds(item) -> float:
+    """An item's weight for the order of a distributed run: an item of a chapter notebook, or a test of one
+    chapter's unfilled run (`...unfilled...[NN_slug.ipynb]`), the chapter's CPU budget; a slow test 20 s; 0."""
     import re
-    m = re.search(r"(\d\d_[a-z0-9_]+\.ipynb)", scope)
-    if m and (scope.endswith(".ipynb") or "unfilled" in scope):
+    name = item.path.name if item.path.suffix == ".ipynb" else (
+        item.name if "unfilled" in item.name else "")
+    m = re.search(r"(\d\d_[a-z0-9_]+\.ipynb)", name)
+    if m:
         try:
             meta = json.loads((REPO / "solutions" / m.group(1)).read_text(encoding="utf-8"))["metadata"]
             return float(meta["nanovllm"]["cpu_budget_s"])
         except (OSError, KeyError, ValueError):
             return 20.0
-    path, _, name = scope.partition("::")
-    return 20.0 if is_slow(Path(path).name, name.split("[")[0]) else 0.0
+    return 20.0 if item.get_closest_marker("slow") else 0.0
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker of `--dist loadgroup`: the longest work first (a stable sort, so a notebook's items stay
+    together and in order; every worker sorts the same collection the same way)."""
+    # (xdist sets a worker's `dist` to "no" and keeps `loadgroup`)
+    if hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False):
+        weights = {id(item): expected_seconds(item) for item in items}
+        items.sort(key=lambda item: -weights[id(item)])
 
 
 def _rel_path(path: Path) -> str:
