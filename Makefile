@@ -54,8 +54,8 @@ demo: model
 TEST_WORKERS ?= 2
 TEST_PATHS := solutions/ tests/
 PYTEST_ARGS ?=
-PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -p no:cacheprovider --timeout=900 \
-	-n $(TEST_WORKERS) --dist loadgroup
+PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -p no:cacheprovider -p tests.suite_plugin \
+	--timeout=900 -n $(TEST_WORKERS) --dist loadgroup
 
 test: model
 	$(PYTEST) $(TEST_PATHS) $(NBVAL) $(PYTEST_ARGS)

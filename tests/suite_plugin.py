@@ -31,10 +31,17 @@ import csv
 import fnmatch
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import pytest
+
+# nbformat's validator imports jsonschema, whose optional IRI format checker (rfc3987_syntax) builds a Lark
+# grammar at import: 1.2 s of CPU in every pytest process here (the main one, each xdist worker, each recorded
+# notebook run) for a format that no notebook schema uses. Loaded before the nbval plugin (`-p tests.suite_plugin`,
+# as make test and the recorded runs load it), this plugin leaves that checker out of the test processes.
+sys.modules.setdefault("rfc3987_syntax", None)
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "artifacts"
