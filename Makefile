@@ -10,11 +10,13 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
-NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 # JupyterLab serves the repository root (the chapters link their pictures as ../figures/*.png) and opens
 # chapters/; as root (containers) it needs --allow-root. tests/browser_lab.py starts Lab with the same flags.
 IS_ROOT := $(filter 0,$(shell id -u))
 LAB_ARGS := --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/chapters $(if $(IS_ROOT),--allow-root)
+# The venv's bin/ first on the PATH of Lab and so of its kernels: a `!python ...` or `!pip ...` in a notebook runs
+# the venv's Python (with torch), not whatever `python` the shell that ran make found first.
+LAB_PATH := $(abspath $(VENV))/bin
 SUDO := $(if $(IS_ROOT),,sudo)
 
 .PHONY: demo test test-engine test-kernels test-serve test-course test-bench test-fast test-browser suite-timing \
@@ -45,33 +47,35 @@ model: $(STAMP)
 demo: model
 	@$(PY) -m nanovllm_ref demo
 
-# The whole suite: tests/ and the solution notebooks under nbval. Each notebook runs once; its `::grade` item
-# grades that same run (tests/suite_plugin.py). TEST_WORKERS xdist workers share the cores; a notebook runs whole
-# on one worker (--dist loadgroup). One thread each: the workers, the notebook kernels and the TP ranks they start
-# would otherwise each take every core. The chapter timings report lands in artifacts/chapter_timings.{csv,json}.
+# The whole suite, tests/. Each chapter notebook runs twice in it, filled and unfilled, each run under nbval as a
+# grader runs it and graded by `grade` from that same run; the filled run also compares every cell with the
+# solution's stored output (the gate `pytest --nbval solutions/` was; tests/test_course_machinery.py). TEST_WORKERS
+# xdist workers share the cores, longest work first (--dist loadgroup, tests/suite_plugin.py). One thread each: the
+# workers, the notebook kernels and the TP ranks they start would otherwise each take every core. The chapter
+# timings report lands in artifacts/chapter_timings.{csv,json}.
 # A developer's loop: `make test-engine` (kernels, serve, course, bench) runs one area, `make test-fast` all
 # but the slow tests; PYTEST_ARGS adds options (e.g. PYTEST_ARGS='-k stops -x').
 TEST_WORKERS ?= 2
-TEST_PATHS := solutions/ tests/
+TEST_PATHS := tests/
 PYTEST_ARGS ?=
 PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -p no:cacheprovider -p tests.suite_plugin \
 	--timeout=900 -n $(TEST_WORKERS) --dist loadgroup
 
 test: model
-	$(PYTEST) $(TEST_PATHS) $(NBVAL) $(PYTEST_ARGS)
+	$(PYTEST) $(TEST_PATHS) $(PYTEST_ARGS)
 
 test-engine test-kernels test-serve test-course test-bench: model
-	$(PYTEST) -m $(@:test-%=%) $(TEST_PATHS) $(NBVAL) $(PYTEST_ARGS)
+	$(PYTEST) -m $(@:test-%=%) $(TEST_PATHS) $(PYTEST_ARGS)
 
 test-fast: model
-	$(PYTEST) -m "not slow" $(TEST_PATHS) $(NBVAL) $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(TEST_PATHS) $(PYTEST_ARGS)
 
 # `make test` quiet, then with both cores kept busy, each timed; the record goes to bench/results/ (see the script).
 suite-timing: model
 	bench/suite_timing.sh
 
 lab: model
-	$(VENV)/bin/jupyter lab $(LAB_ARGS)
+	PATH="$(LAB_PATH):$$PATH" $(VENV)/bin/jupyter lab $(LAB_ARGS)
 
 # Debian's chromium for the browser test (playwright drives it; it comes with the test extra).
 chromium:
@@ -81,7 +85,7 @@ chromium:
 # The student's JupyterLab in headless Chromium: figures load, maths renders, a check says ok.
 # Screenshots land in artifacts/browser/ (git-ignored).
 test-browser: $(STAMP) chromium
-	LAB_ARGS="$(LAB_ARGS)" CHROMIUM="$$(command -v chromium)" \
+	LAB_ARGS="$(LAB_ARGS)" LAB_PATH="$(LAB_PATH)" CHROMIUM="$$(command -v chromium)" \
 	  $(PY) -m pytest -q -p no:cacheprovider --timeout=300 tests/browser_lab.py
 
 release: $(STAMP)

@@ -4,7 +4,8 @@
     check                   exit 1 if committed chapters/ differ from a fresh release (drift check)
     execute NOTEBOOK...     run solution notebooks top to bottom in this environment, save them normalised
     verify [NAMES...]       run released chapters unfilled: every exercise `not done yet`, no other error
-    grade [NOTEBOOKS...]    run student notebooks and print one verdict line per exercise (exit 1 unless all ok)
+    grade [NOTEBOOKS...]    grade student notebooks or folders (a class): one verdict per exercise, a table, a
+                            total, --csv/--json (exit 1 unless every required exercise is ok)
     figures [CHAPTERS...]   redraw figures/chNN_*.png (all chapters, or e.g. `figures 01 02`)
     import-py SRC.py DST.ipynb   make a notebook from a percent-format (`# %%`) Python file
     export [CHAPTERS...]    write your exercises from chapters/ into chapters/student/chNN.py (importable,
@@ -14,7 +15,6 @@ See nanovllm_course/README.md.
 """
 import argparse
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -55,28 +55,54 @@ def cmd_verify(args) -> int:
     return status
 
 
-def cmd_grade(args) -> int:
+def _grade_paths(names) -> list[Path]:
+    """The notebooks `grade` is given: files; folders (their NN_slug.ipynb, or, for a folder of student folders,
+    each subfolder's); chapter numbers or stems in chapters/."""
     paths = []
-    for name in args.notebooks or [str(rel.CHAPTERS)]:
+    for name in names:
         p = Path(name)
         if p.is_dir():
-            paths += _chapter_paths(p, None)
+            found = rel.solution_paths(p)
+            if not found:
+                found = [nb for sub in sorted(q for q in p.iterdir() if q.is_dir() and not q.name.startswith("."))
+                         for nb in rel.solution_paths(sub)]
+            if not found:
+                raise rel.ReleaseError(f"grade: no chapter notebook (NN_slug.ipynb) in {p} or its subfolders")
+            paths += found
         elif p.is_file():
             paths.append(p)
         else:
             paths += _chapter_paths(rel.CHAPTERS, [name], "grade")
+    return list(dict.fromkeys(paths))
+
+
+def cmd_grade(args) -> int:
+    from nanovllm_course import grading
+    if args.jobs < 1:
+        raise rel.ReleaseError(f"grade: --jobs must be >= 1, got {args.jobs}")
+    paths = _grade_paths(args.notebooks or [str(rel.CHAPTERS)])
     if not paths:
         print("error: no notebook to grade", file=sys.stderr)
         return 2
-    status = 0
-    for path in paths:
-        grade = rel.grade_path(path, args.solutions, timeout=args.timeout)
-        shown = os.path.relpath(path)
-        print(f"== {shown if not shown.startswith('..') else path}")
+
+    def show(grade):
+        shown = os.path.relpath(grade.path) if grade.path else grade.name
+        print(f"== {shown if not shown.startswith('..') else grade.path}")
         for line in grade.lines():
             print(line)
-        status |= not grade.ok
-    return status
+        sys.stdout.flush()
+
+    grades = grading.grade_class(paths, Path(args.solutions), timeout=args.timeout, jobs=args.jobs, on_grade=show)
+    if len(grades) > 1:
+        print()
+        print(grading.table(grades))
+    if args.csv:
+        grading.write_csv(grades, args.csv)
+        print(f"wrote {args.csv}")
+    if args.json:
+        grading.write_json(grades, args.json, solutions=args.solutions)
+        print(f"wrote {args.json}")
+    return 0 if all(g.ok for g in grades) else 1
 
 
 def cmd_figures(args) -> int:
@@ -103,13 +129,7 @@ def cmd_export(args) -> int:
                                f"numbers from {sorted(ex.EXPORTS)}")
     out = Path(args.out) if args.out else ex.default_out(Path(args.notebooks))
     rows = ex.export(Path(args.notebooks), out, chapters or None)
-    print(f"exported {len({r['chapter'] for r in rows})} chapter(s) from {args.notebooks}/ into {out}/")
-    print(ex.part_table(rows))
-    # in chapter order (E2.1 before E10.1): sort by the numbers in the id, not the text
-    missing = sorted({r["exercise"] for r in rows if r["status"] != "done"},
-                     key=lambda e: [int(n) for n in re.findall(r"\d+", e)])
-    if missing:
-        print(f"still the reference's (not done yet): {', '.join(missing)}")
+    print(ex.report(rows, args.notebooks, out))
     return 0
 
 
@@ -145,12 +165,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=300)
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("grade", help="one verdict line per exercise of student notebooks")
+    p = sub.add_parser("grade", help="grade student notebooks: one verdict per exercise, a table, CSV/JSON")
     p.add_argument("notebooks", nargs="*",
-                   help="notebook files, folders, or chapter numbers/stems in chapters/ (default: chapters/)")
+                   help="notebook files, folders (one per student, or a folder of student folders), or chapter "
+                        "numbers/stems in chapters/ (default: chapters/)")
     p.add_argument("--solutions", default=str(rel.SOLUTIONS),
-                   help="where the solution notebooks (expected outputs, check cells) are")
+                   help="where the solution notebooks (the chapters' check cells) are")
     p.add_argument("--timeout", type=int, default=300, help="seconds per cell")
+    p.add_argument("--csv", help="write one row per exercise to this CSV file")
+    p.add_argument("--json", help="write the whole report (per notebook, per exercise, totals) to this JSON file")
+    p.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (each in its own kernel)")
     p.set_defaults(func=cmd_grade)
 
     p = sub.add_parser("figures", help="redraw figures/chNN_*.png")

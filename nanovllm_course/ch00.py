@@ -152,3 +152,11 @@ def decode_throughput(llm, batch_sizes, prompt_len: int = 16, max_tokens: int = 
         t_prefill, t_all = run(b, 1), run(b, max_tokens)
         result[b] = b * (max_tokens - 1) / max(t_all - t_prefill, 1e-9)
     return result
+
+
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import Exercise, exercises  # noqa: E402
+
+EXERCISES = exercises(
+    Exercise("E0.1", check_complete, ("complete",), (reference_complete,)),
+)

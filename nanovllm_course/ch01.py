@@ -143,11 +143,14 @@ def accumulation_error(hidden_sizes, rows: int = 64, seed: int = 0) -> dict:
     return out
 
 
-# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
-from nanovllm_course.common import EnginePart  # noqa: E402
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import EnginePart, Exercise, exercises, parts_of  # noqa: E402
 
-PARTS = [
-    EnginePart("rms_norm", "rms_norm", "E1.1", check=lambda mod: check_rms_norm(mod.rms_norm)),
-    EnginePart("fused_add_rms_norm", "add_rms_norm", "E1.2",
-               check=lambda mod: check_fused_add_rms_norm(mod.fused_add_rms_norm)),
-]
+EXERCISES = exercises(
+    Exercise("E1.1", check_rms_norm, ("rms_norm",), (reference_rms_norm,), parts=(
+        EnginePart("rms_norm", "rms_norm", "E1.1", check=lambda mod: check_rms_norm(mod.rms_norm)),)),
+    Exercise("E1.2", check_fused_add_rms_norm, ("fused_add_rms_norm",), (reference_fused_add_rms_norm,), parts=(
+        EnginePart("fused_add_rms_norm", "add_rms_norm", "E1.2",
+                   check=lambda mod: check_fused_add_rms_norm(mod.fused_add_rms_norm)),)),
+)
+PARTS = parts_of(EXERCISES)

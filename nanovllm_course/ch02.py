@@ -211,10 +211,13 @@ def relative_position_demo(head_dim: int = 64, base: float = 10000.0, seed: int 
     return abs(scores[0] - scores[1]) < 1e-4 * max(1.0, abs(scores[0]))
 
 
-# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
-from nanovllm_course.common import EnginePart  # noqa: E402
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import EnginePart, Exercise, exercises, parts_of  # noqa: E402
 
-PARTS = [
-    EnginePart("rope_cos_sin", "rope_cos_sin", "E2.1", check=lambda mod: check_rope_cos_sin(mod.rope_cos_sin)),
-    EnginePart("apply_rope", "rotary", "E2.2", check=lambda mod: check_apply_rope(mod.apply_rope)),
-]
+EXERCISES = exercises(
+    Exercise("E2.1", check_rope_cos_sin, ("rope_cos_sin",), (reference_rope_cos_sin,), parts=(
+        EnginePart("rope_cos_sin", "rope_cos_sin", "E2.1", check=lambda mod: check_rope_cos_sin(mod.rope_cos_sin)),)),
+    Exercise("E2.2", check_apply_rope, ("apply_rope",), (reference_apply_rope,), parts=(
+        EnginePart("apply_rope", "rotary", "E2.2", check=lambda mod: check_apply_rope(mod.apply_rope)),)),
+)
+PARTS = parts_of(EXERCISES)

@@ -538,14 +538,22 @@ def check_prefill_logits(prefill_logits, build_model) -> None:
     ok(tag)
 
 
-# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
-from nanovllm_course.common import EnginePart  # noqa: E402
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import EnginePart, Exercise, exercises, parts_of  # noqa: E402
 from nanovllm_course import export as _export  # noqa: E402
 
-# one exercise, two loaders, one check of both (the capstone runs it once)
-PARTS = [
-    EnginePart("qkv_weight_loader", "qkv_weight_loader", "E3.3", adapter=_export.one_rank_qkv_loader,
-               check=lambda mod: check_packed_loaders(mod.qkv_weight_loader, mod.gate_up_weight_loader)),
-    EnginePart("gate_up_weight_loader", "gate_up_weight_loader", "E3.3", adapter=_export.one_rank_gate_up_loader,
-               check=lambda mod: check_packed_loaders(mod.qkv_weight_loader, mod.gate_up_weight_loader)),
-]
+EXERCISES = exercises(
+    Exercise("E3.1", check_gqa_attention, ("gqa_attention",), (reference_gqa_attention,)),
+    Exercise("E3.2", check_decoder_blocks, ("attention_forward", "mlp_forward"),
+             (reference_attention_forward, reference_mlp_forward)),
+    # one exercise, two loaders, one check of both (the capstone runs it once)
+    Exercise("E3.3", check_packed_loaders, ("qkv_weight_loader", "gate_up_weight_loader"),
+             (reference_qkv_weight_loader, reference_gate_up_weight_loader), parts=(
+        EnginePart("qkv_weight_loader", "qkv_weight_loader", "E3.3", adapter=_export.one_rank_qkv_loader,
+                   check=lambda mod: check_packed_loaders(mod.qkv_weight_loader, mod.gate_up_weight_loader)),
+        EnginePart("gate_up_weight_loader", "gate_up_weight_loader", "E3.3", adapter=_export.one_rank_gate_up_loader,
+                   check=lambda mod: check_packed_loaders(mod.qkv_weight_loader, mod.gate_up_weight_loader)))),
+    Exercise("E3.4", check_prefill_logits, ("prefill_logits", "build_model"),
+             (reference_prefill_logits, reference_build_model)),
+)
+PARTS = parts_of(EXERCISES)

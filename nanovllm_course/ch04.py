@@ -427,16 +427,21 @@ def check_store_kvcache(fn) -> None:
     ok(tag)
 
 
-# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
-from nanovllm_course.common import EnginePart  # noqa: E402
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import EnginePart, Exercise, exercises, parts_of  # noqa: E402
 from nanovllm_course import export as _export  # noqa: E402
 
-PARTS = [
-    EnginePart("slot_mapping", "prepare_prefill", "E4.1", adapter=_export.prefill_with_slots,
-               check=lambda mod: check_slot_mapping(mod.slot_mapping)),
-    EnginePart("slot_mapping", "prepare_decode", "E4.1", adapter=_export.decode_with_slots,
-               check=lambda mod: check_slot_mapping(mod.slot_mapping)),
-    EnginePart("paged_decode", "attention_backend", "E4.2", adapter=_export.torch_backend_with_decode,
-               check=lambda mod: check_paged_decode(mod.paged_decode)),
-    EnginePart("store_kvcache", "store_kvcache", "E4.3", check=lambda mod: check_store_kvcache(mod.store_kvcache)),
-]
+EXERCISES = exercises(
+    Exercise("E4.1", check_slot_mapping, ("slot_mapping",), (reference_slot_mapping,), parts=(
+        EnginePart("slot_mapping", "prepare_prefill", "E4.1", adapter=_export.prefill_with_slots,
+                   check=lambda mod: check_slot_mapping(mod.slot_mapping)),
+        EnginePart("slot_mapping", "prepare_decode", "E4.1", adapter=_export.decode_with_slots,
+                   check=lambda mod: check_slot_mapping(mod.slot_mapping)))),
+    Exercise("E4.2", check_paged_decode, ("paged_decode",), (reference_paged_decode,), parts=(
+        EnginePart("paged_decode", "attention_backend", "E4.2", adapter=_export.torch_backend_with_decode,
+                   check=lambda mod: check_paged_decode(mod.paged_decode)),)),
+    # optional (the chapter's text says so): the engine's store is given in the section after it
+    Exercise("E4.3", check_store_kvcache, ("store_kvcache",), (reference_store_kvcache,), optional=True, parts=(
+        EnginePart("store_kvcache", "store_kvcache", "E4.3", check=lambda mod: check_store_kvcache(mod.store_kvcache)),)),
+)
+PARTS = parts_of(EXERCISES)

@@ -733,12 +733,16 @@ def check_prefix_caching(cls) -> None:
     ok(tag)
 
 
-# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
-from nanovllm_course.common import EnginePart  # noqa: E402
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import EnginePart, Exercise, exercises, parts_of  # noqa: E402
 
 # two exercises fill one field: the later (prefix caching) wins where both are done
-PARTS = [
-    EnginePart("BlockManager", "block_manager", "E5.2", check=lambda mod: check_block_manager_basics(mod.BlockManager)),
-    EnginePart("CachingBlockManager", "block_manager", "E5.3",
-               check=lambda mod: check_prefix_caching(mod.CachingBlockManager)),
-]
+EXERCISES = exercises(
+    Exercise("E5.1", check_compute_block_hash, ("compute_block_hash",), (reference_compute_block_hash,)),
+    Exercise("E5.2", check_block_manager_basics, ("BlockManager",), (ReferenceBlockManager,), parts=(
+        EnginePart("BlockManager", "block_manager", "E5.2", check=lambda mod: check_block_manager_basics(mod.BlockManager)),)),
+    Exercise("E5.3", check_prefix_caching, ("CachingBlockManager",), (ReferenceBlockManager,), parts=(
+        EnginePart("CachingBlockManager", "block_manager", "E5.3",
+                   check=lambda mod: check_prefix_caching(mod.CachingBlockManager)),)),
+)
+PARTS = parts_of(EXERCISES)

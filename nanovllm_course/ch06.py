@@ -900,13 +900,19 @@ def check_split_decode(fn) -> None:
     ok(tag)
 
 
-# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
-from nanovllm_course.common import EnginePart  # noqa: E402
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import EnginePart, Exercise, exercises, parts_of  # noqa: E402
 from nanovllm_course import export as _export  # noqa: E402
 
-PARTS = [
-    EnginePart("store_kvcache", "store_kvcache", "E6.1", triton=True,
-               check=lambda mod: check_store_kvcache(mod.store_kvcache)),
-    EnginePart("paged_decode", "attention_backend", "E6.3", adapter=_export.torch_backend_with_decode, triton=True,
-               check=lambda mod: check_paged_decode(mod.paged_decode)),
-]
+# the references are the engine's PyTorch functions (fast on a CPU); reference_triton_* are its kernels
+EXERCISES = exercises(
+    Exercise("E6.1", check_store_kvcache, ("store_kvcache",), (reference_store_kvcache,), parts=(
+        EnginePart("store_kvcache", "store_kvcache", "E6.1", triton=True,
+                   check=lambda mod: check_store_kvcache(mod.store_kvcache)),)),
+    Exercise("E6.2", check_online_softmax, ("online_softmax",), (reference_online_softmax,)),
+    Exercise("E6.3", check_paged_decode, ("paged_decode",), (reference_torch_paged_decode,), parts=(
+        EnginePart("paged_decode", "attention_backend", "E6.3", adapter=_export.torch_backend_with_decode, triton=True,
+                   check=lambda mod: check_paged_decode(mod.paged_decode)),)),
+    Exercise("E6.4", check_split_decode, ("paged_decode_split",), (reference_triton_paged_decode,), optional=True),
+)
+PARTS = parts_of(EXERCISES)

@@ -912,12 +912,17 @@ def _first_difference(got, want) -> tuple[int, int]:
     return 0, 0
 
 
-# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
-from nanovllm_course.common import EnginePart  # noqa: E402
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import EnginePart, Exercise, exercises, parts_of  # noqa: E402
 
 # one class built over three exercises: E7.3's check runs it inside the engine once all three are done
-PARTS = [
-    EnginePart("Scheduler", "scheduler", "E7.1-E7.3",
-               check=lambda mod: (check_schedule_prefill(mod.Scheduler), check_schedule_decode(mod.Scheduler),
-                                  check_postprocess(mod.Scheduler))),
-]
+EXERCISES = exercises(
+    Exercise("E7.1", check_schedule_prefill, ("Scheduler",), (ReferenceScheduler,)),
+    Exercise("E7.2", check_schedule_decode, ("Scheduler",), (ReferenceScheduler,)),
+    Exercise("E7.3", check_postprocess, ("Scheduler",), (ReferenceScheduler,), parts=(
+        EnginePart("Scheduler", "scheduler", "E7.1-E7.3",
+                   check=lambda mod: (check_schedule_prefill(mod.Scheduler), check_schedule_decode(mod.Scheduler),
+                                      check_postprocess(mod.Scheduler))),)),
+    Exercise("E7.4", check_overlap_timeline, ("overlap_timeline",), (reference_overlap_timeline,)),
+)
+PARTS = parts_of(EXERCISES)

@@ -714,10 +714,16 @@ def your_sampler_in_the_engine(sample) -> None:
 HELPERS = ("temperature_probs", "top_k_top_p", "exponential_race")
 
 
-# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
-from nanovllm_course.common import EnginePart  # noqa: E402
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import EnginePart, Exercise, exercises, parts_of  # noqa: E402
 
 # sample() calls the E8.1-E8.3 helpers; E8.4's check runs it inside the engine
-PARTS = [
-    EnginePart("sample", "sampler", "E8.1-E8.4", check=lambda mod: check_sample(mod.sample)),
-]
+EXERCISES = exercises(
+    Exercise("E8.1", check_temperature_probs, ("temperature_probs",), (reference_temperature_probs,)),
+    Exercise("E8.2", check_exponential_race, ("exponential_race",), (reference_exponential_race,)),
+    Exercise("E8.3", check_top_k_top_p, ("top_k_top_p",), (reference_top_k_top_p,)),
+    Exercise("E8.4", check_sample, ("sample",), (reference_sample,), parts=(
+        EnginePart("sample", "sampler", "E8.1-E8.4", check=lambda mod: check_sample(mod.sample)),)),
+    Exercise("E8.5", check_penalties, ("apply_penalties",), (reference_apply_penalties,)),
+)
+PARTS = parts_of(EXERCISES)

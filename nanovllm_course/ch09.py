@@ -447,16 +447,22 @@ def tp2_equals_tp1(max_tokens: int = 6) -> tuple[list, list]:
     return tp2, tp1
 
 
-# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
-from nanovllm_course.common import EnginePart  # noqa: E402
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import EnginePart, Exercise, exercises, parts_of  # noqa: E402
 
 # the rank-aware loaders have the Parts signature; the capstone checks them with the reference row and vocab
 # loaders (only these two are engine parts)
-PARTS = [
-    EnginePart("load_qkv_shard", "qkv_weight_loader", "E9.1",
-               check=lambda mod: check_shard_loaders(mod.load_qkv_shard, mod.load_gate_up_shard,
-                                                     reference_load_row_shard, reference_load_vocab_shard)),
-    EnginePart("load_gate_up_shard", "gate_up_weight_loader", "E9.1",
-               check=lambda mod: check_shard_loaders(mod.load_qkv_shard, mod.load_gate_up_shard,
-                                                     reference_load_row_shard, reference_load_vocab_shard)),
-]
+EXERCISES = exercises(
+    Exercise("E9.1", check_shard_loaders, ("load_qkv_shard", "load_gate_up_shard", "load_row_shard", "load_vocab_shard"),
+             (reference_load_qkv_shard, reference_load_gate_up_shard, reference_load_row_shard,
+              reference_load_vocab_shard), parts=(
+        EnginePart("load_qkv_shard", "qkv_weight_loader", "E9.1",
+                   check=lambda mod: check_shard_loaders(mod.load_qkv_shard, mod.load_gate_up_shard,
+                                                         reference_load_row_shard, reference_load_vocab_shard)),
+        EnginePart("load_gate_up_shard", "gate_up_weight_loader", "E9.1",
+                   check=lambda mod: check_shard_loaders(mod.load_qkv_shard, mod.load_gate_up_shard,
+                                                         reference_load_row_shard, reference_load_vocab_shard)))),
+    Exercise("E9.2", check_simulated_forward, ("column_forward", "row_forward", "vocab_embedding", "lm_head"),
+             (reference_column_forward, reference_row_forward, reference_vocab_embedding, reference_lm_head)),
+)
+PARTS = parts_of(EXERCISES)

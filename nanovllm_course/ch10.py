@@ -740,11 +740,17 @@ def _diagnose_qk(outputs, qkv, args, k_cache, v_cache, tail, tol, qk_norm):
     return None
 
 
-# --- engine parts this chapter exports (read by export, engine_check and the capstone) ---------------------
-from nanovllm_course.common import EnginePart  # noqa: E402
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import EnginePart, Exercise, exercises, parts_of  # noqa: E402
 
-PARTS = [
-    EnginePart("graph_batch_sizes", "graph_batch_sizes", "E10.1",
-               check=lambda mod: check_graph_batch_sizes(mod.graph_batch_sizes)),
-    EnginePart("store_kvcache", "store_kvcache", "E10.3", check=lambda mod: check_capture_safe_store(mod.store_kvcache)),
-]
+EXERCISES = exercises(
+    Exercise("E10.1", check_graph_batch_sizes, ("graph_batch_sizes",), (reference_graph_batch_sizes,), parts=(
+        EnginePart("graph_batch_sizes", "graph_batch_sizes", "E10.1",
+                   check=lambda mod: check_graph_batch_sizes(mod.graph_batch_sizes)),)),
+    Exercise("E10.2", check_fill_static_inputs, ("fill_static_inputs",), (reference_fill_static_inputs,)),
+    Exercise("E10.3", check_capture_safe_store, ("store_kvcache",), (reference_store_kvcache,), parts=(
+        EnginePart("store_kvcache", "store_kvcache", "E10.3", check=lambda mod: check_capture_safe_store(mod.store_kvcache)),)),
+    Exercise("E10.4", check_graph_replay, ("capture_decode_graph",), (reference_capture_decode_graph,)),
+    Exercise("E10.5", check_qk_norm_rope_store, ("qk_norm_rope_store",), (reference_qk_norm_rope_store,)),
+)
+PARTS = parts_of(EXERCISES)

@@ -555,3 +555,11 @@ def peers_markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import Exercise, exercises  # noqa: E402
+
+EXERCISES = exercises(
+    Exercise("E11.1", check_workload_floor, ("workload_floor",), (reference_workload_floor,)),
+    Exercise("E11.2", check_throughput, ("throughput",), (reference_throughput,)),
+    Exercise("E11.3", check_compute_bound_batch, ("compute_bound_batch",), (reference_compute_bound_batch,)),
+)

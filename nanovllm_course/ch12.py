@@ -873,9 +873,16 @@ def smollm2_dir() -> str:
     return str(ensure_model())
 
 
-# --- engine parts this chapter exports: none ------------------------------------------------------------------------
-# The exercises are the serving layer's own rules (apply_pending, the detokenizer step, the SSE events). None is a
-# `nanovllm_ref.Parts` field: Parts holds what runs inside a step (layers, inputs, attention, block manager,
-# scheduler, sampler, graph sizes), and the serving layer sits outside LLMEngine, calling its request API; the
-# detokenizer is the engine's own, not swappable. So export and the capstone have nothing to take from here.
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import Exercise, exercises  # noqa: E402
+
+EXERCISES = exercises(
+    Exercise("E12.1", check_apply_pending, ("apply_pending",), (reference_apply_pending,)),
+    Exercise("E12.2", check_detokenize_step, ("detokenize_step",), (reference_detokenize_step,)),
+    Exercise("E12.3", check_completion_events, ("completion_events",), (reference_completion_events,)),
+)
+# No engine parts: the exercises are the serving layer's own rules (apply_pending, the detokenizer step, the SSE
+# events). None is a `nanovllm_ref.Parts` field: Parts holds what runs inside a step (layers, inputs, attention,
+# block manager, scheduler, sampler, graph sizes), and the serving layer sits outside LLMEngine, calling its
+# request API; the detokenizer is the engine's own, not swappable. So export and the capstone take nothing here.
 PARTS: list = []

@@ -400,7 +400,8 @@ def assemble(folder: str = ".", choose_parts=None) -> Capstone:
     cap.cpu_parts = parts_of(choice, objects)
     cap.gpu_parts = parts_of(gpu_choice, objects) if cuda else cap.cpu_parts
     importlib.invalidate_caches()
-    print(f"exported {len({r['chapter'] for r in rows})} chapter notebooks from {Path(folder).resolve().name}/")
+    print(f"exported {len({r['chapter'] for r in rows})} chapter notebooks from {Path(folder).resolve().name}/ "
+          f"{ex.SAVED_NOTE}")
     print(f"which parts run: {chooser}" + ("" if chooser == "yours" else " (the check says why)"))
     print(part_table(cap))
     print(f"{len(cap.yours())} of {len(_by_exercise(candidates))} exercise parts are yours and pass their "
@@ -807,3 +808,12 @@ def check_capstone(choose_parts, cap: Capstone) -> None:
     if missing:
         print("still the reference's (each chapter grades its own): " + ", ".join(missing))
     ok(TAG)
+
+
+# --- the chapter's exercises (read by grade, export, engine_check, the capstone and the tests) -----------------
+from nanovllm_course.common import Exercise, exercises  # noqa: E402
+
+# the capstone is made by the notebook's own cells (assemble and the sections C.1-C.3): no reference object
+EXERCISES = exercises(
+    Exercise("E13.1", check_capstone, ("choose_parts", "capstone")),
+)

@@ -18,6 +18,7 @@ with the solution's (`python -m nanovllm_course grade`).
 import dataclasses
 import functools
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -88,7 +89,9 @@ _LIBRARIES = tuple(sorted({os.path.abspath(p) + os.sep for p in (sys.prefix, sys
 
 
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    """`text` on one line: line breaks (and the blanks around them) become one space; runs of spaces inside a
+    line are kept, so a message quoting `'  test'` still shows both spaces."""
+    return re.sub(r"[ \t]*[\r\n]+[ \t]*", " ", str(text).strip())
 
 
 def _student_frame(tb):
@@ -122,7 +125,9 @@ def verdict_line(tag: str, exc: BaseException | None, tb=None) -> str:
         message = f"your code raised {type(exc).__name__}: {exc}"
         if where and where[0] != "<module>":
             message += f" (in {where[0]}, line {where[1]})"
-        hint = "run your function on a small input in a new cell to see the full traceback"
+        exercise = exercise_of(tag)
+        hint = (exercise.hint if exercise is not None and exercise.hint else
+                "run your function on a small input in a new cell to see the full traceback")
     text = f"{tag} failed: {_one_line(message.split(chr(10))[0] if message else type(exc).__name__)}"
     if hint and _one_line(hint):
         text += f" (hint: {_one_line(hint)})"
@@ -258,3 +263,107 @@ class EnginePart:
     def value(self, obj):
         """What goes into the Parts field for the notebook's (or exported module's) `obj`."""
         return self.adapter(obj) if self.adapter is not None else obj
+
+
+# -- the exercises a chapter declares (read by grade, export, engine_check, the capstone and the tests) -----------
+@dataclasses.dataclass(frozen=True)
+class Exercise:
+    """One exercise of a chapter (GPU-Puzzles' `CudaProblem`: spec, check and answer in one object). Each chapter
+    module ends with `EXERCISES = exercises(Exercise(...), ...)`, a dict by id, in notebook order.
+
+    id         "E9.2"
+    check      check(*objects) -> None: the chapter's check helper (chNN.check_*); prints `<id> ok` on success,
+               raises CheckFailed (an AssertionError) on wrong code and NotDone on the stub
+    args       the notebook names the check cell hands to `check`, in order: ("column_forward", "row_forward",
+               "vocab_embedding", "lm_head"); the check cell is `with check(id): chNN.check_x(*args)`
+    reference  the reference answers for `args`, in the same order, so `check(*reference)` passes; None where an
+               argument is made by the notebook's own cells (E13.1's `capstone`)
+    parts      the engine parts (EnginePart) this exercise's check cell then runs inside the tiny engine
+               (`in_the_engine(id, **{part.name: ...})`); a part built over several exercises ("E7.1-E7.3")
+               belongs to the last of them. A chapter's `PARTS` is every exercise's parts, in order.
+    optional   True: the chapter is complete without it (`grade` says "optional E4.3 not done" and its exit
+               status ignores it)
+    hint       what a failure of this exercise suggests when the failure brings no hint of its own (an
+               exception raised inside the student's code); None: the generic "run your function on a small
+               input" hint
+    """
+    id: str
+    check: object
+    args: tuple
+    reference: tuple | None = None
+    parts: tuple = ()
+    optional: bool = False
+    hint: str | None = None
+
+    def __post_init__(self):
+        m = re.fullmatch(r"E(\d+)\.(\d+)", str(self.id))
+        if m is None:
+            raise ValueError(f"Exercise id must look like 'E9.2', got {self.id!r}")
+        if not callable(self.check):
+            raise TypeError(f"Exercise {self.id}: check must be callable, got {type(self.check).__name__}")
+        if isinstance(self.args, str) or not all(isinstance(a, str) and a.isidentifier() for a in self.args):
+            raise TypeError(f"Exercise {self.id}: args must be a tuple of notebook names, got {self.args!r}")
+        if self.reference is not None and len(self.reference) != len(self.args):
+            raise ValueError(f"Exercise {self.id}: reference has {len(self.reference)} objects for the "
+                             f"{len(self.args)} args {self.args}")
+        for part in self.parts:
+            if not isinstance(part, EnginePart) or part.graded_by != self.id:
+                raise ValueError(f"Exercise {self.id}: parts must be EngineParts graded by {self.id}, got {part!r}")
+
+    @property
+    def chapter(self) -> str:
+        """The exercise's chapter as two digits, "09"."""
+        return f"{int(self.id[1:].split('.')[0]):02d}"
+
+    def objects(self, namespace) -> list:
+        """The objects the check takes, looked up by name in `namespace` (a notebook's globals). A missing one
+        is a NameError, as the check cell itself would raise."""
+        missing = [name for name in self.args if name not in namespace]
+        if missing:
+            raise NameError(f"name {missing[0]!r} is not defined")
+        return [namespace[name] for name in self.args]
+
+    def run(self, namespace) -> None:
+        """What the exercise's check cell does, on the objects of `namespace`: the check, then the engine run of
+        its parts. Raises as they do (CheckFailed, NotDone, the student's own exception); prints `<id> ok`."""
+        self.check(*self.objects(namespace))
+        if self.parts:
+            from nanovllm_course.engine_check import in_the_engine
+            names = list(dict.fromkeys(p.name for p in self.parts))
+            missing = [name for name in names if name not in namespace]
+            if missing:
+                raise NameError(f"name {missing[0]!r} is not defined")
+            in_the_engine(self.id, **{name: namespace[name] for name in names})
+
+
+def exercises(*items: Exercise) -> dict:
+    """{id: Exercise} in the order given (the notebook's), refusing a repeated id or exercises of two chapters."""
+    found = {}
+    for item in items:
+        if not isinstance(item, Exercise):
+            raise TypeError(f"exercises() takes Exercise objects, got {type(item).__name__}")
+        if item.id in found:
+            raise ValueError(f"exercise {item.id} is declared twice")
+        found[item.id] = item
+    chapters = {e.chapter for e in found.values()}
+    if len(chapters) > 1:
+        raise ValueError(f"one chapter's exercises, got chapters {sorted(chapters)}")
+    return found
+
+
+def parts_of(registry: dict) -> list:
+    """A chapter's engine parts: every exercise's `parts`, in exercise order (the chapter's `PARTS`)."""
+    return [part for exercise in registry.values() for part in exercise.parts]
+
+
+def exercise_of(tag: str):
+    """The Exercise `tag` ("E9.2") from its chapter's EXERCISES, or None if no chapter declares it."""
+    m = re.fullmatch(r"E(\d+)\.(\d+)", str(tag))
+    if m is None:
+        return None
+    import importlib
+    try:
+        module = importlib.import_module(f"nanovllm_course.ch{int(m.group(1)):02d}")
+    except ImportError:
+        return None
+    return getattr(module, "EXERCISES", {}).get(tag)

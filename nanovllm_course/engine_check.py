@@ -1,7 +1,7 @@
 """The engine is the last word: a student's part, run inside the tiny Qwen3 engine, must give HF transformers'
 greedy ids (course machinery).
 
-An exercise that is an engine part (its chapter declares it in `PARTS`, see common.EnginePart) is graded in
+An exercise that is an engine part (its chapter declares it in the exercise's `parts`, see common.Exercise) is graded in
 two steps in one check cell: the chapter's own check, then the part inside the engine.
 
     with check("E4.3"):
@@ -129,12 +129,13 @@ def declared_for(tag: str, names) -> list:
     """The parts that exercise `tag` grades inside the engine, checked against the names a check cell passes:
     a name its chapter does not declare for `tag`, or a declared one left out, is a ValueError (an author's
     mistake, raised before anything runs)."""
-    parts = [p for p in export.declared_parts().get(_chapter(tag), []) if p.graded_by == tag]
+    exercise = export.declared_exercises().get(_chapter(tag), {}).get(tag)
+    parts = list(exercise.parts) if exercise is not None else []
     declared = {p.name for p in parts}
     unknown, missing = sorted(set(names) - declared), sorted(declared - set(names))
     if unknown or missing:
         raise ValueError(f"in_the_engine({tag!r}, ...): chapter {_chapter(tag)} declares {sorted(declared) or 'no part'} "
-                         f"for {tag} in its PARTS; got {sorted(names)}")
+                         f"for {tag} in its EXERCISES; got {sorted(names)}")
     return parts
 
 
@@ -236,9 +237,10 @@ def _graphs_run(tag, label, parts, path, greedy) -> None:
              "a decode batch must replay a graph captured for at least its size")
 
 
-def your_part_in_the_engine(**functions) -> bool:
-    """Run the engine with `functions` as parts; print one line; return True when every prompt matched HF
-    (ungraded: the exercises' check cells grade each part on its own)."""
+def your_part_in_the_engine(**functions) -> None:
+    """Run the engine with `functions` as parts and print one line: whether every prompt's greedy ids matched HF
+    transformers' (ungraded: the exercises' check cells grade each part on its own). Returns None, so a cell that
+    ends with this call shows that one line and nothing else (a returned True used to show as a second line)."""
     from nanovllm_course.common import tiny_model_dir
 
     names = ", ".join(functions)
@@ -246,7 +248,7 @@ def your_part_in_the_engine(**functions) -> bool:
     if len(stubs) == len(functions):
         print(f"Your {names}: still {'a stub' if len(stubs) == 1 else 'stubs'}, so the engine would run the "
               "reference. Fill in the exercise, then run this cell again.")
-        return False
+        return None
     parts, used = export.parts_from_functions(**functions)
     path = tiny_model_dir("qwen3")
     from nanovllm_ref import SamplingParams
@@ -256,7 +258,7 @@ def your_part_in_the_engine(**functions) -> bool:
     except Exception as exc:                          # the student's part broke the engine: say how, briefly
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(f"The engine with your {', '.join(used)} failed: {type(exc).__name__}: {first[:200]}")
-        return False
+        return None
     matched = sum(o == _hf_greedy(path, p) for o, p in zip(outs, PROMPTS))
     skipped = f" ({', '.join(stubs)} still the reference's: stub)" if stubs else ""
     if matched == len(PROMPTS):
@@ -265,4 +267,3 @@ def your_part_in_the_engine(**functions) -> bool:
         verdict = (f"greedy ids match HF transformers' on only {matched}/{len(PROMPTS)} prompts; the exercises' "
                    "check cells say what differs.")
     print(f"Your {', '.join(used)} ran inside the engine{skipped}: {verdict}")
-    return matched == len(PROMPTS)

@@ -8,9 +8,9 @@ Why a file and not the notebook's functions: a tensor-parallel engine starts wor
 the parts pickled, and Python pickles a function by its module and name. A function defined in a notebook
 cell has no importable module, so it cannot reach a worker; the same function in `student/ch01.py` can.
 
-Which parts a chapter has is declared once, in the `PARTS` list at the end of nanovllm_course/chNN.py
-(common.EnginePart: name, Parts field, exercise, adapter, the check the capstone runs); `declared_parts()`
-reads them. The export writes beside the notebooks it reads (`<notebooks>/student/`) unless told where, and
+Which parts a chapter has is declared once, in the `EXERCISES` at the end of nanovllm_course/chNN.py (each
+common.Exercise's `parts`, common.EnginePart: name, Parts field, exercise, adapter, the check the capstone
+runs); `declared_parts()` reads them. The export writes beside the notebooks it reads (`<notebooks>/student/`) unless told where, and
 the capstone exports into a fresh temporary package each time (`fresh_package_dir`), so grading one student's
 folder never overwrites another's parts.
 
@@ -42,18 +42,29 @@ STUB_MARK = 'raise NotImplementedError("Exercise'
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-# -- the registry: each chapter module declares its engine parts once, in `PARTS` ----------------------------
+# -- the registry: each chapter module declares its exercises once, in `EXERCISES` ----------------------------
 @functools.lru_cache(maxsize=None)
-def declared_parts() -> dict:
-    """chapter ("04") -> [common.EnginePart, ...]: the `PARTS` list at the end of each nanovllm_course/chNN.py,
-    in chapter order. This is the one place a chapter registers a part: the export, the capstone and the
-    graded engine runs (engine_check) all read it."""
+def declared_exercises() -> dict:
+    """chapter ("04") -> {id: common.Exercise}: the `EXERCISES` at the end of each nanovllm_course/chNN.py, in
+    chapter order. This is the one place a chapter registers an exercise, its check, its reference and the engine
+    parts it grades: `grade`, the export, the capstone and the graded engine runs (engine_check) all read it."""
     found = {}
     for path in sorted(PACKAGE_DIR.glob("ch[0-9][0-9].py")):
         module = importlib.import_module(f"nanovllm_course.{path.stem}")
-        parts = getattr(module, "PARTS", None)
+        registry = getattr(module, "EXERCISES", None)
+        if registry:
+            found[path.stem[2:]] = dict(registry)
+    return found
+
+
+def declared_parts() -> dict:
+    """chapter ("04") -> [common.EnginePart, ...]: the engine parts of each chapter's exercises (their `parts`), in
+    chapter and exercise order; chapters without parts are left out."""
+    found = {}
+    for chapter, registry in declared_exercises().items():
+        parts = [part for exercise in registry.values() for part in exercise.parts]
         if parts:
-            found[path.stem[2:]] = list(parts)
+            found[chapter] = parts
     return found
 
 
@@ -345,3 +356,72 @@ def part_table(rows: list[dict]) -> str:
         if f.name not in shown:
             lines.append(f"{f.name:<22} {'reference':<10} (no exercise yet)")
     return "\n".join(lines)
+
+
+# -- exporting from inside a notebook --------------------------------------------------------------------------
+SAVED_NOTE = ("(read from the saved notebooks: save each chapter first, File > Save or Ctrl+S; an edit not saved "
+              "yet is not seen)")
+
+
+def report(rows: list[dict], source, out_dir) -> str:
+    """What `export` prints: where from and to, the part table, the exercises still the reference's."""
+    import re
+    lines = [f"exported {len({r['chapter'] for r in rows})} chapter(s) from {source}/ into {out_dir}/ {SAVED_NOTE}",
+             part_table(rows)]
+    # in chapter order (E2.1 before E10.1): sort by the numbers in the id, not the text
+    missing = sorted({r["exercise"] for r in rows if r["status"] != "done"},
+                     key=lambda e: [int(n) for n in re.findall(r"\d+", e)])
+    if missing:
+        lines.append(f"still the reference's (not done yet): {', '.join(missing)}")
+    return "\n".join(lines)
+
+
+def _source(obj) -> str | None:
+    """The code of a function or class as its syntax tree (so comments and layout do not count), or None."""
+    import inspect
+    import textwrap
+    try:
+        return ast.dump(ast.parse(textwrap.dedent(inspect.getsource(obj))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def unsaved_edits(namespace, rows: list[dict], out_dir: Path) -> list[str]:
+    """The parts `namespace` (a running notebook's globals) defines itself whose code is in none of the exported
+    (saved) chapters: edits the notebook has run but not saved, which the export, reading files, cannot see.
+    Each entry names the part and the chapters whose saved copy differs."""
+    package = import_package(Path(out_dir)).__name__
+    found = []
+    for name in dict.fromkeys(r["name"] for r in rows):
+        live = namespace.get(name)
+        if live is None or getattr(live, "__module__", None) != "__main__":
+            continue
+        mine = _source(live)
+        if mine is None:
+            continue
+        chapters = sorted({r["chapter"] for r in rows if r["name"] == name})
+        saved = []
+        for chapter in chapters:
+            module = importlib.import_module(f"{package}.ch{chapter}")
+            saved.append(_source(getattr(module, name, None)) if hasattr(module, name) else None)
+        if mine not in saved:
+            found.append(f"{name} (saved in chapter {', '.join(chapters)} as different code)")
+    return found
+
+
+def export_here(namespace=None, folder: str | Path = ".", chapters=None, out: str | Path | None = None) -> list[dict]:
+    """`python -m nanovllm_course export`, from a notebook cell, in the kernel's own Python (a `!python` in a
+    notebook may start another Python, one without torch): export the chapter notebooks in `folder` (the
+    notebook's own by default) into `folder/student/` (or `out`) and print the report. Pass the notebook's
+    `globals()` as `namespace` and it also names each part this notebook has run in a version that is not the
+    saved one (save, then export again). Returns the manifest rows."""
+    folder = Path(folder)
+    out_dir = Path(out) if out is not None else default_out(folder)
+    rows = export(folder, out_dir, chapters)
+    print(report(rows, folder, out_dir))
+    if namespace is not None:
+        edits = unsaved_edits(namespace, rows, out_dir)
+        if edits:
+            print("not saved yet: this notebook runs another version of " + "; ".join(edits) +
+                  ". Save it (Ctrl+S) and export again.")
+    return rows

@@ -9,12 +9,17 @@ without --nbval. It skips cells tagged `gpu` where there is no CUDA, and for eve
 whose name is a solution notebook's (`solutions/NN_slug.ipynb` of this checkout) it grades it as
 `python -m nanovllm_course grade` does:
 
-* each check cell runs the solution's check-cell source (matched by cell id, else by order among the cells
-  tagged `check`: release.match_check_cells) and becomes one test item named by its exercise ids
-  (`chapters/06_triton_kernels.ipynb::E6.1`); the item passes when the verdict line the cell printed is
-  `E6.1 ok` and fails with that line as its message (`E6.1 not done yet`, `E6.1 failed: ... (hint: ...)`),
-  decided by the same function as `grade` (release.verdict_of), so both agree on every exercise. A check
-  cell missing from the notebook is an item that fails `E6.1 failed: its check cell is missing ...`.
+* the notebook is prepared by a grading.Session, as `grade` prepares it (the collector keeps it as
+  `.grading_session`): check cells restored from the released chapter (an edited one gets its source back, a
+  deleted one is put back where it was) and replaced by the course's runner; the session's preamble runs in
+  nbval's kernel right after it starts (check_runner.py: the course's checks run there as the course's, whatever
+  the notebook replaced). Each check cell is one test item named by its exercise ids under the notebook's own
+  path (`/tmp/class/carol/04_kv_cache_paged_attention.ipynb::E4.1`: outside the rootdir pytest would name three
+  students' notebooks alike, or a file argument `::E4.1`); it passes when every exercise got the course's signed
+  `E4.1 ok` and fails with the verdict line as its message (`E4.1 not done yet`, `E4.1 failed: ... (hint: ...)`),
+  read by the same function as `grade` (grading.Session.verdicts_of_cell), so both agree on every exercise; an
+  optional exercise not ok xfails. A restored check cell is a warning naming the item. A check cell that cannot
+  be put back is an item failing `E4.1 failed: its check cell is missing ...`.
 * every other cell runs as the student left it and is not graded: its output is compared with the solution's
   stored one where the release keeps it (so a student's saved outputs neither pass nor fail anything), and a
   cell that raises, or prints something else, is reported as xfailed with the reason (`grade` prints it as a
@@ -27,6 +32,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -73,10 +80,43 @@ def pytest_collect_file(file_path, parent):
     out = []
     for c in collectors:
         if type(c) is classes["IPyNbFile"] and reference_of(file_path)[0] is not None:
-            out.append(classes["GradedNotebook"].from_parent(parent, path=file_path))
+            nodeid = _node_id(file_path, parent.config)
+            kwargs = {"nodeid": nodeid} if nodeid is not None else {}
+            out.append(classes["GradedNotebook"].from_parent(parent, path=file_path, **kwargs))
         else:
             out.append(c)
     return out
+
+
+def _run_preamble(kernel, source: str, timeout: float) -> None:
+    """Run the grading session's preamble in nbval's kernel before the first cell (no cell, no history); raise
+    RuntimeError if it fails."""
+    msg_id = kernel.kc.execute(source, store_history=False, allow_stdin=False, stop_on_error=False)
+    error = None
+    while True:                                   # its iopub messages, up to idle
+        msg = kernel.get_message(stream="iopub", timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "error":
+            error = f"{msg['content'].get('ename')}: {msg['content'].get('evalue')}"
+        if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+            break
+    kernel.await_reply(msg_id, timeout=timeout)
+    if error is not None:
+        raise RuntimeError(f"the grader's preamble raised {error}")
+
+
+def _node_id(file_path: Path, config) -> str | None:
+    """The id a notebook's items carry: pytest's own (relative to the rootdir) for a notebook inside it, else its
+    path relative to where pytest runs, else the absolute path: so three students' `09_tensor_parallelism.ipynb`
+    in three folders are three different notebooks in every report (pytest names one given outside the rootdir by
+    its bare name, or by nothing at all: `FAILED ::E7.3`)."""
+    path = Path(os.path.abspath(file_path))
+    root = Path(os.path.abspath(config.rootpath))
+    if path == root or root in path.parents:
+        return None
+    rel_to_cwd = os.path.relpath(path, config.invocation_params.dir)
+    return Path(rel_to_cwd).as_posix() if not rel_to_cwd.startswith("..") else path.as_posix()
 
 
 def _cell_tags(item) -> list:
@@ -148,36 +188,46 @@ def _classes():
                 tw.line(line)
 
     class GradedNotebook(IPyNbFile):
-        """A chapter notebook graded against its solution (see the module doc)."""
+        """A chapter notebook graded against its solution (see the module doc). On a student's notebook
+        `.grading_session` is its grading.Session (the course's check cells, the signed verdicts)."""
+
+        grading_session = None
+
+        def setup(self):
+            super().setup()
+            if self.grading_session is not None:          # arm the course's check runner before the first cell
+                _run_preamble(self.kernel, self.grading_session.preamble, self.config.option.nbval_cell_timeout or 300)
+
+        def teardown(self):
+            try:
+                super().teardown()
+            finally:
+                if self.grading_session is not None:
+                    self.grading_session.close()
 
         def collect(self):
             reference, is_solution = reference_of(self.path)
             items = list(super().collect())            # nbval reads self.nb and makes one item per code cell
-            pairs = rel.match_check_cells(self.nb, reference)
-            check_at = {i: ref for ref, i in pairs if i is not None}
-            index = {id(c): i for i, c in enumerate(self.nb.cells)}
-            kept = {}
-            if not is_solution:      # what the release keeps: the solution's outputs of cells that show no student work
-                released = rel.release_notebook(reference, self.path.name)
-                kept = {c.get("id"): c for c in released.cells if c.cell_type == "code" and not rel.is_exercise_cell(c)}
-            for item in items:
-                i = index[id(item.cell)]
-                cell = copy.deepcopy(item.cell)
-                if i in check_at:
-                    ref = check_at[i]
-                    ids = rel.checked_exercises(ref)
-                    cell.source = ref.source
-                    cell.metadata["tags"] = list(dict.fromkeys(rel.tags(cell) + [rel.CHECK_TAG]))
-                    if is_solution:
-                        options = item.options
-                    else:
-                        cell.outputs, cell.execution_count = [], None
-                        options = _options_of(ref, False)
-                        options["check"] = False
-                    yield GradedCheck.from_parent(self, name=", ".join(ids), cell_num=item.cell_num, cell=cell,
-                                                  options=options, exercises=ids)
-                elif is_solution:
-                    yield item
+            if is_solution:
+                yield from self._collect_solution(items, reference)
+                return
+            from nanovllm_course import grading
+            self.grading_session = grading.Session(reference, self.path.name)
+            prepared = self.grading_session.prepare(self.nb)
+            checks = dict(self.grading_session.check_cells())
+            # what the release keeps: the solution's outputs of cells that show no student work
+            kept = {c.get("id"): c for c in self.grading_session.released.cells
+                    if c.cell_type == "code" and not rel.is_exercise_cell(c)}
+            cell_num = 0
+            for i, cell in enumerate(prepared.cells):
+                if cell.cell_type != "code":
+                    continue
+                cell = copy.deepcopy(cell)
+                if i in checks:
+                    options = _options_of(cell, False)
+                    options["check"] = False
+                    yield GradedCheck.from_parent(self, name=", ".join(checks[i]), cell_num=cell_num, cell=cell,
+                                                  options=options, exercises=checks[i], index=i)
                 else:
                     ref = kept.get(cell.get("id"))
                     if ref is not None and not rel.is_check_cell(ref):
@@ -187,12 +237,26 @@ def _classes():
                     else:                            # an exercise cell, a cleared cell or one the student added
                         cell.outputs, cell.execution_count = [], None
                         options = _options_of(cell, False)
-                    yield UngradedCell.from_parent(self, name=item.name, cell_num=item.cell_num, cell=cell,
+                    yield UngradedCell.from_parent(self, name=f"Cell {cell_num}", cell_num=cell_num, cell=cell,
                                                    options=options)
-            for ref, i in pairs:
-                if i is None:
-                    ids = rel.checked_exercises(ref)
-                    yield MissingCheck.from_parent(self, name=", ".join(ids), exercises=ids)
+                cell_num += 1
+            for ref in self.grading_session._missing:
+                ids = rel.checked_exercises(ref)
+                yield MissingCheck.from_parent(self, name=", ".join(ids), exercises=ids)
+
+        def _collect_solution(self, items, reference):
+            """The solution itself: nbval's items, the check cells named by their exercises, every output compared."""
+            pairs = rel.match_check_cells(self.nb, reference)
+            check_at = {i: ref for ref, i in pairs if i is not None}
+            index = {id(c): i for i, c in enumerate(self.nb.cells)}
+            for item in items:
+                i = index[id(item.cell)]
+                if i in check_at:
+                    ids = rel.checked_exercises(check_at[i])
+                    yield SolutionCheck.from_parent(self, name=", ".join(ids), cell_num=item.cell_num,
+                                                    cell=copy.deepcopy(item.cell), options=item.options, exercises=ids)
+                else:
+                    yield item
 
     class _Verdicts:
         """Mixed into the items that fail with ExerciseNotOk: its verdict lines are the report, under the
@@ -207,7 +271,35 @@ def _classes():
             return self.path, None, f"{self.fspath.relto(self.config.rootdir) or self.path}::{self.name}"
 
     class GradedCheck(_Verdicts, IPyNbCell):
-        """A check cell: passes when every exercise it checks printed `Ex.y ok` (release.verdict_of)."""
+        """A student's check cell, run as the course's (grading.Session.prepare): passes when every exercise it
+        checks got the course's signed `Ex.y ok`; a verdict line the notebook printed counts for nothing."""
+
+        def __init__(self, name, parent, cell_num, cell, options, exercises, index):
+            super().__init__(name, parent, cell_num, cell, options)
+            self.exercises, self.index = list(exercises), index
+
+        def runtest(self):
+            try:
+                super().runtest()
+            except NbCellError:
+                pass
+            verdicts = self.parent.grading_session.verdicts_of_cell(self.index, self.test_outputs or [])
+            for v in verdicts:
+                self.user_properties.append((v.exercise, v.line))
+                if v.check_cell != "as released":
+                    self.user_properties.append((f"{v.exercise} check cell", v.check_cell))
+                for note in v.notes():                 # "E4.2: its check cell was deleted; ..."
+                    warnings.warn_explicit(f"{self.nodeid}: {note[len(v.exercise) + 2:]}", pytest.PytestWarning,
+                                           filename=str(self.path), lineno=0)
+            bad = [v.line + (" (optional)" if v.optional else "") for v in verdicts if not v.ok]
+            if any(not v.ok and not v.optional for v in verdicts):
+                raise ExerciseNotOk(bad)
+            if bad:                                  # an optional exercise not done: not a failure
+                pytest.xfail("; ".join(bad))
+
+    class SolutionCheck(_Verdicts, IPyNbCell):
+        """A check cell of the solution itself: its printed verdict must be `ok` (release.verdict_of), and its
+        output equal to the stored one."""
 
         def __init__(self, name, parent, cell_num, cell, options, exercises):
             super().__init__(name, parent, cell_num, cell, options)
@@ -220,14 +312,12 @@ def _classes():
             except NbCellError as exc:
                 raised = exc
             outs = self.test_outputs or []
-            error = _error_of(outs)
-            lines = [rel.verdict_of(ex, _stdout_of(outs), error) for ex in self.exercises]
+            lines = [rel.verdict_of(ex, _stdout_of(outs), _error_of(outs)) for ex in self.exercises]
             bad = [line for line in lines if line != f"{line.split(' ')[0]} ok"]
             if bad:
                 raise ExerciseNotOk(bad)
-            if raised is not None:                   # the solution itself: any other difference still fails
+            if raised is not None:                   # any other difference still fails
                 raise raised
-
 
     class UngradedCell(IPyNbCell):
         """Any other cell of a student's notebook: runs, and reports a problem as xfailed (not graded)."""
@@ -252,8 +342,9 @@ def _classes():
             self.exercises = list(exercises)
 
         def runtest(self):
-            raise ExerciseNotOk([f"{ex} failed: its check cell is missing from the notebook" for ex in self.exercises])
+            from nanovllm_course import grading
+            raise ExerciseNotOk([f"{ex} failed: {grading.CHECK_CELL_STATES[grading.MISSING]}" for ex in self.exercises])
 
 
     return {"IPyNbFile": IPyNbFile, "GradedNotebook": GradedNotebook, "GradedCheck": GradedCheck,
-            "UngradedCell": UngradedCell, "MissingCheck": MissingCheck}
+            "SolutionCheck": SolutionCheck, "UngradedCell": UngradedCell, "MissingCheck": MissingCheck}

@@ -20,9 +20,8 @@ cell tagged `yours`, whose output shows the student's own work (chapter 13's tab
 theirs). Every other cell is kept with its outputs. A cell tagged `gpu` needs CUDA and is skipped where there is none
 (see tests/conftest.py and `execute_notebook`).
 
-Grading (`grade`): run a student's notebook (check cells restored from the solution), read the verdict line
-each check cell printed (`E1.1 ok`, `E1.1 not done yet`, `E1.1 failed: ...`) and compare it with the
-solution's stored output: one line per exercise.
+Grading (`grade`) lives in nanovllm_course/grading.py: the check cells restored from the release, the course's
+checks run by the course (check_runner.py), one verdict per exercise.
 
 Determinism: notebook metadata is reduced to the kernelspec and language_info a python3 kernel writes
 (so opening a chapter in JupyterLab does not modify it), cell metadata to `tags`, streams are merged, and
@@ -465,15 +464,18 @@ def cuda_available() -> bool:
 
 
 def execute_notebook(nb, cwd: str | Path, *, timeout: int = 300, skip_gpu: bool | None = None,
-                     allow_errors: bool = True):
+                     allow_errors: bool = True, preamble: str | None = None):
     """Run a notebook top to bottom in a fresh kernel of the current environment, cell by cell.
 
     Every cell runs even after an error (allow_errors). Cells tagged `gpu` are skipped when there is no
-    CUDA (skip_gpu=None) or always (True); skipped cells keep their stored outputs. Returns
-    (executed notebook, [CellError, ...]). The notebook is not normalised.
+    CUDA (skip_gpu=None) or always (True); skipped cells keep their stored outputs. `preamble`: source run
+    first, outside the notebook (no cell, not in the kernel's input history; grading's check_runner.arm);
+    it must not raise. A cell that runs past `timeout` seconds, or a kernel that dies, stops the run there:
+    that cell gets an error output (CellTimeoutError / DeadKernelError) and the cells after it do not run.
+    Returns (executed notebook, [CellError, ...]). The notebook is not normalised.
     """
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     nb = copy.deepcopy(nb)
     if skip_gpu is None:
@@ -488,6 +490,16 @@ def execute_notebook(nb, cwd: str | Path, *, timeout: int = 300, skip_gpu: bool 
     # _kernel_manager(), so without it every executed notebook left its kernel running (a test run that
     # executes the chapters a few times over held 11.5 GB in idle kernels and was OOM-killed on 24 GiB).
     with client.setup_kernel(cwd=str(cwd), cleanup_kc=True):
+        if preamble is not None:          # run as a cell appended for the moment (nbclient stores cells by index)
+            first = nbformat.v4.new_code_cell(preamble)
+            nb.cells.append(first)
+            try:
+                client.execute_cell(first, len(nb.cells) - 1, store_history=False)
+            finally:
+                first = nb.cells.pop()
+            failed = _error_output(first)
+            if failed is not None:
+                raise RuntimeError(f"the grader's preamble raised {failed[0]}: {failed[1]}")
         for i, cell in enumerate(nb.cells):
             if cell.cell_type != "code" or (skip_gpu and is_gpu_cell(cell)):
                 continue
@@ -496,6 +508,13 @@ def execute_notebook(nb, cwd: str | Path, *, timeout: int = 300, skip_gpu: bool 
             except CellExecutionError as exc:     # only raised when allow_errors is False
                 errors.append(CellError(i, exc.ename, exc.evalue, tags(cell)))
                 continue
+            except (CellTimeoutError, DeadKernelError) as exc:
+                ename = type(exc).__name__
+                evalue = (f"the cell ran past {timeout} s" if isinstance(exc, CellTimeoutError)
+                          else f"the kernel died ({_first_line(exc)})")
+                cell.outputs.append(nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[]))
+                errors.append(CellError(i, ename, evalue, tags(cell)))
+                break
             for out in cell.outputs:
                 if out.get("output_type") == "error":
                     errors.append(CellError(i, out.get("ename", ""), out.get("evalue", ""), tags(cell)))
@@ -503,6 +522,13 @@ def execute_notebook(nb, cwd: str | Path, *, timeout: int = 300, skip_gpu: bool 
         e = errors[0]
         raise RuntimeError(f"cell {e.index} raised {e.ename}: {e.evalue}")
     return nb, errors
+
+
+def _error_output(cell) -> tuple[str, str] | None:
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            return out.get("ename", ""), out.get("evalue", "")
+    return None
 
 
 def execute_in_place(path: Path, timeout: int = 300) -> list[CellError]:
@@ -529,37 +555,15 @@ def expected_failures(chapter_nb) -> list[int]:
     return [i for i, c in enumerate(chapter_nb.cells) if is_check_cell(c)]
 
 
-# -- grading ---------------------------------------------------------------------------------------------
-@dataclass
-class Verdict:
-    exercise: str      # "E1.1"
-    line: str          # what its check cell printed: "E1.1 ok", "E1.1 not done yet", "E1.1 failed: ..."
-    expected: str      # the solution's stored line, "E1.1 ok"
-
-    @property
-    def ok(self) -> bool:
-        return self.line == self.expected
-
-    @property
-    def not_done(self) -> bool:
-        return self.line == f"{self.exercise} not done yet"
+# -- grading (nanovllm_course/grading.py; these names stay importable from here) ---------------------------------
+_GRADING_NAMES = frozenset({"Verdict", "Grade", "grade_notebook", "grade_path", "reference_for", "stub_failures_ok"})
 
 
-@dataclass
-class Grade:
-    name: str
-    verdicts: list          # [Verdict], in notebook order: one per exercise
-    notes: list             # ["the cell starting '...' raised NameError: ..."]: other cells that raised
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.verdicts) and all(v.ok for v in self.verdicts)
-
-    def lines(self) -> list[str]:
-        done = sum(v.ok for v in self.verdicts)
-        return ([v.line for v in self.verdicts] + [f"note: {n}" for n in self.notes]
-                + [f"{self.name}: {done} of {len(self.verdicts)} exercises ok"])
+def __getattr__(name):
+    if name in _GRADING_NAMES:
+        from nanovllm_course import grading
+        return getattr(grading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _first_line(text: str, width: int = 200) -> str:
@@ -575,7 +579,8 @@ def _stdout(cell) -> str:
 def verdict_of(exercise: str, stdout: str, error: tuple[str, str] | None = None) -> str:
     """The verdict line of `exercise` from what its check cell printed on stdout, or raised (error =
     (ename, evalue)): the first of its verdict lines that is not `ok`, else `Ex.y ok`, else a line saying the
-    cell printed none. `grade` and the pytest --nbval grading (nbval_grading.py) both decide with this."""
+    cell printed none. What a solution's check cell says under `pytest --nbval` (the maintainers' gate); a
+    student's notebook is graded by the course's own verdicts instead (grading.py), never by what it printed."""
     if error is not None:
         return f"{exercise} failed: its check cell raised {error[0]}: {_first_line(error[1])}"
     said = [l.strip() for l in stdout.splitlines() if VERDICT.match(l.strip()) and l.strip().split(" ")[0] == exercise]
@@ -601,92 +606,6 @@ def _match_check_cells(student_nb, reference_nb) -> list[tuple[object, int | Non
             i = tagged[k]
         pairs.append((ref, i))
     return pairs
-
-
-def prepare_for_grading(student_nb, reference_nb=None):
-    """The notebook as `grade` runs it (a copy): each check cell matched to the reference's
-    (match_check_cells) takes the reference's source and the `check` tag, so an edited check cell still
-    checks the same thing. Without a reference the notebook is its own."""
-    nb = copy.deepcopy(student_nb)
-    reference_nb = reference_nb if reference_nb is not None else student_nb
-    for ref, i in _match_check_cells(student_nb, reference_nb):
-        if i is not None:
-            nb.cells[i].source = ref.source
-            nb.cells[i].metadata["tags"] = list(dict.fromkeys(tags(nb.cells[i]) + [CHECK_TAG]))
-    return nb
-
-
-def grade_executed(student_nb, executed_nb, reference_nb=None, *, name: str = "notebook", seconds: float = 0.0,
-                   ran=None) -> Grade:
-    """Grade a notebook that has already run: `executed_nb` is prepare_for_grading(student_nb, reference_nb)
-    after execution, with the outputs its kernel produced (execute_notebook's, or those a `pytest --nbval`
-    run recorded). Each exercise's verdict is read from its check cell's stdout or error output
-    (verdict_of), compared with the reference's `Ex.y ok`; an exercise whose check cell is not in
-    `student_nb` fails as missing; every other cell that ran and has an error output is a note. `ran`: the
-    indices of the cells that ran (None: every code cell); a cell that did not run (a `gpu` cell without
-    CUDA) keeps its stored outputs and is not read for errors. This is `grade`'s verdict on the run, so
-    that one execution can feed `grade` and `pytest --nbval` alike (tests/nbval_record.py)."""
-    reference_nb = reference_nb if reference_nb is not None else student_nb
-    ran = set(range(len(executed_nb.cells)) if ran is None else ran)
-    errors_at = {}
-    for i, cell in enumerate(executed_nb.cells):
-        if cell.cell_type == "code" and i in ran:
-            for out in cell.get("outputs", []):
-                if out.get("output_type") == "error" and i not in errors_at:
-                    errors_at[i] = (out.get("ename", ""), out.get("evalue", ""))
-    verdicts, check_index = [], set()
-    for ref, i in _match_check_cells(student_nb, reference_nb):
-        for ex in checked_exercises(ref):
-            expected = f"{ex} ok"
-            if i is None:
-                verdicts.append(Verdict(ex, f"{ex} failed: its check cell is missing from the notebook", expected))
-                continue
-            check_index.add(i)
-            verdicts.append(Verdict(ex, verdict_of(ex, _stdout(executed_nb.cells[i]), errors_at.get(i)), expected))
-    notes = [f"the cell starting {_first_line(executed_nb.cells[i].source, 60)!r} raised {e[0]}: {_first_line(e[1])}"
-             for i, e in sorted(errors_at.items()) if i not in check_index]
-    return Grade(name, verdicts, notes, seconds)
-
-
-def grade_notebook(student_nb, reference_nb=None, cwd: str | Path = CHAPTERS, *, name: str = "notebook",
-                   timeout: int = 300) -> Grade:
-    """Run a student's notebook top to bottom (fresh kernel, every cell even after an error) and grade each
-    exercise by what its check cell printed, compared with the reference's (the solution's) stored
-    `E1.1 ok`. Check cells run the reference's source, so an edited check cell still checks the same
-    thing. Without a reference the notebook grades itself (ids from its check cells' source).
-    = prepare_for_grading, execute_notebook, grade_executed."""
-    import time
-
-    nb = prepare_for_grading(student_nb, reference_nb)
-    start = time.perf_counter()
-    done, _ = execute_notebook(nb, cwd, timeout=timeout)
-    seconds = time.perf_counter() - start
-    skip_gpu = not cuda_available()
-    ran = [i for i, c in enumerate(done.cells) if c.cell_type == "code" and not (skip_gpu and is_gpu_cell(c))]
-    return grade_executed(student_nb, done, reference_nb, name=name, seconds=seconds, ran=ran)
-
-
-def reference_for(path: Path, solutions: Path = SOLUTIONS):
-    """The solution notebook a chapter is graded against (None if there is none)."""
-    sol = Path(solutions) / Path(path).name
-    return nbformat.read(sol, as_version=4) if sol.is_file() else None
-
-
-def grade_path(path: Path, solutions: Path = SOLUTIONS, timeout: int = 300) -> Grade:
-    path = Path(path)
-    nb = nbformat.read(path, as_version=4)
-    return grade_notebook(nb, reference_for(path, solutions), path.parent, name=path.name, timeout=timeout)
-
-
-def stub_failures_ok(grade: Grade) -> list[str]:
-    """Problems with how an unfilled released chapter graded (empty list = as designed): every exercise
-    `not done yet`, at least one exercise, and no other cell raised."""
-    problems = [f"{v.exercise}: expected '{v.exercise} not done yet', got {v.line!r}"
-                for v in grade.verdicts if not v.not_done]
-    if not grade.verdicts:
-        problems.append("no check cell")
-    problems += [f"not a check cell: {n}" for n in grade.notes]
-    return problems
 
 
 def main_release(args) -> int:

@@ -1,13 +1,16 @@
 """Per-request sampling settings (chapters 07, 08). The fields and their meaning are vLLM's `SamplingParams`.
 
-Every field is checked when the object is made, so a bad value fails at once with a TypeError / ValueError
-that names it. A field accepted before its engine side exists (so code written for vLLM constructs the same
-objects) goes into `PENDING`, and the engine refuses a request that sets it away from its default, by name,
-instead of ignoring it. Every field is implemented now, so PENDING is empty.
+Every field is checked when the object is made, so a bad value fails at once with an error that names it: a
+RequestError (a ValueError; a RequestTypeError, also a TypeError, for a wrong type) whose `field` is the
+field's name (nanovllm_ref/errors.py). A field accepted before its engine side exists (so code written for
+vLLM constructs the same objects) goes into `PENDING`, and the engine refuses a request that sets it away from
+its default, by name, instead of ignoring it. Every field is implemented now, so PENDING is empty.
 """
 import math
 import numbers
 from dataclasses import KW_ONLY, dataclass
+
+from nanovllm_ref.errors import RequestError, RequestTypeError
 
 # Like vLLM: a temperature this small is greedy (dividing logits by it would overflow fp32).
 GREEDY_BELOW = 1e-5
@@ -20,20 +23,21 @@ TOP_K_MAX = 2**31 - 1
 PENDING: dict = {}
 
 
-def _int(name: str, value, low: int, high: int | None = None, what: str = "") -> int:
+def _int(name: str, value, low: int, high: int | None = None, what: str = "", field: str | None = None) -> int:
+    field = field or name                  # name may be a path into the field: stop_token_ids[2]
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int{what}, got {type(value).__name__}")
+        raise RequestTypeError(field, f"{name} must be an int{what}, got {type(value).__name__}")
     if value < low or (high is not None and value > high):
         rng = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {rng}{what}, got {value}")
+        raise RequestError(field, f"{name} must be {rng}{what}, got {value}")
     return int(value)
 
 
 def _real(name: str, value, ok, rng: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number {rng}, got {type(value).__name__}")
+        raise RequestTypeError(name, f"{name} must be a number {rng}, got {type(value).__name__}")
     if not math.isfinite(value) or not ok(value):        # also refuses NaN
-        raise ValueError(f"{name} must be a finite number {rng}, got {value}")
+        raise RequestError(name, f"{name} must be a finite number {rng}, got {value}")
     return float(value)
 
 
@@ -43,8 +47,9 @@ def _bool(name: str, value) -> bool:
     if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):   # numpy 2, numpy 1
         return bool(value)
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__module__}.{type(value).__qualname__}"
-                        if type(value).__module__ != "builtins" else f"{name} must be a bool, got {type(value).__name__}")
+        raise RequestTypeError(name, f"{name} must be a bool, got {type(value).__module__}.{type(value).__qualname__}"
+                               if type(value).__module__ != "builtins" else
+                               f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 
@@ -115,8 +120,8 @@ class SamplingParams:
         (None for the first). Such a request takes no prefix-cache hit (its positions need logits).
 
     Normalised on construction: stop and stop_token_ids become tuples (empty when not given), numpy
-    numbers become Python ints / floats. Raises TypeError / ValueError, naming the argument, for values
-    outside those ranges.
+    numbers become Python ints / floats. Raises RequestTypeError (a TypeError) / RequestError (a ValueError),
+    `field` the argument's name, for values outside those ranges.
     """
     temperature: float = 1.0
     max_tokens: int = 64
@@ -145,10 +150,10 @@ class SamplingParams:
         set_("max_tokens", _int("max_tokens", self.max_tokens, 1))
         set_("ignore_eos", _bool("ignore_eos", self.ignore_eos))
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
-            raise TypeError(f"top_k must be an int (0 or -1 = off, k >= 1 keeps k tokens), "
-                            f"got {type(self.top_k).__name__}")
+            raise RequestTypeError("top_k", f"top_k must be an int (0 or -1 = off, k >= 1 keeps k tokens), "
+                                            f"got {type(self.top_k).__name__}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
+            raise RequestError("top_k", f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
         set_("top_k", min(max(int(self.top_k), 0), TOP_K_MAX))
         set_("top_p", _real("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"))
         set_("n", _int("n", self.n, 1))
@@ -173,9 +178,9 @@ class SamplingParams:
             return ()
         values = (stop,) if isinstance(stop, str) else stop
         if not isinstance(values, (list, tuple)) or not all(isinstance(s, str) for s in values):
-            raise TypeError(f"stop must be a str or a list of str, got {stop!r:.80}")
+            raise RequestTypeError("stop", f"stop must be a str or a list of str, got {stop!r:.80}")
         if any(s == "" for s in values):
-            raise ValueError("stop must not contain an empty string (it would match everywhere)")
+            raise RequestError("stop", "stop must not contain an empty string (it would match everywhere)")
         return tuple(values)
 
     @staticmethod
@@ -183,8 +188,9 @@ class SamplingParams:
         if ids is None:
             return ()
         if not isinstance(ids, (list, tuple)):
-            raise TypeError(f"stop_token_ids must be a list of int token ids, got {type(ids).__name__}")
-        return tuple(_int(f"stop_token_ids[{i}]", t, 0) for i, t in enumerate(ids))
+            raise RequestTypeError("stop_token_ids", f"stop_token_ids must be a list of int token ids, got "
+                                                     f"{type(ids).__name__}")
+        return tuple(_int(f"stop_token_ids[{i}]", t, 0, field="stop_token_ids") for i, t in enumerate(ids))
 
     def pending_fields(self) -> list[str]:
         """Names of the fields set away from their default whose sampler side is not implemented (PENDING)."""

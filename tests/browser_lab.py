@@ -9,7 +9,12 @@ playwright (CHROMIUM = its path). Checks:
   it (kernel started) leaves it unmodified: no dirty tab, and saving it writes the same bytes;
 * chapter 01: Run All on the untouched chapter runs to the end, each check cell printing one line
   `E1.x not done yet`; then a correct E1.1 typed into its cell and run with its check prints `E1.1 ok`;
-  a tqdm.auto progress bar in a new cell draws as a widget, not as stderr text.
+  a tqdm.auto progress bar in a new cell draws as a widget, not as stderr text; `!python` in a cell is a
+  Python with torch (Lab's PATH as `make lab` sets it); `export_here(globals())` run before saving names the
+  unsaved rms_norm, and after Ctrl+S exports it without a word about unsaved edits.
+* the serving chapter's server and a browser client: a page served from another origin (another local port)
+  streams a chat answer from `python -m nanovllm_ref serve` (the fake engine) with `fetch`, through the CORS
+  preflight, and shows it; the same page cannot read a server whose --allowed-origins leaves it out.
 
 Screenshots go to artifacts/browser/ (git-ignored; CI keeps them).
 """
@@ -32,6 +37,9 @@ ARTIFACTS = REPO / "artifacts" / "browser"
 CHAPTERS = sorted(p.name for p in (REPO / "chapters").glob("[0-9][0-9]_*.ipynb"))
 LAB_ARGS = os.environ.get("LAB_ARGS", f"--ServerApp.root_dir={REPO} --LabApp.default_url=/lab/tree/chapters"
                           + (" --allow-root" if os.geteuid() == 0 else ""))
+# `make lab` puts the venv's bin/ first on Lab's PATH (the Makefile's LAB_PATH), so `!python` in a notebook is the
+# kernel's Python
+LAB_PATH = os.environ.get("LAB_PATH", str(Path(sys.executable).parent))
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 E11 = '''def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of each row of x (last dim), scaled by weight. Same shape and dtype as x."""
@@ -65,8 +73,9 @@ def lab(tmp_path_factory):
     cmd = [str(Path(sys.executable).parent / "jupyter"), "lab", *args, f"--ServerApp.root_dir={root}",
            "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0"]
+    env = dict(os.environ, PATH=LAB_PATH + os.pathsep + os.environ.get("PATH", ""))
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -173,6 +182,25 @@ def cell_output(page, i) -> str:
     return page.locator(".jp-NotebookPanel .jp-Cell").nth(i).locator(".jp-OutputArea").text_content()
 
 
+def run_new_cell(page, source: str, until: str, timeout: int = 90_000) -> str:
+    """Type `source` into a new cell below the current one, run it, wait until its output matches the regex
+    `until`; return the output's text. The cell is looked up afresh at each poll (JupyterLab may re-render it) and
+    kept in view."""
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")
+    page.keyboard.press("Enter")
+    page.keyboard.insert_text(source)
+    page.keyboard.press("Control+Enter")            # run it and stay on it
+    active = ".jp-NotebookPanel .jp-Cell.jp-mod-active"
+    page.wait_for_function(
+        """([sel, pat]) => { const c = document.querySelector(sel); if (!c) return false;
+                            c.scrollIntoView({block: "end"}); const o = c.querySelector('.jp-OutputArea');
+                            return !!o && new RegExp(pat).test(o.textContent); }""",
+        arg=[active, until], timeout=timeout)
+    page.wait_for_timeout(500)
+    return page.locator(active).locator(".jp-OutputArea").text_content()
+
+
 def test_run_all_then_solve_e11(browser, lab):
     name = "01_rmsnorm.ipynb"
     nb = nbformat.read(REPO / "chapters" / name, as_version=4)
@@ -222,8 +250,105 @@ def test_run_all_then_solve_e11(browser, lab):
         finally:
             page.screenshot(path=str(ARTIFACTS / "01_progress_bar.png"))
         assert page.locator(".jp-NotebookPanel [data-mime-type='application/vnd.jupyter.stderr']").count() == 0
+
+        # `!python` is the kernel's Python (with torch), as in a Lab started by `make lab`
+        out = run_new_cell(page, '!python -c "import torch; print(\'torch\', torch.__version__)"', r"torch \d|Error")
+        assert re.match(r"torch \d", out.strip()), out
+        # the export reads the saved notebook: before saving, it names the edited rms_norm
+        out = run_new_cell(page, "from nanovllm_course.export import export_here\nrows = export_here(globals())",
+                           r"not done yet\)|Error")
+        page.screenshot(path=str(ARTIFACTS / "01_export_unsaved.png"))
+        assert "this notebook runs another version of rms_norm (saved in chapter 01 as different code)" in out, out
+        page.keyboard.press("Escape")
+        page.keyboard.press("Control+s")
+        page.wait_for_timeout(1500)
+        out = run_new_cell(page, "rows = export_here(globals())", r"still the reference's|Error")
+        assert "runs another version" not in out and "rms_norm               yours" in out, out
+        page.screenshot(path=str(ARTIFACTS / "01_export_saved.png"))
     except BaseException:
         page.screenshot(path=str(ARTIFACTS / "01_failure.png"))
         raise
     finally:
         page.close()
+
+
+# -- a browser client of the server ------------------------------------------------------------------------------
+CHAT_PAGE = """<!doctype html><meta charset="utf-8"><title>chat client</title>
+<pre id="answer"></pre><p id="status">starting</p>
+<script>
+// What a web client (Open WebUI's direct connections, the openai npm SDK in a browser) does: a cross-origin POST
+// with JSON and an Authorization header (so the browser sends a CORS preflight first), then read the SSE stream.
+(async () => {
+  const status = document.getElementById("status"), answer = document.getElementById("answer");
+  try {
+    const server = new URLSearchParams(location.search).get("server");
+    const res = await fetch(server + "/v1/chat/completions", {method: "POST",
+      headers: {"Content-Type": "application/json", "Authorization": "Bearer none"},
+      body: JSON.stringify({messages: [{role: "user", content: "Say something."}], max_tokens: 12, stream: true})});
+    const reader = res.body.getReader(), decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, {stream: true});
+      let end;
+      while ((end = buffer.indexOf("\\n\\n")) >= 0) {
+        const event = buffer.slice(0, end); buffer = buffer.slice(end + 2);
+        if (!event.startsWith("data: ")) continue;
+        if (event === "data: [DONE]") { status.textContent = "done"; return; }
+        const delta = JSON.parse(event.slice(6)).choices[0].delta;
+        if (delta.content) answer.textContent += delta.content;
+      }
+    }
+    status.textContent = "ended without [DONE]";
+  } catch (err) { status.textContent = "error: " + err; }
+})();
+</script>"""
+
+
+@pytest.fixture(scope="module")
+def chat_page(tmp_path_factory):
+    """The page's URL base, http://127.0.0.1:PORT/chat.html: another origin than any server's port."""
+    import functools
+    import http.server
+    import threading
+    root = tmp_path_factory.mktemp("page")
+    (root / "chat.html").write_text(CHAT_PAGE)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/chat.html"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("allowed", ["any origin", "another origin only"])
+def test_a_page_on_another_origin_streams_a_chat_answer(browser, chat_page, tmp_path, allowed):
+    from serve_fake_engine import fake_answer
+    from serve_helpers import ServerProcess, make_tokenizer_dir
+    from transformers import AutoTokenizer
+
+    from nanovllm_ref.llm import chat_token_ids
+    model_dir = make_tokenizer_dir(tmp_path / "tok")
+    args = ["--access-log"] + (["--allowed-origins", '["http://elsewhere.example"]'] if allowed != "any origin" else [])
+    with ServerProcess(tmp_path, model_dir, {"step_delay": 0.02}, args=args) as server:
+        page = browser.new_page()
+        try:
+            page.goto(f"{chat_page}?server={server.url}")
+            page.wait_for_function("() => document.getElementById('status').textContent !== 'starting'",
+                                   timeout=60_000)
+            page.screenshot(path=str(ARTIFACTS / f"serve_cors_{allowed.replace(' ', '_')}.png"))
+            status, shown = page.inner_text("#status"), page.inner_text("#answer")
+        finally:
+            page.close()
+        log = server.log()
+    if allowed == "any origin":
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        ids = chat_token_ids(tokenizer, [{"role": "user", "content": "Say something."}])
+        assert (status, shown) == ("done", fake_answer(tokenizer, ids, 12)[0])
+        assert '"OPTIONS /v1/chat/completions HTTP/1.1" 200' in log, log[-2000:]      # a real preflight came first
+    else:                                     # the preflight is refused: the browser does not even send the POST
+        assert status.startswith("error: TypeError") and shown == "", (status, shown)
+        assert '"OPTIONS /v1/chat/completions HTTP/1.1" 400' in log and "POST /v1/chat" not in log, log[-2000:]

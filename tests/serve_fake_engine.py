@@ -15,16 +15,25 @@ The server loads it through its test hook, in a subprocess started by a test:
 - text is tokenizer.decode(completion ids, skip_special_tokens=True) (fake_answer computes it so), built
   by appending each word token's text;
 - add_request refuses (ValueError) a prompt that starts with token ids 0, 0, to test the engine-refusal path;
-- check_request refuses what the real engine's check refuses by field: a SamplingParams field that
-  `sampling_params.PENDING` lists at the time of the call, set away from its default;
+- check_request is the real engine's (engine/request.py's check_request, with a config of this engine's
+  facts: a KV cache of `kv_cache_tokens` one-token blocks), so the server's 400s for token ids outside the
+  vocabulary, an empty prompt, a request that can never fit the cache, n above max_num_seqs... are the
+  engine's own RequestErrors here too; add_request runs it as well;
+- with SamplingParams.logprobs = k, each token gets a logprob dict like the real engine's (fake_logprobs);
 - `record`: a JSON-lines file of events, one per add / abort / step / exit, which the tests read: the server
-  runs in another process.
+  runs in another process. An add records the whole SamplingParams (`sampling_params`).
 """
+import dataclasses
 import json
 import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from nanovllm_ref.engine.request import check_request
+from nanovllm_ref.engine.scheduler import Scheduler
+from nanovllm_ref.outputs import Logprob
 
 
 @dataclass
@@ -34,6 +43,7 @@ class FakeCompletion:
     token_ids: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list | None = None
 
 
 @dataclass
@@ -50,7 +60,8 @@ class _Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sp = sp
-        self.samples = [FakeCompletion(index=i) for i in range(getattr(sp, "n", 1))]
+        self.samples = [FakeCompletion(index=i, logprobs=[] if getattr(sp, "logprobs", None) is not None else None)
+                        for i in range(getattr(sp, "n", 1))]
 
     @property
     def finished(self):
@@ -58,7 +69,8 @@ class _Request:
 
     def output(self):
         return FakeRequestOutput(self.request_id, None, list(self.prompt_token_ids),
-                                 [FakeCompletion(s.index, s.text, list(s.token_ids), s.finish_reason, s.stop_reason)
+                                 [FakeCompletion(s.index, s.text, list(s.token_ids), s.finish_reason, s.stop_reason,
+                                                 None if s.logprobs is None else list(s.logprobs))
                                   for s in self.samples], self.finished)
 
 
@@ -73,6 +85,23 @@ def word_ids(tokenizer) -> list[int]:
 
 def fake_token(prompt_token_ids, position: int, sample: int, words: list[int]) -> int:
     return words[(sum(prompt_token_ids) * 31 + len(prompt_token_ids) * 17 + position * 7 + sample * 13) % len(words)]
+
+
+def fake_logprobs(token: int, position: int, k: int, words: list[int], decode) -> dict:
+    """The logprob dict FakeEngine gives the token at `position`, shaped like the real engine's: the token
+    first, then the k most likely (ranks 1..k). At even positions the token is the most likely (k entries, or
+    1 for k = 0); at odd ones it is less likely than all k (k + 1 entries, its rank k + 1)."""
+    shift = -0.01 * position
+    others = [w for w in words if w != token][position % 3:][:k]
+    if position % 2 == 0:
+        ranked = [token, *others[:k - 1]] if k else []
+        entries = {token: Logprob(-0.5 + shift, 1, decode(token))}
+    else:
+        ranked = others
+        entries = {token: Logprob(-0.5 * (k + 2) + shift, k + 1, decode(token))}
+    for rank, t in enumerate(ranked, start=1):
+        entries[t] = Logprob(-0.5 * rank + shift, rank, decode(t))
+    return entries
 
 
 class FakeEngine:
@@ -94,6 +123,10 @@ class FakeEngine:
         self.eos_after = eos_after
         self.fail_at_step = fail_at_step
         self.words = word_ids(self.tokenizer)
+        # the real engine's request check reads these facts (one-token blocks: the cache holds kv_cache_tokens)
+        self.config = SimpleNamespace(hf_config=SimpleNamespace(vocab_size=self.vocab_size), max_num_seqs=max_num_seqs,
+                                      max_model_len=self.max_model_len, kvcache_block_size=1,
+                                      num_kvcache_blocks=kv_cache_tokens or 0)
         self._texts = {i: self.tokenizer.decode([i]) for i in self.words}
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
@@ -116,18 +149,19 @@ class FakeEngine:
             raise ValueError(f"request_id {request_id!r} is not a new str")
         if prompt_token_ids[:2] == [0, 0]:
             raise ValueError("prompt starts with token ids 0, 0, which the fake engine refuses")
+        self.check_request(prompt_token_ids, sampling_params)
         request = _Request(request_id, prompt_token_ids, sampling_params)
         self.requests[request_id] = request
         self.waiting.append(request)
+        sp = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(sampling_params).items()}
         self._log({"event": "add", "request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
                    "max_tokens": sampling_params.max_tokens, "temperature": sampling_params.temperature,
-                   "ignore_eos": sampling_params.ignore_eos})
+                   "ignore_eos": sampling_params.ignore_eos, "sampling_params": sp})
         return request_id
 
-    def check_request(self, prompt_token_ids, sampling_params):
-        pending = sampling_params.pending_fields()            # reads sampling_params.PENDING now
-        if pending:
-            raise ValueError(f"the fake engine: SamplingParams.{pending[0]} is not implemented yet")
+    def check_request(self, prompt_token_ids, sampling_params, where="prompt"):
+        check_request(list(prompt_token_ids), sampling_params, tokenizer=self.tokenizer, config=self.config,
+                      scheduler_cls=Scheduler, where=where, sp_where="the request")
 
     def abort_request(self, request_id):
         request = self.requests.pop(request_id, None)
@@ -163,6 +197,8 @@ class FakeEngine:
                 token = eos if (k == self.eos_after and not sp.ignore_eos) else fake_token(prompt, k, s.index,
                                                                                           self.words)
                 s.token_ids.append(token)
+                if s.logprobs is not None:
+                    s.logprobs.append(fake_logprobs(token, k, sp.logprobs, self.words, self._decode))
                 # Word tokens are ASCII, so the text of the ids is the concatenation of the tokens' texts (and
                 # eos adds none): appending one token's text equals decoding them all, at O(1) a token.
                 s.text += self._texts.get(token, "")
@@ -175,6 +211,9 @@ class FakeEngine:
             self.running.remove(request)
             del self.requests[request.request_id]
         return outputs
+
+    def _decode(self, token):
+        return self._texts.get(token) or self.tokenizer.decode([token])
 
     def stats(self):
         return {"running": len(self.running), "waiting": len(self.waiting)}

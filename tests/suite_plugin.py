@@ -7,20 +7,19 @@ tests/ and the notebooks in solutions/ or chapters/ alike).
   tests/test_suite_rules.py holds every item to one area.
 * **Slow.** `slow` marks what `make test-fast` leaves out: the tests named in SLOW (measured) and any marked
   `@pytest.mark.slow` in their file.
-* **One run of a notebook feeds grade and nbval.** For each notebook cell that `pytest --nbval` runs, the
-  source it ran and the outputs its kernel gave (nbval's `item.test_outputs`) are recorded, with the verdict
-  of each check item. Each solution notebook gets one more item, `solutions/NN_slug.ipynb::grade`, after its
-  cells: `grade`'s verdict on that same run (release.grade_executed) is every exercise ok and agrees with
-  the nbval items' verdicts; so one execution of each complete chapter is the maintainers' stored-output
-  gate, the nbval grading of a correct student, and `grade` of one. With `--nbval-record=DIR` each
-  notebook's run is also written to `DIR/<name>` (the notebook as it ran, outputs included) and
-  `DIR/<stem>.json` (the cells that ran, the nbval verdicts, seconds): tests/test_course_machinery.py
-  grades the unfilled and mixed chapters from those files.
+* **One run of a notebook feeds grade and nbval.** With `--nbval-record=DIR`, for each notebook that
+  `pytest --nbval` grades as a student's (nanovllm_course/nbval_grading.py), the outputs its kernel gave each
+  cell (nbval's `item.test_outputs`) are put back into the notebook as its grading session prepared it, and
+  `grade`'s verdict on that same run (grading.Session.grade_executed, in the process whose session signed the
+  verdicts) is written with the nbval items' verdicts to `DIR/<stem>.json`, and the notebook as it ran to
+  `DIR/<name>`: tests/test_course_machinery.py runs each chapter once filled and once unfilled this way, and
+  holds `grade` and nbval to the same lines. `--nbval-compare-solution` also compares every cell that is not a
+  check cell with the solution's stored output (nbval's own comparison; the grading compares only the cells the
+  release keeps): a correct student's filled chapter must reproduce the solution's outputs.
 * **xdist.** A notebook's items share one kernel, so they carry `xdist_group` (the notebook), and
   `make test` runs with `--dist loadgroup`: each notebook runs whole on one worker.
-* **The chapter timings report.** At the end of a run the time each chapter took (the solution under
-  nbval, and the released chapter run unfilled by tests/test_course_machinery.py) is printed beside its CPU
-  budget and written to artifacts/chapter_timings.csv and .json, with the load average and a calibration
+* **The chapter timings report.** At the end of a run the time each chapter took (its filled and its
+  unfilled run in tests/test_course_machinery.py) is printed beside its CPU budget and written to artifacts/chapter_timings.csv and .json, with the load average and a calibration
   measured in the same run. A budget is a number in this report, never a test's pass or fail: a busy
   machine is slower, not wrong.
 """
@@ -114,7 +113,7 @@ SLOW = {
                                  "test_check_command_exit_status",
                                  "test_export_writes_beside_the_notebooks_and_two_graders_at_once_do_not_collide",
                                  "test_grade_reports_one_line_per_exercise",
-                                 "test_make_test_grades_every_solution_run_with_its_grade_item",
+                                 "test_a_correct_students_filled_chapter_passes_in_nbval_and_grade",
                                  "test_pytest_nbval_and_grade_agree_on_right_wrong_and_missing_answers"),
     "test_packaging.py": ("test_the_engine_imports_nothing_from_the_course_the_bench_or_the_checkpoint_tools",),
     "test_cpu_backend.py": ("test_engine_greedy_ids_equal_hf",),
@@ -168,7 +167,11 @@ def area_of_file(name: str) -> str | None:
 def pytest_addoption(parser):
     parser.getgroup("nbval").addoption(
         "--nbval-record", default=None, metavar="DIR",
-        help="write each notebook's run (the notebook as it ran, and a JSON of verdicts and seconds) into DIR "
+        help="write each notebook's run (the notebook as it ran, and a JSON of grade's and nbval's verdicts) into "
+             "DIR (tests/suite_plugin.py)")
+    parser.getgroup("nbval").addoption(
+        "--nbval-compare-solution", action="store_true",
+        help="compare every non-check cell of a graded notebook with the solution's stored output "
              "(tests/suite_plugin.py)")
 
 
@@ -231,11 +234,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def expected_seconds(item) -> float:
-    """An item's weight for the order of a distributed run: an item of a chapter notebook, or a test of one
-    chapter's unfilled run (`...unfilled...[NN_slug.ipynb]`), the chapter's CPU budget; a slow test 20 s; 0."""
+    """An item's weight for the order of a distributed run: an item of a chapter notebook, or a slow test of one
+    chapter's filled or unfilled run (`..._filled_chapter_...[NN_slug.ipynb]`), the chapter's CPU budget; another
+    slow test 20 s; any other 0."""
     import re
     name = item.path.name if item.path.suffix == ".ipynb" else (
-        item.name if "unfilled" in item.name else "")
+        item.name if "filled_chapter" in item.name and item.get_closest_marker("slow") else "")
     m = re.search(r"(\d\d_[a-z0-9_]+\.ipynb)", name)
     if m:
         try:
@@ -247,8 +251,11 @@ def expected_seconds(item) -> float:
 
 
 def pytest_collection_modifyitems(config, items):
-    """On an xdist worker of `--dist loadgroup`: the longest work first (a stable sort, so a notebook's items stay
-    together and in order; every worker sorts the same collection the same way)."""
+    """--nbval-compare-solution (see the module doc); and on an xdist worker of `--dist loadgroup`, the longest work
+    first (a stable sort, so a notebook's items stay together and in order; every worker sorts the same
+    collection the same way)."""
+    if config.getoption("nbval_compare_solution"):
+        _compare_with_the_solution(items)
     # (xdist sets a worker's `dist` to "no" and keeps `loadgroup`)
     if hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False):
         weights = {id(item): expected_seconds(item) for item in items}
@@ -268,71 +275,72 @@ _REPORT = pytest.StashKey[dict]()
 
 
 class NotebookRun:
-    """What one `pytest --nbval` run of a notebook executed: {cell index: (source, tags, outputs)} of the cells
-    that ran, {exercise: verdict line} of its check items, and the seconds its items took."""
+    """What one `pytest --nbval` run of a notebook executed: the outputs of each code cell that ran, by its
+    ordinal among the prepared notebook's code cells (nbval's `cell_num`), the nbval verdict of each exercise,
+    and the seconds its items took."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.ran: dict[int, tuple] = {}
-        self.verdicts: dict[str, str] = {}
+    def __init__(self, collector):
+        self.collector = collector
+        self.path = Path(collector.path)
+        self.outputs: dict[int, list] = {}
+        self.nbval: dict[str, str] = {}
         self.seconds = 0.0
 
-    def executed(self, nb):
-        """A copy of `nb` (the notebook as nbval read it) with each cell that ran as it ran."""
-        done = copy.deepcopy(nb)
-        for i, (source, tags, outputs) in self.ran.items():
-            done.cells[i].source = source
-            done.cells[i].metadata["tags"] = list(tags)
-            done.cells[i].outputs = copy.deepcopy(outputs)
-        return done
+    def executed(self):
+        """(the notebook as its grading session prepared it, with each cell that ran as it ran; the indices of
+        the cells that ran), or None when the notebook was not graded as a student's."""
+        session = getattr(self.collector, "grading_session", None)
+        if session is None or getattr(session, "prepared", None) is None:
+            return None
+        done = copy.deepcopy(session.prepared)
+        code = [i for i, c in enumerate(done.cells) if c.cell_type == "code"]
+        ran = []
+        for k, outputs in self.outputs.items():
+            cell = done.cells[code[k]]
+            cell.outputs, cell.execution_count = copy.deepcopy(outputs), k + 1
+            ran.append(code[k])
+        return done, sorted(ran)
 
-    def write(self, folder: Path, nb) -> None:
+    def write(self, folder: Path) -> None:
         import nbformat
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / self.path.name).write_text(nbformat.writes(self.executed(nb)) + "\n", encoding="utf-8")
-        (folder / f"{self.path.stem}.json").write_text(json.dumps(
-            {"notebook": str(self.path), "ran": sorted(self.ran), "verdicts": self.verdicts,
-             "seconds": self.seconds}, indent=1), encoding="utf-8")
+        executed = self.executed()
+        record = {"notebook": str(self.path), "nbval": self.nbval, "seconds": self.seconds, "ran": None, "grade": None}
+        if executed is not None:
+            done, record["ran"] = executed
+            grade = self.collector.grading_session.grade_executed(done, seconds=self.seconds)
+            record["grade"] = {**grade.as_dict(), "lines": grade.lines()}
+            (folder / self.path.name).write_text(nbformat.writes(done) + "\n", encoding="utf-8")
+        (folder / f"{self.path.stem}.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
 
 
-def run_of(config, path) -> NotebookRun:
-    runs = config.stash[_RUNS]
-    key = str(Path(path).resolve())
+def run_of(item) -> NotebookRun:
+    runs = item.config.stash[_RUNS]
+    key = str(Path(item.path).resolve())
     if key not in runs:
-        runs[key] = NotebookRun(path)
+        runs[key] = NotebookRun(item.parent)
     return runs[key]
-
-
-def _cell_index(item) -> int | None:
-    """The index in the notebook (item.parent.nb) of the code cell an nbval item runs (its cell_num counts
-    code cells only)."""
-    nb = getattr(item.parent, "nb", None)
-    if nb is None or getattr(item, "cell_num", None) is None:
-        return None
-    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    return code[item.cell_num] if item.cell_num < len(code) else None
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
-    if not _is_notebook_item(item):
+    if not _is_notebook_item(item) or not item.config.getoption("nbval_record"):
         return report
-    run = run_of(item.config, item.path)
+    run = run_of(item)
     run.seconds += call.duration
     if call.when != "call":
         return report
     outputs = getattr(item, "test_outputs", None)
-    i = _cell_index(item)
-    if outputs is not None and i is not None:
-        cell = item.cell
-        run.ran[i] = (cell.source, list((cell.get("metadata") or {}).get("tags") or []), outputs)
+    if outputs is not None and getattr(item, "cell_num", None) is not None:
+        run.outputs[item.cell_num] = outputs
     exercises = getattr(item, "exercises", None)
-    if exercises:                         # a check item (nbval_grading.GradedCheck or MissingCheck)
+    if exercises:                    # a check item: its verdict lines, as pytest reports them
         lines = getattr(call.excinfo.value, "lines", None) if call.excinfo is not None else None
-        bad = {line.split(" ")[0]: line for line in lines or []}
+        if lines is None and report.outcome == "skipped" and hasattr(report, "wasxfail"):
+            lines = report.wasxfail.split("; ")       # an optional exercise not ok: 'E4.3 not done yet (optional)'
+        bad = {line.split(" ")[0]: line.removesuffix(" (optional)") for line in lines or []}
         for ex in exercises:
-            run.verdicts[ex] = bad.get(ex, f"{ex} ok")
+            run.nbval[ex] = bad.get(ex, f"{ex} ok")
     return report
 
 
@@ -340,45 +348,36 @@ def pytest_sessionfinish(session):
     folder = session.config.getoption("nbval_record")
     if not folder:
         return
-    import nbformat
+    Path(folder).mkdir(parents=True, exist_ok=True)
     for run in session.config.stash[_RUNS].values():
-        run.write(Path(folder), nbformat.read(run.path, as_version=4))
+        run.write(Path(folder))
 
 
-# -- `grade` on the solution's run ----------------------------------------------------------------------------------
-@pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector):
-    report = yield
-    if isinstance(collector, pytest.File) and collector.path.suffix == ".ipynb" and report.passed and report.result \
-            and any(hasattr(item, "exercises") for item in report.result):
-        from nanovllm_course.nbval_grading import reference_of
-        if reference_of(collector.path)[1]:                      # the solution notebook itself
-            report.result.append(GradeOfTheRun.from_parent(collector, name="grade"))
-    return report
+def _compare_with_the_solution(items) -> None:
+    """--nbval-compare-solution: each item of a graded notebook that is no check cell compares its output with the
+    solution's stored one (found by cell id), with the solution cell's nbval options."""
+    from collections import defaultdict
 
+    from nbval.plugin import find_comment_markers, find_metadata_tags
 
-class GradeOfTheRun(pytest.Item):
-    """`grade`'s verdict on the run the cells before it made (see the module doc)."""
-
-    def runtest(self):
-        import nbformat
-
-        from nanovllm_course import release as rel
-        run = run_of(self.config, self.path)
-        nb = nbformat.read(self.path, as_version=4)
-        skip_gpu = not rel.cuda_available()
-        should_run = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and not (skip_gpu and rel.is_gpu_cell(c))]
-        missing = [i for i in should_run if i not in run.ran]
-        assert not missing, f"cells {missing} of {self.path.name} did not run in this session, so grade has no run to read"
-        grade = rel.grade_executed(nb, run.executed(nb), nb, name=self.path.name, seconds=run.seconds,
-                                   ran=sorted(run.ran))
-        want = [f"{e} ok" for c in nb.cells if rel.is_check_cell(c) for e in rel.ok_lines(c)]
-        assert [v.line for v in grade.verdicts] == want and grade.notes == [], grade.lines()
-        assert run.verdicts == {v.exercise: v.line for v in grade.verdicts}, \
-            f"nbval's verdicts {run.verdicts} differ from grade's {grade.lines()}"
-
-    def reportinfo(self):
-        return self.path, None, f"{_rel_path(self.path)}::grade"
+    from nanovllm_course.nbval_grading import reference_of
+    solutions = {}
+    for item in items:
+        if not _is_notebook_item(item) or hasattr(item, "exercises") or getattr(item, "cell", None) is None:
+            continue
+        key = str(item.path)
+        if key not in solutions:
+            ref, _ = reference_of(item.path)
+            solutions[key] = {c.get("id"): c for c in (ref.cells if ref is not None else []) if c.cell_type == "code"}
+        ref = solutions[key].get(item.cell.get("id"))
+        if ref is None or ref.get("execution_count") is None:
+            continue
+        item.cell.outputs = copy.deepcopy(ref.outputs)
+        item.cell.execution_count = ref.execution_count
+        options = defaultdict(bool, find_metadata_tags(ref.get("metadata", {})))
+        options.update(dict(find_comment_markers(ref.source)))
+        options.setdefault("check", True)
+        item.options = options
 
 
 # -- the chapter timings report ---------------------------------------------------------------------------------
@@ -401,28 +400,13 @@ def _calibrate() -> float:
         torch.set_num_threads(threads)
 
 
-def _chapter_of(nodeid: str) -> tuple[str, str] | None:
-    path = nodeid.split("::")[0]
-    name = Path(path).name
-    if not name.endswith(".ipynb") or not name[:2].isdigit():
-        return None
-    return name, Path(path).parent.name
-
-
 def pytest_runtest_logreport(report):
     config = _CONFIG.get("config")
-    if config is None or not _is_controller(config):
+    if config is None or not _is_controller(config) or report.when != "call":
         return
-    chapters = config.stash[_REPORT]["chapters"]
-    where = _chapter_of(report.nodeid)
-    if where is not None and where[1] == "solutions":
-        row = chapters.setdefault(where[0], {})
-        row["solution_s"] = row.get("solution_s", 0.0) + report.duration
-        if report.when == "call" and report.failed:
-            row["solution_failed"] = True
     for key, value in report.user_properties:
-        if key == "chapter_run" and report.when == "call":
-            chapters.setdefault(value["chapter"], {})[f"{value['run']}_s"] = value["seconds"]
+        if key == "chapter_run":
+            config.stash[_REPORT]["chapters"].setdefault(value["chapter"], {})[f"{value['run']}_s"] = value["seconds"]
 
 
 _CONFIG: dict = {}
@@ -449,7 +433,7 @@ def pytest_terminal_summary(terminalreporter, config):
         path = rel.SOLUTIONS / name
         budget = rel.cpu_budget(nbformat.read(path, as_version=4)) if path.is_file() else None
         row = {"chapter": name, "budget_s": budget}
-        for run in ("solution", "unfilled"):
+        for run in ("filled", "unfilled"):
             s = got.get(f"{run}_s")
             row[f"{run}_s"] = None if s is None else round(s, 2)
             row[f"{run}_x_calibration"] = None if s is None else round(s / cal, 1)
@@ -474,10 +458,10 @@ def pytest_terminal_summary(terminalreporter, config):
 
     def cell(x, fmt="{:.0f}"):
         return "-" if x is None else fmt.format(x)
-    tr.line(f"{'chapter':36} {'budget s':>8} {'solution s':>10} {'unfilled s':>10}  over budget")
+    tr.line(f"{'chapter':36} {'budget s':>8} {'filled s':>10} {'unfilled s':>10}  over budget")
     for r in rows:
-        over = [run for run in ("solution", "unfilled") if r[f"{run}_over_budget"]]
-        tr.line(f"{r['chapter']:36} {cell(r['budget_s']):>8} {cell(r['solution_s']):>10} {cell(r['unfilled_s']):>10}"
+        over = [run for run in ("filled", "unfilled") if r[f"{run}_over_budget"]]
+        tr.line(f"{r['chapter']:36} {cell(r['budget_s']):>8} {cell(r['filled_s']):>10} {cell(r['unfilled_s']):>10}"
                 f"  {', '.join(over) or '-'}")
     tr.line(f"written to {_rel_path(ARTIFACTS / 'chapter_timings.csv')} and .json")
 

@@ -15,7 +15,7 @@ from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.engine.sequence import SequenceStatus
 
 Ref = ch07.ReferenceScheduler
-CHECKS = {"E7.1": ch07.check_schedule_prefill, "E7.2": ch07.check_schedule_decode, "E7.3": ch07.check_postprocess}
+CHECKS = {tag: e.check for tag, e in ch07.EXERCISES.items() if tag != "E7.4"}     # the Scheduler's three
 
 passes = functools.partial(course_checks.passes_by_tag, CHECKS)
 fails = functools.partial(course_checks.fails_by_tag, CHECKS)

@@ -14,12 +14,8 @@ import course_checks
 from nanovllm_course import ch10
 from nanovllm_ref.attn.torch_backend import store_kvcache as masked_store
 
-CHECKS = {"E10.1": ch10.check_graph_batch_sizes, "E10.2": ch10.check_fill_static_inputs,
-          "E10.3": ch10.check_capture_safe_store, "E10.4": ch10.check_graph_replay,
-          "E10.5": ch10.check_qk_norm_rope_store}
-REFERENCE = {"E10.1": ch10.reference_graph_batch_sizes, "E10.2": ch10.reference_fill_static_inputs,
-             "E10.3": ch10.reference_store_kvcache, "E10.4": ch10.reference_capture_decode_graph,
-             "E10.5": ch10.reference_qk_norm_rope_store}
+CHECKS = {tag: e.check for tag, e in ch10.EXERCISES.items()}
+REFERENCE = {tag: e.reference[0] for tag, e in ch10.EXERCISES.items()}
 
 fails = functools.partial(course_checks.fails_by_tag, CHECKS)
 

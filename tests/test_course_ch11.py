@@ -13,14 +13,13 @@ import course_checks
 from nanovllm_course import ch11
 from nanovllm_bench.floor import model_stats, physical_floor
 
-CHECKS = {"E11.1": ch11.check_workload_floor, "E11.2": ch11.check_throughput, "E11.3": ch11.check_compute_bound_batch}
+CHECKS = {tag: e.check for tag, e in ch11.EXERCISES.items()}
 
 passes = functools.partial(course_checks.passes_by_tag, CHECKS)
 fails = functools.partial(course_checks.fails_by_tag, CHECKS)
 
 
-REFERENCES = {"E11.1": ch11.reference_workload_floor, "E11.2": ch11.reference_throughput,
-              "E11.3": ch11.reference_compute_bound_batch}
+REFERENCES = {tag: e.reference[0] for tag, e in ch11.EXERCISES.items()}
 
 
 @pytest.mark.parametrize("tag", sorted(CHECKS))

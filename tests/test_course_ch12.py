@@ -12,10 +12,8 @@ import pytest
 import course_checks
 from nanovllm_course import ch12
 
-CHECKS = {"E12.1": ch12.check_apply_pending, "E12.2": ch12.check_detokenize_step,
-          "E12.3": ch12.check_completion_events}
-REFERENCES = {"E12.1": ch12.reference_apply_pending, "E12.2": ch12.reference_detokenize_step,
-              "E12.3": ch12.reference_completion_events}
+CHECKS = {tag: e.check for tag, e in ch12.EXERCISES.items()}
+REFERENCES = {tag: e.reference[0] for tag, e in ch12.EXERCISES.items()}
 CALLS = 3                     # fresh draws per mistake: a hint must be reached on every one of them
 
 passes = functools.partial(course_checks.passes_by_tag, CHECKS)

@@ -171,7 +171,8 @@ BAD = [
     ("/v1/completions", {"prompt": [5, "x"]}, "prompt"),
     ("/v1/completions", {"max_tokens": 5}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "temprature": 0.5}, "temprature"),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),         # the engine's MAX_LOGPROBS is 20
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "echo": True}, "echo"),
     ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": PROMPT, "suffix": "!"}, "suffix"),
@@ -185,14 +186,15 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": False}},
      "chat_template_kwargs"),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 0}, "logprobs"),           # 0 asks for logprobs too
     ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": False,
                               "stream_options": {"include_usage": False}}, "stream_options"),
@@ -426,3 +428,67 @@ def test_non_streaming_client_that_gives_up_has_its_request_aborted(server):
                           what="the request's add")[-1]["request_id"]
     server.wait_for(lambda ev: [e for e in ev if e["event"] == "abort" and e["request_id"] == rid and e["known"]],
                     what=f"abort_request({rid!r})")
+
+
+# -- logprobs, through the openai client ---------------------------------------------------------------------------
+def _engine_dicts(tokenizer, ids, k):
+    """The logprob dicts the fake engine gives the completion `ids` (serve_fake_engine.fake_logprobs)."""
+    from serve_fake_engine import fake_logprobs, word_ids
+    words = word_ids(tokenizer)
+    return [fake_logprobs(t, pos, k, words, lambda i: tokenizer.decode([i])) for pos, t in enumerate(ids)]
+
+
+def _joined_completion_logprobs(chunks):
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in chunks:
+        for choice in c.choices:
+            if choice.logprobs is not None:
+                for key in out:
+                    out[key] += getattr(choice.logprobs, key)
+    return out
+
+
+def test_completion_logprobs_streamed_and_not_are_the_engines(client, tokenizer):
+    prompt, k = "Logprobs, please", 2
+    ids = tokenizer.encode(prompt)
+    _, _, want_ids = fake_answer(tokenizer, ids, 30, EOS_AFTER)           # eos at 24: the stop token has logprobs too
+    dicts = _engine_dicts(tokenizer, want_ids, k)
+    tokens = [tokenizer.decode([t]) for t in want_ids]
+    want = {"tokens": tokens, "token_logprobs": [d[t].logprob for t, d in zip(want_ids, dicts)],
+            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in d.values()} for d in dicts],
+            "text_offset": [sum(map(len, tokens[:i])) for i in range(len(tokens))]}
+    full = client.completions.create(model="fake", prompt=prompt, max_tokens=30, temperature=0, logprobs=k)
+    assert full.choices[0].logprobs.model_dump() == want
+    assert [len(top) for top in want["top_logprobs"]] == [2, 3] * 12 + [2]  # the token among the top 2, or not
+    stream = client.completions.create(model="fake", prompt=prompt, max_tokens=30, temperature=0, logprobs=k,
+                                       stream=True)
+    assert _joined_completion_logprobs(list(stream)) == want
+
+
+def test_chat_logprobs_streamed_and_not_are_the_engines(client, tokenizer):
+    messages = [{"role": "user", "content": "Logprobs in a chat"}]
+    ids = chat_token_ids(tokenizer, messages)
+    _, _, want_ids = fake_answer(tokenizer, ids, 6, EOS_AFTER)
+    dicts = _engine_dicts(tokenizer, want_ids, 3)
+    want = [(tokenizer.decode([t]), d[t].logprob, [(lp.decoded_token, lp.logprob) for lp in
+                                                    sorted(d.values(), key=lambda lp: lp.rank) if lp.rank <= 3])
+            for t, d in zip(want_ids, dicts)]
+
+    def seen(content):
+        return [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in content]
+    full = client.chat.completions.create(model="fake", messages=messages, max_tokens=6, logprobs=True, top_logprobs=3)
+    assert seen(full.choices[0].logprobs.content) == want
+    assert all(c.bytes == list(c.token.encode()) for c in full.choices[0].logprobs.content)
+    chunks = client.chat.completions.create(model="fake", messages=messages, max_tokens=6, logprobs=True,
+                                            top_logprobs=3, stream=True)
+    assert [x for c in chunks for ch in c.choices if ch.logprobs for x in seen(ch.logprobs.content)] == want
+    plain = client.chat.completions.create(model="fake", messages=messages, max_tokens=6)
+    assert plain.choices[0].logprobs is None
+
+
+def test_logprobs_of_n_samples_are_each_samples_own(client, tokenizer):
+    out = client.completions.create(model="fake", prompt=[5, 6, 7], max_tokens=4, n=2, logprobs=0)
+    assert [len(c.logprobs.tokens) for c in out.choices] == [4, 4]
+    assert all(len(top) == 1 for c in out.choices for top in c.logprobs.top_logprobs)
+    assert ["".join(c.logprobs.tokens) for c in out.choices] == [c.text for c in out.choices]
+    assert out.choices[0].text != out.choices[1].text

@@ -124,6 +124,44 @@ def test_chat_streamed_and_not_equal_llm_chat(llm, client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want["text"]
 
 
+def test_logprobs_streamed_and_not_equal_llm_generate(llm, client):
+    """logprobs through both endpoints, in OpenAI's shapes, equal LLM.generate's (the same greedy tokens, each
+    token's logprob and the top 3 by rank). Tolerance 1e-4: the server's process and this one may run the
+    CPU kernels on different thread counts, which changes the summation order (the ids stay the same)."""
+    from nanovllm_ref import SamplingParams
+    prompt, k = PROMPTS[0], 3
+    want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=k), use_tqdm=False)[0].outputs[0]
+    chosen = [d[t] for t, d in zip(want.token_ids, want.logprobs)]
+    close = lambda a, b: all(abs(x - y) <= 1e-4 for x, y in zip(a, b)) and len(a) == len(b)   # noqa: E731
+
+    full = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, logprobs=k)
+    chunks = [c for c in client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
+                                                   logprobs=k, stream=True) if c.choices and c.choices[0].logprobs]
+    for lp in (full.choices[0].logprobs, *[c.choices[0].logprobs for c in chunks]):
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.tokens]
+    assert full.choices[0].logprobs.tokens == streamed == [lp.decoded_token for lp in chosen]
+    for got in (full.choices[0].logprobs.token_logprobs, [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]):
+        assert close(got, [lp.logprob for lp in chosen])
+    for top, d in zip(full.choices[0].logprobs.top_logprobs, want.logprobs):
+        assert set(top) == {lp.decoded_token for lp in d.values()}       # keys: token texts (equal texts merge)
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, logprobs=k), use_tqdm=False)[0].outputs[0]
+    for content in (client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0,
+                                                   logprobs=True, top_logprobs=k).choices[0].logprobs.content,
+                    [x for c in client.chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                                               temperature=0, logprobs=True, top_logprobs=k,
+                                                               stream=True)
+                     if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]):
+        assert [c.token for c in content] == [d[t].decoded_token for t, d in zip(want.token_ids, want.logprobs)]
+        assert close([c.logprob for c in content], [d[t].logprob for t, d in zip(want.token_ids, want.logprobs)])
+        for c, d in zip(content, want.logprobs):
+            top = sorted(d.values(), key=lambda lp: lp.rank)[:k]
+            assert [t.token for t in c.top_logprobs] == [lp.decoded_token for lp in top]
+            assert close([t.logprob for t in c.top_logprobs], [lp.logprob for lp in top])
+
+
 def test_sixteen_concurrent_streams_equal_the_offline_batch(llm, server):
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(16)]
     offline = [o["text"] for o in llm.generate(prompts, _greedy(20), use_tqdm=False)]
@@ -183,7 +221,7 @@ def _bad_requests(vocab_size: int) -> list[tuple[dict, str]]:
              ({"prompt": [5] * 300}, "prompt"),
              ({"prompt": "x", "n": 17}, "n"),
              ({"prompt": "x", "stop_token_ids": [vocab_size]}, "stop_token_ids"),
-             ({"prompt": "x", "logprobs": 2}, "logprobs"),
+             ({"prompt": "x", "logprobs": 21}, "logprobs"),           # above the engine's MAX_LOGPROBS
              ({"prompt": "x", "stream": "yes"}, "stream")]
     asks = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.1,
             "logprobs": 1, "prompt_logprobs": 1}

@@ -207,18 +207,7 @@ def test_choices_refuse_text_that_does_not_extend_what_was_sent():
         choices.update(0, _out("a", "café", [1, 2]))
 
 
-# -- the sampling mapping and the length rules --------------------------------------------------------------
-def test_the_mapping_covers_exactly_the_sampling_fields_of_the_requests():
-    shared = set(CompletionRequest.model_fields) & set(ChatCompletionRequest.model_fields)
-    assert set(sampling.MAPPED) <= shared
-    both = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
-    assert set(sampling.NOT_SERVED) <= both
-    handled = set(sampling.MAPPED) | set(sampling.NOT_SERVED) | {
-        "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "user",
-        "add_generation_prompt", "chat_template_kwargs"}
-    assert both == handled, "a request field is neither mapped, refused nor handled by the server"
-
-
+# -- the sampling mapping, the engine's refusals named by field, and the length rules ---------------------------
 def test_sampling_kwargs_pass_what_is_asked_and_refuse_what_the_server_cannot_serve():
     req = CompletionRequest(prompt="x", temperature=0.5, top_k=4, n=1, presence_penalty=0.0, stop=[], min_p=0.2)
     assert sampling.sampling_kwargs(req) == {"temperature": 0.5, "top_k": 4, "min_p": 0.2}
@@ -227,47 +216,104 @@ def test_sampling_kwargs_pass_what_is_asked_and_refuse_what_the_server_cannot_se
     assert info.value.param == "best_of" and info.value.status == 400
 
 
-def test_the_engines_own_check_decides_and_its_errors_name_the_request_field(monkeypatch):
-    """check_with_engine asks the engine; a PENDING field is refused only while PENDING lists it (read at the
-    time of the request), and the error names the request field."""
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("request_,logprobs", [
+    (CompletionRequest(prompt="x", logprobs=0), 0), (CompletionRequest(prompt="x", logprobs=3), 3),
+    (CompletionRequest(prompt="x"), None),
+    (ChatCompletionRequest(messages=CHAT, logprobs=True), 0), (ChatCompletionRequest(messages=CHAT, logprobs=False), None),
+    (ChatCompletionRequest(messages=CHAT, logprobs=True, top_logprobs=5), 5), (ChatCompletionRequest(messages=CHAT), None)])
+def test_logprobs_map_to_sampling_params_logprobs(request_, logprobs):
+    """Completions' logprobs is the number of top tokens; chat's logprobs turns them on and top_logprobs counts."""
+    assert sampling.sampling_kwargs(request_).get("logprobs") == logprobs
+
+
+def test_chat_top_logprobs_without_logprobs_is_refused_by_name():
+    for logprobs in (None, False):
+        with pytest.raises(APIError) as info:
+            sampling.sampling_kwargs(ChatCompletionRequest(messages=CHAT, logprobs=logprobs, top_logprobs=2))
+        assert info.value.param == "top_logprobs" and "logprobs: true" in info.value.message
+
+
+def _engine_with_the_real_check(**config):
     from nanovllm_ref.engine.request import check_request
-    config = SimpleNamespace(hf_config=SimpleNamespace(vocab_size=100), max_num_seqs=4, max_model_len=64,
-                             kvcache_block_size=16, num_kvcache_blocks=8)
     from nanovllm_ref.engine.scheduler import Scheduler
-    engine = SimpleNamespace(check_request=lambda ids, sp: check_request(
-        ids, sp, tokenizer=None, config=config, scheduler_cls=Scheduler, sp_where="the request"))
-    sp = sampling.make_sampling_params({"min_p": 0.2}, 4)
+    config = SimpleNamespace(**{**dict(hf_config=SimpleNamespace(vocab_size=100), max_num_seqs=4, max_model_len=64,
+                                       kvcache_block_size=16, num_kvcache_blocks=8), **config})
+    return SimpleNamespace(check_request=lambda ids, sp, where="prompt": check_request(
+        ids, sp, tokenizer=None, config=config, scheduler_cls=Scheduler, where=where, sp_where="the request"))
+
+
+COMPLETION, CHAT_REQUEST = CompletionRequest(prompt="x"), ChatCompletionRequest(messages=CHAT)
+CHAT_NEW_NAMES = ChatCompletionRequest(messages=CHAT, max_completion_tokens=4, logprobs=True, top_logprobs=1)
+REFUSALS = [   # (request, prompt ids, SamplingParams kwargs, the param its 400 must name, words of the message)
+    (COMPLETION, [1, 2], {"n": 5}, "n", "max_num_seqs"),
+    (COMPLETION, [1, 2], {"stop_token_ids": [100]}, "stop_token_ids", "outside the vocabulary"),
+    (COMPLETION, [1, 200], {}, "prompt", "outside [0, 100)"),
+    (CHAT_REQUEST, [1, 200], {}, "messages", "outside [0, 100)"),
+    (COMPLETION, [], {}, "prompt", "is empty"),
+    (COMPLETION, [1] * 129, {"max_tokens": 1}, "prompt", "its 129 tokens need 9 blocks"),
+    (COMPLETION, [1] * 10, {"max_tokens": 130}, "max_tokens", "at most 119"),   # 8 blocks of 16: 128 slots
+    (CHAT_REQUEST, [1] * 10, {"logprobs": 21}, "logprobs", "more than 20"),
+    (CHAT_NEW_NAMES, [1] * 10, {"logprobs": 21}, "top_logprobs", "more than 20"),
+]
+
+
+@pytest.mark.parametrize("request_,ids,kwargs,param,says", REFUSALS, ids=[r[3] + str(i) for i, r in enumerate(REFUSALS)])
+def test_the_engines_refusal_names_the_request_field_from_its_request_error(request_, ids, kwargs, param, says):
+    """The engine's own check decides (check_with_engine), and the RequestError's field, mapped to the request's
+    own field (sampling.request_param), is the param; the message is the engine's."""
+    engine = _engine_with_the_real_check(max_model_len=200)
+    with pytest.raises(APIError) as info:
+        sampling.check_with_engine(engine, request_, ids, SamplingParams(**{"max_tokens": 4, **kwargs}), "prompt")
+    assert info.value.param == param and says in info.value.message, info.value.message
+
+
+def test_max_tokens_names_the_field_the_request_set():
+    engine = _engine_with_the_real_check(max_model_len=200)
+    with pytest.raises(APIError) as info:
+        sampling.check_with_engine(engine, CHAT_NEW_NAMES, [1] * 10, SamplingParams(max_tokens=150), "messages")
+    assert info.value.param == "max_completion_tokens" and "at most 119" in info.value.message
+    sampling.check_with_engine(engine, CHAT_NEW_NAMES, [1] * 10, SamplingParams(max_tokens=119), "messages")
+
+
+def test_an_engine_refusal_without_a_field_names_none_whatever_its_text_says(monkeypatch):
+    """No error text is read: a plain ValueError that mentions a field is a 400 with param None."""
+    def check(ids, sp, where="prompt"):
+        raise ValueError("SamplingParams.min_p=0.2 is not implemented yet; max_tokens too large")
+    with pytest.raises(APIError) as info:
+        sampling.check_with_engine(SimpleNamespace(check_request=check), COMPLETION, [1, 2], SamplingParams(), "prompt")
+    assert info.value.param is None and "min_p" in info.value.message
+    sampling.check_with_engine(SimpleNamespace(), COMPLETION, [1, 2], SamplingParams(), "prompt")   # no check: add decides
+
+
+def test_a_pending_field_is_refused_by_the_engines_check_while_pending_lists_it(monkeypatch):
+    engine = _engine_with_the_real_check()
+    sp = SamplingParams(min_p=0.2, max_tokens=4)
     monkeypatch.setattr(sampling_params_module, "PENDING", {"min_p": 0.0})
     with pytest.raises(APIError) as info:
-        sampling.check_with_engine(engine, [1, 2], sp)
+        sampling.check_with_engine(engine, COMPLETION, [1, 2], sp, "prompt")
     assert info.value.param == "min_p" and "not implemented yet" in info.value.message
     monkeypatch.setattr(sampling_params_module, "PENDING", {})
-    sampling.check_with_engine(engine, [1, 2], sp)                    # implemented now: accepted
-    with pytest.raises(APIError) as info:
-        sampling.check_with_engine(engine, [1, 2], sampling.make_sampling_params({"n": 5}, 4))
-    assert info.value.param == "n" and "max_num_seqs" in info.value.message
-    with pytest.raises(APIError) as info:
-        sampling.check_with_engine(engine, [1, 2], sampling.make_sampling_params({"stop_token_ids": [100]}, 4))
-    assert info.value.param == "stop_token_ids" and "outside the vocabulary" in info.value.message
-    with pytest.raises(APIError) as info:
-        sampling.check_with_engine(engine, [1, 200], sampling.make_sampling_params({}, 4), prompt_field="messages")
-    assert info.value.param == "messages"                               # no field named: the prompt's
-    sampling.check_with_engine(SimpleNamespace(), [1, 2], sp)          # an engine without the check: the add decides
+    sampling.check_with_engine(engine, COMPLETION, [1, 2], sp, "prompt")
 
 
-@pytest.mark.parametrize("kwargs,max_tokens,param", [({"temperature": -1.0}, 5, "temperature"),
-                                                     ({"top_p": 0.0}, 5, "top_p"), ({}, 0, "max_tokens"),
-                                                     ({"top_k": -3}, 5, "top_k")])
-def test_sampling_params_errors_name_the_request_field(kwargs, max_tokens, param):
+@pytest.mark.parametrize("request_,kwargs,max_tokens,param", [
+    (COMPLETION, {"temperature": -1.0}, 5, "temperature"), (COMPLETION, {"top_p": 0.0}, 5, "top_p"),
+    (COMPLETION, {}, 0, "max_tokens"), (COMPLETION, {"top_k": -3}, 5, "top_k"),
+    (COMPLETION, {"stop_token_ids": [3, -1]}, 5, "stop_token_ids"), (COMPLETION, {"min_tokens": 9}, 5, "min_tokens"),
+    (COMPLETION, {"logprobs": -1}, 5, "logprobs"), (CHAT_NEW_NAMES, {"logprobs": -1}, 5, "top_logprobs"),
+    (CHAT_NEW_NAMES, {}, 0, "max_completion_tokens"), (CHAT_REQUEST, {}, 0, "max_tokens")])
+def test_sampling_params_errors_name_the_request_field(request_, kwargs, max_tokens, param):
     with pytest.raises(APIError) as info:
-        sampling.make_sampling_params(kwargs, max_tokens)
+        sampling.make_sampling_params(request_, kwargs, max_tokens)
     assert info.value.param == param
 
 
 def test_chat_max_completion_tokens_is_named_in_its_errors(model_dir):
     engine = FakeEngine(model_dir)
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=10**5)
-    from nanovllm_ref.entrypoints.openai.serving import chat_inputs
     with pytest.raises(APIError) as info:
         chat_inputs(req, engine)
     assert info.value.param == "max_completion_tokens"
@@ -280,23 +326,39 @@ def test_chat_max_completion_tokens_is_named_in_its_errors(model_dir):
     assert one.prompt_token_ids == chat_token_ids(engine.tokenizer, [{"role": "user", "content": "a\nb"}])
 
 
-def test_kv_cache_rule_agrees_with_the_engines_block_count():
-    """check_fits_cache refuses exactly the requests whose blocks the engine's check would find too many."""
-    for block_size in (1, 4, 16, 256):
-        for num_blocks in (1, 3, 8):
-            for prompt_len in range(1, 40, 3):
-                for max_tokens in (1, 2, 7, 30):
-                    max_len = 64
-                    if prompt_len + max_tokens > max_len:
-                        continue
+def test_max_tokens_left_out_is_the_most_the_engines_check_accepts():
+    """One KV-cache rule: for every prompt length and cache size, max_tokens=None resolves to exactly the most
+    the engine's check_request accepts (capped by max_model_len), and that check refuses exactly the requests
+    whose blocks (counted here, block by block) outnumber the cache's."""
+    from nanovllm_ref.engine.request import check_request
+    from nanovllm_ref.engine.scheduler import Scheduler
+    from nanovllm_ref.errors import RequestError
+    max_len = 48
+    for block_size in (1, 4, 16):
+        for num_blocks in (1, 3, 4, 8):
+            config = SimpleNamespace(hf_config=SimpleNamespace(vocab_size=100), max_num_seqs=4, max_model_len=max_len,
+                                     kvcache_block_size=block_size, num_kvcache_blocks=num_blocks)
+
+            def accepts(prompt_len, max_tokens):
+                try:
+                    check_request([1] * prompt_len, SamplingParams(max_tokens=max_tokens), tokenizer=None,
+                                  config=config, scheduler_cls=Scheduler)
+                    return True
+                except RequestError as exc:
+                    assert exc.field == ("prompt" if prompt_len > num_blocks * block_size else "max_tokens")
+                    return False
+            for prompt_len in range(1, max_len):
+                for max_tokens in range(1, max_len - prompt_len + 1):
                     longest = max(prompt_len, min(prompt_len + max_tokens, max_len) - 1)
-                    engine_refuses = -(-longest // block_size) > num_blocks
-                    try:
-                        sampling.check_fits_cache(prompt_len, max_tokens, max_len, num_blocks * block_size)
-                        refused = False
-                    except APIError:
-                        refused = True
-                    assert refused == engine_refuses, (block_size, num_blocks, prompt_len, max_tokens)
+                    blocks = sum(1 for start in range(0, longest, block_size))
+                    assert accepts(prompt_len, max_tokens) == (blocks <= num_blocks), (block_size, num_blocks,
+                                                                                       prompt_len, max_tokens)
+                resolved = sampling.resolve_max_tokens(None, prompt_len, max_len, num_blocks * block_size)
+                if accepts(prompt_len, 1):
+                    assert accepts(prompt_len, resolved), (block_size, num_blocks, prompt_len, resolved)
+                    assert resolved == max_len - prompt_len or not accepts(prompt_len, resolved + 1)
+                else:
+                    assert resolved == 1                 # the prompt alone does not fit: the check refuses it
 
 
 def test_max_tokens_left_out_takes_what_the_context_and_cache_leave():
@@ -444,7 +506,7 @@ def test_completion_prompts_that_cannot_be_tokenized_name_the_prompt(model_dir):
         def encode(self, text):
             raise RuntimeError("the tokenizer broke on this")
     with pytest.raises(APIError) as info:
-        completion_prompts("fine", Failing(), 100)
+        completion_prompts("fine", Failing())
     assert info.value.param == "prompt"
     assert info.value.message == "prompt could not be tokenized (RuntimeError: the tokenizer broke on this)"
 
@@ -510,7 +572,7 @@ def test_an_unexpected_server_fault_is_a_500_in_openai_shape_and_the_server_goes
     from nanovllm_ref.entrypoints.openai.api_server import build_app
 
     class Broken(FakeEngine):
-        def check_request(self, prompt_token_ids, sampling_params):
+        def check_request(self, prompt_token_ids, sampling_params, where="prompt"):
             if prompt_token_ids[:1] == [9]:
                 raise RuntimeError("a bug, not the client's fault")
 
@@ -522,3 +584,54 @@ def test_an_unexpected_server_fault_is_a_500_in_openai_shape_and_the_server_goes
                                         "type": "internal_server_error", "param": None, "code": None}}
         res = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
         assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 2
+
+
+# -- logprobs in OpenAI's shapes --------------------------------------------------------------------------------
+def _lp(logprob, rank, text):
+    from nanovllm_ref.outputs import Logprob
+    return Logprob(logprob, rank, text)
+
+
+# Two tokens, k = 2: the first is the most likely (2 entries), the second is not among the top 2 (3 entries, first);
+# one top token's logprob is -inf (JSON has no infinity: -9999, as OpenAI and vLLM send it).
+DICTS = [{7: _lp(-0.1, 1, " a"), 9: _lp(-2.5, 2, " b")},
+         {4: _lp(-3.0, 3, "é"), 7: _lp(-0.2, 1, " a"), 8: _lp(float("-inf"), 2, None)}]
+
+
+class _Decoder:
+    def decode(self, ids):
+        return {8: "<s>"}[ids[0]]
+
+
+def test_completion_logprobs_have_openais_legacy_shape():
+    from nanovllm_ref.entrypoints.openai.serving import completion_logprobs
+    out = completion_logprobs([7, 4], DICTS, _Decoder(), offset=5).model_dump()
+    assert out == {"tokens": [" a", "é"], "token_logprobs": [-0.1, -3.0],
+                   "top_logprobs": [{" a": -0.1, " b": -2.5}, {"é": -3.0, " a": -0.2, "<s>": -9999.0}],
+                   "text_offset": [5, 7]}
+
+
+def test_chat_logprobs_list_the_k_most_likely_by_rank():
+    from nanovllm_ref.entrypoints.openai.serving import chat_logprobs
+    content = chat_logprobs([7, 4], DICTS, 2, _Decoder()).model_dump()["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in content] == [(" a", -0.1, [32, 97]),
+                                                                           ("é", -3.0, [0xC3, 0xA9])]
+    assert [[(t["token"], t["logprob"]) for t in c["top_logprobs"]] for c in content] == [
+        [(" a", -0.1), (" b", -2.5)], [(" a", -0.2), ("<s>", -9999.0)]]      # not the token itself: it is 3rd
+    assert [c["top_logprobs"] for c in chat_logprobs([7], [{7: _lp(-0.1, 1, " a")}], 0, _Decoder()).model_dump()[
+        "content"]] == [[]]                                                   # top_logprobs 0: the token alone
+
+
+def test_streamed_deltas_carry_each_tokens_logprobs_once():
+    """A token whose text is held back (a stop string may follow) has its logprobs sent with the next delta that
+    has text, or with the finishing one: the deltas joined equal the whole completion's."""
+    def out(text, ids, finish=None):
+        lps = [{t: _lp(-0.5 - t, 1, str(t))} for t in ids]
+        return FakeRequestOutput("a", None, [1], [FakeCompletion(0, text, ids, finish, None, lps)], finish is not None)
+    choices = Choices([1], n=1)
+    steps = [out("x", [1]), out("x", [1, 2]), out("xyz", [1, 2, 3]), out("xyz", [1, 2, 3, 4], "stop")]
+    deltas = [d for step in steps for d in choices.update(0, step)]
+    assert [(d.text, d.token_ids, d.finish_reason) for d in deltas] == [("x", [1], None), ("yz", [2, 3], None),
+                                                                      ("", [4], "stop")]
+    assert [lp for d in deltas for lp in d.logprobs] == steps[-1].outputs[0].logprobs
+    assert choices.final()[0][1].logprobs == steps[-1].outputs[0].logprobs

@@ -3,8 +3,10 @@
 A Request is what `add_request` made: an id, the prompt, its SamplingParams and its n sequences (one per
 sample; engine/sequence.py). `check_request` validates one prompt and its settings against the tokenizer
 and the engine's config without changing anything, so `generate` can check a whole batch before queuing
-any of it, and the command line can check its prompts before the weights load. `load_tokenizer` loads a
-model folder's tokenizer and refuses one the model cannot use.
+any of it, and the command line can check its prompts before the weights load. Each refusal is a
+RequestError (nanovllm_ref/errors.py) whose `field` names the argument at fault, so the HTTP server names
+its own field without restating a rule or reading the message. `load_tokenizer` loads a model folder's
+tokenizer and refuses one the model cannot use.
 """
 import numbers
 import warnings
@@ -14,6 +16,7 @@ from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.engine.sequence import Sequence
 from nanovllm_ref.engine.stop import completion_text
+from nanovllm_ref.errors import RequestError, RequestTypeError
 from nanovllm_ref.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm_ref.sampling_params import SamplingParams
 
@@ -59,50 +62,75 @@ def check_text(text: str, where: str) -> None:
 
 
 def encode_text(tokenizer, text: str, where: str = "prompt") -> list[int]:
-    """Token ids of the str prompt `text` (tokenizer.encode: its special tokens added). Raises ValueError
-    naming `where` when the text cannot be tokenized: not valid text (check_text), or the tokenizer fails."""
-    check_text(text, where)
+    """Token ids of the str prompt `text` (tokenizer.encode: its special tokens added). Raises RequestError
+    (field "prompt", the message naming `where`) when the text cannot be tokenized: not valid text
+    (check_text), or the tokenizer fails."""
+    try:
+        check_text(text, where)
+    except ValueError as exc:
+        raise RequestError("prompt", str(exc)) from None
     try:
         return [int(t) for t in tokenizer.encode(text)]
     except Exception as exc:                        # a tokenizer's own failure on this text: the text is at fault
-        raise ValueError(f"{where} could not be tokenized ({type(exc).__name__}: {exc})") from exc
+        raise RequestError("prompt", f"{where} could not be tokenized ({type(exc).__name__}: {exc})") from exc
+
+
+def kv_cache_room(prompt_len: int, max_model_len: int, kv_cache_tokens: int) -> int | None:
+    """How many new tokens (max_tokens) a prompt of `prompt_len` tokens may ask for and still fit in a KV cache
+    of `kv_cache_tokens` token slots: None if any number fits (max_model_len stops it first), 0 if the prompt
+    alone does not fit. The rule check_request applies, and the one the server's max_tokens=None resolves by.
+
+    A request holds K/V for its prompt, then for every sampled token but the last (it is never fed back),
+    and stops at max_model_len: longest = max(P, min(P + max_tokens, max_model_len) - 1) tokens, which is
+    <= kv_cache_tokens exactly when P fits and max_tokens <= kv_cache_tokens + 1 - P, or
+    max_model_len - 1 <= kv_cache_tokens. Blocks round up, and ceil(n / block_size) <= num_blocks exactly
+    when n <= num_blocks * block_size, so token slots decide."""
+    if prompt_len > kv_cache_tokens:
+        return 0
+    if max_model_len - 1 <= kv_cache_tokens:
+        return None
+    return kv_cache_tokens + 1 - prompt_len
 
 
 def _check_sampling_params(sp, where: str, vocab_size: int, scheduler_cls, block_manager_cls=None,
                            prefix_caching: bool = False) -> None:
     if not isinstance(sp, SamplingParams):
-        raise TypeError(f"{where} must be a SamplingParams, got {type(sp).__name__}")
+        raise RequestTypeError("sampling_params", f"{where} must be a SamplingParams, got {type(sp).__name__}")
     pending = sp.pending_fields()
     if pending:
         name = pending[0]
-        raise ValueError(f"{where}: SamplingParams.{name}={getattr(sp, name)!r} is not implemented yet in "
-                         f"nanovllm_ref (accepted for vLLM compatibility); leave it at its default")
+        raise RequestError(name, f"{where}: SamplingParams.{name}={getattr(sp, name)!r} is not implemented yet "
+                                 f"in nanovllm_ref (accepted for vLLM compatibility); leave it at its default")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(sp, name)
         if value is not None and value > MAX_LOGPROBS:
-            raise ValueError(f"{where}: SamplingParams.{name}={value} asks for more than {MAX_LOGPROBS} top tokens "
-                             f"per position (vLLM's default max_logprobs); use 0..{MAX_LOGPROBS}")
+            raise RequestError(name, f"{where}: SamplingParams.{name}={value} asks for more than {MAX_LOGPROBS} "
+                                     f"top tokens per position (vLLM's default max_logprobs); use 0..{MAX_LOGPROBS}")
     if (sp.prompt_logprobs is not None and prefix_caching and block_manager_cls is not None
             and block_manager_cls is not BlockManager):
-        raise ValueError(f"{where}: SamplingParams.prompt_logprobs with prefix caching needs the reference "
-                         f"BlockManager (it gives such a request no prefix-cache hit, whose positions would have no "
-                         f"logits); Parts.block_manager={block_manager_cls.__name__} has its own: pass "
-                         "enable_prefix_caching=False")
+        raise RequestError("prompt_logprobs", f"{where}: SamplingParams.prompt_logprobs with prefix caching needs "
+                           f"the reference BlockManager (it gives such a request no prefix-cache hit, whose "
+                           f"positions would have no logits); Parts.block_manager={block_manager_cls.__name__} has "
+                           "its own: pass enable_prefix_caching=False")
     bad = [t for t in sp.stop_token_ids if t >= vocab_size]
     if bad:
-        raise ValueError(f"{where}: stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        raise RequestError("stop_token_ids", f"{where}: stop_token_ids {bad[:5]} are outside the vocabulary "
+                                             f"[0, {vocab_size})")
     if getattr(scheduler_cls, "postprocess", None) is not Scheduler.postprocess:
         defaults = SamplingParams()
         used = [f for f in POSTPROCESS_FEATURES if getattr(sp, f) != getattr(defaults, f)]
         if used:
-            raise ValueError(f"{where}: SamplingParams.{used[0]} needs the reference Scheduler.postprocess "
-                             f"(engine/stop.py, forks); Parts.scheduler={scheduler_cls.__name__} has its own")
+            raise RequestError(used[0], f"{where}: SamplingParams.{used[0]} needs the reference "
+                                        f"Scheduler.postprocess (engine/stop.py, forks); "
+                                        f"Parts.scheduler={scheduler_cls.__name__} has its own")
 
 
 def check_request(prompt, sp, *, tokenizer, config, scheduler_cls, where: str = "prompt",
                   sp_where: str = "sampling_params", block_manager_cls=None) -> list[int]:
-    """Token ids of one validated request; raises ValueError / TypeError naming what is wrong (`where`,
-    `sp_where`: how the prompt and its settings are called in the message). Changes nothing.
+    """Token ids of one validated request; raises RequestError (a ValueError; RequestTypeError, also a
+    TypeError, for a wrong type) whose `field` is the argument at fault ("prompt", or the SamplingParams field)
+    and whose message names it (`where`, `sp_where`: how the prompt and its settings are called in the
+    message). Changes nothing.
 
     prompt: a str (encoded with the tokenizer's special tokens; text it cannot encode, such as a lone surrogate,
     is a ValueError) or a list of int token ids. Checks: the ids
@@ -117,34 +145,40 @@ def check_request(prompt, sp, *, tokenizer, config, scheduler_cls, where: str = 
     _check_sampling_params(sp, sp_where, vocab, scheduler_cls, block_manager_cls,
                            getattr(config, "enable_prefix_caching", False))
     if sp.n > config.max_num_seqs:
-        raise ValueError(f"{sp_where}: n={sp.n} samples cannot run at once with max_num_seqs={config.max_num_seqs}")
+        raise RequestError("n", f"{sp_where}: n={sp.n} samples cannot run at once with "
+                                f"max_num_seqs={config.max_num_seqs}")
     if isinstance(prompt, str):
         token_ids = encode_text(tokenizer, prompt, where)
     elif isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray)):
         for j, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise TypeError(f"{where}[{j}] must be an int token id, got {type(t).__name__}")
+                raise RequestTypeError("prompt", f"{where}[{j}] must be an int token id, got {type(t).__name__}")
         token_ids = [int(t) for t in prompt]
     else:
-        raise TypeError(f"{where} must be a str or a list of int token ids, got {type(prompt).__name__}")
+        raise RequestTypeError("prompt", f"{where} must be a str or a list of int token ids, got "
+                                         f"{type(prompt).__name__}")
     bad = [t for t in token_ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"{where} has token ids outside [0, {vocab}): {bad[:5]}"
-                         + (" (the tokenizer made them: it knows more tokens than the model's embedding table)"
-                            if isinstance(prompt, str) else ""))
+        raise RequestError("prompt", f"{where} has token ids outside [0, {vocab}): {bad[:5]}"
+                           + (" (the tokenizer made them: it knows more tokens than the model's embedding table)"
+                              if isinstance(prompt, str) else ""))
     if not token_ids:
-        raise ValueError(f"{where} is empty; a prompt needs at least one token")
-    max_len = config.max_model_len
-    if len(token_ids) > max_len:
-        raise ValueError(f"{where} has {len(token_ids)} tokens, more than max_model_len={max_len}")
-    # The most tokens this request ever holds K/V for: the prompt, then every sampled token but the
-    # last (generation stops at max_tokens or max_model_len, and the last token is never fed back).
-    longest = max(len(token_ids), min(len(token_ids) + sp.max_tokens, max_len) - 1)
+        raise RequestError("prompt", f"{where} is empty; a prompt needs at least one token")
+    max_len, n = config.max_model_len, len(token_ids)
+    if n > max_len:
+        raise RequestError("prompt", f"{where} has {n} tokens, more than max_model_len={max_len}")
     bs, have = config.kvcache_block_size, config.num_kvcache_blocks
-    need = (longest + bs - 1) // bs
-    if have > 0 and need > have:
-        raise ValueError(f"{where} can never fit in the KV cache: up to {longest} tokens need {need} blocks of {bs}, "
-                         f"the cache has {have}; lower max_tokens or give the cache more memory")
+    if have > 0:                                      # 0: the cache is not sized yet (before the weights load)
+        room = kv_cache_room(n, max_len, have * bs)
+        if room == 0:
+            raise RequestError("prompt", f"{where} can never fit in the KV cache: its {n} tokens need "
+                                         f"{-(-n // bs)} blocks of {bs}, the cache has {have}; shorten it or give "
+                                         "the cache more memory")
+        if room is not None and sp.max_tokens > room:
+            longest = min(n + sp.max_tokens, max_len) - 1
+            raise RequestError("max_tokens", f"{where} can never fit in the KV cache: up to {longest} tokens need "
+                                             f"{-(-longest // bs)} blocks of {bs}, the cache has {have}; lower "
+                                             f"max_tokens to at most {room} or give the cache more memory")
     return token_ids
 
 

@@ -12,7 +12,7 @@ import signal
 import sys
 
 from nanovllm_ref.entrypoints.openai.protocol import APIError
-from nanovllm_ref.entrypoints.openai.sampling import check_fits_cache, resolve_max_tokens
+from nanovllm_ref.entrypoints.openai.sampling import resolve_max_tokens
 from nanovllm_ref.sampling_params import SamplingParams
 
 HELP = "Ctrl-C stops an answer, /reset starts over, Ctrl-D or /exit quits."
@@ -63,17 +63,14 @@ class ChatShell:
             ids = chat_token_ids(self.engine.tokenizer, self.history)
             room = resolve_max_tokens(None, len(ids), self.engine.max_model_len, prompt_field="messages",
                                       kv_cache_tokens=self.engine.kv_cache_tokens)
-            max_tokens = min(self.max_tokens, room)
-            check_fits_cache(len(ids), max_tokens, self.engine.max_model_len, self.engine.kv_cache_tokens,
-                             prompt_field="messages")
+            sp = SamplingParams(temperature=self.sampling.temperature, max_tokens=min(self.max_tokens, room))
+            request_id = f"chat-{self.turns + 1}"
+            self.engine.add_request(ids, sp, request_id)   # its check refuses what can never fit the KV cache
         except (APIError, ValueError, TypeError) as exc:
             self.history.pop()
             self._write(f"error: {exc} (/reset clears the history)\n")
             return None
-        sp = SamplingParams(temperature=self.sampling.temperature, max_tokens=max_tokens)
         self.turns += 1
-        request_id = f"chat-{self.turns}"
-        self.engine.add_request(ids, sp, request_id)
         shown, stopped = "", False
         self._interrupted = False
         previous = signal.signal(signal.SIGINT, self._on_sigint)   # Ctrl-C is read between steps

@@ -3,8 +3,12 @@
 Only argparse here: building the parser must not import the server's stack (FastAPI, uvicorn).
 """
 import argparse
+import json
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20      # serve's body limit: 8 MiB, about 2M tokens of text, far beyond a context
+# CORS (Starlette's CORSMiddleware arguments), vLLM's defaults: a page on any origin may call the server with any
+# method and header, without credentials (cookies, HTTP auth); Authorization: Bearer is a header, not a credential.
+DEFAULT_CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False}
 
 
 def add_more_engine_flags(p) -> None:
@@ -42,6 +46,21 @@ def _int_in(name: str, low: int, high: int | None = None):
     return parse
 
 
+def _json_list(flag: str):
+    """An argparse type: a JSON list of str, as vLLM's --allowed-origins takes (its type is json.loads), e.g.
+    '["https://app.example"]'; argparse's error names the flag and says what it wants."""
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON list of str such as '[\"*\"]' or "
+                                             f"'[\"http://localhost:3000\"]', got {text!r}")
+        return value
+    return parse
+
+
 def add_serve_flags(p) -> None:
     add_more_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -55,6 +74,18 @@ def add_serve_flags(p) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    # CORS, vLLM's flags: which web pages (origins) a browser lets call this server, and how.
+    p.add_argument("--allowed-origins", type=_json_list("--allowed-origins"),
+                   default=list(DEFAULT_CORS["allow_origins"]),
+                   help='origins whose pages may call the server, a JSON list (["*"]: any)')
+    p.add_argument("--allowed-methods", type=_json_list("--allowed-methods"),
+                   default=list(DEFAULT_CORS["allow_methods"]),
+                   help="HTTP methods such a page may use, a JSON list")
+    p.add_argument("--allowed-headers", type=_json_list("--allowed-headers"),
+                   default=list(DEFAULT_CORS["allow_headers"]),
+                   help="request headers such a page may send, a JSON list")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="let such a page send cookies and HTTP authentication")
 
 
 def add_chat_flags(p) -> None:

@@ -12,7 +12,12 @@ FastAPI routes (vLLM's `vllm/entrypoints/openai/api_server.py` serves the same o
 Both POST routes stream with `"stream": true`: server-sent events, one `data: {chunk}` per piece of new text,
 a chunk with the finish_reason when a choice ends, a usage chunk when `stream_options.include_usage`, then
 `data: [DONE]`. A chunk may carry the text of several engine steps when the client reads slower than the
-engine writes. Without streaming, the answer is one JSON body; both carry `usage` and `finish_reason`.
+engine writes. Without streaming, the answer is one JSON body; both carry `usage` and `finish_reason`, and
+`logprobs` when asked for (serving.py builds OpenAI's shapes; a stream's chunks carry each token's once).
+
+Browser clients: every route answers CORS preflights (OPTIONS with Origin and Access-Control-Request-Method),
+and every answer to another origin, errors included, carries Access-Control-Allow-Origin as --allowed-origins,
+--allowed-methods, --allowed-headers and --allow-credentials say (Starlette's CORSMiddleware, as vLLM).
 
 Every error, whatever its origin (the checks here, FastAPI's routing and body parsing, an unexpected
 failure), uses OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, with `param` naming the
@@ -44,17 +49,21 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanovllm_ref.entrypoints.cli_args import DEFAULT_MAX_REQUEST_BYTES
+from nanovllm_ref.entrypoints.cli_args import DEFAULT_CORS, DEFAULT_MAX_REQUEST_BYTES
 from nanovllm_ref.entrypoints.openai.engine_loop import Aborted, EngineDead, EngineLoop, Overloaded, TooLarge
 from nanovllm_ref.entrypoints.openai.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
                                                       ChatCompletionChunk, ChatCompletionRequest,
                                                       ChatCompletionResponse, CompletionChoice,
                                                       CompletionRequest, CompletionResponse, DeltaMessage,
                                                       ModelCard, ModelList, random_id)
-from nanovllm_ref.entrypoints.openai.serving import Choices, chat_inputs, completion_inputs
+from nanovllm_ref.entrypoints.openai.sampling import request_param
+from nanovllm_ref.entrypoints.openai.serving import (Choices, chat_inputs, chat_logprobs, completion_inputs,
+                                                     completion_logprobs)
+from nanovllm_ref.errors import RequestError
 
 logger = logging.getLogger("uvicorn.error")          # uvicorn configures it: one log for the server
 
@@ -147,6 +156,36 @@ class _BodyLimit:
         await _error_response(err)(scope, None, send)
 
 
+class _ServerFault:
+    """ASGI middleware: an exception no handler turned into an answer (a bug, not the client's fault) is logged
+    with its traceback and answered 500 in OpenAI's shape, here, inside the CORS middleware, so a browser
+    client can read it too (Starlette's own 500 comes from outside every middleware, without CORS headers).
+    Once the answer has started (a stream) nothing can be sent instead: the exception goes on to uvicorn,
+    which closes the connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_and_note(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("the server failed on %s %s", scope.get("method"), scope.get("path"))
+            err = APIError(f"the server failed on this request ({type(exc).__name__}); see its log", status=500,
+                           type="internal_server_error")
+            await _error_response(err)(scope, receive, send)
+
+
 def _sse(chunk) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
 
@@ -188,14 +227,19 @@ def _watch_disconnect(raw: Request, group) -> asyncio.Task:
     return asyncio.create_task(watch())
 
 
-def build_app(engine_loop: EngineLoop, model_name: str,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def build_app(engine_loop: EngineLoop, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              cors: dict | None = None) -> FastAPI:
     """The FastAPI app over `engine_loop` (started and shut down by the app's lifespan). model_name: the name
     /v1/models lists and requests must use (or leave out). max_request_bytes: the largest request body
-    accepted (413 beyond it)."""
+    accepted (413 beyond it). cors: CORSMiddleware's allow_origins, allow_methods, allow_headers (lists of
+    str) and allow_credentials (bool), the --allowed-origins ... flags; None: their defaults (any origin,
+    method and header; no credentials), as vLLM's."""
     engine = engine_loop.engine
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
+    cors = {**DEFAULT_CORS, **(cors or {})}
+    if set(cors) != set(DEFAULT_CORS):
+        raise ValueError(f"cors takes the keys {sorted(DEFAULT_CORS)}, got {sorted(cors)}")
     tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     @asynccontextmanager
@@ -208,7 +252,11 @@ def build_app(engine_loop: EngineLoop, model_name: str,
             await engine_loop.shutdown()
 
     app = FastAPI(title="nanovllm_ref OpenAI-compatible server", lifespan=lifespan)
+    # The last one added is the outermost: CORS sees every answer, the 413s and 500s included, so a page on
+    # another origin can read them too (a browser hides an answer without Access-Control-Allow-Origin).
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(_ServerFault)
+    app.add_middleware(CORSMiddleware, **cors)
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
@@ -221,11 +269,6 @@ def build_app(engine_loop: EngineLoop, model_name: str,
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
         return _error_response(_http_error(request.method, request.url.path, exc), headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def server_fault(request, exc: Exception):        # logged by uvicorn with its traceback, not sent
-        return _error_response(APIError(f"the server failed on this request ({type(exc).__name__}); see its log",
-                                        status=500, type="internal_server_error"))
 
     async def off_loop(fn, *args):
         """fn(*args) on the tokenizing thread (a long prompt must not stall the event loop)."""
@@ -247,7 +290,7 @@ def build_app(engine_loop: EngineLoop, model_name: str,
             raise APIError(f"the model `{name}` does not exist; this server serves `{model_name}`",
                            param="model", status=404, type="not_found_error")
 
-    async def admit(inputs, raw: Request):
+    async def admit(body, inputs, raw: Request):
         """Submit to the loop and wait until the engine took them. Returns (group, disconnect watcher)."""
         try:
             group = engine_loop.submit(inputs)
@@ -262,7 +305,8 @@ def build_app(engine_loop: EngineLoop, model_name: str,
             await group.admitted
         except (ValueError, TypeError) as exc:          # the engine refused a request the checks let through
             watcher.cancel()
-            raise APIError(f"the engine refused the request: {exc}", param=None) from exc
+            param = request_param(body, exc.field) if isinstance(exc, RequestError) else None
+            raise APIError(f"the engine refused the request: {exc}", param=param) from exc
         except (Aborted, EngineDead) as exc:
             watcher.cancel()
             raise APIError(f"the request was not run: {engine_loop.dead or exc}", status=503,
@@ -282,10 +326,12 @@ def build_app(engine_loop: EngineLoop, model_name: str,
         choices = Choices([len(i.prompt_token_ids) for i in inputs], n)
         # One id and one creation time for the response and every chunk of its stream, as OpenAI's.
         head = dict(id=random_id("chatcmpl" if chat else "cmpl"), model=model_name, created=int(time.time()))
-        group, watcher = await admit(inputs, raw)
+        group, watcher = await admit(body, inputs, raw)
+        top = inputs[0].sampling_params.logprobs            # None: no logprobs asked for
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = (_chat_stream if chat else _completion_stream)(group, watcher, choices, head, include_usage)
+            stream = (_chat_stream if chat else _completion_stream)(group, watcher, choices, head, include_usage,
+                                                                    _LogprobsBuilder(engine.tokenizer, top))
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             await collect(group, choices)
@@ -296,13 +342,15 @@ def build_app(engine_loop: EngineLoop, model_name: str,
         finally:
             watcher.cancel()
             group.abort()
-        usage = choices.usage()
+        usage, logprobs = choices.usage(), _LogprobsBuilder(engine.tokenizer, top)
         if chat:
             return ChatCompletionResponse(**head, usage=usage, choices=[
                 ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                           stop_reason=c.stop_reason) for i, c in choices.final()])
+                           stop_reason=c.stop_reason, logprobs=logprobs.chat(c.token_ids, c.logprobs))
+                for i, c in choices.final()])
         return CompletionResponse(**head, usage=usage, choices=[
-            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                             logprobs=logprobs.completion(i, c.token_ids, c.logprobs))
             for i, c in choices.final()])
 
     @app.post("/v1/completions", response_model=None)
@@ -349,46 +397,87 @@ def _usage_and_done(chunk_cls, head, choices, include_usage, error):
 async def _events(group, watcher, choices: Choices, head: dict, include_usage: bool, chunk_cls, text_chunk,
                   finish_chunk):
     """The SSE lines of a stream after any opening chunks, for either endpoint: a chunk per piece of new text
-    (`text_chunk(index, text)`), one per choice that finishes (`finish_chunk(index, finish_reason,
-    stop_reason)`), "abort" for every open choice when the stream ends early, then usage and [DONE]."""
+    (`text_chunk(delta)`), one per choice that finishes (`finish_chunk(delta, finish_reason, stop_reason)`;
+    the delta's logprobs go with its text chunk when it has text, else with this one), "abort" for every open
+    choice when the stream ends early, then usage and [DONE]."""
     error = None
     async for deltas, error in _stream_deltas(group, watcher, choices):
         for d in deltas:
             if d.text:
-                yield text_chunk(d.index, d.text)
+                yield text_chunk(d)
             if d.finish_reason is not None:
-                yield finish_chunk(d.index, d.finish_reason, d.stop_reason)
+                yield finish_chunk(d if not d.text else None, d.index, d.finish_reason, d.stop_reason)
     if error is not None:                              # shutdown or a dead engine: every choice still ends
         for i, c in choices.final():
             if c.finish_reason is None:
-                yield finish_chunk(i, "abort", None)
+                yield finish_chunk(None, i, "abort", None)
     for line in _usage_and_done(chunk_cls, head, choices, include_usage, error):
         yield line
 
 
-async def _completion_stream(group, watcher, choices: Choices, head: dict, include_usage: bool):
-    text_chunk = _TextChunk(lambda index, text: CompletionResponse(**head, choices=[CompletionChoice(
+class _LogprobsBuilder:
+    """A request's logprobs in OpenAI's shapes (serving.py), for SamplingParams.logprobs = `top` (None: none
+    asked for, and every method returns None). Keeps each completion choice's text_offset across the chunks of
+    a stream, so the chunks' logprobs joined equal the non-streamed answer's."""
+
+    def __init__(self, tokenizer, top: int | None):
+        self.tokenizer, self.top, self.offsets = tokenizer, top, {}
+
+    def _asked(self, dicts) -> bool:
+        if self.top is None:
+            return False
+        if dicts is None:                              # the engine broke its contract (serving_engine.py)
+            raise RuntimeError("the engine returned no logprobs although the request asked for them")
+        return True
+
+    def completion(self, index: int, token_ids, dicts):
+        if not self._asked(dicts):
+            return None
+        out = completion_logprobs(token_ids, dicts, self.tokenizer, self.offsets.get(index, 0))
+        if out.tokens:
+            self.offsets[index] = out.text_offset[-1] + len(out.tokens[-1])
+        return out
+
+    def chat(self, token_ids, dicts):
+        return chat_logprobs(token_ids, dicts, self.top, self.tokenizer) if self._asked(dicts) else None
+
+
+async def _completion_stream(group, watcher, choices: Choices, head: dict, include_usage: bool,
+                             logprobs: _LogprobsBuilder | None = None):
+    logprobs = logprobs or _LogprobsBuilder(None, None)
+    fast = _TextChunk(lambda index, text: CompletionResponse(**head, choices=[CompletionChoice(
         index=index, text=text)]))
 
-    def finish_chunk(index, finish_reason, stop_reason):
+    def chunk(index, text, delta, finish_reason=None, stop_reason=None):
+        lps = logprobs.completion(index, delta.token_ids, delta.logprobs) if delta is not None else None
         return _sse(CompletionResponse(**head, choices=[CompletionChoice(
-            index=index, text="", finish_reason=finish_reason, stop_reason=stop_reason)]))
+            index=index, text=text, logprobs=lps, finish_reason=finish_reason, stop_reason=stop_reason)]))
+
+    def text_chunk(d):                                 # the hot path, unless logprobs are asked for
+        return fast(d.index, d.text) if logprobs.top is None else chunk(d.index, d.text, d)
     async for line in _events(group, watcher, choices, head, include_usage, CompletionResponse, text_chunk,
-                              finish_chunk):
+                              lambda d, index, finish_reason, stop_reason: chunk(index, "", d, finish_reason,
+                                                                                 stop_reason)):
         yield line
 
 
-async def _chat_stream(group, watcher, choices: Choices, head: dict, include_usage: bool):
-    def chunk(index, delta, finish_reason=None, stop_reason=None):
+async def _chat_stream(group, watcher, choices: Choices, head: dict, include_usage: bool,
+                       logprobs: _LogprobsBuilder | None = None):
+    logprobs = logprobs or _LogprobsBuilder(None, None)
+    def chunk(index, delta, d=None, finish_reason=None, stop_reason=None):
+        lps = logprobs.chat(d.token_ids, d.logprobs) if d is not None else None
         return _sse(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
-            index=index, delta=delta, finish_reason=finish_reason, stop_reason=stop_reason)]))
-    text_chunk = _TextChunk(lambda index, text: ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+            index=index, delta=delta, logprobs=lps, finish_reason=finish_reason, stop_reason=stop_reason)]))
+    fast = _TextChunk(lambda index, text: ChatCompletionChunk(**head, choices=[ChatChunkChoice(
         index=index, delta=DeltaMessage(content=text))]))
+
+    def text_chunk(d):
+        return fast(d.index, d.text) if logprobs.top is None else chunk(d.index, DeltaMessage(content=d.text), d)
     for i, _ in choices.final():                       # OpenAI's first chunk of a choice names the role
         yield chunk(i, DeltaMessage(role="assistant", content=""))
     async for line in _events(group, watcher, choices, head, include_usage, ChatCompletionChunk, text_chunk,
-                              lambda index, finish_reason, stop_reason: chunk(index, DeltaMessage(), finish_reason,
-                                                                              stop_reason)):
+                              lambda d, index, finish_reason, stop_reason: chunk(index, DeltaMessage(), d,
+                                                                                 finish_reason, stop_reason)):
         yield line
 
 
@@ -431,7 +520,9 @@ def run_server(args, model_path: str, engine_args: dict) -> int:
     engine = build_engine(model_path, engine_args, args.engine_factory, args.engine_factory_kwargs)
     try:
         engine_loop = EngineLoop(engine, args.max_queued_requests)
-        app = build_app(engine_loop, args.served_model_name or args.model, args.max_request_bytes)
+        app = build_app(engine_loop, args.served_model_name or args.model, args.max_request_bytes,
+                        cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                                  allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials))
     except BaseException:
         engine.exit()
         raise

@@ -7,9 +7,10 @@ include_stop_str_in_output, skip_special_tokens); clients send those in the JSON
 `extra_body=`).
 
 Requests are strict (`extra="forbid"`): a field this server does not know is refused with a 400 that names
-it, never ignored, so a typo such as `temprature` cannot silently sample at the default. Fields it knows but
-cannot honour are refused by `sampling.py`. Types are checked here; value ranges are checked by
-`SamplingParams` itself, so the two never disagree.
+it, never ignored, so a typo such as `temprature` cannot silently sample at the default. Every field it knows
+reaches the engine or the chat template with OpenAI's (or vLLM's) meaning, or is refused by name
+(`sampling.py`); tests/test_serve_fields.py holds the table of where each one goes. Types are checked here;
+value ranges are checked by `SamplingParams` itself, so the two never disagree.
 """
 import time
 import uuid
@@ -52,7 +53,7 @@ class _SamplingFields(_Request):
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     logit_bias: dict[Str, Float] | None = None
-    user: Str | None = None                   # the caller's own tag: accepted, not used
+    user: Str | None = None                   # the caller's end-user id (abuse monitoring): no effect on the answer
     # vLLM's extra sampling fields
     top_k: Int | None = None
     min_p: Float | None = None
@@ -70,7 +71,8 @@ Prompt = Str | list[Str] | list[Int] | list[list[Int]]
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. max_tokens defaults to 16 as in OpenAI's API; None asks for the rest of the
-    context (max_model_len - prompt length)."""
+    context (max_model_len - prompt length). logprobs: k >= 0 returns each token's logprob and the k most
+    likely tokens' (choices[].logprobs, CompletionLogprobs)."""
     prompt: Prompt
     max_tokens: Int | None = 16
     logprobs: Int | None = None
@@ -85,7 +87,9 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    """One message. content: a str, or a list of text parts (joined, as vLLM does for text-only models)."""
+    """One message. content: a str, or a list of text parts (joined by newlines, as vLLM does for text-only
+    models). name: the participant's name (OpenAI: to tell apart participants of one role), passed to the chat
+    template as the message's `name`, as vLLM does; templates that do not read it render the same."""
     role: Literal["system", "user", "assistant", "developer"]
     content: Str | list[TextPart]
     name: Str | None = None
@@ -93,7 +97,9 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. max_tokens (or its newer name max_completion_tokens) None: the rest of the
-    context. add_generation_prompt: end the rendered prompt with the assistant's turn marker (default)."""
+    context. add_generation_prompt: end the rendered prompt with the assistant's turn marker (default).
+    logprobs: true returns each token's logprob (choices[].logprobs.content, ChatLogprobs); top_logprobs:
+    k >= 0 adds the k most likely tokens at each position (needs logprobs: true)."""
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
@@ -114,10 +120,21 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs of a completion choice, one entry per token: `tokens` (each token's text,
+    decoded alone), `token_logprobs`, `top_logprobs` ({token text: logprob} of the token itself and the k
+    most likely ones, so k or k + 1 entries) and `text_offset` (where each token's text starts in the
+    concatenated token texts). Logprobs are natural logs under the model's raw distribution, -inf as -9999."""
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None          # "stop", "length", "abort"; None while streaming
     stop_reason: int | str | None = None      # vLLM's: the stop id or string that ended it
 
@@ -136,10 +153,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChatLogprob(BaseModel):
+    """One token: its text (decoded alone), logprob (-inf as -9999) and `bytes`, the UTF-8 bytes of that text."""
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobsContent(ChatLogprob):
+    """A token of the answer, and `top_logprobs`: the k most likely tokens at its position, most likely first."""
+    top_logprobs: list[ChatLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobsContent] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -161,7 +194,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

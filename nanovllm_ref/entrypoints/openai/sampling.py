@@ -1,13 +1,15 @@
-"""A request's sampling fields mapped to `SamplingParams`, and the length checks a request must pass before it
-reaches the engine (serving chapter).
+"""A request's sampling fields mapped to `SamplingParams`, the engine's refusals mapped back to the request's
+own fields, and how max_tokens is resolved (serving chapter).
 
 Every field is either honoured or refused. Each sampling field maps to the SamplingParams field of the same
-meaning and is passed on whenever it asks for something (a value other than its neutral one); whether the
-engine can do it is the engine's own decision, made by its request check (`ServingEngine.check_request`,
-for LLMEngine engine/request.py's `check_request`, which refuses the fields `sampling_params.PENDING` lists
-at that moment). So a client that asks for `presence_penalty=1.5` from an engine without penalties gets a
-400 naming the field, not a silently unpenalised answer, and the server needs no change when the engine
-learns a field. Value ranges are SamplingParams' own checks (its errors name the field, passed on as 400s).
+meaning and is passed on whenever it asks for something (a value other than its neutral one). Validation
+happens once, in the engine: SamplingParams checks the value ranges, and the engine's request check
+(`ServingEngine.check_request`; for LLMEngine engine/request.py's `check_request`) checks the prompt
+against the vocabulary, max_model_len and the KV cache, and what the engine can do. Both raise a
+RequestError (nanovllm_ref/errors.py) whose `field` names the engine's argument; `request_param` maps it to
+the request's field for the 400 (`max_tokens` is `max_completion_tokens` when a chat request set that,
+`prompt` is `messages` for a chat, chat's `logprobs` is its `top_logprobs`). No rule is restated here and
+no error text is read.
 
 | request field (OpenAI / vLLM extra) | SamplingParams field | neutral value (always accepted) |
 |---|---|---|
@@ -20,18 +22,20 @@ learns a field. Value ranges are SamplingParams' own checks (its errors name the
 | min_p, min_tokens | same name | 0 |
 | ignore_eos, include_stop_str_in_output | same name | false |
 | skip_special_tokens | same name | true |
-| logprobs, top_logprobs, echo, suffix, best_of > 1, logit_bias, response_format other than text, tools, tool_choice | (none: this server does not return or apply them yet) | None, false, {}, [] |
+| completions: logprobs (int) | logprobs | None |
+| chat: logprobs (bool) + top_logprobs (int) | logprobs = top_logprobs or 0 when logprobs is true | None, false |
+| echo, suffix, best_of > 1, logit_bias, response_format other than text, tools, tool_choice, parallel_tool_calls | (none: refused by name; this server does not build or apply them) | None, false, "", {}, [] |
 
-Length rules (vLLM's): a prompt needs at least one token and room for one more under max_model_len;
-prompt + max_tokens must fit max_model_len; max_tokens None asks for the rest of the context; and the most
-tokens the request ever holds K/V for must fit the whole KV cache (else it could never run).
+Length rules (vLLM's): prompt + max_tokens must fit max_model_len (so the prompt needs room for one more
+token); max_tokens None asks for the rest of the context, and no more than the KV cache can ever hold
+(engine/request.py's kv_cache_room, the rule the engine's check refuses by).
 """
-import re
-
-from nanovllm_ref.entrypoints.openai.protocol import APIError
+from nanovllm_ref.engine.request import kv_cache_room
+from nanovllm_ref.entrypoints.openai.protocol import APIError, ChatCompletionRequest
+from nanovllm_ref.errors import RequestError
 from nanovllm_ref.sampling_params import SamplingParams
 
-# request field -> (SamplingParams field, neutral values)
+# request field -> (SamplingParams field, neutral values); the fields both endpoints share
 MAPPED = {
     "temperature": ("temperature", (None,)),
     "top_p": ("top_p", (None,)),
@@ -49,11 +53,9 @@ MAPPED = {
     "include_stop_str_in_output": ("include_stop_str_in_output", (None, False)),
     "skip_special_tokens": ("skip_special_tokens", (None, True)),
 }
-# Fields the server knows but cannot serve (it would have to return or apply something it does not build yet:
-# log-probabilities, an echoed prompt, tool calls): refused unless neutral, whatever the engine can do.
+# Fields the server knows but does not serve (it would have to build or apply something it has not: an
+# echoed prompt, a suffix, tool calls, a grammar): refused unless neutral, whatever the engine can do.
 NOT_SERVED = {
-    "logprobs": (None, False),          # completions' logprobs=0 asks for the chosen tokens' logprobs: refused too
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -70,89 +72,99 @@ def _is_neutral(value, neutral) -> bool:
                for n in neutral)
 
 
+def _is_chat(request) -> bool:
+    return isinstance(request, ChatCompletionRequest)
+
+
+def max_tokens_field(request) -> str:
+    """The request field that sets max_tokens: a chat's max_completion_tokens when given (it wins, as in vLLM)."""
+    if _is_chat(request) and request.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+def request_param(request, field: str | None) -> str | None:
+    """The field of `request` that a RequestError's `field` (an engine argument: "prompt" or a SamplingParams
+    field) stands for; None when no request field sets it."""
+    if field == "prompt":
+        return "messages" if _is_chat(request) else "prompt"
+    if field == "max_tokens":
+        return max_tokens_field(request)
+    if field == "logprobs":
+        return "top_logprobs" if _is_chat(request) and request.top_logprobs is not None else "logprobs"
+    return {sp_name: name for name, (sp_name, _) in MAPPED.items()}.get(field)
+
+
+def _logprobs(request) -> int | None:
+    """SamplingParams.logprobs for the request. Completions: `logprobs` itself (top tokens per position).
+    Chat: `logprobs: true` turns them on, `top_logprobs` (default 0) says how many top tokens; top_logprobs
+    without logprobs is refused, as in vLLM."""
+    if not _is_chat(request):
+        return request.logprobs
+    if request.top_logprobs is not None and request.logprobs is not True:
+        raise APIError("top_logprobs needs logprobs: true (it says how many of the most likely tokens to return "
+                       "with each token's logprob)", param="top_logprobs")
+    return (request.top_logprobs or 0) if request.logprobs else None
+
+
 def sampling_kwargs(request) -> dict:
     """The SamplingParams keyword arguments `request` asks for, max_tokens left out: every mapped field whose
-    value is not neutral. Raises APIError (400) naming the first field this server cannot serve (NOT_SERVED);
-    what the engine cannot do is refused later, by the engine's own check (check_with_engine)."""
+    value is not neutral, and logprobs. Raises APIError (400) naming the first field this server does not
+    serve (NOT_SERVED); what the engine cannot do is refused later, by the engine's own check."""
     for name, neutral in NOT_SERVED.items():
         if name in type(request).model_fields and not _is_neutral(getattr(request, name), neutral):
-            raise APIError(f"`{name}` is not supported by this server yet; leave it out", param=name)
-    return {sp_name: getattr(request, name) for name, (sp_name, neutral) in MAPPED.items()
-            if not _is_neutral(getattr(request, name), neutral)}
+            raise APIError(f"`{name}` is not supported by this server; leave it out", param=name)
+    kwargs = {sp_name: getattr(request, name) for name, (sp_name, neutral) in MAPPED.items()
+              if not _is_neutral(getattr(request, name), neutral)}
+    logprobs = _logprobs(request)
+    if logprobs is not None:
+        kwargs["logprobs"] = logprobs
+    return kwargs
 
 
-_WORD = re.compile(r"\w+")
+def make_sampling_params(request, kwargs: dict, max_tokens: int) -> SamplingParams:
+    """SamplingParams(**kwargs, max_tokens=...); its RequestError becomes an APIError (400) naming the
+    request's field."""
+    try:
+        return SamplingParams(**kwargs, max_tokens=max_tokens)
+    except RequestError as exc:
+        raise APIError(exc.message, param=request_param(request, exc.field)) from exc
 
 
-def request_field(sp_name: str | None, max_tokens_field: str = "max_tokens") -> str | None:
-    """The request field that sets SamplingParams field `sp_name` (None if none does)."""
-    if sp_name == "max_tokens":
-        return max_tokens_field
-    return {v[0]: k for k, v in MAPPED.items()}.get(sp_name)
-
-
-def check_with_engine(engine, prompt_token_ids: list[int], sp: SamplingParams, max_tokens_field: str = "max_tokens",
-                      prompt_field: str = "prompt") -> None:
-    """Ask the engine whether it can run this request, before it is queued: its optional `check_request`
-    (serving_engine.py) raises ValueError / TypeError for what it cannot do, a field it does not implement
-    yet among them. Raises APIError (400) with the engine's message; param is the request field of the first
-    SamplingParams field the message names (`SamplingParams.min_p=0.2 is not implemented yet`, `n=17 samples
-    cannot run ...`), else the prompt's (the prompt itself is what the engine refused)."""
+def check_with_engine(engine, request, prompt_token_ids: list[int], sp: SamplingParams, where: str) -> None:
+    """Ask the engine whether it can run this prompt with these settings, before it is queued: its optional
+    `check_request(prompt_token_ids, sampling_params, where=...)` (serving_engine.py; `where` is how its
+    messages call the prompt). Raises APIError (400) with the engine's message: param is the request field
+    of the RequestError's field, or None when the engine refused without naming one."""
     check = getattr(engine, "check_request", None)
     if check is None:
         return
     try:
-        check(prompt_token_ids, sp)
+        check(prompt_token_ids, sp, where=where)
+    except RequestError as exc:
+        raise APIError(f"the engine cannot run this request: {exc.message}",
+                       param=request_param(request, exc.field)) from exc
     except (ValueError, TypeError) as exc:
-        text = str(exc)
-        sp_fields = {v[0] for v in MAPPED.values()} | {"max_tokens"}
-        named = next((w for w in _WORD.findall(text) if w in sp_fields), None)
-        param = request_field(named, max_tokens_field)
-        raise APIError(f"the engine cannot run this request: {text}", param=param or prompt_field) from exc
+        raise APIError(f"the engine cannot run this request: {exc}", param=None) from exc
 
 
-def make_sampling_params(kwargs: dict, max_tokens: int, max_tokens_field: str = "max_tokens") -> SamplingParams:
-    """SamplingParams(**kwargs, max_tokens=...). Its ValueError / TypeError becomes an APIError naming the
-    request field (SamplingParams' messages start with the field's name)."""
-    try:
-        return SamplingParams(**kwargs, max_tokens=max_tokens)
-    except (TypeError, ValueError) as exc:
-        text = str(exc)
-        sp_name = next((n for n in sorted({*kwargs, "max_tokens"}, key=len, reverse=True) if text.startswith(n)), None)
-        raise APIError(text, param=request_field(sp_name, max_tokens_field)) from exc
-
-
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, field: str = "max_tokens",
-                       prompt_field: str = "prompt", kv_cache_tokens: int | None = None) -> int:
-    """The max_tokens to run: `requested`, or for None the rest of the context (and no more than the KV cache
-    can hold: prompt + max_tokens - 1 tokens, see check_fits_cache). Raises APIError when the prompt leaves no
-    room under max_model_len or prompt + max_tokens does not fit it."""
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                       kv_cache_tokens: int | None = None, field: str = "max_tokens",
+                       prompt_field: str = "prompt") -> int:
+    """The max_tokens to run: `requested`, or for None the rest of the context, and no more than the KV cache
+    can ever hold (kv_cache_room; a prompt that alone does not fit gets 1, and the engine's check refuses
+    it). Raises APIError naming `prompt_field` when the prompt leaves no room under max_model_len, or `field`
+    when prompt + max_tokens does not fit it (the server's rule, vLLM's: the engine itself stops a completion
+    at max_model_len)."""
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(f"this model's maximum context length is {max_model_len} tokens and the prompt has "
                        f"{prompt_len}: no room for a completion; shorten the prompt", param=prompt_field)
     if requested is None:
-        if kv_cache_tokens is not None:
-            room = min(room, kv_cache_tokens + 1 - prompt_len)
-        return max(room, 1)                   # < 1: check_fits_cache refuses the prompt itself
+        fits = kv_cache_room(prompt_len, max_model_len, kv_cache_tokens) if kv_cache_tokens is not None else None
+        return max(min(room, fits), 1) if fits is not None else room
     if requested >= 1 and requested > room:
         raise APIError(f"this model's maximum context length is {max_model_len} tokens; the prompt has "
                        f"{prompt_len} and {field}={requested} asks for {prompt_len + requested}; lower {field} "
                        f"to at most {room}", param=field)
     return requested
-
-
-def check_fits_cache(prompt_len: int, max_tokens: int, max_model_len: int, kv_cache_tokens: int | None,
-                     field: str = "max_tokens", prompt_field: str = "prompt") -> None:
-    """Raise APIError if the request can never fit the KV cache. The most tokens it holds K/V for: the prompt,
-    then every sampled token but the last (it is never fed back), capped by max_model_len; blocks round up,
-    and ceil(L / block_size) <= num_blocks exactly when L <= num_blocks * block_size, so tokens suffice."""
-    if kv_cache_tokens is None:
-        return
-    longest = max(prompt_len, min(prompt_len + max_tokens, max_model_len) - 1)
-    if prompt_len > kv_cache_tokens:
-        raise APIError(f"the prompt can never fit in the KV cache: {prompt_len} tokens, the cache holds "
-                       f"{kv_cache_tokens}; shorten it", param=prompt_field)
-    if longest > kv_cache_tokens:
-        raise APIError(f"the request can never fit in the KV cache: up to {longest} tokens, the cache holds "
-                       f"{kv_cache_tokens}; lower {field} or shorten the prompt", param=field)

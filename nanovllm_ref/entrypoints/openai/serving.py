@@ -2,8 +2,10 @@
 
 `completion_inputs` / `chat_inputs` turn a validated body into `EngineInput`s, one per prompt: token ids
 (a text prompt is encoded with the engine's tokenizer; a chat is rendered by its chat template straight to
-ids) and a SamplingParams (sampling.py). Every check that can fail runs here, before the engine sees
-anything, so a bad request is a 400 and changes no engine state.
+ids) and a SamplingParams (sampling.py). Every check runs here, before the request is queued: the server's
+own (the body's shape, max_model_len) and the engine's (SamplingParams' ranges, its request check, asked
+through check_with_engine), so a bad request is a 400 naming its field and changes no engine state.
+`completion_logprobs` / `chat_logprobs` put the engine's logprob dicts in OpenAI's shapes.
 
 `Choices` follows the outputs of one HTTP request (several prompts, n samples each) as they stream in: it
 keeps the text already sent per choice and gives the new piece (`delta`). Engine text only grows by
@@ -14,9 +16,10 @@ Choice index = prompt index * n + sample index, as in OpenAI's and vLLM's batche
 from dataclasses import dataclass, field
 
 from nanovllm_ref.engine.request import encode_text
-from nanovllm_ref.entrypoints.openai.protocol import APIError, Usage
-from nanovllm_ref.entrypoints.openai.sampling import (check_fits_cache, check_with_engine, make_sampling_params,
-                                                      resolve_max_tokens, sampling_kwargs)
+from nanovllm_ref.entrypoints.openai.protocol import (APIError, ChatLogprob, ChatLogprobs, ChatLogprobsContent,
+                                                      CompletionLogprobs, Usage)
+from nanovllm_ref.entrypoints.openai.sampling import (check_with_engine, make_sampling_params, max_tokens_field,
+                                                      request_param, resolve_max_tokens, sampling_kwargs)
 from nanovllm_ref.sampling_params import SamplingParams
 
 
@@ -26,19 +29,11 @@ class EngineInput:
     sampling_params: SamplingParams
 
 
-def _check_ids(ids: list[int], vocab_size: int, where: str) -> list[int]:
-    if not ids:
-        raise APIError(f"{where} is empty; a prompt needs at least one token", param="prompt")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise APIError(f"{where} has token ids outside [0, {vocab_size}): {bad[:5]}", param="prompt")
-    return ids
-
-
-def completion_prompts(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
-    """The token ids of each prompt of a /v1/completions body. prompt: a str, a list of str, a list of token
-    ids (one prompt, as vLLM accepts) or a list of token-id lists. Raises APIError (param "prompt", the
-    message naming `prompt` or `prompt[i]`), also for text the tokenizer cannot encode."""
+def completion_prompts(prompt, tokenizer) -> list[tuple[list[int], str]]:
+    """(token ids, how the engine's messages call it) of each prompt of a /v1/completions body. prompt: a str,
+    a list of str, a list of token ids (one prompt, as vLLM accepts) or a list of token-id lists; the names
+    are `prompt`, or `prompt[i]` in a batch. Raises APIError (param "prompt") for an empty list and for text
+    the tokenizer cannot encode. The ids themselves are the engine's to check (check_with_engine)."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -57,18 +52,31 @@ def completion_prompts(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
                 raise APIError(str(exc), param="prompt") from exc
         else:
             ids = list(p)
-        out.append(_check_ids(ids, vocab_size, where))
+        out.append((ids, where))
     return out
 
 
-def chat_prompt(messages, tokenizer, vocab_size: int, add_generation_prompt: bool = True,
+def chat_conversation(messages) -> list[dict]:
+    """The messages as the chat template reads them: role, content (text parts joined by newlines) and, when
+    given, name (vLLM passes it through too)."""
+    conversation = []
+    for m in messages:
+        message = {"role": m.role, "content": m.content if isinstance(m.content, str)
+                   else "\n".join(part.text for part in m.content)}
+        if m.name is not None:
+            message["name"] = m.name
+        conversation.append(message)
+    return conversation
+
+
+def chat_prompt(messages, tokenizer, add_generation_prompt: bool = True,
                 chat_template_kwargs: dict | None = None) -> list[int]:
     """The token ids of a conversation rendered by the tokenizer's chat template (nanovllm_ref.llm's
     chat_token_ids, the same function `LLM.chat` uses; chat_template_kwargs: more template variables, e.g.
-    {"enable_thinking": false} for Qwen3). Text parts of a message are joined by newlines. Raises APIError
-    with param "chat_template_kwargs" for a bad one (checked first, on its own), else "messages" (text that
-    is not valid, no template, or the template refusing the conversation): the param is the input that was
-    being checked when the error came, never guessed from the error's text."""
+    {"enable_thinking": false} for Qwen3). Raises APIError with param "chat_template_kwargs" for a bad one
+    (checked first, on its own), else "messages" (text that is not valid, no template, or the template
+    refusing the conversation): the param is the input that was being checked when the error came, never
+    guessed from the error's text."""
     from jinja2 import TemplateError
 
     from nanovllm_ref.llm import chat_token_ids, check_chat_template_kwargs
@@ -79,14 +87,11 @@ def chat_prompt(messages, tokenizer, vocab_size: int, add_generation_prompt: boo
     if not getattr(tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template, so it cannot answer chat requests; send the "
                        "text to /v1/completions instead", param="messages")
-    conversation = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                     else "\n".join(part.text for part in m.content)} for m in messages]
     try:
-        ids = chat_token_ids(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                             chat_template_kwargs=kwargs or None)
+        return chat_token_ids(tokenizer, chat_conversation(messages), add_generation_prompt=add_generation_prompt,
+                              chat_template_kwargs=kwargs or None)
     except (TypeError, ValueError, TemplateError) as exc:   # its messages name the part of `messages` at fault
         raise APIError(str(exc), param="messages") from exc
-    return _check_ids(ids, vocab_size, "messages (rendered)")
 
 
 # Where an HTTP client sets what chat_template_kwargs may not (the offline message points to LLM.chat's arguments).
@@ -99,56 +104,104 @@ def check_stream_options(request) -> None:
         raise APIError("stream_options can only be given when stream is true", param="stream_options")
 
 
-def engine_inputs(request, prompts: list[list[int]], engine, requested_max_tokens: int | None,
-                  max_tokens_field: str = "max_tokens", prompt_field: str = "prompt") -> list[EngineInput]:
-    """One EngineInput per prompt, every length rule checked (sampling.py) and the engine asked whether it can
-    run it (check_with_engine). Raises APIError."""
+def engine_inputs(request, prompts: list[tuple[list[int], str]], engine) -> list[EngineInput]:
+    """One EngineInput per (token ids, name) prompt: max_tokens resolved (sampling.py), SamplingParams made,
+    and the engine asked whether it can run it (check_with_engine). Raises APIError."""
     kwargs = sampling_kwargs(request)
+    requested = getattr(request, max_tokens_field(request))
     inputs = []
-    for ids in prompts:
-        max_tokens = resolve_max_tokens(requested_max_tokens, len(ids), engine.max_model_len, max_tokens_field,
-                                        prompt_field, engine.kv_cache_tokens)
-        sp = make_sampling_params(kwargs, max_tokens, max_tokens_field)
-        check_fits_cache(len(ids), sp.max_tokens, engine.max_model_len, engine.kv_cache_tokens, max_tokens_field,
-                         prompt_field)
-        check_with_engine(engine, ids, sp, max_tokens_field, prompt_field)
+    for ids, where in prompts:
+        max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, engine.kv_cache_tokens,
+                                        max_tokens_field(request), request_param(request, "prompt"))
+        sp = make_sampling_params(request, kwargs, max_tokens)
+        check_with_engine(engine, request, ids, sp, where)
         inputs.append(EngineInput(ids, sp))
     return inputs
 
 
 def completion_inputs(request, engine) -> list[EngineInput]:
     check_stream_options(request)
-    prompts = completion_prompts(request.prompt, engine.tokenizer, engine.vocab_size)
-    return engine_inputs(request, prompts, engine, request.max_tokens)
+    return engine_inputs(request, completion_prompts(request.prompt, engine.tokenizer), engine)
 
 
 def chat_inputs(request, engine) -> list[EngineInput]:
     check_stream_options(request)
-    ids = chat_prompt(request.messages, engine.tokenizer, engine.vocab_size, request.add_generation_prompt,
-                      request.chat_template_kwargs)
-    if request.max_completion_tokens is not None:
-        requested, name = request.max_completion_tokens, "max_completion_tokens"
-    else:
-        requested, name = request.max_tokens, "max_tokens"
-    return engine_inputs(request, [ids], engine, requested, name, "messages")
+    ids = chat_prompt(request.messages, engine.tokenizer, request.add_generation_prompt, request.chat_template_kwargs)
+    return engine_inputs(request, [(ids, "messages (rendered)")], engine)
+
+
+# -- logprobs in OpenAI's shapes --------------------------------------------------------------------------
+LOGPROB_FLOOR = -9999.0          # OpenAI's and vLLM's stand-in for -inf (JSON has no infinity)
+
+
+def _token_text(tokenizer, token_id: int, logprob) -> str:
+    return logprob.decoded_token if logprob.decoded_token is not None else tokenizer.decode([token_id])
+
+
+def completion_logprobs(token_ids, dicts, tokenizer, offset: int = 0) -> CompletionLogprobs:
+    """/v1/completions' logprobs of `token_ids` from the engine's dicts ({token_id: Logprob}, one per token:
+    the token itself, then the k most likely; nanovllm_ref/outputs.py). top_logprobs holds every entry of a
+    dict (the token and the k most likely, as OpenAI's "up to logprobs + 1"), text_offset counts from
+    `offset` (a stream continues where its last chunk ended)."""
+    out = CompletionLogprobs()
+    for token_id, entries in zip(token_ids, dicts):
+        token = _token_text(tokenizer, token_id, entries[token_id])
+        out.tokens.append(token)
+        out.token_logprobs.append(max(entries[token_id].logprob, LOGPROB_FLOOR))
+        out.top_logprobs.append({_token_text(tokenizer, t, lp): max(lp.logprob, LOGPROB_FLOOR)
+                                 for t, lp in entries.items()})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def _chat_logprob(tokenizer, token_id, logprob, cls=ChatLogprob, **more):
+    token = _token_text(tokenizer, token_id, logprob)
+    return cls(token=token, logprob=max(logprob.logprob, LOGPROB_FLOOR),
+               bytes=list(token.encode("utf-8", errors="replace")), **more)
+
+
+def chat_logprobs(token_ids, dicts, top_logprobs: int, tokenizer) -> ChatLogprobs:
+    """/v1/chat/completions' logprobs.content of `token_ids`: each token, and the `top_logprobs` most likely
+    tokens at its position by rank (OpenAI's meaning; vLLM takes the first k entries of its dict, which start
+    with the sampled token: the same list when the sampled token is the most likely). A dict holds k + 1
+    entries when the token is not among the k most likely (it comes first), else k."""
+    content = []
+    for token_id, entries in zip(token_ids, dicts):
+        items = list(entries.items())
+        top = sorted(items if len(items) <= top_logprobs else items[1:], key=lambda item: item[1].rank)[:top_logprobs]
+        content.append(_chat_logprob(tokenizer, token_id, entries[token_id], ChatLogprobsContent,
+                                     top_logprobs=[_chat_logprob(tokenizer, t, lp) for t, lp in top]))
+    return ChatLogprobs(content=content)
 
 
 @dataclass
 class ChoiceDelta:
     """What changed in one choice: `text` appended since the last delta ("" if none), and `finish_reason`
-    / `stop_reason` once it has finished (None before)."""
+    / `stop_reason` once it has finished (None before). With logprobs asked for: `token_ids` and `logprobs`
+    (their dicts) of the tokens no earlier delta carried, so a stream's deltas hold each token once and
+    together equal the whole completion's (a token whose text is still held back waits for the next delta
+    with text, or the finishing one); else None."""
     index: int
     text: str
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list | None = None
 
 
 @dataclass
 class _Choice:
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None           # the engine's dicts, one per token (None: not asked for)
+    num_sent: int = 0                      # tokens whose logprobs a delta carried
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -174,11 +227,16 @@ class Choices:
                 raise RuntimeError(f"engine text of choice {index} did not extend what was already sent "
                                    f"({choice.text[-20:]!r} -> {sample.text[-20:]!r}); outputs must only append")
             new = sample.text[len(choice.text):]
-            choice.text, choice.num_tokens = sample.text, len(sample.token_ids)
+            choice.text, choice.token_ids = sample.text, sample.token_ids      # cumulative: kept, not copied
+            choice.logprobs = getattr(sample, "logprobs", None)
             if sample.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = sample.finish_reason, sample.stop_reason
             if new or sample.finish_reason is not None:
-                deltas.append(ChoiceDelta(index, new, sample.finish_reason, sample.stop_reason))
+                ids = lps = None
+                if choice.logprobs is not None:
+                    ids, lps = choice.token_ids[choice.num_sent:], choice.logprobs[choice.num_sent:]
+                    choice.num_sent = len(choice.token_ids)
+                deltas.append(ChoiceDelta(index, new, sample.finish_reason, sample.stop_reason, ids, lps))
         return deltas
 
     @property

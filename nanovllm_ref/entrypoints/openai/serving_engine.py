@@ -8,7 +8,8 @@ through a thin adapter (`LLMEngineAdapter`).
 Contract (vLLM's `LLMEngine` request API has the same shape):
 - `add_request(prompt_token_ids, sampling_params, request_id) -> str` queues one request under the given id
   (a str the engine has not seen among unfinished requests) and returns it. It raises ValueError /
-  TypeError, before queuing anything, for a request the engine can never run.
+  TypeError (LLMEngine: a RequestError naming the field), before queuing anything, for a request the engine
+  can never run.
 - `abort_request(request_id)` ends an unfinished request at once and frees its KV blocks; the other requests
   carry on. An id that is unknown or already finished is ignored (a client may leave just as its request
   ends). An aborted request appears in no later `step()` output.
@@ -16,15 +17,18 @@ Contract (vLLM's `LLMEngine` request API has the same shape):
   progress in it. An output has `.request_id`, `.prompt_token_ids` (list[int]), `.finished` (bool) and
   `.outputs`, one per sample (SamplingParams.n) in index order, each with `.index`, `.text`,
   `.token_ids` (list[int], the completion so far), `.finish_reason` (None while running, then "stop",
-  "length" or "abort") and `.stop_reason`. Text and token ids are cumulative and only ever grow by
+  "length" or "abort"), `.stop_reason` and, when SamplingParams.logprobs is set, `.logprobs` (one
+  {token_id: Logprob} per token id, nanovllm_ref/outputs.py). Text and token ids are cumulative and only ever grow by
   appending (text a stop string may still complete is held back), so the server streams their differences.
   A finished request is returned once with `finished=True`, then never again.
 - `has_unfinished_requests() -> bool`; `exit()` frees the engine (idempotent).
-- Optional: `check_request(prompt_token_ids, sampling_params)` raises ValueError / TypeError, changing
-  nothing, for a request `add_request` would refuse (a SamplingParams field the engine does not implement
-  yet, a stop id outside the vocabulary, n above its batch size). The HTTP side calls it before queuing, so
-  such a request is a 400 at once, naming the field. It must be safe to call from the HTTP thread while the
-  engine steps (it reads only what does not change after start-up).
+- Optional: `check_request(prompt_token_ids, sampling_params, where="prompt")` raises, changing nothing, for
+  a request `add_request` would refuse (token ids outside the vocabulary, a prompt that can never fit the KV
+  cache, a stop id outside the vocabulary, n above its batch size): a RequestError (nanovllm_ref/errors.py)
+  whose `field` names the argument ("prompt" or the SamplingParams field), its message calling the prompt
+  `where`. The HTTP side calls it before queuing, so such a request is a 400 at once, naming the request's
+  field. It must be safe to call from the HTTP thread while the engine steps (it reads only what does not
+  change after start-up).
 - Optional: `stats() -> dict[str, int]`, numbers about the engine now (sequences running and waiting, free KV
   blocks); the loop reads them after each tick and GET /health shows them.
 - Facts the server checks requests against, before they reach the engine: `tokenizer` (a transformers
@@ -106,13 +110,12 @@ class LLMEngineAdapter:
     def add_request(self, prompt_token_ids, sampling_params, request_id):
         return self.engine.add_request(prompt_token_ids, sampling_params, request_id=request_id)
 
-    def check_request(self, prompt_token_ids, sampling_params):
+    def check_request(self, prompt_token_ids, sampling_params, where: str = "prompt"):
         """engine/request.py's check_request, the one add_request runs: it reads the config, the tokenizer and
-        the scheduler's class, none of which change once the engine runs, so the HTTP thread may call it.
-        SamplingParams' PENDING is read there, at the time of the request."""
+        the scheduler's class, none of which change once the engine runs, so the HTTP thread may call it."""
         from nanovllm_ref.engine.request import check_request
         check_request(prompt_token_ids, sampling_params, tokenizer=self.tokenizer, config=self.engine.config,
-                      scheduler_cls=type(self.engine.scheduler), where="prompt", sp_where="the request")
+                      scheduler_cls=type(self.engine.scheduler), where=where, sp_where="the request")
 
     def abort_request(self, request_id):
         self.engine.abort_request(request_id)
