@@ -9,16 +9,22 @@
   (`ch04.edge_slots`). The caches sit between guard rows: writing slot -1 lands there.
 - `check_online_softmax(fn)` (E6.2): fn(scores [R, T] fp32 with -inf for masked keys, values [T, D] fp32,
   tile) -> [R, D] fp32, compared with `torch.softmax(scores, -1) @ values` at rtol = atol = 1e-5, for tiles
-  of 1, 3 and 64; rows whose maximum rises from tile to tile, rows far below 0, rows whose first (or a
-  middle) tile is fully masked.
+  of 1, 3 and 64; rows whose maximum rises from tile to tile, rows far below 0 (near -1000: exp(s) underflows),
+  rows in the hundreds (150 to 400 above 0: exp(s) overflows fp32), rows whose first (or a middle) tile is fully
+  masked. A wrong answer gets the hint of the planted mistake (`_SOFTMAX_MISTAKES`) that gives it in every case.
 - `check_paged_decode(fn)` (E6.3): fn(q, k_cache, v_cache, block_tables, context_lens, scale) compared with
   `nanovllm_ref.attn.torch_backend.paged_decode`: fp32 rtol = atol = 1e-4 and a relative error norm
   ||got - ref|| / ||ref|| <= 1e-5; one bf16 case at 2e-2 and 8e-3. Contexts 1, B and B + 1 (B = block size),
   block sizes 1, 4, 16 and 17, GQA groups 1 to 8, block tables padded with -1, two sequences sharing a block,
-  block 0 and the last block in use, q a strided view in one batch.
+  block 0 and the last block in use, q a strided view in one batch; and, in every call, one fp32 and one bf16
+  batch whose sequences' scores sit in the hundreds, alternately above and below 0 (`_large_scores`: a kernel
+  without the running max gives NaN there), compared at 1e-3 and 1e-4 in fp32 (a score of 300 carries a
+  rounding error of ~1e-4).
 - `check_split_decode(fn)` (E6.4, optional): the same cases, with fn(q, ..., scale, num_splits) for 1, 2, 3
   and 5 splits (more splits than tiles: empty splits must merge to nothing), plus two longer sequences with
-  one tile more than there are splits; the hint names the matching wrong merge (`reference_split_variant`).
+  one tile more than there are splits, and the two batches with scores in the hundreds (3 splits, each with
+  keys: a merge with exp(lse_s) instead of exp(lse_s - max lse) overflows); the hint names the matching wrong
+  merge (`reference_split_variant`).
 
 Under the Triton interpreter (CPU), every kernel launched inside a check runs with a memory watch
 (`watch_memory`): a load or store of an enabled lane outside every tensor passed to the kernel stops the
@@ -491,35 +497,67 @@ def check_store_kvcache(fn) -> None:
 # == E6.2 online softmax ====================================================================================
 
 def reference_online_softmax(scores, values, tile: int, *, rescale_acc=True, rescale_sum=True,
-                             max_init=float("-inf"), guard_empty=True):
+                             max_init=float("-inf"), guard_empty=True, subtract_max=True, alpha_inverted=False,
+                             stale_max=False, exp2=False, normalise=True, full_tiles_only=False,
+                             dtype=torch.float32):
     """softmax(scores, -1) @ values, walking the keys `tile` at a time with a running max m, running sum l
-    and rescaled accumulator acc (the keyword arguments plant the classic mistakes, for the checks)."""
+    and rescaled accumulator acc. The keyword arguments plant the classic mistakes, for the checks' hints:
+    rescale_acc / rescale_sum False (a raised max not applied to acc / l), max_init 0.0 (m starts at 0),
+    guard_empty False (exp(-inf - -inf) = NaN while a row's tiles so far are masked), subtract_max False
+    (p = exp(s): overflows once a score passes ~88), alpha_inverted (exp(m_new - m_old)), stale_max
+    (p = exp(s - m_old), the max before this tile), exp2 (2**x for e**x), normalise False (acc, not acc / l),
+    full_tiles_only (a partial last tile left out), dtype (the arithmetic in fp16 or bf16)."""
     rows, num_keys = scores.shape
-    m = torch.full((rows,), max_init, dtype=torch.float32)
-    l = torch.zeros(rows, dtype=torch.float32)
-    acc = torch.zeros(rows, values.shape[1], dtype=torch.float32)
-    for start in range(0, num_keys, tile):
-        s = scores[:, start:start + tile].float()
+    m = torch.full((rows,), max_init, dtype=dtype)
+    l = torch.zeros(rows, dtype=dtype)
+    acc = torch.zeros(rows, values.shape[1], dtype=dtype)
+    exp = torch.exp2 if exp2 else torch.exp
+    stop = num_keys - num_keys % tile if full_tiles_only else num_keys
+    for start in range(0, stop, tile):
+        s = scores[:, start:start + tile].to(dtype)
+        v = values[start:start + tile].to(dtype)
+        if not subtract_max:
+            p = exp(s)
+            l, acc = l + p.sum(dim=1), acc + p @ v
+            continue
         m_new = torch.maximum(m, s.max(dim=1).values)
         # A row whose tiles so far are all masked has m_new = -inf: exp(-inf - -inf) would be NaN.
         m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new) if guard_empty else m_new
-        alpha = torch.exp(m - m_use)
-        p = torch.exp(s - m_use[:, None])
+        alpha = exp(m_use - m) if alpha_inverted else exp(m - m_use)     # inverted: inf at the first tile
+        m_p = torch.where(torch.isinf(m), m_use, m) if stale_max else m_use
+        p = exp(s - m_p[:, None])
         l = (l * alpha if rescale_sum else l) + p.sum(dim=1)
-        acc = (acc * alpha[:, None] if rescale_acc else acc) + p @ values[start:start + tile].float()
+        acc = (acc * alpha[:, None] if rescale_acc else acc) + p @ v
         m = m_new
-    return acc / l[:, None]
+    return (acc / l[:, None] if normalise else acc).float()
+
+
+def tile_average_softmax(scores, values, tile: int):
+    """A planted mistake (for the hints): each tile's own softmax @ values, then the mean over the tiles."""
+    outs = []
+    for start in range(0, scores.shape[1], tile):
+        s = scores[:, start:start + tile].float()
+        outs.append(torch.nan_to_num(torch.softmax(s, dim=-1)) @ values[start:start + tile].float())
+    return sum(outs) / len(outs)
+
+
+SOFTMAX_ROWS = ("random scores", "scores whose maximum rises from tile to tile", "scores all near -1000",
+                "random scores", "scores in the hundreds")
+BIG_SCORE = 150.0       # row 4's scores sit 150 to 400 above 0: exp(s) overflows fp32 past s ~ 88.7
 
 
 def _softmax_cases(gen):
-    """(name, scores [R, T], values [T, D], tile) with every row having at least one visible key."""
+    """(name, scores [R, T], values [T, D], tile) with every row having at least one visible key: random scores
+    (row 0, a fully masked middle tile where it has one), a max that rises tile after tile (1), scores near -1000
+    (2: exp(s) underflows), the first two tiles fully masked (3), scores in the hundreds (4: exp(s) overflows)."""
     cases = []
     for tile in (1, 3, 64):
         for num_keys in (1, 7, 50) if tile != 64 else (50, 64, 70):
-            rows, d = 4, 5
+            rows, d = len(SOFTMAX_ROWS), 6            # d != rows: a transposed answer has the wrong shape
             s = torch.randn(rows, num_keys, generator=gen) * 3
             s[1] += torch.linspace(0, 12, num_keys)              # the max rises tile after tile
             s[2] -= 1000.0                                        # far below 0: exp(s) underflows
+            s[4] = s[4] * 30 + BIG_SCORE + 250 * torch.rand(1, generator=gen)   # far above 0: exp(s) overflows
             if num_keys > 2 * tile:
                 s[3, :2 * tile] = float("-inf")                   # the first two tiles fully masked
             if num_keys > 3 * tile + 1:
@@ -529,9 +567,59 @@ def _softmax_cases(gen):
     return cases
 
 
+_NO_MAX_HINT = ("subtract the running max before exp: p = exp(s - m). exp(s) itself overflows fp32 once a score "
+                "passes ~88 (inf / inf = NaN: a kernel's scores are that large once q and k are) and underflows to 0 "
+                "near -1000 (0 / 0)")
+_SOFTMAX_MISTAKES = [     # (reference_online_softmax flags, or a function, hint); the first that explains every case
+    (dict(subtract_max=False), _NO_MAX_HINT),
+    (dict(rescale_acc=False, rescale_sum=False), "when a tile raises the running max from m to m', multiply the "
+     "running sum l and the accumulator acc by alpha = exp(m - m') before adding the new tile; compute alpha with "
+     "the OLD m (after m = m' it is exp(0) = 1)"),
+    (dict(rescale_acc=False), "the accumulator must be rescaled too: acc = acc * exp(m - m') + p @ v"),
+    (dict(rescale_sum=False), "the running sum must be rescaled too: l = l * exp(m - m') + sum(p)"),
+    (dict(alpha_inverted=True), "the rescale factor is exp(m_old - m_new), at most 1 (the old terms shrink against "
+     "the new max); you used exp(m_new - m_old)"),
+    (dict(stale_max=True), "p = exp(s - m_new), with the running max that includes this tile: l and acc, once "
+     "rescaled by exp(m_old - m_new), are relative to m_new, so the tile's terms must be too"),
+    (dict(max_init=0.0), "start the running max at -inf, not 0: with m = 0, exp(s - m) underflows to 0 for scores "
+     "near -1000, l stays 0 and acc / l is 0 / 0"),
+    (dict(guard_empty=False), "while every key so far is masked the running max is still -inf, and "
+     "exp(-inf - (-inf)) is NaN: subtract 0 instead of the max for such rows (their p and alpha are then exactly 0)"),
+    (dict(exp2=True), "torch.exp2(x) is 2**x: use torch.exp (or multiply the scores by log2(e) before exp2)"),
+    (dict(normalise=False), "return acc / l: acc alone is the sum of exp(s - m) * v, not yet divided by the sum of "
+     "the weights"),
+    (dict(full_tiles_only=True), "the last tile may be partial (num_keys not a multiple of tile): loop over "
+     "range(0, num_keys, tile); the slice scores[:, start:start + tile] stops at the end by itself"),
+    (tile_average_softmax, "each tile's softmax was averaged over the tiles: a tile's result must be weighted by its "
+     "share of the whole row's exp-sum, which is what the running max m and the running sum l keep"),
+]
+
+
+def _softmax_mistake(results) -> str | None:
+    """The hint of the planted mistake that gives the student's output in every case of this call."""
+    for planted, hint in _SOFTMAX_MISTAKES:
+        try:
+            if all(torch.allclose(got, planted(scores, values, tile) if callable(planted) else
+                                  reference_online_softmax(scores, values, tile, **planted),
+                                  rtol=1e-5, atol=1e-5, equal_nan=True)
+                   for _, scores, values, tile, got in results):
+                return hint
+        except RuntimeError:
+            continue
+    # right to 1-3 digits where the scores are of order 1, not to 1e-5: the precision of fp16 (11 bits) or bf16
+    # (8 bits); where they are near -1000 or in the hundreds, rounding the scores themselves moves the weights
+    rows = [0, 3]         # random scores of order 3: bf16 rounds them by up to 0.03, and the weights by as much
+    if all(torch.allclose(got[rows], (torch.softmax(scores, dim=-1) @ values)[rows], rtol=0.1, atol=0.1)
+           for _, scores, values, tile, got in results):
+        return ("your output is right to 1-3 digits only, the precision of fp16 or bf16 arithmetic: keep the scores, "
+                "m, l and acc in fp32 (the engine's kernel does the same with bf16 inputs)")
+    return None
+
+
 def check_online_softmax(fn) -> None:
     tag = "E6.2"
     gen = fresh_generator()
+    results, first_bad = [], None
     for where, scores, values, tile in _softmax_cases(gen):
         expected = torch.softmax(scores, dim=-1) @ values
         before = (scores.clone(), values.clone())
@@ -541,39 +629,31 @@ def check_online_softmax(fn) -> None:
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != torch.float32:
             check_close(tag, got, expected, rtol=1e-5, atol=1e-5, what=f"output [{where}]",
                         hint="return softmax(scores) @ values: [rows, D], fp32")
+        results.append((where, scores, values, tile, got))
         bad = ~torch.isclose(got, expected, rtol=1e-5, atol=1e-5)
-        if not bad.any():
-            continue
-        row = int(bad.nonzero()[0][0])
-        kind = {0: "random scores" + (" with a fully masked middle tile" if torch.isinf(scores[0]).any() else ""),
-                1: "scores whose maximum rises from tile to tile",
-                2: "scores all near -1000", 3: "random scores" + (
-                    ", first two tiles fully masked" if torch.isinf(scores[3]).any() else "")}[row]
-        what = f"row {row} ({kind}) [{where}]"
-        if torch.isnan(got[row]).any():
-            if row == 2:
-                fail(tag, f"NaN in {what}", "start the running max at -inf, not 0: with m = 0, exp(s - m) "
-                     "underflows to 0 for scores near -1000, l stays 0 and acc / l is 0 / 0")
-            fail(tag, f"NaN in {what}", "while every key so far is masked the running max is still -inf, and "
-                 "exp(-inf - (-inf)) is NaN: subtract 0 instead of the max for such rows (their p and alpha "
-                 "are then exactly 0)")
-        variants = [
-            (dict(rescale_acc=False, rescale_sum=False), "when a tile raises the running max from m to m', "
-             "multiply the running sum l and the accumulator acc by exp(m - m') before adding the new tile"),
-            (dict(rescale_acc=False), "the accumulator must be rescaled too: acc = acc * exp(m - m') + p @ v"),
-            (dict(rescale_sum=False), "the running sum must be rescaled too: l = l * exp(m - m') + sum(p)"),
-            (dict(max_init=0.0), "start the running max at -inf, not 0"),
-        ]
-        hint = ("keep, per row, m (max so far), l (sum of exp(s - m)) and acc (sum of exp(s - m) * v); fold "
-                "each tile in, rescaling l and acc by exp(m_old - m_new); return acc / l")
-        for kwargs, why in variants:
-            wrong = reference_online_softmax(scores, values, tile, **kwargs)
-            if torch.allclose(got, wrong, rtol=1e-5, atol=1e-5, equal_nan=True):
-                hint = why
-                break
-        fail(tag, f"output differs from softmax(scores) @ values in {what}: got {got[row, 0].item():.6g}, "
-                  f"expected {expected[row, 0].item():.6g} (first column; tolerance rtol = atol = 1e-5)", hint)
-    ok(tag)
+        if bad.any() and first_bad is None:
+            first_bad = (where, scores, got, expected, int(bad.nonzero()[0][0]))
+    if first_bad is None:
+        ok(tag)
+        return
+    where, scores, got, expected, row = first_bad
+    kind = SOFTMAX_ROWS[row]
+    if row == 0 and torch.isinf(scores[0]).any():
+        kind += " with a fully masked middle tile"
+    if row == 3 and torch.isinf(scores[3]).any():
+        kind += ", first two tiles fully masked"
+    what = f"row {row} ({kind}) [{where}]"
+    hint = _softmax_mistake(results)
+    if torch.isnan(got[row]).any() or torch.isinf(got[row]).any():
+        if hint is None:
+            hint = (_NO_MAX_HINT if row in (2, 4) else "while every key so far is masked the running max is still "
+                    "-inf, and exp(-inf - (-inf)) is NaN: subtract 0 instead of the max for such rows (their p and "
+                    "alpha are then exactly 0)")
+        fail(tag, f"{'NaN' if torch.isnan(got[row]).any() else 'inf'} in {what}", hint)
+    fail(tag, f"output differs from softmax(scores) @ values in {what}: got {got[row, 0].item():.6g}, expected "
+              f"{expected[row, 0].item():.6g} (first column; tolerance rtol = atol = 1e-5)",
+         hint or "keep, per row, m (max so far), l (sum of exp(s - m)) and acc (sum of exp(s - m) * v); fold each "
+                 "tile in, rescaling l and acc by exp(m_old - m_new); return acc / l")
 
 
 # == E6.3 paged decode ======================================================================================
@@ -687,9 +767,18 @@ _DECODE_INT64_HINT = ("block ids times the cache's block stride pass 2**31 eleme
                       "the row offsets in int64 (block = tl.load(...).to(tl.int64) before multiplying by stride_cb)")
 
 
-def _compare_decode(tag, got, expected, where, dtype, hint_fn, nan_hint=None):
-    rtol = atol = 1e-4 if dtype == torch.float32 else 2e-2
-    rel_bound = 1e-5 if dtype == torch.float32 else 8e-3
+def _decode_tolerance(dtype, large=False) -> tuple[float, float]:
+    """(rtol = atol, bound on the relative error norm) of E6.3 / E6.4: fp32 1e-4 and 1e-5; bf16 2e-2 and 8e-3. With
+    scores in the hundreds (`large`) fp32 is looser, 1e-3 and 1e-4: a score of 300 carries an absolute rounding
+    error of ~1e-4 (fp32 keeps 7 digits), which exp turns into a relative error of the weights that size."""
+    if dtype != torch.float32:
+        return 2e-2, 8e-3
+    return (1e-3, 1e-4) if large else (1e-4, 1e-5)
+
+
+def _compare_decode(tag, got, expected, where, dtype, hint_fn, nan_hint=None, large=False):
+    rtol, rel_bound = _decode_tolerance(dtype, large)
+    atol = rtol
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
         check_close(tag, got, expected, rtol=rtol, atol=atol, what=f"output [{where}]",
                     hint="return a new [num_seqs, num_heads, head_dim] tensor in q's dtype")
@@ -712,13 +801,34 @@ def _compare_decode(tag, got, expected, where, dtype, hint_fn, nan_hint=None):
 _DECODE_BIG_CASE = (4, 2, 2, 16, torch.float32)
 
 
-def _decode_inputs(gen, case, device, *, q_view=False, big=False):
+def _large_scores(gen, q, kc, offsets):
+    """Move the scores of sequence b to about offsets[b] (hundreds, either sign), their spread about 10: every key
+    of KV head j gets c * u_j (u_j a random unit vector), and each query head of it its own part along u_j
+    replaced by offsets[b] / (scale * c) * u_j, so q . k * scale = offsets[b] + the usual random part. In place."""
+    B, H, D = q.shape
+    hkv = kc.shape[2]
+    scale = D ** -0.5
+    u = torch.randn(hkv, D, generator=gen).to(q.device)
+    u = (u / u.norm(dim=-1, keepdim=True)).repeat_interleave(H // hkv, 0)          # [H, D]: each query head's u
+    c = (max(abs(o) for o in offsets) / scale) ** 0.5                              # keys are shared: one c
+    qf = q.float()
+    for b, offset in enumerate(offsets):
+        along = (qf[b] * u).sum(-1, keepdim=True)
+        qf[b] = qf[b] - along * u + offset / (scale * c) * u
+    kc.copy_((kc.float() + c * u[::H // hkv]).to(kc.dtype))
+    q.copy_(qf.to(q.dtype))
+
+
+def _decode_inputs(gen, case, device, *, q_view=False, big=False, offsets=None):
     """One decode batch: (q, k_cache, v_cache, block tables given to the kernel, context_lens, the real block
     tables, the block id offset). `q_view`: q is a strided view (as a query sliced from a wider tensor);
-    `big`: the tables hold block ids pushed by an offset whose rows start past 2**31 elements."""
+    `big`: the tables hold block ids pushed by an offset whose rows start past 2**31 elements; `offsets`: the
+    scores of sequence b sit near offsets[b] (`_large_scores`)."""
     bs, group, hkv, d, dtype, lens = case
     H = group * hkv
     q, kc, vc, bt, cl = make_paged_batch(gen, H, hkv, d, bs, lens, dtype, device=device)
+    if offsets is not None:
+        _large_scores(gen, q, kc, offsets)
     if q_view:
         wide = torch.randn(q.shape[0], 2 * H * d, generator=gen).to(dtype).to(device)
         wide[:, :H * d] = q.flatten(1)
@@ -729,11 +839,12 @@ def _decode_inputs(gen, case, device, *, q_view=False, big=False):
     return q, kc, vc, given, cl, bt, first
 
 
-def _decode_where(case, first, q, extra=""):
+def _decode_where(case, first, q, extra="", offsets=None):
     bs, group, hkv, d, dtype, lens = case
     return (f"{extra}block_size {bs}, {group * hkv} query heads / {hkv} KV heads, head_dim {d}, context_lens {lens}, "
             f"{str(dtype).replace('torch.', '')}" + ("" if q.is_contiguous() else f", q a strided view (strides "
                                                       f"{tuple(q.stride())})")
+            + (f", scores in the hundreds (each sequence's near {offsets})" if offsets else "")
             + (f", block ids from {first} on (rows past 2**31 elements)" if first else ""))
 
 
@@ -746,22 +857,54 @@ def _run_decode(tag, fn, args, named, first, where, shift_elems):
     return got, watch
 
 
+def _large_cases(gen):
+    """E6.3 / E6.4's cases with scores in the hundreds: (case, offsets), the offsets of the sequences' scores
+    alternating in sign (far above 0: exp(s) overflows fp32; far below 0: exp(s) underflows to 0)."""
+    def offsets(n, first_sign):
+        mags = (150 + 250 * torch.rand(n, generator=gen)).tolist()
+        return [round(m) * (first_sign if i % 2 == 0 else -first_sign) for i, m in enumerate(mags)]
+    extra = lambda bs, hi: int(torch.randint(bs + 2, hi + 1, (1,), generator=gen))  # noqa: E731
+    return [((4, 2, 2, 24, torch.float32, [1, 5, 17, extra(4, 40)]), offsets(4, 1)),
+            ((16, 4, 2, 16, torch.bfloat16, [1, 16, 17, extra(16, 40)]), offsets(4, -1))]
+
+
+def _large_hint(got, offsets, split=False) -> str:
+    """The hint for NaN or inf with scores in the hundreds: which sign of offset broke says which mistake."""
+    bad = [b for b in range(got.shape[0]) if not torch.isfinite(got[b].float()).all()]
+    merge = (" Merge the splits with exp(lse_s - M), M = max_s lse_s: exp(lse_s) alone overflows the same way."
+             if split else "")
+    if bad and all(offsets[b] < 0 for b in bad):
+        return ("with scores far below 0 (about " + f"{offsets[bad[0]]}" + ") every exp(s - m) underflowed to 0, so "
+                "l = 0 and acc / l = 0 / 0: start the running max m at -inf, not 0, so that the first tile sets it "
+                "to its own max" + merge)
+    return ("with scores in the hundreds exp(s) overflows fp32 (it is inf past s ~ 88.7; inf / inf = NaN) and far "
+            "below 0 it underflows to 0 (0 / 0): subtract the running max before exp, p = exp(s - m_new), and "
+            "rescale l and acc by exp(m_old - m_new) when the max rises (E6.2)" + merge)
+
+
+def _decode_runs(gen, cases):
+    """(case, q_view, is_big, offsets) for E6.3: the usual cases, q a strided view in the second, the cases with
+    scores in the hundreds, and the one with block ids past 2**31 elements last."""
+    extra = int(torch.randint(6, 22, (1,), generator=gen))
+    return ([(c, i == 1, False, None) for i, c in enumerate(cases)]
+            + [(c, False, False, o) for c, o in _large_cases(gen)]
+            + [((*_DECODE_BIG_CASE, [1, 4, 5, extra]), False, True, None)])
+
+
 def check_paged_decode(fn) -> None:
     tag = "E6.3"
     gen = fresh_generator()
     device = kernel_device()
-    cases = [(c, i == 1, False) for i, c in enumerate(_decode_cases(gen))]
-    extra = int(torch.randint(6, 22, (1,), generator=gen))
-    big = (*_DECODE_BIG_CASE, [1, 4, 5, extra])
     launched = True
-    for case, q_view, is_big in cases + [(big, False, True)]:
+    for case, q_view, is_big, offsets in _decode_runs(gen, _decode_cases(gen)):
         if is_big and not (launched and shifts_supported()):
             continue
-        q, kc, vc, bt, cl, real_bt, first = _decode_inputs(gen, case, device, q_view=q_view, big=is_big)
+        q, kc, vc, bt, cl, real_bt, first = _decode_inputs(gen, case, device, q_view=q_view, big=is_big,
+                                                           offsets=offsets)
         scale = case[3] ** -0.5
         expected = torch_backend.paged_decode(q, kc, vc, real_bt, cl, scale)
         saved = [t.clone() for t in (q, kc, vc, bt, cl)]
-        where = _decode_where(case, first, q)
+        where = _decode_where(case, first, q, offsets=offsets)
         got, watch = _run_decode(tag, fn, (q, kc, vc, bt, cl, scale),
                                  {"q": q, "k_cache": kc, "v_cache": vc, "block_tables": bt, "context_lens": cl},
                                  first, where, first * kc.stride(0))
@@ -771,10 +914,12 @@ def check_paged_decode(fn) -> None:
             if not torch.equal(before, after):
                 fail(tag, f"paged_decode changed its input {name} [{where}]", "decode attention only reads")
         dtype = case[4]
-        rtol = atol = 1e-4 if dtype == torch.float32 else 2e-2
+        rtol = atol = _decode_tolerance(dtype, offsets is not None)[0]
         _compare_decode(tag, got, expected, where, dtype,
                         (lambda: _DECODE_INT64_HINT) if first else
-                        lambda: _decode_hint(got, q, kc, vc, real_bt, cl, scale, rtol, atol))
+                        lambda: _decode_hint(got, q, kc, vc, real_bt, cl, scale, rtol, atol),
+                        nan_hint=(lambda: _large_hint(got, offsets)) if offsets is not None else None,
+                        large=offsets is not None)
     ok(tag)
 
 
@@ -790,7 +935,8 @@ def reference_split_variant(q, k_cache, v_cache, block_tables, context_lens, sca
     keys), "unnormalised" (sum of exp(lse_s - M) * o_s, not divided by the sum of the weights); empty "skip"
     (right: weight 0), "nan" (o = acc / l with l = 0, lse = -inf), "weight" (lse = 0: an empty split weighs
     in with o = 0); tiles "ceil" (right: c = cdiv(T, S)) or "floor" (c = T // S: the last tiles dropped);
-    splits_merged: how many splits the merge reads (None: all of them; num_splits - 1: the last one lost)."""
+    splits_merged: how many splits the merge reads (None: all of them; num_splits - 1: the last one lost);
+    merge "no_max" (weights exp(lse_s) / sum exp(lse_s), M not subtracted: overflows for scores in the hundreds)."""
     B, H, D = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = H // hkv
@@ -821,7 +967,7 @@ def reference_split_variant(q, k_cache, v_cache, block_tables, context_lens, sca
         if merge == "mean":
             out[b] = o.mean(0)
             continue
-        w = torch.exp(lse - lse.max(0).values)
+        w = torch.exp(lse) if merge == "no_max" else torch.exp(lse - lse.max(0).values)
         total = (w[..., None] * o).sum(0)
         out[b] = total if merge == "unnormalised" else total / w.sum(0)[..., None]
     return out.to(q.dtype)
@@ -876,27 +1022,33 @@ def check_split_decode(fn) -> None:
             # tiles unevenly (a rounding-down split size drops the last tile there).
             r = int(torch.randint(1, 16, (1,), generator=gen))
             lens = case[5] + [16 * max(num_splits, 2) + r, 64 * max(num_splits, 2) + r]
-            cases.append(((*case[:5], lens), num_splits, i == 0, False))
+            cases.append(((*case[:5], lens), num_splits, i == 0, False, None))
+    for case, offsets in _large_cases(gen):          # scores in the hundreds, every split with keys in the long ones
+        r = int(torch.randint(1, 16, (1,), generator=gen))
+        lens = case[5][:2] + [48 + r, 192 + r]
+        cases.append(((*case[:5], lens), 3, False, False, offsets))
     extra = int(torch.randint(6, 22, (1,), generator=gen))
-    cases.append(((*_DECODE_BIG_CASE, [1, 4, 5, extra]), 3, False, True))
+    cases.append(((*_DECODE_BIG_CASE, [1, 4, 5, extra]), 3, False, True, None))
     launched = True
-    for case, num_splits, q_view, is_big in cases:
+    for case, num_splits, q_view, is_big, offsets in cases:
         if is_big and not (launched and shifts_supported()):
             continue
-        q, kc, vc, bt, cl, real_bt, first = _decode_inputs(gen, case, device, q_view=q_view, big=is_big)
+        q, kc, vc, bt, cl, real_bt, first = _decode_inputs(gen, case, device, q_view=q_view, big=is_big,
+                                                           offsets=offsets)
         scale = case[3] ** -0.5
         expected = torch_backend.paged_decode(q, kc, vc, real_bt, cl, scale)
-        where = _decode_where(case, first, q, f"{num_splits} split(s), ")
+        where = _decode_where(case, first, q, f"{num_splits} split(s), ", offsets=offsets)
         got, watch = _run_decode(tag, fn, (q, kc, vc, bt, cl, scale, num_splits),
                                  {"q": q, "k_cache": kc, "v_cache": vc, "block_tables": bt, "context_lens": cl},
                                  first, where, first * kc.stride(0))
         launched = launched and watch.launched
         dtype = case[4]
-        rtol = atol = 1e-4 if dtype == torch.float32 else 2e-2
+        rtol = atol = _decode_tolerance(dtype, offsets is not None)[0]
         args = (q, kc, vc, real_bt, cl, scale)
         hint = (lambda: _DECODE_INT64_HINT) if first else \
             (lambda: _split_hint(got, args, num_splits, watch, rtol, atol))
-        _compare_decode(tag, got, expected, where, dtype, hint, nan_hint=hint)
+        _compare_decode(tag, got, expected, where, dtype, hint, large=offsets is not None,
+                        nan_hint=(lambda: _large_hint(got, offsets, split=True)) if offsets is not None else hint)
     ok(tag)
 
 

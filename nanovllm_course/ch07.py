@@ -15,7 +15,11 @@ timeline of the engine loop with and without async (overlap) scheduling.
   invariants (`nanovllm_ref.engine.invariants.check_block_manager`) must hold after every step, and every
   request must finish. Each check uses the student's code for its own exercise only and the reference for
   the others (when the class has the `_schedule_decode` / `preempt` / `postprocess` methods of the
-  notebook's layout; a class of another layout is checked whole).
+  notebook's layout; a class of another layout is checked whole). A failure is replayed with the planted
+  mistakes of its exercise (`PLANTED`: the same scenario from the same random state); the one that fails with
+  the very same message gives its hint (E7.2: the victim from the front, a sequence evicting itself, the victim
+  queued at the back, no deallocate, no count, no status, no may_append, no token, the order reversed,
+  `running` not rebuilt).
 
 - `check_overlap_timeline(fn)` (E7.4): `fn(host_ms, device_ms, overlap) -> [(launch, device_start,
   device_end)]`, the timeline of the engine loop's host and device clocks, synchronous (`overlap=False`) or
@@ -32,6 +36,8 @@ end); `simulate`, `simulate_static` and `gantt_text` are the
 model-free simulator of the chapter's demos and figures; `MixedScheduler` is a vLLM-V1-style policy (one
 token budget shared by decodes and prefill chunks), for the simulator only.
 """
+import contextlib
+import io
 import math
 import random
 import signal
@@ -40,7 +46,7 @@ from collections import deque
 from contextlib import contextmanager
 from types import SimpleNamespace
 
-from nanovllm_course.common import call_student, fail, fresh_generator, ok
+from nanovllm_course.common import CheckFailed, NotDone, call_student, fail, fresh_generator, ok
 from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.invariants import check_block_manager
 from nanovllm_ref.engine.scheduler import Scheduler as EngineScheduler
@@ -752,13 +758,95 @@ SCENARIOS = {
 NUM_RANDOM_STREAMS = 20
 
 
+def planted_decode_scheduler(mistake: str) -> type:
+    """The reference Scheduler with one planted mistake in E7.2's `_schedule_decode` / `preempt` (for the hints):
+    victim_front, preempt_self, queue_back, no_deallocate, no_count, no_status, no_may_append, no_tokens,
+    kept_reversed, running_not_reassigned."""
+    class Planted(EngineScheduler):
+        def _schedule_decode(self):
+            kept = deque()
+            while self.running:
+                seq = self.running.popleft()
+                while not self.block_manager.can_append(seq):
+                    if mistake == "preempt_self" or not self.running:
+                        self.preempt(seq)
+                        break
+                    self.preempt(self.running.popleft() if mistake == "victim_front" else self.running.pop())
+                else:
+                    if mistake != "no_may_append":
+                        self.block_manager.may_append(seq)
+                    if mistake != "no_tokens":
+                        seq.num_scheduled_tokens = 1
+                    (kept.appendleft if mistake == "kept_reversed" else kept.append)(seq)
+            if mistake != "running_not_reassigned":
+                self.running = kept
+            return list(kept)
+
+        def preempt(self, seq):
+            if mistake != "no_count":
+                self.num_preemptions += 1
+            if mistake != "no_status":
+                seq.status = SequenceStatus.WAITING
+            if mistake != "no_deallocate":
+                self.block_manager.deallocate(seq)
+            (self.waiting.append if mistake == "queue_back" else self.waiting.appendleft)(seq)
+    Planted.__name__ = Planted.__qualname__ = "Scheduler"
+    return Planted
+
+
+PLANTED = {   # exercise -> [(planted class, hint)]: a failure the same as a planted one's gets that one's hint
+    "E7.2": [
+        (planted_decode_scheduler("victim_front"), _HINT_VICTIM),
+        (planted_decode_scheduler("preempt_self"), "a sequence that needs a block preempts the BACK of `running` "
+         "(the most recently admitted, running.pop()), not itself: it waits itself only when nobody is left behind "
+         "it"),
+        (planted_decode_scheduler("queue_back"), _HINT_QUEUE_FRONT),
+        (planted_decode_scheduler("no_deallocate"), _HINT_DEALLOCATE),
+        (planted_decode_scheduler("no_count"), "preempt() counts every preemption: self.num_preemptions += 1"),
+        (planted_decode_scheduler("no_status"), "preempt() sets seq.status = SequenceStatus.WAITING: the victim is "
+         "waiting again (and the prefill phase will admit it like a new request)"),
+        (planted_decode_scheduler("no_may_append"), "call block_manager.may_append(seq) for each sequence that "
+         "decodes: it gives the sequence a new block when its next token starts one"),
+        (planted_decode_scheduler("no_tokens"), "each decoding sequence computes one token: seq.num_scheduled_tokens "
+         "= 1"),
+        (planted_decode_scheduler("kept_reversed"), "keep the running order: the sequences that decode stay in "
+         "admission order (kept.append(seq)), and `running` becomes them in that order"),
+        (planted_decode_scheduler("running_not_reassigned"), "popleft() empties `running` while you walk it: after "
+         "the loop, self.running = kept (the sequences that were not preempted)"),
+    ],
+}
+
+
+def _explained(tag, exc, scenario, rng_state, planted) -> str | None:
+    """The hint of the planted mistake that fails `scenario` (run from the same random state) exactly as the
+    student's class did, else None."""
+    for cls, hint in planted:
+        rng = random.Random()
+        rng.setstate(rng_state)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                scenario(tag, _hybrid(cls, tag), rng)
+        except CheckFailed as mine:
+            if mine.message == exc.message:
+                return hint
+        except Exception:       # noqa: BLE001 - a planted class that breaks differently explains nothing
+            continue
+    return None
+
+
 def _check(tag, cls, rng=None):
     rng = rng or _rng()
     impl = _hybrid(cls, tag)
-    for scenario in SCENARIOS[tag]:
-        scenario(tag, impl, rng)
-    for _ in range(NUM_RANDOM_STREAMS):
-        _random_stream(tag, impl, rng)
+    runs = list(SCENARIOS[tag]) + [_random_stream] * NUM_RANDOM_STREAMS
+    for scenario in runs:
+        state = rng.getstate()
+        try:
+            scenario(tag, impl, rng)
+        except CheckFailed as exc:
+            hint = _explained(tag, exc, scenario, state, PLANTED.get(tag, []))
+            if hint is None or isinstance(exc, NotDone):
+                raise
+            raise CheckFailed(tag, exc.message, hint) from None
     ok(tag)
 
 

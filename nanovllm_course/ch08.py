@@ -7,18 +7,28 @@
   back unchanged.
 - `check_exponential_race(fn)` (E8.2): fn(probs [B, V] fp32, noise [B, V] fp32 >= 0) -> [B] int64, exactly
   argmax(probs / max(noise, tiny)) (tiny = fp32's smallest normal), with draws of exactly 0 (on a token of
-  probability 0 and on a possible one) and a subnormal draw in every call; the inputs unchanged; no host sync.
+  probability 0 and on a possible one) and a subnormal draw in every call; and 6 rows of 151,936 tokens (Qwen3's
+  vocabulary, `_vocab_case`) where the precision decides: in four, two tokens of equal probability whose draws
+  differ by 1 part in 16,384 (a race in bf16 or fp16 ties them and takes the first), in one a ladder of draws
+  from 2 tiny to 1e-4 (a floor above 8 tiny, such as 1e-10 or eps, moves the winner); the inputs unchanged;
+  no host sync.
 - `check_top_k_top_p(fn)` (E8.3): fn(probs [B, V] fp32, top_k [B] int64 or None, top_p [B] float64 or None)
   -> renormalised probs [B, V] fp32, dropped tokens exactly 0. Same kept tokens as the reference (HF's
   TopKLogitsWarper / TopPLogitsWarper rules; where top-p's boundary falls inside a run of equal
   probabilities, any of the tied tokens may go, but the number kept must match), probabilities to atol 1e-6;
-  a case where the order of the two filters changes the result; the inputs unchanged; no host sync.
+  a case where the order of the two filters changes the result, one where top_p = 1 meets a row whose fp32
+  running sum reaches 1.0 early; the inputs unchanged; no host sync. A wrong answer gets the hint of the planted
+  mistake (`top_k_top_p_variant`, `_FILTER_MISTAKES`) that gives it in every case.
 - `check_sample(fn)` (E8.4): fn(logits, nanovllm_ref.layers.sampler.SamplingMetadata) -> [B] int64: greedy
   rows exactly argmax over 6 + 3 calls, most of them with a tied maximum; no host sync (a dispatch spy watches
   for aten::_local_scalar_dense (`.item()`, `int(t)`, `if t:`), aten::nonzero, masked_select, unique); the
   inputs unchanged; 200 calls of 200 rows at T = 1 that must not repeat each other and together pass a
   chi-squared test (state across calls: a sampler that reseeds its generator draws the same noise every
-  step); and chi-squared tests on 40,000 draws each for T in {0.5, 1, 2} and for top-k, top-p and both.
+  step); chi-squared tests on 40,000 draws each for T in {0.5, 1, 2}, for top-k, top-p and both, and for T = 2
+  with top-p (top-p before the temperature keeps the wrong nucleus there); and one batch of 7 rows of 151,936
+  bf16 logits at T = 1 whose noise the check plants (`PlantedNoise` fills the sampler's `.exponential_()`): the
+  winners exactly the reference's in the rows where the race's precision, the softmax's precision or the
+  noise's floor decides (E8.2's planted rows; skipped for a sampler that draws its noise another way).
 
 - `check_penalties(fn)` (E8.5): fn(logits [B, V] fp32 or bf16, prompt_mask [B, V] bool, output_counts [B, V]
   int32, presence [B], frequency [B], repetition [B] fp32) -> [B, V] fp32 penalised logits, to rtol 1e-6 /
@@ -32,16 +42,18 @@
 
 Statistics: each chi-squared test fails when its p-value is below 1e-6, so a correct sampler fails one test
 with probability about 1e-6 (the chi-squared approximation, with bins of expected count < 5 pooled); E8.4
-runs 7 tests, so it fails a correct answer about 7 times in a million runs.
+runs 8 tests, so it fails a correct answer about 8 times in a million runs.
 
 Every check draws fresh random inputs and prints `E8.n ok` and nothing else on success.
 `reference_temperature_probs`, `reference_exponential_race`, `reference_top_k_top_p`, `reference_sample`,
 `reference_apply_penalties` are the reference answers.
 """
+import math
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanovllm_course.common import call_student, check_close, check_unchanged, fail, fresh_generator, ok
+from nanovllm_course.common import CheckFailed, call_student, check_close, check_unchanged, fail, fresh_generator, ok
 from nanovllm_ref.layers import sampler as ref_sampler
 from nanovllm_ref.layers.logits_processors import apply_penalties as reference_apply_penalties
 from nanovllm_ref.layers.sampler import SamplingMetadata
@@ -275,6 +287,92 @@ _RACE_MISTAKES = [   # (wrong race on (probs, noise), message, hint); the sign m
 ]
 
 
+VOCAB = 151_936            # Qwen3's vocabulary: the full-size rows of E8.2 and E8.4
+NEAR = 2.0 ** -14          # two planted racers' noise differs by 1 part in 16,384: fp32 tells them apart, bf16
+                           # (8 bits) and fp16 (11 bits) round both to the same value, and argmax takes the first
+LADDER_STEP = 16.0         # the floor ladder's draws: 2 tiny, 32 tiny, ... up to ~1e-4; probabilities x4 a rung
+
+
+def _bf16_value(x: float) -> float:
+    """The bf16 value nearest to x (a float that bf16, fp16 and fp32 all hold exactly)."""
+    return float(torch.tensor(x, dtype=torch.float32).bfloat16().float())
+
+
+def _best_ratio(probs_row: torch.Tensor, noise_row: torch.Tensor) -> float:
+    return float((probs_row.double() / noise_row.double().clamp_min(TINY)).max())
+
+
+def plant_near_tie(probs_row: torch.Tensor, noise_row: torch.Tensor, a: int, b: int, exact: str) -> None:
+    """Make two tokens a > b of equal probability win the race by 1 part in 16,384 (NEAR): noise[a] =
+    noise[b] * (1 - NEAR), both far ahead of every other token. exact="noise": noise[b] is a bf16 value, so a
+    race on bf16-rounded noise ties them; exact="quotient": probs[b] / noise[b] is a bf16 value, so a race that
+    rounds the quotient ties them. On a tie argmax returns b, the first; the fp32 race picks a. The two tokens'
+    probabilities must already be equal (the caller sets them). Writes noise_row in place."""
+    assert a > b and probs_row[a] == probs_row[b]
+    p = float(probs_row[a])
+    others = noise_row.clone()
+    others[[a, b]] = float("inf")
+    target = 4 * _best_ratio(probs_row, others)            # a quotient 4x the best of the rest
+    if exact == "noise":
+        e = _bf16_value(p / target)
+        noise_row[b] = e
+    else:
+        noise_row[b] = p / _bf16_value(target)
+    noise_row[a] = float(noise_row[b]) * (1 - NEAR)
+
+
+def ladder_tokens(g: torch.Generator, vocab: int) -> list[int]:
+    """The tokens of the floor ladder: as many rungs as draws 2 tiny * 16**k stay below 1e-4 (28)."""
+    rungs = 0
+    while 2 * TINY * LADDER_STEP ** rungs < 1e-4:
+        rungs += 1
+    return torch.randperm(vocab, generator=g)[:rungs].tolist()
+
+
+def plant_floor_ladder(tokens: list[int], noise_row: torch.Tensor) -> None:
+    """Noise draws from just above fp32's smallest normal up to ~1e-4 on `tokens` (rung k: 2 tiny * 16**k),
+    whose probabilities rise 4x a rung (the caller sets them): the right race picks the lowest rung, whose draw
+    is tiny; a race that floors the noise at f > 8 tiny (1e-10, 1e-20, eps) lifts every draw below f to f and
+    picks a higher rung. In place."""
+    for k, t in enumerate(tokens):
+        noise_row[t] = 2 * TINY * LADDER_STEP ** k
+
+
+def _vocab_case(g: torch.Generator):
+    """E8.2's full-vocabulary case: 6 rows of VOCAB tokens; rows 0-1 a near tie with bf16-exact noise, rows 2-3
+    one with a bf16-exact quotient, row 4 the floor ladder, row 5 untouched. Returns (probs, noise, planted) with
+    planted {row: (what, the right winner)}."""
+    rows = 6
+    probs = torch.softmax(_logits(g, rows, VOCAB, 2.5), dim=-1)
+    noise = torch.empty(rows, VOCAB).exponential_(1.0, generator=g)
+    ladder = ladder_tokens(g, VOCAB)
+    top = float(probs[4].max())
+    for k, t in enumerate(ladder):                             # p rises 4x a rung, the last near the row's top
+        probs[4, t] = top * 4.0 ** (k - len(ladder) + 1)
+    probs[4] /= probs[4].sum()
+    plant_floor_ladder(ladder, noise[4])
+    planted = {4: ("floor", ladder[0])}
+    for r in range(4):
+        # the pair holds half the row's mass and the other draws are >= 1e-3, so the pair's draws are ~1e-2, above
+        # any floor a race might use: only the precision decides these rows
+        b, a = sorted(torch.randperm(VOCAB, generator=g)[:2].tolist())
+        probs[r] *= 0.5 / (1 - probs[r, a] - probs[r, b])
+        probs[r, a] = probs[r, b] = 0.25
+        noise[r].clamp_min_(1e-3)
+        plant_near_tie(probs[r], noise[r], a, b, "noise" if r < 2 else "quotient")
+        planted[r] = ("near", a)
+    return probs, noise, planted
+
+
+_FLOORS = (1e-6, torch.finfo(torch.float32).eps, 1e-8, 1e-10, 1e-12, 1e-15, 1e-20, 1e-30, 1e-37)   # usual wrong ones
+_FLOOR_HINT = ("floor the noise at fp32's smallest normal, noise.clamp_min(torch.finfo(torch.float32).tiny) "
+               "(1.2e-38), not at 1e-10, 1e-20 or eps, and add nothing to it: a draw below your floor is lifted to "
+               "it, and a token whose tiny draw should win loses to another")
+_NEAR_HINT = ("compute probs / noise in fp32, as given: in bf16 (8 bits) or fp16 (11 bits) two quotients closer "
+              "than 1 part in 256 (or 2,048) become equal and argmax takes the first, which changes about 1 winner "
+              "in 400 full-vocabulary rows")
+
+
 def check_exponential_race(fn) -> None:
     tag = "E8.2"
     g = fresh_generator()
@@ -291,21 +389,40 @@ def check_exponential_race(fn) -> None:
         if rows > 1:
             noise[-1, int(torch.randint(vocab, (1,), generator=g))] = 0.0
             noise[1, int(torch.randint(vocab, (1,), generator=g))] = TINY / 8
+        results.append((rows, vocab, probs, noise))
+    big_probs, big_noise, planted = _vocab_case(g)
+    results.append((big_probs.shape[0], VOCAB, big_probs, big_noise))
+    done = []
+    for rows, vocab, probs, noise in results:
         before = {"probs": probs.clone(), "noise": noise.clone()}
         got = call_student(tag, fn, probs, noise)
         check_unchanged(tag, before, {"probs": probs, "noise": noise},
                         "compute probs / noise.clamp_min(tiny) into a new tensor; an in-place clamp_min_ or div_ "
                         "rewrites the caller's noise")
         _check_ids(tag, got, rows, "exponential_race")
-        results.append((rows, vocab, probs, noise, got, reference_exponential_race(probs, noise)))
-    wrong = [r for r in results if not torch.equal(r[4], r[5])]
+        done.append((rows, vocab, probs, noise, got, reference_exponential_race(probs, noise)))
+    wrong = [r for r in done if not torch.equal(r[4], r[5])]
     if wrong:
         # The mistake that explains every case (one case alone may not tell two mistakes apart).
         for race, msg, hint in _RACE_MISTAKES:
-            if all(torch.equal(got, race(probs, noise)) for _, _, probs, noise, got, _ in results):
+            if all(torch.equal(got, race(probs, noise)) for _, _, probs, noise, got, _ in done):
                 rows, vocab = wrong[0][:2]
                 fail(tag, f"{msg} ({rows} rows x {vocab} tokens)", hint)
-        rows, vocab, _, _, got, want = wrong[0]
+        rows, vocab, _, _, got, want = next((r for r in wrong if r[1] == VOCAB), wrong[0])
+        if vocab == VOCAB:                   # the full-vocabulary case is wrong: its planted rows say why
+            bad = (got != want).nonzero().flatten().tolist()
+            kinds = {planted.get(r, ("other",))[0] for r in bad}
+            if "near" in kinds:
+                near = [r for r in bad if planted.get(r, ("",))[0] == "near"]
+                fail(tag, f"in {len(near)} row(s) of {VOCAB} tokens, two tokens of equal probability whose draws "
+                          "differ by 1 part in 16,384 (the later token's the smaller, so it wins) gave the earlier "
+                          "token", _NEAR_HINT)
+            floors = [lambda p, e, f=f: (p / e.clamp_min(f)).argmax(-1) for f in _FLOORS] + \
+                [lambda p, e, f=f: (p / (e + f)).argmax(-1) for f in _FLOORS]
+            if "floor" in kinds and (kinds == {"floor"} or any(
+                    all(torch.equal(got_, race(p_, e_)) for _, _, p_, e_, got_, _ in done) for race in floors)):
+                fail(tag, f"in a row of {VOCAB} tokens whose winning draw is 2.4e-38 (fp32 draws go that low), your "
+                          "race picked another token", _FLOOR_HINT)
         fail(tag, f"token ids differ from argmax(probs / noise) in {int((got != want).sum())} of {rows} rows "
                   f"({rows} rows x {vocab} tokens)", "one argmax over the vocabulary of probs / noise")
     probs = torch.tensor([[0.0, 1.0, 0.0], [0.25, 0.0, 0.75]])
@@ -352,6 +469,12 @@ def _kept_compare(tag, probs, got, want, case, top_k=None, top_p=None):
              "TopPLogitsWarper): after top-k the kept mass is renormalised, so top-p may keep fewer tokens")
     if not torch.equal(n, n_ref):
         row = int((n != n_ref).nonzero()[0])
+        if top_p is not None and float(top_p[row]) >= 1 and (top_k is None or int(top_k[row]) == 0) \
+                and n[row] < n_ref[row]:
+            fail(tag, f"row {row} has top_p = 1 (off) and no top-k, yet you dropped {int(n_ref[row] - n[row])} of its "
+                      f"tokens ({case})", "top_p = 1 means off: keep every token. A running sum in fp32 can reach 1.0 "
+                      "before the end of a row (the tail's tiny probabilities no longer change it), so 'keep while "
+                      "the mass before the token is < top_p' drops the tail unless top_p = 1 skips the filter")
         if (n - n_ref).abs().max() == 1 and (n <= n_ref).all():
             msg = (f"top-p kept one token too few (row {row}: {int(n[row])} instead of {int(n_ref[row])}): the "
                    "token whose probability makes the kept mass reach top_p belongs to the nucleus")
@@ -391,6 +514,90 @@ def _call_filter(tag, fn, probs, top_k, top_p):
     return got
 
 
+def top_k_top_p_variant(probs, top_k, top_p, *, kth_offset=0, ties=True, k0_off=True, p_rule="<=",
+                        renormalise_before_p=True, renormalise=True, keep_top=True, fill=0.0, threshold="1 - p",
+                        order="k then p", p1_off=True):
+    """E8.3 written out (sort ascending, mask by rank, running sum, scatter back) with planted mistakes for the
+    hints; the defaults are right. kth_offset 1 / -1 (k + 1 or k - 1 kept), ties False (exactly k kept, as
+    torch.topk), k0_off False (top_k = 0 keeps 1), p_rule "<" (a running sum equal to 1 - p kept),
+    renormalise_before_p False (top-p on top-k's unrenormalised mass), renormalise False, keep_top False (the most
+    likely token may go), fill (dropped tokens set to it, not 0), threshold "p" (running sum against p, not
+    1 - p), order "p then k", p1_off False (top_p = 1 filters too: fp32 running sums reach 1.0 early)."""
+    vocab = probs.shape[-1]
+    ascending, index = probs.float().sort(dim=-1, stable=True)
+
+    def by_rank(asc):
+        k = torch.where(top_k > 0, top_k, vocab) if k0_off else top_k.clamp(min=1)
+        k = (k + kth_offset).clamp(1, vocab)
+        if not ties:
+            return asc.masked_fill(torch.arange(vocab).expand_as(asc) < (vocab - k).unsqueeze(-1), 0.0)
+        return asc.masked_fill(asc < asc.gather(-1, (vocab - k).unsqueeze(-1)), 0.0)
+
+    def by_mass(asc):
+        base = asc / asc.sum(-1, keepdim=True) if renormalise_before_p else asc
+        running = base.cumsum(dim=-1)
+        cut = (1 - top_p.double()) if threshold == "1 - p" else top_p.double()
+        cut = (torch.where(top_p < 1, cut, -1.0) if p1_off else cut).float().unsqueeze(-1)
+        drop = running <= cut if p_rule == "<=" else running < cut
+        if keep_top:
+            drop[:, -1] = False
+        return asc.masked_fill(drop, 0.0)
+
+    steps = [(top_k, by_rank), (top_p, by_mass)]
+    for setting, step in steps if order == "k then p" else steps[::-1]:
+        if setting is not None:
+            ascending = step(ascending)
+    kept = torch.zeros_like(ascending).scatter(-1, index, ascending)
+    if fill:
+        kept = torch.where(kept > 0, kept, torch.full_like(kept, fill))
+    return kept / kept.sum(dim=-1, keepdim=True) if renormalise else kept
+
+
+_FILTER_MISTAKES = [    # (top_k_top_p_variant flags, message, hint): the first that explains every case wins
+    (dict(ties=False), "top-k kept exactly k tokens where several tie with the k-th largest",
+     "keep every token whose probability is >= the k-th largest (a tie at the k-th value keeps all of it): "
+     "torch.topk keeps exactly k and drops the rest of the tie at random"),
+    (dict(kth_offset=1), "top-k kept k + 1 tokens", "in a row sorted ascending the k-th largest is at index V - k"),
+    (dict(kth_offset=-1), "top-k kept k - 1 tokens", "in a row sorted ascending the k-th largest is at index V - k"),
+    (dict(k0_off=False), "top_k = 0 filtered the row", "top_k = 0 means off: keep every token (k = V)"),
+    (dict(p1_off=False), "top_p = 1 dropped tokens", "top_p = 1 means off: keep every token. The fp32 running sum "
+     "of a long row reaches 1.0 before its end, so without that rule its tail is dropped"),
+    (dict(threshold="p"), "top-p compared the running sum with top_p", "sort ascending and drop a token while the "
+     "running sum up to and including it is <= 1 - top_p (the mass of the tail you drop), not <= top_p"),
+    (dict(p_rule="<"), "top-p kept a token whose ascending running sum is exactly 1 - top_p",
+     "drop a token whose ascending running sum is <= 1 - top_p (<=, not <): the tokens above it already reach top_p"),
+    (dict(renormalise_before_p=False), "top-p ran on what top-k left without renormalising it",
+     "after top-k, divide the kept probabilities by their sum before top-p's running sum: top-p applies to the "
+     "top-k distribution (HF's TopKLogitsWarper, then TopPLogitsWarper)"),
+    (dict(order="p then k"), "top-p ran before top-k", "top-k first, then top-p on the renormalised top-k "
+     "distribution (HF's TopKLogitsWarper, then TopPLogitsWarper): after top-k the kept mass is renormalised, so "
+     "top-p may keep fewer tokens"),
+    (dict(keep_top=False), "the most likely token was dropped", "always keep the most likely token: with a tiny "
+     "top_p, 1 - top_p rounds to 1.0 in fp32 and every running sum is <= it"),
+    (dict(fill=1e-10), "dropped tokens are not exactly 0", "set dropped tokens to exactly 0 (masked_fill(drop, "
+     "0.0)): a tiny value can still win the race, and the engine counts a token as kept when it is > 0"),
+    (dict(renormalise=False), "the kept probabilities were not renormalised", "divide the kept probabilities by "
+     "their sum"),
+]
+
+
+def _explains(got, wrong, probs) -> bool:
+    """True when `got` is `wrong`: the same kept tokens (up to ties at the boundary) and probabilities."""
+    if not (torch.isfinite(got).all() and torch.isfinite(wrong).all()):
+        return torch.allclose(got, wrong, atol=1e-6, rtol=0, equal_nan=True)
+    return _same_kept(got, wrong, probs) and torch.allclose(got.sort(-1).values, wrong.sort(-1).values, atol=1e-6,
+                                                            rtol=0)
+
+
+def _filter_mistake(results):
+    """(message, hint) of the planted mistake that gives the student's output in every case, else None."""
+    for flags, message, hint in _FILTER_MISTAKES:
+        if all(_explains(got, top_k_top_p_variant(probs, top_k, top_p, **flags), probs)
+               for probs, top_k, top_p, got, _ in results):
+            return message, hint
+    return None
+
+
 def check_top_k_top_p(fn) -> None:
     tag = "E8.3"
     g = fresh_generator()
@@ -405,20 +612,36 @@ def check_top_k_top_p(fn) -> None:
          "the most likely token still stays"),
         (torch.tensor([[0.125, 0.25, 0.5, 0.125]]), [2], [0.6],
          "top_k = 2 keeps 0.5 and 0.25, renormalised 2/3 and 1/3; then top_p = 0.6 keeps only 2/3"),
+        (torch.tensor([[0.5] + [1e-10] * 8 + [0.5]]), None, [1.0], "top_p = 1 (off) on a row whose fp32 running "
+         "sum reaches 1.0 before its tail of 1e-10s"),
     ]
+    cases = []
     for probs, k, p, what in fixed:
-        top_k = None if k is None else torch.tensor(k)
-        top_p = None if p is None else torch.tensor(p, dtype=torch.float64)
-        got = _call_filter(tag, fn, probs, top_k, top_p)
-        _kept_compare(tag, probs, got, reference_top_k_top_p(probs, top_k, top_p), f"the case {what}", top_k, top_p)
+        cases.append((probs, None if k is None else torch.tensor(k),
+                      None if p is None else torch.tensor(p, dtype=torch.float64), f"the case {what}"))
     for rows, vocab in [(1, 2), (8, 17), (24, 300)]:
         probs = torch.softmax(_logits(g, rows, vocab, 2.5), dim=-1)
         ks = torch.tensor([0, 1, 2, 5, vocab, vocab + 7, 3, 0])[torch.arange(rows) % 8]
         ps = torch.tensor([1.0, 0.9, 0.5, 0.95, 0.3, 1.0, 0.8, 0.01], dtype=torch.float64)[torch.arange(rows) % 8]
         for top_k, top_p, what in [(ks, None, "top_k only"), (None, ps, "top_p only"), (ks, ps, "both")]:
-            got = _call_filter(tag, fn, probs, top_k, top_p)
-            _kept_compare(tag, probs, got, reference_top_k_top_p(probs, top_k, top_p),
-                          f"{rows} rows x {vocab} tokens, {what}", top_k, top_p)
+            cases.append((probs, top_k, top_p, f"{rows} rows x {vocab} tokens, {what}"))
+    results, first = [], None
+    for probs, top_k, top_p, case in cases:
+        got = _call_filter(tag, fn, probs, top_k, top_p)
+        want = reference_top_k_top_p(probs, top_k, top_p)
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+            _kept_compare(tag, probs, got, want, case, top_k, top_p)     # fails on the type, shape or dtype
+        results.append((probs, top_k, top_p, got, case))
+        if first is None:
+            try:
+                _kept_compare(tag, probs, got, want, case, top_k, top_p)
+            except CheckFailed as exc:
+                first = (exc, case)
+    if first is not None:
+        mistake = _filter_mistake(results)
+        if mistake:
+            fail(tag, f"{mistake[0]} ({first[1]})", mistake[1])
+        raise first[0]
     probs = torch.softmax(_logits(g, 4, 50), dim=-1)
     with HostSyncSpy() as spy:
         call_student(tag, fn, probs, torch.tensor([0, 3, 7, 1]), torch.tensor([0.5, 1.0, 0.9, 0.2], dtype=torch.float64))
@@ -439,6 +662,135 @@ def _call_sampler(tag, fn, logits, meta, batch):
                                         "next step, and the logits are the model's output buffer")
     _check_ids(tag, ids, batch, "sample")
     return ids
+
+
+class PlantedNoise(TorchDispatchMode):
+    """Inside `with PlantedNoise(noise):`, a `.exponential_()` on a tensor of noise's shape (how the chapter's
+    sampler draws its noise) is filled with `noise` instead (the generator still advances), so a check knows
+    the draws a sampler races with; `used` counts the draws replaced."""
+
+    def __init__(self, noise: torch.Tensor):
+        super().__init__()
+        self.noise, self.used = noise, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.exponential_.default and tuple(args[0].shape) == tuple(self.noise.shape):
+            args[0].copy_(self.noise)
+            self.used += 1
+        return out
+
+
+def _planted_sampler_case(g: torch.Generator):
+    """E8.4's full-vocabulary batch at T = 1: (logits [7, VOCAB], noise, planted {row: (what, right winner,
+    partner)}): rows 0-3 two tokens of equal logit whose draws differ by 1 part in 16,384 (NEAR; rows 0-1 with
+    bf16-exact draws, 2-3 with a bf16-exact quotient), row 4 the floor ladder on 28 tokens, row 5 two tokens with
+    equal draws whose logits differ by NEAR (a softmax in bf16 makes their probabilities equal), row 6 untouched.
+    The partner is the token a wrong race picks instead (None for the ladder). bf16 logits, as the engine's on
+    a GPU."""
+    rows = 7
+    logits = _logits(g, rows, VOCAB, 2.0)
+    logits[5] -= 30.0                             # row 5: the pair near 0 holds all the mass (see below)
+    noise = torch.empty(rows, VOCAB).exponential_(1.0, generator=g)
+    ladder = ladder_tokens(g, VOCAB)
+    top = float(logits[4].max())
+    for k, t in enumerate(ladder):                # p rises 4x a rung; the top rung near the row's largest logit
+        logits[4, t] = top + (k - len(ladder) + 1) * math.log(4.0)
+    plant_floor_ladder(ladder, noise[4])
+    planted = {4: ("floor", ladder[0], None)}
+    for r in range(4):                                     # equal probabilities, draws 1 part in 16,384 apart
+        b, a = sorted(torch.randperm(VOCAB, generator=g)[:2].tolist())
+        logits[r, a] = logits[r, b] = _bf16_value(float(logits[r].max()) + 3.0)     # far above the rest
+        noise[r].clamp_min_(1e-3)
+        probs = reference_temperature_probs(logits[r:r + 1].bfloat16(), torch.ones(1))[0]
+        plant_near_tie(probs, noise[r], a, b, "noise" if r < 2 else "quotient")
+        planted[r] = ("near", a, b)
+    # Row 5: logits 0 and 2**-14 (both bf16 values) far above the rest, equal draws: in fp32 the second token's
+    # probability is 0.50002 against 0.49998, so it wins; a softmax in bf16 rounds both to 0.5 (a tie: argmax
+    # takes the first).
+    b, a = sorted(torch.randperm(VOCAB, generator=g)[:2].tolist())
+    logits[5, b], logits[5, a] = 0.0, NEAR
+    noise[5].clamp_min_(1e-3)
+    noise[5, a] = noise[5, b] = 1.0
+    planted[5] = ("logit", a, b)
+    return logits.bfloat16(), noise, planted
+
+
+def _check_planted_noise(tag, fn, g) -> None:
+    """The sampler's race on known noise (PlantedNoise) in full-vocabulary rows: the winner exactly the
+    reference's where the precision of the softmax or of the race, or the floor of the noise, decides."""
+    logits, noise, planted = _planted_sampler_case(g)
+    meta = metadata([1.0] * logits.shape[0])
+    with PlantedNoise(noise) as spy:
+        ids = _call_sampler(tag, fn, logits, meta, logits.shape[0])
+    if spy.used != 1:                  # drawn another way (torch.rand, a per-row loop): nothing to compare exactly
+        return
+    wrong = [r for r, (_, want, _) in sorted(planted.items()) if int(ids[r]) != want]
+    if not wrong:
+        return
+    probs = reference_temperature_probs(logits, meta.temperatures)
+    rows = sorted(planted)
+    for race, msg, hint in _RACE_MISTAKES:       # a race mistake shows here too: the noise is known
+        if torch.equal(ids[rows], race(probs[rows], noise[rows])):
+            fail(tag, f"for the noise it drew, your sampler's race is wrong: {msg} (a batch of {VOCAB} tokens at T=1)",
+                 hint + " (E8.2)")
+    row = wrong[0]
+    what, want, partner = planted[row]
+    if what == "near" and int(ids[row]) == partner:
+        fail(tag, f"in a row of {VOCAB} tokens at T=1, two tokens of equal logit whose noise draws differ by 1 "
+                  "part in 16,384 gave the earlier token; the later one's draw is smaller, so it wins",
+             "the race must run in fp32 (E8.2): " + _NEAR_HINT.split(": ", 1)[1])
+    if what == "logit" and int(ids[row]) == partner:
+        fail(tag, f"in a row of {VOCAB} bf16 logits at T=1, two tokens with logits 0 and 2**-14 (all the row's mass) "
+                  "and equal noise draws gave the one with the smaller logit",
+             "compute the softmax in fp32 (E8.1: logits.float() / T first): in bf16 both probabilities, 0.49998 and "
+             "0.50002, round to 0.5, and the race's argmax takes the first")
+    if what == "floor":
+        fail(tag, f"in a row of {VOCAB} tokens at T=1 whose winning noise draw is 2.4e-38, your sampler picked "
+                  "another token", _FLOOR_HINT)
+    fail(tag, f"for the noise it drew, your sampler did not pick argmax(probs / noise) in row {row} of a batch of "
+              f"{VOCAB} tokens at T=1 (no top-k or top-p)",
+         "temperature_probs -> exponential_race on the noise you drew, probs / noise.clamp_min(tiny) in fp32")
+
+
+def _filters_then_temperature(row: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
+    """The distribution of a sampler that runs top-k / top-p on softmax(logits) and the temperature after."""
+    kept = reference_top_k_top_p(torch.softmax(row.float(), -1)[None], torch.tensor([k]) if k else None,
+                                 torch.tensor([p], dtype=torch.float64) if p < 1 else None)[0]
+    sharp = kept.pow(1 / t)
+    return sharp / sharp.sum()
+
+
+class RandomOpsSpy(TorchDispatchMode):
+    """Inside `with RandomOpsSpy() as spy:`, `spy.seen` collects the random-number and log ops a sampler runs:
+    which noise it draws (exponential_, uniform_, normal_, ...) and whether it turns a uniform draw into an
+    exponential one (-log U)."""
+    OPS = ("aten.exponential", "aten.uniform", "aten.normal", "aten.rand", "aten.randn", "aten.bernoulli",
+           "aten.random", "aten.multinomial", "aten.log", "aten.log1p", "aten.log_")
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(getattr(func, "overloadpacket", func))
+        if name.startswith(self.OPS):
+            self.seen.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _noise_hint(seen: set) -> str:
+    """The hint for a sampler whose T = 1 draws follow the wrong distribution, from the random ops it ran."""
+    bases = {op.split(".")[1] for op in seen}
+    kinds = {("exp" if b.startswith("exponential") else "log" if b.startswith("log") else
+              "normal" if b.startswith(("normal", "randn")) else "uniform" if b.startswith(("uniform", "rand")) else b)
+             for b in bases}
+    if not kinds & {"exp", "log"} and kinds & {"uniform", "normal"}:
+        return ("the race needs Exp(1) noise: torch.empty_like(probs).exponential_() (or -log(U) of a uniform U); "
+                "your sampler races with " + ("uniform" if "uniform" in kinds else "normal") + " draws, and "
+                "argmax(p / noise) then does not draw from p")
+    return ("temperature_probs -> top_k_top_p -> exponential_race with fresh Exp(1) noise: the winner is "
+            "argmax(p / E), E = torch.empty_like(probs).exponential_()")
 
 
 REPEATS = 200          # calls of the repeated-draw test, each of REPEAT_ROWS rows
@@ -488,6 +840,7 @@ def check_sample(fn) -> None:
     if spy.seen:
         fail(tag, _sync_message(spy.seen) + "; the engine's decode step (a CUDA graph) cannot wait for the host",
              "no .item(), no `if tensor:`, no Python loop over rows: tensor ops on the whole batch")
+    _check_planted_noise(tag, fn, g)
     # State across calls: each step must draw fresh noise. REPEATS calls of REPEAT_ROWS rows each.
     vocab = 40
     row = _logits(g, 1, vocab, 1.5)[0]
@@ -501,13 +854,24 @@ def check_sample(fn) -> None:
     if all(torch.equal(draws[0], d) for d in draws[1:3]):
         fail(tag, f"three calls with the same {REPEAT_ROWS} rows at T=1 drew exactly the same tokens: the noise "
                   "does not change from call to call", reseed_hint)
+    if all(len(set(d.tolist())) == 1 for d in draws[:5]):
+        fail(tag, f"in each of 5 calls all {REPEAT_ROWS} rows (equal logits, T=1) drew the same token: the rows share "
+                  "one noise draw", "draw noise of the batch's shape, [B, V] (torch.empty_like(probs).exponential_()), "
+                                    "not one [1, V] row broadcast over the batch: each row is its own request")
     counts = _draw_counts(torch.stack(draws), vocab)
     pv = chi_square_p(counts, probs)
     if pv < P_FAIL:
-        fail(tag, f"{REPEATS} calls of {REPEAT_ROWS} rows at T=1 do not follow softmax(logits) together (chi-squared "
-                  f"p = {pv:.1e}): the calls' draws repeat or depend on each other", reseed_hint)
+        if len({tuple(d.tolist()) for d in draws}) < REPEATS:
+            fail(tag, f"{REPEATS} calls of {REPEAT_ROWS} rows at T=1 do not follow softmax(logits) together "
+                      f"(chi-squared p = {pv:.1e}), and some calls drew exactly what an earlier one drew: the noise "
+                      "repeats", reseed_hint)
+        with RandomOpsSpy() as rng:
+            call_student(tag, fn, batch, meta1)
+        fail(tag, f"{REPEATS} calls of {REPEAT_ROWS} rows at T=1 (no top-k, top-p) do not follow softmax(logits) "
+                  f"(chi-squared p = {pv:.1e}), though no call repeats another", _noise_hint(rng.seen))
     # Statistics: 40k draws per setting, in one call each.
-    settings = [(0.5, 0, 1.0), (1.0, 0, 1.0), (2.0, 0, 1.0), (1.0, 8, 1.0), (1.0, 0, 0.7), (0.8, 12, 0.8)]
+    settings = [(0.5, 0, 1.0), (1.0, 0, 1.0), (2.0, 0, 1.0), (1.0, 8, 1.0), (1.0, 0, 0.7), (0.8, 12, 0.8),
+                (2.0, 0, 0.7)]        # T = 2 widens the nucleus: top-p before the temperature keeps T = 1's
     for t, k, p in settings:
         meta = metadata([t] * DRAWS, [k] * DRAWS if k else None, [p] * DRAWS if p < 1 else None)
         want = reference_top_k_top_p(reference_temperature_probs(row[None], meta.temperatures[:1]),
@@ -516,23 +880,31 @@ def check_sample(fn) -> None:
         counts = _draw_counts(ids, vocab)
         setting = f"T={t}" + (f", top_k={k}" if k else "") + (f", top_p={p}" if p < 1 else "")
         bad = impossible_draws(counts, want)
-        if bad:
-            fail(tag, f"with {setting}, {bad} of {DRAWS} draws were tokens that top-k / top-p removed",
-                 "sample from the filtered probabilities (E8.3), not from the unfiltered ones")
         pv = chi_square_p(counts, want)
-        if pv >= P_FAIL:
+        if pv >= P_FAIL and not bad:
             continue
         plain = reference_temperature_probs(row[None], meta.temperatures[:1])[0]
         candidates = [
-            (torch.softmax(row, -1), "the frequencies follow softmax(logits): the temperature is not applied",
-             "pass metadata.temperatures to temperature_probs"),
+            (_filters_then_temperature(row, t, k, p), "the frequencies are those of top-k / top-p applied before the "
+             "temperature", "the temperature first, then top-k / top-p on softmax(logits / T) (HF's and vLLM's "
+             "order): top-p's nucleus depends on T"),
+            (torch.softmax(row, -1) if t != 1 else None, "the frequencies follow softmax(logits): the temperature "
+             "is not applied", "pass metadata.temperatures to temperature_probs"),
             (plain, "the frequencies ignore top-k / top-p", "apply top_k_top_p when metadata.top_k or top_p is set"),
         ]
         for cand, msg, hint in candidates:
-            if impossible_draws(counts, cand) == 0 and chi_square_p(counts, cand) >= P_FAIL:
-                fail(tag, f"with {setting}, {msg} (chi-squared p = {pv:.1e} against the right distribution)", hint)
+            if cand is None:
+                continue
+            if not torch.equal(cand > 0, want > 0) or not torch.allclose(cand, want, atol=1e-4):
+                if impossible_draws(counts, cand) == 0 and chi_square_p(counts, cand) >= P_FAIL:
+                    fail(tag, f"with {setting}, {msg} (chi-squared p = {pv:.1e} against the right distribution)", hint)
+        if bad:
+            fail(tag, f"with {setting}, {bad} of {DRAWS} draws were tokens that top-k / top-p removed",
+                 "sample from the filtered probabilities (E8.3), not from the unfiltered ones")
+        with RandomOpsSpy() as rng:
+            call_student(tag, fn, row.expand(8, vocab), metadata([t] * 8))
         fail(tag, f"with {setting}, {DRAWS} draws do not follow the filtered distribution (chi-squared p = {pv:.1e})",
-             "temperature_probs -> top_k_top_p -> exponential_race with fresh Exp(1) noise")
+             _noise_hint(rng.seen))
     ok(tag)
 
 

@@ -22,7 +22,9 @@
   1e-5; bf16: 2e-2) and leave every cache slot outside the batch's own slots bit for bit untouched. On CUDA
   `cuda` is `torch.cuda` (fp32 and bf16); on the CPU it is `CPUGraphs`, a stand-in whose graph records the
   ATen ops of the captured call and replays them on the same tensors (fp32, the engine with the capture-safe
-  reference store), and whose capture fails, as CUDA's does, on an op that reads values on the host.
+  reference store), and whose capture fails, as CUDA's does, on an op that reads values on the host. On both,
+  `run_step` notes whether each call is eager or captured (`is_current_stream_capturing`): an eager warm-up at
+  the captured batch size must come before the first captured call (`_check_warm_up`).
 
 - `check_qk_norm_rope_store(fn)` (E10.5): `fn(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache,
   v_cache, slot_mapping, num_heads, num_kv_heads, head_dim) -> q`, what the fused decode kernel
@@ -395,6 +397,14 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
+    def __enter__(self):
+        CPUGraphs._capturing += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        CPUGraphs._capturing -= 1
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
@@ -407,8 +417,15 @@ class _Recorder(TorchDispatchMode):
 
 
 class CPUGraphs:
-    """The three names of torch.cuda that capture uses (CUDAGraph, graph, synchronize), for the CPU."""
+    """The three names of torch.cuda that capture uses (CUDAGraph, graph, synchronize), for the CPU; and
+    `is_current_stream_capturing()`, as torch.cuda has it: True inside `with graph(...)`, so a step function can
+    tell a captured call from an eager one (E10.4's check uses it to see the warm-up)."""
     CUDAGraph = CPUGraph
+    _capturing = 0
+
+    @staticmethod
+    def is_current_stream_capturing() -> bool:
+        return CPUGraphs._capturing > 0
 
     @staticmethod
     def graph(g: CPUGraph):
@@ -437,6 +454,27 @@ def reference_capture_decode_graph(run_step, batch_size: int, cuda=torch.cuda):
         output = run_step(batch_size)
     cuda.synchronize()
     return graph, output
+
+
+def _check_warm_up(tag: str, calls: list) -> None:
+    """E10.4's order of operations: an eager run_step(bs) before the first captured run_step(bs). On CUDA the
+    first run of a step does what a capture cannot record (Triton and torch.compile compile, cuBLAS creates its
+    handle and workspace, the allocator grows its pool); kernels are picked and compiled per shape, so the
+    warm-up must use the batch size that is captured. The CPU stand-in cannot fail on any of that, so the check
+    looks at the calls themselves, on both."""
+    first = next((i for i, (kind, _) in enumerate(calls) if kind == "captured"), None)
+    if first is None:
+        return                                  # nothing captured: "the graph recorded nothing" says so
+    before, captured = [bs for kind, bs in calls[:first] if kind == "eager"], calls[first][1]
+    if not before:
+        fail(tag, "run_step was captured without an eager warm-up call before it",
+             "call run_step(batch_size) once eagerly, then cuda.synchronize(), before `with cuda.graph(graph):`: on "
+             "CUDA the first run of a step compiles Triton kernels and creates cuBLAS workspaces, which a capture "
+             "cannot record (the capture fails or the graph replays garbage)")
+    if captured not in before:
+        fail(tag, f"the warm-up ran run_step({before[0]}), but the captured call is run_step({captured})",
+             "warm up with the batch size you capture: kernels are chosen and compiled per shape, so a warm-up at "
+             "another size leaves the captured size's first run (and its compilation) inside the capture")
 
 
 def check_graph_replay(fn, dtypes=None, device: str | None = None) -> None:
@@ -499,7 +537,10 @@ def check_graph_replay(fn, dtypes=None, device: str | None = None) -> None:
                        context_lens=torch.zeros(graph_bs, dtype=torch.int32, device=dev),
                        block_tables=torch.full((graph_bs, max_blocks), -1, dtype=torch.int32, device=dev))
 
+            calls = []           # ("eager" or "captured", batch size) of every run_step call, in order
+
             def run_step(bs):
+                calls.append(("captured" if graphs.is_current_stream_capturing() else "eager", bs))
                 meta = AttentionMetadata(is_prefill=False, slot_mapping=buf["slot_mapping"][:bs],
                                          context_lens=buf["context_lens"][:bs], block_tables=buf["block_tables"][:bs])
                 with attention_metadata(meta):
@@ -507,6 +548,7 @@ def check_graph_replay(fn, dtypes=None, device: str | None = None) -> None:
 
             with torch.inference_mode():
                 graph, out = call_student(tag, fn, run_step, graph_bs, graphs)
+                _check_warm_up(tag, calls)
                 if not isinstance(graph, graphs.CUDAGraph) or not isinstance(out, torch.Tensor):
                     fail(tag, "capture should return (the graph, the output tensor of the captured call)",
                          "graph = cuda.CUDAGraph(); with cuda.graph(graph): output = run_step(batch_size)")

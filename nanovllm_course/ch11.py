@@ -9,7 +9,9 @@
   float64 whatever the order of the additions).
 - `check_compute_bound_batch(fn)` (E11.3): the student's `compute_bound_batch(stats, bw_bytes_s, flops_s,
   context)` against `reference_compute_bound_batch` on the H200 and on fresh random machines and contexts,
-  within **rtol 1e-2** (`math.inf` where decode never becomes compute-bound).
+  within **rtol 1e-6** (`math.inf` where decode never becomes compute-bound); every call has the H200 at context 0
+  (B = 187.29) and a drawn ridge point B in [2, 50] with a fractional part (a B rounded to a whole batch is off by
+  >= 1.6e-3), and a model whose slope is exactly 0 in float64 (`_boundary_case`: inf, the `<=` of the rule).
 
 Each check prints `E11.n ok` and nothing else on success and draws new inputs on every call. On a wrong
 answer it computes the usual wrong answers and names the one that matches the student's answer in every case
@@ -36,7 +38,10 @@ from nanovllm_bench.workload import QWEN3_06B, make_workload
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 FLOOR_KEYS = ("kv_bytes", "weight_bytes", "prefill_flops", "kv_read_s", "weight_read_s", "prefill_s", "floor_s")
-RTOL_FLOOR, RTOL_ROOFLINE = 1e-9, 1e-2
+# Tolerances, set by the mistakes they must tell apart: any reordering of the float64 sums is good to ~1e-15; the
+# smallest planted mistake of E11.3, rounding B to a whole batch, moves it by >= 1.6e-3 (H200 at context 0:
+# B = 187.29) and by >= 4e-3 in the drawn case with B in [2, 50].
+RTOL_FLOOR, RTOL_ROOFLINE = 1e-9, 1e-6
 
 # nano-vllm's own README (github.com/GeeeekExplorer/nano-vllm), same workload (256 requests, Qwen3-0.6B):
 PUBLISHED = {
@@ -140,10 +145,61 @@ def _floor_mutants(prompts, max_tokens, config, bw, flops) -> list[tuple[str, st
                         head * st["lm_head_params"] * (sum(lens) if lm_all else len(lens)) + a_factor * attn
                     out.append(("prefill:" + "+".join(f"{lin}{head}" if n == "one" else n for n in names),
                                 "prefill_flops", "; ".join(mistakes[n][0] for n in names), mistakes[names[0]][1], f))
+    # K/V positions: the usual miscounts of the (M - 1) P + (M - 1) M / 2 positions a request reads
+    kv_tok = st["kv_bytes_per_token"]
+
+    def kv_with(positions):
+        f = dict(base)
+        f["kv_bytes"] = sum(kv_tok * positions(len(p), m) for p, m in zip(prompts, max_tokens))
+        return f
+    out.append(("kv_one_less", "kv_bytes", "kv_bytes counts P + t - 1 positions for decode token t: it reads P + t (the "
+                "prompt and the t tokens before it, the last written just now)", "decode token t = 1 .. M-1 reads "
+                "P + t positions: (M - 1) x P + (M - 1) x M / 2 in all", kv_with(lambda P, M: (M - 1) * P + (M - 1) * (M - 2) // 2)))
+    out.append(("kv_all_m", "kv_bytes", "kv_bytes counts M decode tokens per request: the first output token comes out "
+                "of the prefill, so decode makes M - 1", "decode token t = 1 .. M-1 reads P + t positions: (M - 1) x P + "
+                "(M - 1) x M / 2 in all", kv_with(lambda P, M: M * P + M * (M - 1) // 2)))
+    out.append(("kv_prompt_only", "kv_bytes", "kv_bytes counts only the prompt's K/V: each decode token also reads the "
+                "K/V of the tokens generated before it (the cache grows by one a step)", "decode token t reads P + t "
+                "positions: (M - 1) x P + (M - 1) x M / 2 in all", kv_with(lambda P, M: (M - 1) * P)))
+    out.append(("kv_fp32", "kv_bytes", "kv_bytes counts 4 bytes per cached value: the cache is bf16, 2 bytes",
+                "bytes per cached token = 2 (K and V) x layers x KV heads x head_dim x 2 bytes (bf16)",
+                variant(kv_bytes_per_token=2 * st["kv_bytes_per_token"])))
+    out.append(("kv_one_layer", "kv_bytes", "kv_bytes counts one layer's cache: every layer keeps its own K and V",
+                "bytes per cached token = 2 (K and V) x num_hidden_layers x KV heads x head_dim x 2 bytes",
+                variant(kv_bytes_per_token=st["kv_bytes_per_token"] // config.num_hidden_layers)))
+    for less in (1, 0):
+        mean_steps = dict(base)
+        mean_steps["weight_bytes"] = (sum(max_tokens) / len(max_tokens) - less) * st["weight_bytes"]
+        out.append((f"steps_mean_{less}", "weight_bytes", "weight_bytes counts the mean request's decode steps: the "
+                    "batch decodes until its longest request is done", "decode steps = max(max_tokens) - 1", mean_steps))
+        mean_steps = dict(base)
+        mean_steps["weight_bytes"] = (sum(max_tokens) // len(max_tokens) - less) * st["weight_bytes"]
+        out.append((f"steps_mean_int_{less}", "weight_bytes", "weight_bytes counts the mean request's decode steps: "
+                    "the batch decodes until its longest request is done", "decode steps = max(max_tokens) - 1",
+                    mean_steps))
+    triangle = dict(base)
+    triangle["prefill_flops"] = base["prefill_flops"] + st["attn_flops_coef"] * sum(n / 2 for n in lens)
+    out.append(("prefill:n(n+1)/2", "prefill_flops", "prefill_flops counts the causal triangle as n (n + 1) / 2 pairs; "
+                "the floor's convention is n^2 / 2 (the spec's)", "attention FLOPs = 4 x layers x heads x head_dim x "
+                "n^2 / 2 per prompt of n tokens", triangle))
     for *_, f in out:
         f["kv_read_s"], f["weight_read_s"] = f["kv_bytes"] / bw, f["weight_bytes"] / bw
         f["prefill_s"] = f["prefill_flops"] / flops
         f["floor_s"] = f["kv_read_s"] + f["weight_read_s"] + f["prefill_s"]
+    # seconds: the counts right, the division or the sum wrong
+    for mistake, key, message, hint, fix in (
+            ("prefill_by_bw", "prefill_s", "prefill_s divides the FLOPs by the bandwidth", "prefill_s = prefill_flops / "
+             "flops_s; only the byte counts go over bw_bytes_s", lambda f: dict(f, prefill_s=f["prefill_flops"] / bw)),
+            ("reads_by_flops", "kv_read_s", "the read times divide the bytes by the FLOP rate", "kv_read_s = kv_bytes / "
+             "bw_bytes_s and weight_read_s = weight_bytes / bw_bytes_s", lambda f: dict(
+                 f, kv_read_s=f["kv_bytes"] / flops, weight_read_s=f["weight_bytes"] / flops)),
+            ("floor_max", "floor_s", "floor_s is the largest part, not the sum: the floor's three costs come one after "
+             "another (the model is memory- or compute-bound in turn, not both at once)", "floor_s = kv_read_s + "
+             "weight_read_s + prefill_s", lambda f: f)):
+        f = fix(dict(base))
+        f["floor_s"] = (max(f["kv_read_s"], f["weight_read_s"], f["prefill_s"]) if mistake == "floor_max" else
+                        f["kv_read_s"] + f["weight_read_s"] + f["prefill_s"])
+        out.append((mistake, key, message, hint, f))
     return out
 
 
@@ -341,6 +397,19 @@ def _throughput_mutants(trace) -> list[tuple[str, str, dict]]:
     for kind in ("prefill", "decode"):
         wall[f"{kind}_tok_s"] = wall[f"{kind}_tokens"] / (wall["prefill_s"] + wall["decode_s"])
     out.append(("each rate divides by the whole run's seconds", "divide a kind's tokens by that kind's seconds", wall))
+    inverted = reference_throughput(timed)
+    for kind in ("prefill", "decode"):
+        inverted[f"{kind}_tok_s"] = inverted[f"{kind}_s"] / inverted[f"{kind}_tokens"]
+    out.append(("the rates are seconds per token", "tok/s = tokens / seconds", inverted))
+    warm_s = reference_throughput(timed)
+    for kind in ("prefill", "decode"):
+        warm_s[f"{kind}_s"] = sum(s.seconds for s in trace if s.kind == kind)
+        warm_s[f"{kind}_tok_s"] = warm_s[f"{kind}_tokens"] / warm_s[f"{kind}_s"]
+    out.append(("the warm-up steps' seconds are counted (their tokens are not)", "skip a warm-up step entirely: "
+                "neither its tokens nor its seconds", warm_s))
+    by_position = reference_throughput([s._replace(warmup=i == 0) for i, s in enumerate(trace)])
+    out.append(("only the first step was left out as warm-up", "the warm-up is every step with warmup=True (a whole "
+                "warm-up run, not one step): filter on the flag", by_position))
     return out
 
 
@@ -355,9 +424,12 @@ def check_throughput(fn) -> None:
         bad = [k for k in THROUGHPUT_KEYS if got[k] != expected[k]]
         if not bad:
             continue
-        for message, hint, wrong in _throughput_mutants(trace):
-            if all(got[k] == wrong[k] or _close(got[k], wrong[k], 1e-9) for k in bad):
-                fail(tag, f"{message} (random trace of {len(trace)} steps)", hint)
+        mutants = _throughput_mutants(trace)
+        # the mistake that gives every key first (two can agree on the wrong keys alone), then one for the wrong keys
+        for keys in (THROUGHPUT_KEYS, bad):
+            for message, hint, wrong in mutants:
+                if all(got[k] == wrong[k] or _close(got[k], wrong[k], 1e-9) for k in keys):
+                    fail(tag, f"{message} (random trace of {len(trace)} steps)", hint)
         k = bad[0]
         fail(tag, f"{k} is {_fmt(got[k])}, expected {expected[k]:.10g} (random trace of {len(trace)} steps; the check is "
                   "exact)", "per kind: add up num_tokens and seconds of the timed steps, then divide")
@@ -388,7 +460,12 @@ def step_time(stats, batch, bw_bytes_s, flops_s, context=0) -> float:
 def _roofline_mutants(stats, bw, flops, context) -> list[tuple[str, str, float]]:
     ref = reference_compute_bound_batch
     no_kv = dict(stats, kv_bytes_per_token=0)
+    right = ref(stats, bw, flops, context)
+    whole = "return B as a float, not rounded to a whole batch: the check compares the crossing point itself"
     return [
+        ("B was rounded up to a whole batch (math.ceil)", whole, math.ceil(right) if math.isfinite(right) else right),
+        ("B was rounded down to a whole batch", whole, math.floor(right) if math.isfinite(right) else right),
+        ("B was rounded to the nearest whole batch", whole, round(right) if math.isfinite(right) else right),
         ("the bandwidth and the FLOP rate are swapped", "compute time = FLOPs / flops_s, memory time = bytes / bw",
          ref(stats, flops, bw, context)),
         ("1 FLOP per parameter and token: a matmul does a multiply and an add",
@@ -401,7 +478,41 @@ def _roofline_mutants(stats, bw, flops, context) -> list[tuple[str, str, float]]
          "the batch", "memory per step = weight_bytes + B x context x kv_bytes_per_token", ref(no_kv, bw, flops, context)),
         ("the attention FLOPs are left out", "FLOPs per sequence = 2 x params + attn_flops_coef x context",
          ref(dict(stats, attn_flops_coef=0), bw, flops, context)),
+        ("the K/V reads are counted once per step, not once per sequence", "each sequence reads its own cached K/V: "
+         "memory per step = weight_bytes + B x context x kv_bytes_per_token, which grows with B",
+         (stats["weight_bytes"] + context * stats["kv_bytes_per_token"]) / bw /
+         ((2 * stats["params"] + stats["attn_flops_coef"] * context) / flops)),
+        ("the context is ignored: flops_s / bw_bytes_s is the ridge point at context 0 only", "with a context, each "
+         "sequence adds context x kv_bytes_per_token bytes and attn_flops_coef x context FLOPs: solve memory time = "
+         "compute time with both", flops / bw),
     ]
+
+
+def _boundary_case(g):
+    """A model and machine where one more sequence adds exactly as much memory time as compute time at context c:
+    flop_per_seq / flops_s == c * kv_bytes_per_token / bw_bytes_s in float64 (powers of two and integers), so the
+    slope is exactly 0 and decode is never compute-bound (math.inf: `<= 0`, not `< 0`)."""
+    st = model_stats(_random_config(g))
+    c, kv, coef = 2 * randint(g, 32, 1024), st["kv_bytes_per_token"], st["attn_flops_coef"]
+    m = 2 ** max(1, math.ceil(math.log2(coef / kv)) + 2)           # flops_s = m * bw_bytes_s, m a power of two
+    params = c * (kv * m - coef) // 2                               # 2 params + coef c = c kv m
+    bw = float(2 ** 40)
+    return (f"a model whose K/V reads per sequence at context {c} take exactly as long as its FLOPs (the slope is 0)",
+            dict(st, params=params, weight_bytes=2 * params), bw, bw * m, c)
+
+
+def _small_batch_case(g):
+    """Context 0 on a machine whose ridge point B = flops_s / bw_bytes_s is a small batch with a fractional part:
+    rounding it to a whole batch moves it by >= 4e-3."""
+    st = model_stats(_random_config(g))
+    b = randint(g, 2, 49) + 0.2 + 0.6 * float(torch_rand(g))
+    bw = randint(g, 100, 5000) * 1e9
+    return f"a random model, context 0, ridge point B = {b:.3f}", st, bw, bw * b, 0
+
+
+def torch_rand(g) -> float:
+    import torch
+    return float(torch.rand(1, generator=g))
 
 
 def check_compute_bound_batch(fn) -> None:
@@ -409,7 +520,8 @@ def check_compute_bound_batch(fn) -> None:
     g = fresh_generator()
     h200 = model_stats(qwen3_06b_config())
     cases = [("Qwen3-0.6B on the H200, context 0", h200, 4.25e12, 796e12, 0),
-             ("Qwen3-0.6B on the H200, context 512", h200, 4.25e12, 796e12, 512)]
+             ("Qwen3-0.6B on the H200, context 512", h200, 4.25e12, 796e12, 512),
+             _small_batch_case(g), _boundary_case(g)]
     for i in range(5):
         st = model_stats(_random_config(g))
         # contexts 0, 0, short, long, any: the K/V and attention terms matter in three cases of every call
@@ -430,7 +542,14 @@ def check_compute_bound_batch(fn) -> None:
     results = []
     for what, st, bw, flops, ctx in cases:
         expected = reference_compute_bound_batch(st, bw, flops, ctx)
-        got = call_student(tag, fn, dict(st), bw, flops, ctx)
+        try:
+            got = call_student(tag, fn, dict(st), bw, flops, ctx)
+        except ZeroDivisionError:
+            if math.isinf(expected):
+                fail(tag, f"your code divided by zero ({what})", "when one more sequence adds at least as much memory "
+                     "time as compute time (per_seq <= 0, not < 0), decode is never compute-bound: return math.inf "
+                     "before dividing")
+            raise
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             fail(tag, f"compute_bound_batch should return a float, got {type(got).__name__}",
                  "return the batch size as a float (math.inf when never compute-bound)")
@@ -439,16 +558,16 @@ def check_compute_bound_batch(fn) -> None:
     if failing:
         # The usual mistake that gives the student's answer in every case, if one does.
         for i, (message, hint, _) in enumerate(results[0][3]):
-            if all(same(got, mutants[i][2], 1e-3) for _, got, _, mutants in results):
+            if all(same(got, mutants[i][2], 1e-9) for _, got, _, mutants in results):
                 fail(tag, f"{message} ({failing[0][0]})", hint)
     for what, got, expected, mutants in failing:
         for message, hint, wrong in mutants:
-            if same(got, wrong, 1e-3):
+            if same(got, wrong, 1e-9):
                 fail(tag, f"{message} ({what})", hint)
         if math.isinf(expected):
             fail(tag, f"returned {_fmt(got)} where decode never becomes compute-bound ({what})",
-                 "each extra sequence adds its K/V reads too; when they take longer than its FLOPs, no batch size "
-                 "is compute-bound: return math.inf")
+                 "each extra sequence adds its K/V reads too; when they take at least as long as its FLOPs (<= 0, "
+                 "not < 0: equal never catches up either), no batch size is compute-bound: return math.inf")
         fail(tag, f"returned {_fmt(got)}, expected {expected:.6g} ({what}; rtol {RTOL_ROOFLINE:g})",
              "solve memory time = compute time for B, both linear in B")
     ok(tag)

@@ -5,11 +5,17 @@
   scripts (aborts of live and unknown ids, groups of 1-4 requests, refusals by ValueError and TypeError at
   the first, a middle and the last member, an engine that breaks): the same engine calls (the order of the
   aborts that undo one refused group aside), the same requests left in the engine, the same refused groups
-  with the very exceptions the engine raised, and a broken engine's error passed through.
+  with the very exceptions the engine raised, and a broken engine's error passed through. Repeated calls leave
+  nothing behind: after every call no container the function keeps (a default argument, a closure's variable, a
+  module-level list: `common.held_state`) may have grown, and after 200 more ticks nothing may still hold one of
+  the groups or pending inputs it was given (weak references).
 - `check_detokenize_step(fn)` (E12.2): the student's `detokenize_step(decode, ids, prefix, read, final)`, run
-  token chunk by token chunk over streams of a byte-level BPE (characters split over several byte tokens,
-  a prompt that ends inside a character, random byte soup) and of a SentencePiece-style Metaspace tokenizer
-  (leading spaces, lone "▁" tokens, skipped special tokens), against the engine's own
+  token chunk by token chunk over streams of every tokenizer family the course's models use, with special
+  tokens shown and skipped: a byte-level BPE (Qwen3, SmolLM2, the tiny models: characters split over several
+  byte tokens, a prompt that ends inside a character, random byte soup, a chat-template prompt), a
+  SentencePiece-style Metaspace tokenizer (leading spaces, lone "▁" tokens, <s> / </s>) and one with Llama-2's
+  decoder chain (in-vocabulary text: runs of byte-fallback tokens need the engine's extra rule), against the
+  engine's own
   `nanovllm_ref.engine.detokenizer.IncrementalDetokenizer` fed the same chunks: every emitted piece
   **exactly** equal, and no decode window more than twice as long as the reference's (+ 8 tokens): the cost
   per token must not grow with the completion.
@@ -23,7 +29,8 @@
 Each check prints `E12.n ok` and nothing else on success and draws new inputs on every call. On a wrong answer
 it runs the usual wrong answers on the failing case and names the one that matches.
 
-Tools: `byte_level_tokenizer()` and `metaspace_tokenizer()` (the two tokenizer kinds, built in memory), `Server`
+Tools: `byte_level_tokenizer()`, `metaspace_tokenizer()` and `llama_tokenizer()` (the tokenizer kinds, built in
+memory), `Server`
 (`python -m nanovllm_ref serve` in a subprocess on a free port), `online_run` (the engine driven by Poisson
 arrivals in-process, with every request's TTFT and TPOT), `serve_record()` and `overhead_record()` (the
 committed records the chapter reads).
@@ -45,7 +52,7 @@ from os.path import commonprefix
 from pathlib import Path
 from types import SimpleNamespace
 
-from nanovllm_course.common import call_student, fail, fresh_generator, ok, randint
+from nanovllm_course.common import call_student, check_no_state_kept, fail, fresh_generator, held_state, ok, randint
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -89,6 +96,30 @@ def metaspace_tokenizer():
     tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@lru_cache(maxsize=None)
+def llama_tokenizer():
+    """A SentencePiece-style Unigram model with byte fallback and Llama-2's decoder chain (as Llama-2, Mistral and
+    TinyLlama use: Replace "▁" -> " ", ByteFallback, Fuse, Strip one leading space), with the vocabulary of
+    `metaspace_tokenizer`. E12.2 streams only text it has pieces for: runs of byte-fallback tokens need the
+    engine's extra rule (engine/detokenizer.py), which the exercise leaves out. Special tokens <unk>=0, <s>=1,
+    </s>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = sorted(set("".join(WORDS)) | set("abcdefghijklmnopqrstuvwxyz.,!?'0123456789"))
+    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"<0x{i:02X}>", -20.0) for i in range(256)]
+    vocab += [("▁", -3.0)] + [(c, -5.0) for c in chars]
+    vocab += [("▁" + w, -2.0) for w in WORDS] + [(w[:2], -4.0) for w in WORDS] + [("▁" + w[:3], -3.5) for w in WORDS]
+    seen = set()
+    vocab = [v for v in vocab if not (v[0] in seen or seen.add(v[0]))]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
@@ -165,6 +196,42 @@ def _detok_len_context(decode, ids, prefix, read, final=False):
     return new, read, len(ids)
 
 
+def _detok_planted(decode, ids, prefix, read, final, mistake):
+    """The step with one planted mistake of DETOK_MUTANTS' later rows."""
+    if read == len(ids):
+        return "", prefix, read
+    context, full = decode(ids[prefix:read]), decode(ids[prefix:])
+    start = len(context) if full.startswith(context) else len(commonprefix([context, full]))
+    new = full[start:]
+    if mistake == "stripped" and new.strip():
+        new = new.strip(" ")
+    hold = {"fffd_inside": REPLACEMENT in new, "context_fffd": context.endswith(REPLACEMENT)}.get(
+        mistake, full.endswith(REPLACEMENT))
+    if not new or (not final and hold) or (mistake == "blank_held" and new.isspace() and not final):
+        return ("", prefix, len(ids)) if mistake == "read_on_hold" else ("", prefix, read)
+    return new, read, len(ids)
+
+
+def _detok_stripped(decode, ids, prefix, read, final=False):
+    return _detok_planted(decode, ids, prefix, read, final, "stripped")
+
+
+def _detok_fffd_inside(decode, ids, prefix, read, final=False):
+    return _detok_planted(decode, ids, prefix, read, final, "fffd_inside")
+
+
+def _detok_context_fffd(decode, ids, prefix, read, final=False):
+    return _detok_planted(decode, ids, prefix, read, final, "context_fffd")
+
+
+def _detok_read_on_hold(decode, ids, prefix, read, final=False):
+    return _detok_planted(decode, ids, prefix, read, final, "read_on_hold")
+
+
+def _detok_blank_held(decode, ids, prefix, read, final=False):
+    return _detok_planted(decode, ids, prefix, read, final, "blank_held")
+
+
 DETOK_MUTANTS = [
     ("no_context", "your text differs where a decode needs the tokens before the new ones: decoding only the new "
      "tokens loses the leading space of a Metaspace word piece (the decoder drops it at the start of a decode) "
@@ -185,15 +252,34 @@ DETOK_MUTANTS = [
     ("prefix_to_end", "a word lost its leading space after a step: you moved prefix to the end of the ids, so "
      "the next decode has no context before the new tokens",
      "after emitting, the window becomes the tokens just emitted: prefix = the old read, read = len(ids)"),
+    ("read_on_hold", "text was lost after a held-back step: while holding back you moved read on, so the bytes held "
+     "back are never decoded as new again", "when you hold back, return ('', prefix, read) unchanged: the held "
+     "tokens are still new at the next step"),
+    ("stripped", "you stripped spaces from the new text: a piece's leading or trailing space is part of the text "
+     "(' over ' is a word between two spaces)", "emit full[start:] as it is; the window's decodes already "
+     "cancel what the decoder does at their start"),
+    ("fffd_inside", "you held text back because it contains U+FFFD somewhere: only a U+FFFD at the END of the decode "
+     "is a character still incomplete; one inside is an invalid byte that stays U+FFFD for good",
+     "hold back only while full.endswith('\\ufffd') (and final is False)"),
+    ("context_fffd", "you held back on the context's end instead of the new decode's: the context ends in U+FFFD "
+     "when the prompt's last token stops inside a character, which the new tokens complete",
+     "hold back while the longer decode, full = decode(ids[prefix:]), ends in U+FFFD"),
+    ("blank_held", "a piece that is only whitespace (a space token, a newline) was held back: it is text like any "
+     "other", "emit whatever full[start:] is, spaces included; hold back only for an empty piece or a U+FFFD at "
+     "the end"),
 ]
 
 
 def _detok_cases(g):
-    """(tokenizer name, tokenizer, prompt ids, completion ids, chunk sizes, long) for one check call; every call
-    draws byte-split characters, a prompt that ends inside a character, Metaspace leading spaces and lone
-    '▁' tokens, and one completion long enough to show a window that never moves."""
+    """(tokenizer name, tokenizer, prompt ids, completion ids, chunk sizes, skip_special_tokens) for one check call.
+    Every call draws each tokenizer family the course's models use, with and without special tokens: byte-level BPE
+    (Qwen3, SmolLM2, the tiny models: split characters, a prompt that ends inside a character, a completion that
+    stops inside one, random bytes, a chat-template prompt with special tokens, shown and skipped), SentencePiece
+    with the Metaspace decoder (T5: leading spaces, lone '▁' tokens) and with Llama-2's decoder chain (<s> and </s>
+    in prompt and completion, shown and skipped), and one completion long enough to show a window that never
+    moves."""
     rng = _rng(g)
-    bpe, sp = byte_level_tokenizer(), metaspace_tokenizer()
+    bpe, sp, llama = byte_level_tokenizer(), metaspace_tokenizer(), llama_tokenizer()
 
     def text(k, exotic=0.3):
         return " ".join(rng.choice(EXOTIC) if rng.random() < exotic else rng.choice(WORDS) for _ in range(k))
@@ -204,38 +290,72 @@ def _detok_cases(g):
             out.append(min(rng.choice((1, 1, 1, 2, 3)), n - sum(out)))
         return out
 
+    def with_specials(tok, ids, specials, k):
+        ids = list(ids)
+        for _ in range(k):
+            ids.insert(rng.randint(0, len(ids)), rng.choice(specials))
+        return ids
+
     cases = []
     for _ in range(2):                                          # byte-level: text with split characters
         prompt = bpe.encode(text(rng.randint(1, 6)))
         completion = bpe.encode(" " + text(rng.randint(3, 10), 0.5))
-        cases.append(("byte-level", bpe, prompt, completion))
+        cases.append(("byte-level", bpe, prompt, completion, True))
     # the prompt ends inside a character: its first bytes in the prompt, the rest in the completion
     ids = bpe.encode(rng.choice(WORDS) + " " + rng.choice(EXOTIC[:4]) + " " + text(3, 0.4))
     split = [i for i in range(1, len(ids)) if bpe.decode(ids[:i]).endswith(REPLACEMENT)]
     cut = rng.choice(split)
-    cases.append(("byte-level", bpe, ids[:cut], ids[cut:]))
+    cases.append(("byte-level", bpe, ids[:cut], ids[cut:], True))
     # the completion stops inside a character (max_tokens reached mid-character): the final call must emit it
     ids = bpe.encode(" " + text(rng.randint(1, 4), 0.2) + " " + rng.choice(EXOTIC[:5]))
     ends = [i for i in range(1, len(ids)) if bpe.decode(ids[:i]).endswith(REPLACEMENT)]
-    cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), ids[:ends[-1]]))
+    cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), ids[:ends[-1]], True))
     # random bytes (invalid UTF-8: the final text ends in U+FFFD) and special tokens mixed in
     soup = [rng.choice(range(3, len(bpe))) for _ in range(rng.randint(6, 14))]
     soup = [2 if rng.random() < 0.1 else t for t in soup]
-    cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), soup))
+    cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), soup, True))
+    # an invalid byte in the middle (a lone continuation byte: U+FFFD for good), then more text
+    cases.append(("byte-level", bpe, bpe.encode(text(2, 0.0)), bpe.encode(" " + text(rng.randint(1, 3), 0.0)) +
+                  [rng.choice(_lone_bytes())] + bpe.encode(" " + text(rng.randint(2, 4), 0.0)), True))
+    # a chat prompt (<|im_start|>user ... <|im_end|> <|im_start|>assistant), an answer with <|im_end|> inside
+    # (ignore_eos) and after: once with the special tokens skipped, once shown (skip_special_tokens=False)
+    for skip in (True, False):
+        chat = [1] + bpe.encode("user\n" + text(rng.randint(1, 4), 0.2)) + [2] + bpe.encode("\n") + [1] + \
+            bpe.encode("assistant\n")
+        answer = with_specials(bpe, bpe.encode(text(rng.randint(3, 7), 0.3)), [0, 2], rng.randint(1, 2)) + [2]
+        cases.append(("byte-level" + ("" if skip else " (special tokens shown)"), bpe, chat, answer, skip))
     # Metaspace: leading spaces at the prompt boundary and after every word; lone "▁" tokens and skipped specials
     space = sp.convert_tokens_to_ids("▁")
-    for lone in (False, True, True):
+    for k, lone in enumerate((False, True, True)):
         prompt = sp.encode(text(rng.randint(1, 5), 0.0))
         completion = sp.encode(text(rng.randint(3, 8), 0.0))[:]
         if lone:
             for _ in range(rng.randint(1, 3)):
                 completion.insert(rng.randint(0, len(completion)), space)
-            if rng.random() < 0.5:
+            if k == 1 or rng.random() < 0.5:
                 completion.insert(rng.randint(0, len(completion)), 2)       # </s>: skipped, shows nothing
-        cases.append(("metaspace", sp, prompt, completion))
+        cases.append(("metaspace", sp, prompt, completion, True))
+    cases.append(("metaspace (special tokens shown)", sp, [1] + sp.encode(text(rng.randint(1, 4), 0.0)),
+                  with_specials(sp, sp.encode(text(rng.randint(3, 7), 0.0)), [1, 2], 2), False))
+    # Llama-2's decoder chain, text it has pieces for: <s> at the prompt's start, </s> inside and at the end
+    lspace = llama.convert_tokens_to_ids("▁")
+    for skip in (True, False):
+        prompt = [1] + llama.encode(text(rng.randint(1, 5), 0.0), add_special_tokens=False)
+        completion = with_specials(llama, llama.encode(text(rng.randint(3, 8), 0.0), add_special_tokens=False),
+                                   [2, lspace], rng.randint(1, 3)) + [2]
+        cases.append(("llama" + ("" if skip else " (special tokens shown)"), llama, prompt, completion, skip))
     long = sp.encode(text(40, 0.0))                                          # > 30 tokens
-    cases.append(("metaspace", sp, sp.encode(text(2, 0.0)), long))
-    return [(name, tok, list(p), list(c), chunks(len(c))) for name, tok, p, c in cases]
+    cases.append(("metaspace", sp, sp.encode(text(2, 0.0)), long, True))
+    return [(name, tok, list(p), list(c), chunks(len(c)), skip) for name, tok, p, c, skip in cases]
+
+
+@lru_cache(maxsize=None)
+def _lone_bytes() -> tuple:
+    """Byte-level token ids that stay U+FFFD whatever follows them (lone UTF-8 continuation bytes 0x80-0xBF)."""
+    bpe = byte_level_tokenizer()
+    space = bpe.encode(" the")
+    return tuple(t for t in range(3, len(bpe)) if bpe.decode([t]) == REPLACEMENT
+                 and bpe.decode([t] + space) == REPLACEMENT + " the")
 
 
 class _Window:
@@ -250,10 +370,10 @@ class _Window:
         return self.decode(ids)
 
 
-def _run_detok(step, tokenizer, prompt, completion, sizes, tag=None):
+def _run_detok(step, tokenizer, prompt, completion, sizes, tag=None, skip=True):
     """Feed `completion` in chunks of `sizes` through `step`; returns (pieces, longest window)."""
-    window = _Window(decoder_of(tokenizer))
-    ids, prefix, read, pieces, at = list(prompt), context_start(tokenizer, prompt), len(prompt), [], 0
+    window = _Window(decoder_of(tokenizer, skip))
+    ids, prefix, read, pieces, at = list(prompt), context_start(tokenizer, prompt, skip), len(prompt), [], 0
     for i, size in enumerate(sizes + [0]):
         ids += completion[at:at + size]
         at += size
@@ -275,9 +395,9 @@ def _run_detok(step, tokenizer, prompt, completion, sizes, tag=None):
     return pieces, window.longest
 
 
-def _engine_pieces(tokenizer, prompt, completion, sizes):
+def _engine_pieces(tokenizer, prompt, completion, sizes, skip=True):
     from nanovllm_ref.engine.detokenizer import IncrementalDetokenizer
-    det = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True)
+    det = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
     pieces, at = [], 0
     for size in sizes:
         pieces.append(det.update(completion[at:at + size]))
@@ -293,19 +413,22 @@ def _show(pieces, k=None) -> str:
 def check_detokenize_step(fn) -> None:
     tag = "E12.2"
     g = fresh_generator()
-    for name, tok, prompt, completion, sizes in _detok_cases(g):
-        want = _engine_pieces(tok, prompt, completion, sizes)
-        ref, ref_longest = _run_detok(reference_detokenize_step, tok, prompt, completion, sizes)
+    state = held_state(fn)
+    for name, tok, prompt, completion, sizes, skip in _detok_cases(g):
+        want = _engine_pieces(tok, prompt, completion, sizes, skip)
+        ref, ref_longest = _run_detok(reference_detokenize_step, tok, prompt, completion, sizes, skip=skip)
         if ref != want:                                    # the course's reference must be the engine's rule
             raise RuntimeError(f"reference_detokenize_step disagrees with the engine on a {name} stream")
-        got, longest = _run_detok(fn, tok, prompt, completion, sizes, tag)
+        got, longest = _run_detok(fn, tok, prompt, completion, sizes, tag, skip=skip)
+        check_no_state_kept(tag, fn, state, len(sizes) + 1, "the server calls detokenize_step for every sequence "
+                                                            "at every step")
         case = (f"a {name} stream (prompt {prompt[-6:]} at its end, completion {completion[:8]}"
                 f"{'...' if len(completion) > 8 else ''} in chunks {sizes[:8]}{'...' if len(sizes) > 8 else ''})")
         if got != want:
             k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             what = "the final call" if k == len(sizes) else f"update {k + 1}"
             for mname, message, hint in DETOK_MUTANTS:
-                if _run_detok(globals()[f"_detok_{mname}"], tok, prompt, completion, sizes)[0] == got:
+                if _run_detok(globals()[f"_detok_{mname}"], tok, prompt, completion, sizes, skip=skip)[0] == got:
                     fail(tag, f"{message}; on {case}, at {what} you emitted {got[k]!r}, the engine {want[k]!r}", hint)
             fail(tag, f"on {case}, at {what} you emitted {got[k]!r} where the engine's detokenizer emits {want[k]!r} "
                       f"(yours {_show(got, k)}, the engine's {_show(want, k)})",
@@ -444,22 +567,32 @@ def completion_events_variant(head: dict, n: int, outputs, include_usage: bool =
                 "finish_reason": finish_reason, "stop_reason": stop_reason}], "usage": None}
 
     events, sent, finished, tokens, prompt_lens = [], {}, set(), {}, {}
+    prompt_seen = 0
     for p, out in outputs:
         prompt_lens[p] = len(out.prompt_token_ids)
+        prompt_seen += len(out.prompt_token_ids)
         for s in out.outputs:
-            key = (p, s.index)
+            key = (p, s.index) if kind != "sent_by_sample" else s.index
             index = s.index if kind == "sample_index" else p * n + s.index
             if key in finished and kind != "refinish":
                 continue
             new = s.text if kind == "cumulative" else s.text[len(sent.get(key, "")):]
+            if kind == "finish_with_text" and s.finish_reason is not None:
+                events.append(chunk(index, new, s.finish_reason, s.stop_reason))
+                finished.add(key)
+                sent[key], tokens[key] = s.text, len(s.token_ids)
+                continue
             if new or kind == "empty_chunks":
                 events.append(chunk(index, new))
             if s.finish_reason is not None:
                 events.append(chunk(index, "", s.finish_reason, s.stop_reason))
                 finished.add(key)
-            sent[key], tokens[key] = s.text, len(s.token_ids)
+            sent[key] = s.text
+            tokens[key] = len(s.text) if kind == "usage_characters" else len(s.token_ids)
     if include_usage:
         prompt = sum(prompt_lens.values()) * (n if kind == "usage_per_sample" else 1)
+        if kind == "usage_per_output":
+            prompt = prompt_seen
         completion = sum(tokens.values())
         events.append({**head, "object": "text_completion", "choices": [],
                        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -483,6 +616,17 @@ SSE_MUTANTS = [
      "choices of len(token_ids); total = their sum"),
     ("no_done", "the stream did not end with 'data: [DONE]': OpenAI's clients read until it",
      "append 'data: [DONE]\\n\\n' last"),
+    ("finish_with_text", "the last text of a choice came in its finish chunk: the server sends the new text in a "
+     "text chunk, then a chunk with text '' and the finish_reason", "two chunks when a choice ends in an output "
+     "that also adds text: first the text, then {'text': '', 'finish_reason': ...}"),
+    ("sent_by_sample", "what was sent is kept per sample index, so two prompts' samples with the same index mix "
+     "their texts: keep it per choice", "key what you sent (and what finished) by (prompt_index, sample.index), or "
+     "by the choice index prompt_index * n + sample.index"),
+    ("usage_per_output", "usage counted a prompt once per engine output: the engine sends a prompt's request many "
+     "times (one cumulative snapshot per step), and each prompt counts once", "keep each prompt's length by its "
+     "prompt index and sum those at the end"),
+    ("usage_characters", "completion_tokens counted characters of the text, not tokens", "completion_tokens = sum "
+     "over choices of len(sample.token_ids) (the last snapshot's)"),
 ]
 
 
@@ -510,13 +654,15 @@ def check_completion_events(fn) -> None:
     rng = _rng(g)
     shapes = [(1, 1, False), (1, rng.randint(2, 3), True), (rng.randint(2, 3), 1, False),
               (rng.randint(2, 3), rng.randint(2, 3), True), (rng.randint(1, 3), rng.randint(1, 3), rng.random() < 0.5)]
-    for num_prompts, n, include_usage in shapes:
+    state = held_state(fn)
+    for call, (num_prompts, n, include_usage) in enumerate(shapes):
         outputs = _stream_outputs(rng, num_prompts, n)
         head = {"id": f"cmpl-{rng.getrandbits(64):016x}", "created": rng.randint(1_700_000_000, 1_900_000_000),
                 "model": rng.choice(("tiny", "SmolLM2-135M-Instruct", "m"))}
         case = f"{num_prompts} prompt(s), n={n}, include_usage={include_usage}, {len(outputs)} engine outputs"
         want = [_normal(e) for e in _events_ok(tag, reference_completion_events(head, n, outputs, include_usage), case)]
         got_raw = call_student(tag, fn, dict(head), n, list(outputs), include_usage)
+        check_no_state_kept(tag, fn, state, call + 1, "the server calls completion_events for every streamed request")
         got = [_normal(e) for e in _events_ok(tag, got_raw, case)]
         if not any("stop_reason" in c for e in got if isinstance(e, dict) and isinstance(e.get("choices"), list)
                    for c in e["choices"]):
@@ -589,6 +735,17 @@ class Group:
         return f"group {self.name}"
 
 
+class PendingInput:
+    """What the handler queues with a request: its prompt ids and sampling params (a stand-in for the server's
+    pending item, weak-referenceable so the check can see whether anything still holds it)."""
+
+    def __init__(self, prompt_token_ids, sampling_params=None):
+        self.prompt_token_ids, self.sampling_params = prompt_token_ids, sampling_params
+
+    def __repr__(self):
+        return f"PendingInput({self.prompt_token_ids})"
+
+
 def reference_apply_pending(engine, adds, aborts):
     from nanovllm_ref.entrypoints.openai.engine_loop import apply_pending
     return apply_pending(engine, adds, aborts)
@@ -610,7 +767,7 @@ def _pending_script(rng, broken=False):
                                                                              RecordingEngine.REFUSE_TYPE))
         for j in range(size):
             ids = [marker if j == bad else rng.randrange(3, 500)] + [rng.randrange(3, 500) for _ in range(rng.randint(0, 5))]
-            adds.append((group, f"req-{k}", SimpleNamespace(prompt_token_ids=ids, sampling_params=None)))
+            adds.append((group, f"req-{k}", PendingInput(ids)))
             k += 1
     return live, adds, set(aborts) if rng.random() < 0.5 else aborts
 
@@ -629,15 +786,44 @@ def _normal_log(log):
     return out + sorted(run)
 
 
+_TICKS = "the server calls apply_pending on every tick of its engine loop, for as long as it runs"
+TICKS = 200
+
+
+def _check_ticks_leave_nothing(tag, fn, rng, state) -> None:
+    """TICKS calls on fresh scripts; then neither a container the function keeps (held_state) may have grown, nor
+    may anything still hold one of the groups or pending inputs it was given (weak references, after a gc)."""
+    import gc
+    import weakref
+    held = []
+    for _ in range(TICKS):
+        live, adds, aborts = _pending_script(rng)
+        held += [weakref.ref(x) for gg, _, item in adds for x in (gg, item)]
+        call_student(tag, fn, RecordingEngine(live), list(adds), aborts)
+        del live, adds, aborts
+    check_no_state_kept(tag, fn, state, TICKS + 4, _TICKS)
+    gc.collect()
+    alive = [r() for r in held if r() is not None]
+    if alive:
+        kinds = sorted({type(x).__name__ for x in alive})
+        fail(tag, f"your function keeps state between calls: after {TICKS} ticks {len(alive)} of the groups and pending "
+                  f"inputs it was given ({', '.join(kinds)}) are still referenced from somewhere; {_TICKS}, so every "
+                  "request ever added stays in memory",
+             "keep nothing between calls: build `added` and `refused` inside the function (a default argument such as "
+             "added=[] is made once and shared by every call, and so is a module-level list)")
+
+
 def check_apply_pending(fn) -> None:
     tag = "E12.1"
     g = fresh_generator()
     rng = _rng(g)
-    for _ in range(4):
+    state = held_state(fn)
+    for call in range(4):
         live, adds, aborts = _pending_script(rng)
         ref, mine = RecordingEngine(live), RecordingEngine(live)
         want = reference_apply_pending(ref, list(adds), aborts)
         got = call_student(tag, fn, mine, list(adds), aborts)
+        check_no_state_kept(tag, fn, state, call + 1, _TICKS)
         groups = {a[0].name: [r for gg, r, _ in adds if gg is a[0]] for a in adds}
         case = (f"aborts {sorted(aborts)} with {live} in the engine, then groups "
                 + ", ".join(f"{n}: {ids}" for n, ids in groups.items()))
@@ -669,6 +855,13 @@ def check_apply_pending(fn) -> None:
                 fail(tag, f"{gname}'s request {still[0]} is still in the engine after the engine refused its sibling "
                           f"{bad} ({case}): the siblings added before the refusal must be aborted again",
                      "on a refusal, engine.abort_request every request of that group added so far")
+        # an undo that reaches past the refused group
+        owner = {r: gg for gg, r, _ in adds}
+        extra = [r for kind_, r in mine.log if kind_ == "abort" and r in owner and ("abort", r) not in ref.log]
+        if extra:
+            fail(tag, f"you aborted {owner[extra[0]].name}'s request {extra[0]}, which no refusal concerns ({case}): only "
+                      "the refused group's own earlier requests are undone", "when undoing, abort only the requests "
+                      "added so far whose group is the refused one (other is group)")
         # every request the reference offered the engine (the refused ones included) must be offered by yours too
         not_added = [(gg, r) for gg, r, _ in adds if ("add", r) in ref.log and ("add", r) not in mine.log]
         if not_added:
@@ -687,6 +880,8 @@ def check_apply_pending(fn) -> None:
         if _normal_log(mine.log) != _normal_log(ref.log) or sorted(mine.live) != sorted(ref.live):
             fail(tag, f"the engine saw {mine.log}, the reference's {ref.log} ({case})",
                  "aborts first, then each add in order; a refused group: undo its earlier adds, skip its later ones")
+    # a long run of ticks: nothing may pile up from one to the next, wherever the function keeps it
+    _check_ticks_leave_nothing(tag, fn, rng, state)
     live, adds, aborts = _pending_script(rng, broken=True)
     try:
         call_student(tag, fn, RecordingEngine(live), list(adds), aborts)

@@ -22,9 +22,11 @@ describes every declared part as a `Candidate` whose status is "ok" (its check p
 - among the candidates left for a field, the highest `rank` (chapter, exercise) wins: chapter 10's store over
   06's over 04's, E5.3's caching block manager over E5.2's;
 - a field with no candidate left is not in the result (the engine keeps the reference's part).
-`assemble` runs the student's choice (cuda=False for C.1-C.3, the machine's for C.4) when it is a valid one,
-and otherwise the reference's, saying why; the printed table names, for each field, whose part runs and, for
-each better-ranked candidate that does not, why not.
+`assemble` runs the student's choice (cuda=False for C.1-C.3, the machine's for C.4) when it follows the rules
+on the student's own candidates, and otherwise the reference's, saying why on the line "which parts run: the
+course's, because ..." (a stub, an error, a choice that cannot run, or one that could run but breaks a rule,
+such as a wrong ranking); the printed table names, for each field, whose part runs and, for each better-ranked
+candidate that does not, why not.
 
 What the check decides (E13.1): `choose_parts` equals the reference on fresh random candidate lists (statuses,
 Triton kernels, ties within a chapter, cuda on and off; the message says which rule a difference breaks), the
@@ -211,7 +213,7 @@ class Capstone:
     candidates: list               # [Candidate], every declared part, in the chapters' order
     problems: dict                 # (chapter, exercise) -> why its check failed (status "failed")
     objects: dict                  # (chapter, name) -> the exported object, for every part that is ok
-    chooser: str                   # "yours", or why the course's choice ran ("E13.1 is still a stub", ...)
+    chooser: str                   # "yours", or "the course's, because <why>" (E13.1 a stub, a rule broken, ...)
     choice: dict                   # {field: Candidate}: what C.1-C.3 run (always on the CPU)
     gpu_choice: dict               # {field: Candidate}: what C.4 runs (this machine with CUDA, if it has one)
     cpu_parts: object = None       # nanovllm_ref.Parts built from `choice`
@@ -333,19 +335,24 @@ def parts_of(choice: dict, objects: dict):
 
 
 def _choose(choose_parts, candidates, cuda: bool) -> tuple[dict, str]:
-    """(choice, who chose): the student's choice when it is done and valid, else the reference's and why."""
+    """(choice, who chose): the student's choice when it is done and follows rules 1-4 on these candidates, else
+    the course's (reference_choose_parts) with why, in the words the table prints after "which parts run: "."""
+    course = reference_choose_parts(candidates, cuda)
     if choose_parts is None:
-        return reference_choose_parts(candidates, cuda), "the course's"
+        return course, "the course's"
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             choice = choose_parts(list(candidates), cuda)
     except NotImplementedError:
-        return reference_choose_parts(candidates, cuda), "E13.1 is still a stub, so the course's choose_parts chose"
+        return course, "the course's, because E13.1 is still a stub"
     except Exception as exc:
-        return reference_choose_parts(candidates, cuda), f"your choose_parts raised {_first_line(exc)}; the course's chose"
+        return course, f"the course's, because your choose_parts raised {_first_line(exc)}"
     why = _valid_choice(choice, candidates, cuda)
     if why:
-        return reference_choose_parts(candidates, cuda), f"your choose_parts cannot run as it is ({why}); the course's chose"
+        return course, f"the course's, because your choose_parts cannot run as it is ({why})"
+    problem = _choice_problem(_clean_choice(choice), course, candidates, cuda)
+    if problem:                       # it could run, but it is not what rules 1-4 choose: the course's runs
+        return course, f"the course's, because your choose_parts breaks a rule here ({problem[0]})"
     return _clean_choice(choice), "yours"
 
 
@@ -402,10 +409,10 @@ def assemble(folder: str = ".", choose_parts=None) -> Capstone:
     importlib.invalidate_caches()
     print(f"exported {len({r['chapter'] for r in rows})} chapter notebooks from {Path(folder).resolve().name}/ "
           f"{ex.SAVED_NOTE}")
-    print(f"which parts run: {chooser}" + ("" if chooser == "yours" else " (the check says why)"))
+    print(f"which parts run: {chooser}")
     print(part_table(cap))
-    print(f"{len(cap.yours())} of {len(_by_exercise(candidates))} exercise parts are yours and pass their "
-          f"chapter's check; C.1-C.3 run your code in {len(choice)} of {len(dataclasses.fields(cap.cpu_parts))} "
+    print(f"{len(cap.yours())} of {len(_by_exercise(candidates))} exercises have parts that are yours and pass "
+          f"their chapter's check; C.1-C.3 run your code in {len(choice)} of {len(dataclasses.fields(cap.cpu_parts))} "
           "Parts fields")
     if cap.missing():
         print("still the reference's: " + ", ".join(cap.missing()))
@@ -784,8 +791,8 @@ def check_capstone(choose_parts, cap: Capstone) -> None:
     assembled with it, and the engine it assembled passed every section C.1-C.3."""
     check_choose_parts(choose_parts)
     if cap.chooser != "yours":
-        fail(TAG, "your choose_parts is right now, but the capstone above was assembled without it "
-                  f"({cap.chooser.split(';')[0].split(', so')[0]})",
+        fail(TAG, "your choose_parts is right now, but the capstone above was assembled without it (which parts "
+                  f"run: {cap.chooser})",
              "run the cell `capstone = ch13.assemble(...)` and the sections after it again")
     for cuda, used in ((False, cap.choice),) + (((True, cap.gpu_choice),) if torch.cuda.is_available() else ()):
         want = reference_choose_parts(cap.candidates, cuda)

@@ -367,3 +367,74 @@ def exercise_of(tag: str):
     except ImportError:
         return None
     return getattr(module, "EXERCISES", {}).get(tag)
+
+
+# -- state a function keeps between calls (a mutable default argument, a module-level list) ----------------------
+_CONTAINERS = (list, dict, set, bytearray)
+_EMPTY = {list: "[]", dict: "{}", set: "set()"}
+
+
+def _size(obj, depth: int = 2) -> int:
+    """Items in a container, counting those of the containers inside it (two levels): a dict of lists grows too."""
+    import collections
+    if not isinstance(obj, _CONTAINERS + (collections.deque,)):
+        return 0
+    n = len(obj)
+    if depth > 1:
+        items = obj.values() if isinstance(obj, dict) else obj if not isinstance(obj, bytearray) else ()
+        n += sum(_size(v, depth - 1) for v in items)
+    return n
+
+
+def _code_names(code) -> set:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def held_state(fn) -> dict:
+    """{where: items} of the mutable containers a function keeps from one call to the next: its default arguments
+    (`added=[]` is made once, when `def` runs, and shared by every call), the variables of its closure, the
+    module-level containers its code names, and attributes set on the function. Empty for other callables.
+    Take it before and after a check's calls: a count that grew is state left behind (`check_no_state_kept`)."""
+    import inspect
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    out = {}
+    params = [name for name, p in inspect.signature(fn).parameters.items()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for name, value in zip(params[len(params) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()):
+        out[f"the default argument {name}={_EMPTY.get(type(value), type(value).__name__ + '()')}"] = _size(value)
+    for name, value in (fn.__kwdefaults__ or {}).items():
+        out[f"the default argument {name}={_EMPTY.get(type(value), type(value).__name__ + '()')}"] = _size(value)
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            out[f"the variable {name} of the enclosing function"] = _size(cell.cell_contents)
+        except ValueError:                                   # an empty cell
+            continue
+    globs = getattr(fn, "__globals__", {})
+    for name in sorted(_code_names(code)):
+        value = globs.get(name)
+        if isinstance(value, _CONTAINERS):
+            out[f"the module-level {type(value).__name__} {name}"] = _size(value)
+    for name, value in vars(fn).items() if hasattr(fn, "__dict__") else ():
+        if isinstance(value, _CONTAINERS):
+            out[f"the attribute {fn.__name__}.{name}"] = _size(value)
+    return {k: v for k, v in out.items() if v or k.startswith("the default")}
+
+
+def check_no_state_kept(tag: str, fn, before: dict, calls: int, what: str, hint: str | None = None) -> None:
+    """Fail if a container `held_state(fn)` counts grew since `before` (taken before `calls` calls of fn). `what`
+    says who calls the function how often (e.g. "the server calls it every tick")."""
+    after = held_state(fn)
+    grown = [(k, before.get(k, 0), v) for k, v in after.items() if v > before.get(k, 0)]
+    if grown:
+        where, was, now = grown[0]
+        fail(tag, f"your function keeps state between calls: after {calls} calls {where} holds {now} items (it held "
+                  f"{was}); {what}, so it grows without bound",
+             hint or "a default argument such as added=[] is made once and shared by every call: write added=None and "
+                     "added = [] inside (or just a local variable), and keep nothing outside the function")

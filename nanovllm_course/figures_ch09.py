@@ -16,78 +16,88 @@ TP2 = ROOT / "bench/results/bench_h200x2_tp2_round2_2026-11-30_call5.json"
 # scale (the vocabulary would be 150 times taller than the hidden size); the labels give the sizes.
 
 
-def _block(ax, x, y, w, h, rank, label=None, hatch=None, fs=8):
+FONT = 9            # every label: the figure is drawn at the width a notebook shows it (<= 1000 px), so 9 pt
+                    # stays about 12 px high on screen
+WIDTH_IN = 9.0      # inches at figures.save's 110 dpi: 990 px
+
+
+def _block(ax, x, y, w, h, rank, label=None, hatch=None):
     ax.add_patch(Rectangle((x, y), w, h, facecolor=RANK_COLORS[rank] if rank is not None else "#eeeeee",
                            edgecolor="black", lw=0.8, hatch=hatch))
     if label:
-        ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=fs)
+        ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=FONT)
 
 
 def _panel(ax, title, note):
-    ax.set_xlim(-0.2, 4.2)
-    ax.set_ylim(-0.9, 6.4)
-    ax.set_aspect("equal")
+    ax.set_xlim(-0.2, 4.6)
+    ax.set_ylim(-1.2, 6.6)
     ax.axis("off")
-    ax.set_title(title, fontsize=9.5)
-    ax.text(2, -0.6, note, ha="center", va="center", fontsize=8)
+    ax.set_title(title, fontsize=FONT + 1)
+    ax.text(2.2, -0.75, note, ha="center", va="center", fontsize=FONT)
 
 
 def layout(path: Path) -> Path:
     """Top: each checkpoint tensor ([out, in] as stored), colored by the rank that holds each part at tp = 2.
-    Bottom row of each panel: what each rank's parameter looks like after loading."""
-    fig, axes = figure(1, 5, figsize=(17, 5.4))
+    Beside it: what each rank's parameter looks like after loading. Two rows of panels, so the figure fits a
+    notebook's width at full size (FONT, WIDTH_IN)."""
+    fig, grid = figure(2, 3, figsize=(WIDTH_IN, 8.6))
+    axes = [grid[0, 0], grid[0, 1], grid[1, 0], grid[1, 1], grid[1, 2]]
+    grid[0, 2].axis("off")
     # QKV: rows of q, k, v each split in two; rank r's fused parameter = [q_r; k_r; v_r].
     ax = axes[0]
-    _panel(ax, "QKV (column-parallel, fused)", "split the OUTPUT rows of each of q, k, v\nby heads; no communication")
+    _panel(ax, "QKV (column-parallel, fused)", "split the OUTPUT rows of q, k, v\nby heads; no communication")
     y = 6.0
     for name, h, heads in (("q", 2.0, 8), ("k", 1.0, 4), ("v", 1.0, 4)):
         for r in range(2):
             y -= h / 2
-            _block(ax, 0, y, 1.9, h / 2, r, f"{name} heads {r * heads}-{(r + 1) * heads - 1}", fs=6.5)
+            _block(ax, 0, y, 2.1, h / 2, r, f"{name} heads {r * heads}-{(r + 1) * heads - 1}")
         y -= 0.1
-    ax.text(0.95, y - 0.25, "checkpoint q, k, v\n[2048 | 1024 | 1024] x 1024", ha="center", va="top", fontsize=6.5)
+    ax.text(1.05, y - 0.2, "checkpoint q | k | v\n[2048 | 1024 | 1024]\nx 1024", ha="center", va="top", fontsize=FONT)
     for r in range(2):
-        x, y = 2.3 + r * 0.95, 6.0
+        x, y = 2.5 + r * 1.05, 6.0
         for name, h in (("q", 1.0), ("k", 0.5), ("v", 0.5)):
             y -= h
-            _block(ax, x, y, 0.8, h, r, f"{name}{r}", fs=7)
-        ax.text(x + 0.4, 6.15, f"rank {r}", ha="center", fontsize=7)
-    ax.text(3.15, 3.75, "per rank: 8 q + 4 kv heads\n[(1024+512+512) x 1024]", ha="center", va="top", fontsize=6.5)
+            _block(ax, x, y, 0.9, h, r, f"{name}{r}")
+        ax.text(x + 0.45, 6.2, f"rank {r}", ha="center", fontsize=FONT)
+    ax.text(3.55, 3.8, "per rank:\n8 q + 4 kv\nheads", ha="center", va="top", fontsize=FONT)
     # gate/up: same, two tensors.
     ax = axes[1]
-    _panel(ax, "gate | up (column-parallel, merged)", "slice gate and up SEPARATELY;\nSiLU(gate)*up stays on the rank")
+    _panel(ax, "gate | up (column-parallel)", "slice gate and up SEPARATELY;\nSiLU(gate) * up stays on the rank")
     y = 6.0
     for name in ("gate", "up"):
         for r in range(2):
             y -= 0.8
-            _block(ax, 0, y, 1.6, 0.8, r, f"{name} rows\n{r * 1536}-{(r + 1) * 1536 - 1}", fs=6.5)
+            _block(ax, 0, y, 2.1, 0.8, r, f"{name} rows\n{r * 1536}-{(r + 1) * 1536 - 1}")
         y -= 0.1
-    ax.text(0.8, y - 0.25, "checkpoint gate, up\n[3072 | 3072] x 1024", ha="center", va="top", fontsize=6.5)
+    ax.text(1.05, y - 0.2, "checkpoint gate | up\n[3072 | 3072] x 1024", ha="center", va="top", fontsize=FONT)
     for r in range(2):
-        x, y = 2.3 + r * 0.95, 6.0
+        x, y = 2.5 + r * 1.05, 6.0
         for name in ("gate", "up"):
             y -= 0.8
-            _block(ax, x, y, 0.8, 0.8, r, f"{name}{r}", fs=7)
-        ax.text(x + 0.4, 6.15, f"rank {r}", ha="center", fontsize=7)
-    ax.text(3.15, 4.15, "per rank:\n[(1536+1536) x 1024]", ha="center", va="top", fontsize=6.5)
+            _block(ax, x, y, 0.9, 0.8, r, f"{name}{r}")
+        ax.text(x + 0.45, 6.2, f"rank {r}", ha="center", fontsize=FONT)
+    ax.text(3.55, 4.2, "per rank:\n[3072 x 1024]", ha="center", va="top", fontsize=FONT)
     # o_proj and down_proj: split the INPUT columns.
-    for ax, title, cols, inner in ((axes[2], "o_proj (row-parallel)", "2048 = 16 heads x 128", "heads"),
+    for ax, title, cols, inner in ((axes[2], "o_proj (row-parallel)", "2048\n(16 heads x 128)", "heads"),
                                    (axes[3], "down_proj (row-parallel)", "3072", "intermediate")):
-        _panel(ax, title, "split the INPUT columns; each rank's\npartial sum is all-reduced (bias: rank 0)")
+        _panel(ax, title, "split the INPUT columns; the\nranks' partial sums are\nall-reduced (bias: rank 0)")
         for r in range(2):
-            _block(ax, 0.2 + r * 1.8, 2.2, 1.8, 2.0, r, f"{inner}\ncolumns\nrank {r}", fs=7)
-        ax.text(2.0, 4.45, f"checkpoint 1024 x {cols}", ha="center", fontsize=7)
-        ax.annotate("", xy=(3.8, 1.4), xytext=(0.2, 1.4), arrowprops=dict(arrowstyle="<->", lw=0.8))
-        ax.text(2.0, 1.0, "y = x0 @ W0.T + x1 @ W1.T  (all-reduce)", ha="center", fontsize=7)
+            _block(ax, 0.2 + r * 2.0, 2.4, 2.0, 2.0, r, f"{inner}\ncolumns\nrank {r}")
+        ax.text(2.2, 4.65, f"checkpoint 1024 x {cols}", ha="center", va="bottom", fontsize=FONT)
+        ax.annotate("", xy=(4.2, 1.7), xytext=(0.2, 1.7), arrowprops=dict(arrowstyle="<->", lw=0.8))
+        ax.text(2.2, 1.2, "y = x0 @ W0.T + x1 @ W1.T\n(all-reduce)", ha="center", va="top", fontsize=FONT)
     # embedding / LM head: split the vocabulary rows.
     ax = axes[4]
-    _panel(ax, "embedding / LM head (vocab-parallel)", "embedding: masked lookup + all-reduce\nLM head: logits slices gathered on rank 0")
+    _panel(ax, "embedding / LM head\n(vocab-parallel)", "embedding: masked lookup +\nall-reduce; LM head: logit\n"
+           "slices gathered on rank 0")
     for r in range(2):
-        _block(ax, 1.0, 5.8 - (r + 1) * 2.6, 2.0, 2.6, r, f"vocab rows\n{r * 75968:,}..{(r + 1) * 75968 - 1:,}\nrank {r}", fs=7)
-    ax.text(2.0, 6.05, "checkpoint 151,936 x 1024 (not to scale)", ha="center", fontsize=7)
+        _block(ax, 1.0, 5.6 - (r + 1) * 2.5, 2.4, 2.5, r,
+               f"vocab rows\n{r * 75968:,} - {(r + 1) * 75968 - 1:,}\nrank {r}")
+    ax.text(2.2, 5.75, "checkpoint 151,936 x 1024\n(not to scale)", ha="center", va="bottom", fontsize=FONT)
     handles = [Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black") for c in RANK_COLORS]
-    fig.legend(handles, ["rank 0", "rank 1"], loc="lower center", ncol=2, frameon=False)
-    fig.suptitle("Where each weight lives with tensor_parallel_size = 2 (Qwen3-0.6B sizes)", fontsize=11)
+    grid[0, 2].legend(handles, ["rank 0", "rank 1"], loc="center", frameon=False, fontsize=FONT + 1)
+    fig.suptitle("Where each weight lives with tensor_parallel_size = 2 (Qwen3-0.6B sizes)", fontsize=FONT + 2)
+    fig.tight_layout()
     return save(fig, path)
 
 

@@ -1168,3 +1168,38 @@ def test_ch05_hints_are_reached():
         assert "allocate sets num_cached_tokens = number of prefix-hit blocks * block_size" in msg
         msg = fails(ch05.check_prefix_caching, RevivesBySorting, match="free pool in the order")
         assert "take from its front" in msg
+
+
+def test_no_released_stub_spells_out_its_own_answer():
+    """A stub keeps its docstring and comments: none may hold the answer of its region. E4.1's docstring was the
+    whole solution ("block_table[p // block_size] * block_size + p % block_size"). For every region whose answer
+    is one expression, no part of it of 25 characters or more (spaces ignored) may appear in the released cell."""
+    import ast
+    import glob
+    from pathlib import Path
+
+    import nbformat
+
+    from nanovllm_course import release
+    found = []
+    for path in sorted(glob.glob(str(Path(__file__).resolve().parents[1] / "solutions" / "*.ipynb"))):
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type != "code" or not release.is_exercise_cell(cell):
+                continue
+            lines = cell.source.split("\n")
+            stub = "".join(release.stub_source(cell.source).split())
+            for region in release.find_regions(cell.source):
+                body = [l.strip() for l in lines[region.begin + 1:region.end] if l.strip() and not l.strip().startswith("#")]
+                if len(body) != 1:
+                    continue
+                code = body[0].removeprefix("return ")
+                try:
+                    tree = ast.parse(code, mode="eval")
+                except SyntaxError:
+                    continue
+                parts = {ast.get_source_segment(code, node) for node in ast.walk(tree) if hasattr(node, "col_offset")}
+                for part in sorted(p for p in parts if p):
+                    if len("".join(part.split())) >= 25 and "".join(part.split()) in stub:
+                        found.append((Path(path).name, i, region.exercise, part))
+    assert not found, found

@@ -197,11 +197,79 @@ def test_e6_2(capsys):
     passes(ch06.check_online_softmax, ch06.reference_online_softmax, "E6.2", capsys)
     passes(ch06.check_online_softmax, softmax_direct, "E6.2", capsys)
     fails(ch06.check_online_softmax, stub, "not implemented yet")
-    fails(ch06.check_online_softmax, softmax_with(rescale_acc=False, rescale_sum=False), "rescale l and acc|multiply")
-    fails(ch06.check_online_softmax, softmax_with(rescale_acc=False), "accumulator must be rescaled")
-    fails(ch06.check_online_softmax, softmax_with(rescale_sum=False), "running sum must be rescaled")
-    fails(ch06.check_online_softmax, softmax_with(max_init=0.0), "start the running max at -inf")
-    fails(ch06.check_online_softmax, softmax_with(guard_empty=False), r"exp\(-inf - \(-inf\)\) is NaN")
+
+
+def written_online_softmax(mistake):
+    """E6.2 as a student writes it, with one mistake (or none: mistake "none")."""
+    def online_softmax(scores, values, tile):
+        rows, num_keys = scores.shape
+        m = torch.full((rows,), float("-inf"))
+        l = torch.zeros(rows)
+        acc = torch.zeros(rows, values.shape[1])
+        stop = num_keys - num_keys % tile if mistake == "full_tiles_only" else num_keys
+        for start in range(0, stop, tile):
+            s, v = scores[:, start:start + tile], values[start:start + tile]
+            if mistake == "no_max":                       # "the scores are small": no running max at all
+                p = torch.exp(s)
+                l, acc = l + p.sum(1), acc + p @ v
+                continue
+            m_new = torch.maximum(m, s.max(1).values)
+            shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            if mistake == "max_updated_first":            # m = m_new before alpha: alpha is always 1
+                m = m_new
+            alpha = torch.exp(shift - m) if mistake == "alpha_inverted" else torch.exp(m - shift)
+            p = torch.exp(s - (torch.where(torch.isinf(m), shift, m)[:, None] if mistake == "stale_max" else
+                               shift[:, None]))
+            if mistake == "exp2":
+                alpha, p = torch.exp2(m - shift), torch.exp2(s - shift[:, None])
+            l = l * alpha + p.sum(1)
+            acc = acc * alpha[:, None] + p @ v
+            m = m_new
+        return acc if mistake == "no_divide" else acc / l[:, None]
+    return online_softmax
+
+
+def softmax_without_max(scores, values, tile):
+    e = torch.exp(scores)
+    return (e / e.sum(-1, keepdim=True)) @ values
+
+
+def softmax_in_fp16(scores, values, tile):
+    return (torch.softmax(scores.half(), dim=-1) @ values.half()).float()
+
+
+# (wrong E6.2, what its hint must say): each mistake gets its own hint, in every run
+SOFTMAX_MUTANTS = [
+    (written_online_softmax("no_max"), "subtract the running max before exp"),
+    (softmax_without_max, "subtract the running max before exp"),
+    (written_online_softmax("max_updated_first"), "compute alpha with the OLD m"),
+    (written_online_softmax("alpha_inverted"), "you used exp(m_new - m_old)"),
+    (written_online_softmax("stale_max"), "p = exp(s - m_new), with the running max that includes this tile"),
+    (written_online_softmax("exp2"), "torch.exp2(x) is 2**x"),
+    (written_online_softmax("no_divide"), "return acc / l"),
+    (written_online_softmax("full_tiles_only"), "the last tile may be partial"),
+    (ch06.tile_average_softmax, "each tile's softmax was averaged over the tiles"),
+    (softmax_in_fp16, "the precision of fp16 or bf16"),
+    (softmax_with(dtype=torch.bfloat16), "the precision of fp16 or bf16"),
+    (softmax_with(rescale_acc=False, rescale_sum=False), "multiply the running sum l and the accumulator acc"),
+    (softmax_with(rescale_acc=False), "accumulator must be rescaled"),
+    (softmax_with(rescale_sum=False), "running sum must be rescaled"),
+    (softmax_with(max_init=0.0), "start the running max at -inf"),
+    (softmax_with(guard_empty=False), "exp(-inf - (-inf)) is NaN"),
+]
+
+
+def test_e6_2_a_student_written_answer_passes(capsys):
+    passes(ch06.check_online_softmax, written_online_softmax("none"), "E6.2", capsys)
+
+
+@pytest.mark.parametrize("fn,says", SOFTMAX_MUTANTS, ids=[
+    "no_max", "softmax_without_max", "max_updated_first", "alpha_inverted", "stale_max", "exp2", "no_divide",
+    "full_tiles_only", "tile_average", "fp16", "bf16", "no_rescale", "acc_not_rescaled", "sum_not_rescaled",
+    "max_starts_at_0", "no_guard_for_masked_tiles"])
+def test_e6_2_each_mistake_gets_its_own_hint_in_every_run(fn, says):
+    for _ in range(3):
+        fails(ch06.check_online_softmax, fn, re.escape(says))
 
 
 # == E6.3 ===================================================================================================
@@ -235,6 +303,8 @@ def _decode_mutant(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     if CAST_FP32:
         q = q.to(tl.float32)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    if BUG == "max_starts_at_zero":
+        m = tl.zeros([BLOCK_G], tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(0, context_len, BLOCK_N):
@@ -268,6 +338,9 @@ def _decode_mutant(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         if BUG != "no_mask":
             s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
+        if BUG == "no_max":               # "scores are small": p = exp(s), no running max (alpha = 1)
+            m_new = tl.zeros([BLOCK_G], tl.float32)
+            m = m_new
         if BUG == "exp2":
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -318,6 +391,8 @@ DECODE_MUTANTS = [
     ("exp2", "log2"),
     ("q_contiguous", "q is a strided view"),
     ("q_strides_of_out", "not with the output's strides"),
+    ("no_max", "subtract the running max before exp"),           # NaN once the scores are in the hundreds
+    ("max_starts_at_zero", "start the running max m at -inf, not 0"),   # scores far below 0: 0 / 0
 ]
 if INTERPRET:      # silent on a GPU (or a crash later); the interpreter's memory watch and poison see them
     DECODE_MUTANTS += [
@@ -428,6 +503,7 @@ SPLIT_MUTANTS = [
     (split_with(empty="weight"), "must weigh nothing in the merge"),
     (split_with(merge="unnormalised"), "divide the merged sum by the sum of the weights"),
     (split_with(tiles="floor"), "rounded UP"),
+    (split_with(merge="no_max"), "Merge the splits with exp(lse_s - M)"),     # NaN once the scores are large
 ]
 if INTERPRET:
     SPLIT_MUTANTS.append((split_never_merged, "no kernel stored into the tensor your launcher returned"))
@@ -440,7 +516,8 @@ def test_e6_4(capsys):
 
 
 @pytest.mark.parametrize("fn,says", SPLIT_MUTANTS, ids=["last_split_lost", "lse_m_only", "average", "nan", "weight",
-                                                         "unnormalised", "floor", "never_merged"][:len(SPLIT_MUTANTS)])
+                                                         "unnormalised", "floor", "merge_no_max",
+                                                         "never_merged"][:len(SPLIT_MUTANTS)])
 def test_e6_4_rejects_every_time(fn, says):
     for _ in range(2):
         fails(ch06.check_split_decode, fn, re.escape(says))

@@ -713,3 +713,59 @@ def test_e7_4_worked_example_and_regimes():
     # host-bound: overlap hides the device instead, the host's time remains
     assert ch07.wall_ms(ch07.reference_overlap_timeline([d] * n, [h] * n, True)) == pytest.approx(n * d + h)
     assert ch07.wall_ms([]) == 0.0
+
+
+# -- issue 30: each plausible E7.2 mistake gets its own hint (the planted mistake whose run fails the same way) --
+def decode_written(mistake=None):
+    """E7.2 as a student writes it, in forms other than the check's planted classes, with one mistake."""
+    class Written(Scheduler):
+        def _schedule_decode(self):
+            kept = deque()
+            while self.running:
+                seq = self.running.popleft()
+                while not self.block_manager.can_append(seq):
+                    if self.running and mistake != "evicts itself":
+                        victim = self.running[0] if mistake == "victim from the front" else self.running[-1]
+                        self.running.remove(victim)
+                        self.preempt(victim)
+                    else:
+                        self.preempt(seq)
+                        break
+                else:
+                    if mistake != "no may_append":
+                        self.block_manager.may_append(seq)
+                    seq.num_scheduled_tokens = 1
+                    if mistake == "reversed":
+                        kept.insert(0, seq)
+                    else:
+                        kept.append(seq)
+            if mistake != "running not rebuilt":
+                self.running = kept
+            return list(kept)
+
+        def preempt(self, seq):
+            self.num_preemptions += 1
+            seq.status = SequenceStatus.WAITING
+            self.block_manager.deallocate(seq)
+            if mistake == "queued at the back":
+                self.waiting.insert(len(self.waiting), seq)
+            else:
+                self.waiting.insert(0, seq)
+    return Written
+
+
+def test_e7_2_written_form_passes(capsys):
+    passes("E7.2", decode_written(), capsys)
+
+
+@pytest.mark.parametrize("mistake,says", [
+    ("victim from the front", "the BACK of `running` (running.pop()), not the front"),
+    ("evicts itself", "not itself: it waits itself only when nobody is left behind it"),
+    ("queued at the back", "FRONT of `waiting`"),
+    ("no may_append", "call block_manager.may_append(seq)"),
+    ("reversed", "keep the running order"),
+    ("running not rebuilt", "self.running = kept"),
+])
+def test_e7_2_each_mistake_gets_its_own_hint_in_every_run(mistake, says):
+    for _ in range(3):
+        fails("E7.2", decode_written(mistake), says)

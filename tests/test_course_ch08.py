@@ -128,9 +128,111 @@ def test_e8_3(capsys):
     passes(ch08.check_top_k_top_p, ch08.reference_top_k_top_p, "E8.3", capsys)
     fails(ch08.check_top_k_top_p, stub, "E8.3: not implemented yet")
     fails(ch08.check_top_k_top_p, top_p_one_too_few, "top-p kept one token too few")
-    fails(ch08.check_top_k_top_p, top_k_drops_ties, "row 0 keeps 1 tokens, the reference 3")
-    fails(ch08.check_top_k_top_p, not_renormalised, "do not sum to 1")
+    fails(ch08.check_top_k_top_p, top_k_drops_ties, "top-k kept exactly k tokens where several tie")
+    fails(ch08.check_top_k_top_p, not_renormalised, "not renormalised")
     fails(ch08.check_top_k_top_p, top_k_with_item, "host sync")
+
+
+def filter_written(**mistake):
+    """E8.3 as a student writes it (the course's variant function), with one mistake."""
+    return lambda probs, top_k, top_p: ch08.top_k_top_p_variant(probs, top_k, top_p, **mistake)
+
+
+def top_p_descending_p1_filters(probs, top_k, top_p):
+    """The descending formulation (keep while the mass before a token is < top_p), without top_p = 1 as off."""
+    probs = ch08.reference_top_k_top_p(probs, top_k, None) if top_k is not None else probs
+    if top_p is None:
+        return probs
+    desc, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = desc.cumsum(-1) - desc
+    drop = before >= top_p.float().unsqueeze(-1)
+    drop[:, 0] = False
+    kept = torch.zeros_like(probs).scatter(-1, order, desc.masked_fill(drop, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def top_k_by_torch_topk(probs, top_k, top_p):
+    """torch.topk per row: exactly k tokens, a tie at the k-th value cut at random."""
+    if top_k is not None:
+        vocab = probs.shape[-1]
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        _, idx = probs.topk(vocab, dim=-1)
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, idx, torch.arange(vocab) < k.unsqueeze(-1))
+        probs = probs.masked_fill(~keep, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return ch08.reference_top_k_top_p(probs, None, top_p)
+
+
+# (wrong E8.3, what its message must say): each mistake gets its own hint, in every run
+FILTER_MUTANTS = [
+    (filter_written(ties=False), "top-k kept exactly k tokens where several tie"),
+    (top_k_by_torch_topk, "top-k kept exactly k tokens where several tie"),
+    (filter_written(kth_offset=1), "top-k kept k + 1 tokens"),
+    (filter_written(k0_off=False), "top_k = 0 means off"),
+    (filter_written(threshold="p"), "compared the running sum with top_p"),
+    (filter_written(p_rule="<"), "(<=, not <)"),
+    (filter_written(renormalise_before_p=False), "top-p ran on what top-k left without renormalising it"),
+    (filter_written(order="p then k"), "top-k first, then top-p"),
+    (filter_written(keep_top=False), "always keep the most likely token"),
+    (filter_written(fill=1e-10), "set dropped tokens to exactly 0"),
+    (filter_written(renormalise=False), "not renormalised"),
+    (top_p_descending_p1_filters, "top_p = 1 means off"),
+    (top_p_one_too_few, "top-p kept one token too few"),
+]
+
+
+def test_e8_3_the_written_form_passes(capsys):
+    passes(ch08.check_top_k_top_p, filter_written(), "E8.3", capsys)
+
+
+@pytest.mark.parametrize("fn,says", FILTER_MUTANTS, ids=[
+    "ties_dropped", "torch_topk", "k_plus_one", "k0_filters", "threshold_p", "strict_lt", "top_p_unrenormalised",
+    "p_then_k", "top_dropped", "fill_tiny", "not_renormalised", "descending_p1_not_off", "one_too_few"])
+def test_e8_3_each_mistake_gets_its_own_hint_in_every_run(fn, says):
+    for _ in range(3):
+        fails(ch08.check_top_k_top_p, fn, re.escape(says))
+
+
+# -- E8.2: precision and floor on full-vocabulary rows ------------------------------------------------------------
+RACE_MUTANTS = [   # (wrong race, what its message must say)
+    (lambda p, e: (p.bfloat16() / e.clamp_min(TINY).bfloat16()).argmax(-1), "compute probs / noise in fp32"),
+    (lambda p, e: (p / e.clamp_min(TINY)).bfloat16().argmax(-1), "compute probs / noise in fp32"),
+    (lambda p, e: (p.half() / e.clamp_min(TINY).half()).argmax(-1), "compute probs / noise in fp32"),
+    (lambda p, e: (p / e.clamp_min(1e-10)).argmax(-1), "not at 1e-10"),
+    (lambda p, e: (p / e.clamp_min(1e-20)).argmax(-1), "not at 1e-10"),
+    (lambda p, e: (p / e.clamp_min(torch.finfo(torch.float32).eps)).argmax(-1), "not at 1e-10"),
+    (lambda p, e: (p / (e + 1e-10)).argmax(-1), "add nothing to it"),
+]
+
+
+def test_e8_2_right_races_in_other_forms_pass(capsys):
+    passes(ch08.check_exponential_race, lambda p, e: (p.double() / e.double().clamp_min(TINY)).argmax(-1), "E8.2",
+           capsys)
+    passes(ch08.check_exponential_race, lambda p, e: (p.log() - e.clamp_min(TINY).log()).argmax(-1), "E8.2", capsys)
+
+
+@pytest.mark.parametrize("fn,says", RACE_MUTANTS, ids=["bf16_inputs", "bf16_quotient", "fp16", "floor_1e-10",
+                                                       "floor_1e-20", "floor_eps", "plus_1e-10"])
+def test_e8_2_reduced_precision_and_a_high_floor_are_rejected_every_time(fn, says):
+    for _ in range(3):
+        fails(ch08.check_exponential_race, fn, re.escape(says))
+
+
+def test_e8_2_planted_rows_tell_fp32_from_bf16():
+    """The planted near ties: the fp32 race picks the later token, a bf16 one (a tie: argmax takes the first)
+    the earlier; the ladder: a floor of 1e-10 moves the winner."""
+    g = torch.Generator().manual_seed(3)
+    probs, noise, planted = ch08._vocab_case(g)
+    fp32 = ch08.reference_exponential_race(probs, noise)
+    bf16 = (probs.bfloat16() / noise.bfloat16()).argmax(-1)
+    quotient = (probs / noise.clamp_min(TINY)).bfloat16().argmax(-1)
+    floored = (probs / noise.clamp_min(1e-10)).argmax(-1)
+    for row, (what, want) in planted.items():
+        assert int(fp32[row]) == want
+        if what == "near":
+            assert int(bf16[row]) < want and int(quotient[row]) < want
+        else:
+            assert int(floored[row]) != want
 
 
 # -- E8.4 -----------------------------------------------------------------------------------------------------
@@ -170,7 +272,7 @@ def test_e8_4(capsys):
     fails(ch08.check_sample, stub, "E8.4: not implemented yet")
     fails(ch08.check_sample, sample_with_row_item, r"host sync.*aten._local_scalar_dense")
     fails(ch08.check_sample, sample_ignoring_temperature, "temperature is not applied")
-    fails(ch08.check_sample, sample_ignoring_filters, "tokens that top-k / top-p removed")
+    fails(ch08.check_sample, sample_ignoring_filters, "the frequencies ignore top-k / top-p")
     # Fresh random logits each run: in the mixed batch the T=1 draws of the greedy rows may all land on the
     # argmax by chance (peaked rows); then the all-greedy batch catches it. Either message names T=0.
     fails(ch08.check_sample, sample_greedy_as_t1,
@@ -367,6 +469,70 @@ def sample_greedy_shortcut_by_sort(logits, metadata):
     return ch08.reference_sample(logits, metadata)
 
 
+def sampler_written(race=None, noise="exponential", filters="or", softmax="fp32", order="temperature first"):
+    """E8.4 as a student writes it from the course's E8.1-E8.3, with one mistake at a time."""
+    def sample(logits, meta):
+        filtered = (meta.top_k is not None or meta.top_p is not None) if filters == "or" else \
+            (meta.top_k is not None and meta.top_p is not None)
+        if order == "filters first":
+            probs = torch.softmax(logits.float(), -1)
+            if filtered:
+                probs = ch08.reference_top_k_top_p(probs, meta.top_k, meta.top_p)
+            t = torch.where(meta.temperatures > 0, meta.temperatures, 1.0).unsqueeze(-1)
+            sharp = probs.pow(1 / t)
+            one_hot = torch.zeros_like(probs).scatter_(-1, logits.float().argmax(-1, keepdim=True), 1.0)
+            probs = torch.where((meta.temperatures == 0).unsqueeze(-1), one_hot, sharp / sharp.sum(-1, keepdim=True))
+        else:
+            if softmax == "logits dtype":
+                t = torch.where(meta.temperatures > 0, meta.temperatures, 1.0).unsqueeze(-1)
+                probs = torch.softmax(logits / t.to(logits.dtype), -1).float()
+                one_hot = torch.zeros_like(probs).scatter_(-1, logits.float().argmax(-1, keepdim=True), 1.0)
+                probs = torch.where((meta.temperatures == 0).unsqueeze(-1), one_hot, probs)
+            else:
+                probs = ch08.reference_temperature_probs(logits, meta.temperatures)
+            if filtered:
+                probs = ch08.reference_top_k_top_p(probs, meta.top_k, meta.top_p)
+        e = {"exponential": lambda: torch.empty_like(probs).exponential_(1.0),
+             "uniform": lambda: torch.rand_like(probs),
+             "shared": lambda: torch.empty_like(probs[:1]).exponential_(1.0).expand_as(probs)}[noise]()
+        return (race or ch08.reference_exponential_race)(probs, e)
+    return sample
+
+
+SAMPLER_MUTANTS = [   # (wrong E8.4, what its message must say): each its own hint, in every run
+    (sampler_written(race=lambda p, e: (p.bfloat16() / e.clamp_min(TINY).bfloat16()).argmax(-1)),
+     "the race must run in fp32"),
+    (sampler_written(race=lambda p, e: (p / e.clamp_min(TINY)).bfloat16().argmax(-1)), "the race must run in fp32"),
+    (sampler_written(race=lambda p, e: (p / e.clamp_min(1e-10)).argmax(-1)), "not at 1e-10"),
+    (sampler_written(race=lambda p, e: (p * e).argmax(-1)), "you multiplied by the noise"),
+    (sampler_written(softmax="logits dtype"), "compute the softmax in fp32"),
+    (sampler_written(noise="uniform"), "the race needs Exp(1) noise"),
+    (sampler_written(noise="shared"), "the rows share one noise draw"),
+    (sampler_written(filters="and"), "apply top_k_top_p when metadata.top_k or top_p is set"),
+    (sampler_written(order="filters first"), "the temperature first, then top-k / top-p"),
+]
+
+
+def test_e8_4_the_written_form_passes(capsys):
+    passes(ch08.check_sample, sampler_written(), "E8.4", capsys)
+
+
+@pytest.mark.parametrize("fn,says", SAMPLER_MUTANTS, ids=["bf16_race", "bf16_quotient", "floor_1e-10",
+                                                          "noise_multiplied", "bf16_softmax", "uniform_noise",
+                                                          "shared_noise", "filters_only_with_both", "filters_first"])
+def test_e8_4_each_mistake_gets_its_own_hint_in_every_run(fn, says):
+    for _ in range(3):
+        fails(ch08.check_sample, fn, re.escape(says))
+
+
+def test_e8_4_planted_noise_reaches_a_sampler_that_draws_with_exponential_():
+    logits, noise, planted = ch08._planted_sampler_case(torch.Generator().manual_seed(5))
+    with ch08.PlantedNoise(noise) as spy:
+        ids = ch08.reference_sample(logits, ch08.metadata([1.0] * logits.shape[0]))
+    assert spy.used == 1
+    assert all(int(ids[r]) == want for r, (_, want, _) in planted.items())
+
+
 _CALLS = [0]
 
 
@@ -391,7 +557,7 @@ COVERAGE = [   # (check, wrong answer, what its message must say)
     (ch08.check_exponential_race, race_keepdim, "one token id per row"),
     (ch08.check_exponential_race, race_int32, "expected torch.int64"),
     (ch08.check_top_k_top_p, top_p_strict, "(<=, not <)"),
-    (ch08.check_top_k_top_p, top_p_drops_everything, "must keep at least one token"),
+    (ch08.check_top_k_top_p, top_p_drops_everything, "always keep the most likely token"),
     (ch08.check_top_k_top_p, top_p_mask_not_scattered, "keeps a different set of tokens"),
     (ch08.check_top_k_top_p, lambda p, k, q: ch08.reference_top_k_top_p(p, k, q).double(), "has dtype torch.float64"),
     (ch08.check_sample, sample_greedy_shortcut_by_sort, "an all-greedy batch did not give argmax(logits)"),

@@ -346,3 +346,23 @@ def test_forward_hints_are_reached(swap, expect):
     for _ in range(3):
         with pytest.raises(AssertionError, match=re.escape(expect)):
             ch09.check_simulated_forward(**forward(**swap))
+
+
+def test_shard_layout_figure_is_drawn_at_the_width_a_notebook_shows_and_its_labels_are_readable(tmp_path, monkeypatch):
+    """Shown at full size in a notebook (<= 1000 px wide at the course's 110 dpi), every label of at least 9 pt
+    (about 12 px); it was 1,870 px wide, shown at ~62 %, with 6.5 pt labels (~6 px on screen)."""
+    import struct
+
+    import matplotlib.text
+    from nanovllm_course import figures_ch09
+    sizes = []
+    real_save = figures_ch09.save
+
+    def spy(fig, path):
+        sizes.extend(t.get_fontsize() for t in fig.findobj(matplotlib.text.Text) if t.get_text().strip())
+        return real_save(fig, path)
+    monkeypatch.setattr(figures_ch09, "save", spy)
+    path = figures_ch09.layout(tmp_path / "layout.png")
+    width, height = struct.unpack(">II", path.read_bytes()[16:24])
+    assert width <= 1000, width
+    assert sizes and min(sizes) >= 9, sorted(sizes)[:5]

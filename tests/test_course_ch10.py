@@ -191,6 +191,46 @@ def item_inside_capture(run_step, batch_size, cuda):
     return graph, out
 
 
+def captures_without_warm_up(run_step, batch_size, cuda):
+    graph = cuda.CUDAGraph()
+    with cuda.graph(graph):
+        out = run_step(batch_size)
+    return graph, out
+
+
+def warms_up_at_batch_one(run_step, batch_size, cuda):
+    run_step(1)
+    cuda.synchronize()
+    graph = cuda.CUDAGraph()
+    with cuda.graph(graph):
+        out = run_step(batch_size)
+    return graph, out
+
+
+def warms_up_after_capture(run_step, batch_size, cuda):
+    graph = cuda.CUDAGraph()
+    with cuda.graph(graph):
+        out = run_step(batch_size)
+    run_step(batch_size)
+    return graph, out
+
+
+@pytest.mark.parametrize("fn,says", [(captures_without_warm_up, "captured without an eager warm-up"),
+                                     (warms_up_after_capture, "captured without an eager warm-up"),
+                                     (warms_up_at_batch_one, "warm up with the batch size you capture")],
+                         ids=["no_warm_up", "warm_up_after", "warm_up_at_1"])
+def test_graph_replay_needs_the_warm_up_before_capture(fn, says):
+    for _ in range(3):                      # on the CPU stand-in here, on CUDA where there is one
+        fails("E10.4", fn, says)
+
+
+def test_the_stand_in_says_when_it_captures():
+    assert not ch10.CPUGraphs.is_current_stream_capturing()
+    with ch10.CPUGraphs.graph(ch10.CPUGraphs.CUDAGraph()):
+        assert ch10.CPUGraphs.is_current_stream_capturing()
+    assert not ch10.CPUGraphs.is_current_stream_capturing()
+
+
 def test_graph_replay_mutants():
     fails("E10.4", returns_a_copy, "replayed logits differ", "a copy stays stale")
     fails("E10.4", captures_batch_one, "captured output has 1 rows")

@@ -182,11 +182,40 @@ def test_roofline_kv_left_out():
         dict(st, kv_bytes_per_token=0), bw, fl, c), "K/V reads are left out")
 
 
-def test_roofline_rounded_up_is_outside_the_tolerance_on_small_batches():
-    # rtol 1e-2: 187.3 -> 188 passes; the check's random cases include small answers, where ceil() does not
-    st = model_stats(ch11.qwen3_06b_config())
-    b = ch11.reference_compute_bound_batch(st, 4.25e12, 796e12, 0)
-    assert abs(math.ceil(b) - b) <= 1e-2 * b
+def roofline_written(rule="<=", rounding=None):
+    """E11.3 as a student writes it, with the slope rule `rule` and B rounded by `rounding` (None: not)."""
+    def compute_bound_batch(stats, bw, flops, context=0):
+        flop_per_seq = 2 * stats["params"] + stats["attn_flops_coef"] * context
+        per_seq = flop_per_seq / flops - context * stats["kv_bytes_per_token"] / bw
+        if (per_seq <= 0) if rule == "<=" else (per_seq < 0):
+            return math.inf
+        b = stats["weight_bytes"] / bw / per_seq
+        return rounding(b) if rounding else b
+    return compute_bound_batch
+
+
+ROOFLINE_MUTANTS = [(roofline_written(rounding=math.ceil), "rounded up to a whole batch"),
+                    (roofline_written(rounding=math.floor), "rounded down to a whole batch"),
+                    (roofline_written(rounding=round), "rounded to the nearest whole batch"),
+                    (roofline_written(rule="<"), "per_seq <= 0, not < 0")]
+
+
+def test_roofline_written_form_passes(capsys):
+    passes("E11.3", roofline_written(), capsys)
+
+
+@pytest.mark.parametrize("fn,says", ROOFLINE_MUTANTS, ids=["ceil", "floor", "round", "strict_lt"])
+def test_roofline_rounding_and_the_boundary_are_rejected_every_time(fn, says):
+    for _ in range(5):                 # the H200 case, a small ridge point and the zero slope are in every call
+        fails("E11.3", fn, says)
+
+
+def test_roofline_boundary_case_has_a_slope_of_exactly_zero():
+    import torch
+    for seed in range(20):
+        _, st, bw, flops, c = ch11._boundary_case(torch.Generator().manual_seed(seed))
+        assert (2 * st["params"] + st["attn_flops_coef"] * c) / flops - c * st["kv_bytes_per_token"] / bw == 0.0
+        assert ch11.reference_compute_bound_batch(st, bw, flops, c) == math.inf and st["params"] > 0
 
 
 def test_h200_table_reads_the_committed_results():
@@ -315,3 +344,82 @@ def test_roofline_weights_read_per_sequence():
         slope = flop / fl - (st["weight_bytes"] + c * st["kv_bytes_per_token"]) / bw
         return math.inf if slope <= 0 else 1.0 / slope
     fails("E11.3", wrong, "returned", "solve memory time = compute time")
+
+
+# -- issue 30: each plausible wrong answer gets its own hint, in every run ----------------------------------------
+def floor_written(kv_positions="right", kv_bytes_per_value=2, kv_layers=True, steps="max - 1", triangle="n^2/2",
+                  prefill_rate="flops", floor="sum"):
+    """E11.1 as a student writes it from the spec, with one mistake at a time."""
+    def workload_floor(prompts, max_tokens, config, bw, flops):
+        st = model_stats(config)
+        L, Hkv, H, hd = config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads, config.head_dim
+        per_token = 2 * (L if kv_layers else 1) * Hkv * hd * kv_bytes_per_value
+        positions = {"right": lambda P, M: (M - 1) * P + (M - 1) * M // 2,
+                     "one less": lambda P, M: (M - 1) * P + (M - 1) * (M - 2) // 2,
+                     "M tokens": lambda P, M: M * P + M * (M - 1) // 2,
+                     "prompt only": lambda P, M: (M - 1) * P}[kv_positions]
+        kv = sum(per_token * positions(len(p), m) for p, m in zip(prompts, max_tokens))
+        n_steps = max(max_tokens) - 1 if steps == "max - 1" else sum(max_tokens) // len(max_tokens)
+        weights = n_steps * 2 * st["params"]
+        lens = [len(p) for p in prompts]
+        pairs = (lambda n: n * n / 2) if triangle == "n^2/2" else (lambda n: n * (n + 1) / 2)
+        prefill = (2 * st["layer_params"] * sum(lens) + 2 * st["lm_head_params"] * len(lens)
+                   + 4 * L * H * hd * sum(pairs(n) for n in lens))
+        out = dict(kv_bytes=kv, weight_bytes=weights, prefill_flops=prefill, kv_read_s=kv / bw,
+                   weight_read_s=weights / bw, prefill_s=prefill / (flops if prefill_rate == "flops" else bw))
+        parts = (out["kv_read_s"], out["weight_read_s"], out["prefill_s"])
+        out["floor_s"] = sum(parts) if floor == "sum" else max(parts)
+        return out
+    return workload_floor
+
+
+def throughput_written(mistake=None):
+    """E11.2 as a student writes it, with one mistake (None: right)."""
+    def throughput(trace):
+        timed = trace[1:] if mistake == "first step only" else [s for s in trace if not s.warmup]
+        out = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0)
+        for s in timed:
+            out[s.kind + "_tokens"] += s.num_tokens
+            out[s.kind + "_s"] += s.seconds if mistake != "warm-up seconds" else 0.0
+        if mistake == "warm-up seconds":
+            for s in trace:
+                out[s.kind + "_s"] += s.seconds
+        for kind in ("prefill", "decode"):
+            tok, sec = out[kind + "_tokens"], out[kind + "_s"]
+            out[kind + "_tok_s"] = sec / tok if mistake == "inverted" else tok / sec
+        return out
+    return throughput
+
+
+def roofline_kv_once(st, bw, flops, c=0):
+    return (st["weight_bytes"] + c * st["kv_bytes_per_token"]) / bw / ((2 * st["params"] + st["attn_flops_coef"] * c)
+                                                                      / flops)
+
+
+HINT_MUTANTS = [   # (exercise, wrong answer, what its message must say)
+    ("E11.1", floor_written(kv_positions="one less"), "counts P + t - 1 positions"),
+    ("E11.1", floor_written(kv_positions="M tokens"), "counts M decode tokens per request"),
+    ("E11.1", floor_written(kv_positions="prompt only"), "counts only the prompt's K/V"),
+    ("E11.1", floor_written(kv_bytes_per_value=4), "counts 4 bytes per cached value"),
+    ("E11.1", floor_written(kv_layers=False), "counts one layer's cache"),
+    ("E11.1", floor_written(steps="mean"), "counts the mean request's decode steps"),
+    ("E11.1", floor_written(triangle="n(n+1)/2"), "as n (n + 1) / 2 pairs"),
+    ("E11.1", floor_written(prefill_rate="bw"), "prefill_s divides the FLOPs by the bandwidth"),
+    ("E11.1", floor_written(floor="max"), "floor_s is the largest part, not the sum"),
+    ("E11.2", throughput_written("first step only"), "only the first step was left out as warm-up"),
+    ("E11.2", throughput_written("warm-up seconds"), "the warm-up steps' seconds are counted"),
+    ("E11.2", throughput_written("inverted"), "the rates are seconds per token"),
+    ("E11.3", roofline_kv_once, "the K/V reads are counted once per step"),
+    ("E11.3", lambda st, bw, flops, c=0: flops / bw, "the context is ignored"),
+]
+
+
+def test_written_forms_pass(capsys):
+    passes("E11.1", floor_written(), capsys)
+    passes("E11.2", throughput_written(), capsys)
+
+
+@pytest.mark.parametrize("tag,fn,says", HINT_MUTANTS, ids=[f"{m[0]}-{m[2][:24]}" for m in HINT_MUTANTS])
+def test_each_mistake_gets_its_own_hint_in_every_run(tag, fn, says):
+    for _ in range(3):
+        fails(tag, fn, says)

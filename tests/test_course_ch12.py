@@ -45,14 +45,54 @@ def test_every_draw_has_split_characters_a_cut_prompt_and_metaspace_spaces():
         bpe = [c for c in cases if c[0] == "byte-level"]
         sp = [c for c in cases if c[0] == "metaspace"]
         tok = ch12.byte_level_tokenizer()
-        assert any(ch12.REPLACEMENT in tok.decode([t]) for _, _, _, c, _ in bpe for t in c)          # byte tokens
-        assert any(tok.decode(p).endswith(ch12.REPLACEMENT) for _, _, p, _, _ in bpe)              # cut prompt
-        assert any(tok.decode(c).endswith(ch12.REPLACEMENT) for _, _, _, c, _ in bpe)              # cut end
+        assert any(ch12.REPLACEMENT in tok.decode([t]) for _, _, _, c, _, _ in bpe for t in c)          # byte tokens
+        assert any(tok.decode(p).endswith(ch12.REPLACEMENT) for _, _, p, _, _, _ in bpe)              # cut prompt
+        assert any(tok.decode(c).endswith(ch12.REPLACEMENT) for _, _, _, c, _, _ in bpe)              # cut end
         mtok = ch12.metaspace_tokenizer()
         space = mtok.convert_tokens_to_ids("▁")
-        assert any(mtok.convert_ids_to_tokens(c[0]).startswith("▁") for _, _, _, c, _ in sp)       # leading space
-        assert any(space in c for _, _, _, c, _ in sp)                                            # lone "▁"
-        assert max(len(c) for _, _, _, c, _ in cases) > 30
+        assert any(mtok.convert_ids_to_tokens(c[0]).startswith("▁") for _, _, _, c, _, _ in sp)       # leading space
+        assert any(space in c for _, _, _, c, _, _ in sp)                                            # lone "▁"
+        assert max(len(c) for _, _, _, c, _, _ in cases) > 30
+
+
+def test_every_draw_has_each_tokenizer_family_with_and_without_special_tokens():
+    """Byte-level BPE, Metaspace and Llama-2's SentencePiece decoder, each with special tokens in the stream,
+    decoded with skip_special_tokens True and False."""
+    for _ in range(CALLS):
+        cases = ch12._detok_cases(ch12.fresh_generator())
+        families = {name.split(" ")[0] for name, *_ in cases}
+        assert families == {"byte-level", "metaspace", "llama"}
+        for family in families:
+            for skip in (True, False):
+                mine = [c for c in cases if c[0].split(" ")[0] == family and c[5] is skip]
+                assert mine, (family, skip)
+                specials = set(mine[0][1].all_special_ids)
+                assert any(specials & set(p + c) for _, _, p, c, _, _ in mine), (family, skip)
+        llama = ch12.llama_tokenizer()
+        byte_ids = {llama.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+        assert not any(byte_ids & set(p + c) for name, _, p, c, _, _ in cases if name.startswith("llama"))
+
+
+def test_the_reference_step_is_the_engines_detokenizer_on_every_family_and_special_token_setting():
+    import random
+    rng = random.Random(1)
+    words = ch12.WORDS
+    for tok in (ch12.byte_level_tokenizer(), ch12.metaspace_tokenizer(), ch12.llama_tokenizer()):
+        specials = tok.all_special_ids
+        for skip in (True, False):
+            for _ in range(100):
+                prompt = tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(1, 5))),
+                                    add_special_tokens=False)
+                comp = tok.encode(" " + " ".join(rng.choice(words) for _ in range(rng.randint(2, 8))),
+                                  add_special_tokens=False)
+                for _ in range(rng.randint(0, 3)):
+                    target = prompt if rng.random() < 0.5 else comp
+                    target.insert(rng.randint(0, len(target)), rng.choice(specials))
+                sizes = []
+                while sum(sizes) < len(comp):
+                    sizes.append(min(rng.choice((1, 1, 2, 3)), len(comp) - sum(sizes)))
+                want = ch12._engine_pieces(tok, prompt, comp, sizes, skip)
+                assert ch12._run_detok(ch12.reference_detokenize_step, tok, prompt, comp, sizes, skip=skip)[0] == want
 
 
 def test_the_reference_step_is_the_engines_detokenizer_on_random_token_soup():
@@ -303,3 +343,88 @@ def test_hold_streams_keeps_every_stream_open_so_the_fifth_client_gets_503():
         assert health["open_requests"] == 0 and health["loop"]["steps"] - before < body["max_tokens"]
     finally:
         assert server.stop() == 0
+
+
+# -- issue 30: state kept between calls, and a hint of its own for each plausible mistake -------------------------
+_LOG = []
+
+
+def apply_pending_written(mistake=None):
+    """E12.1 as a student writes it, with one mistake (None: right)."""
+    def apply_pending(engine, adds, aborts, added=[], refused_so_far={}):     # noqa: B006 - the planted mistakes
+        for rid in aborts:
+            engine.abort_request(rid)
+        refused = refused_so_far if mistake == "refused default" else {}
+        refused.clear()
+        mine = added if mistake == "added default" else []
+        for group, rid, item in adds:
+            if group in refused:
+                continue
+            try:
+                engine.add_request(item.prompt_token_ids, item.sampling_params, rid)
+            except (ValueError, TypeError) as exc:
+                refused[group] = exc
+                for other, orid in mine:
+                    if other is group or mistake == "undo every group":
+                        engine.abort_request(orid)
+                continue
+            mine.append((group, rid))
+            if mistake == "module log":
+                _LOG.append(item)
+        return refused if mistake != "refused default" else dict(refused)
+    return apply_pending
+
+
+def test_apply_pending_written_form_passes(capsys):
+    passes("E12.1", apply_pending_written(), capsys)
+
+
+@pytest.mark.parametrize("mistake,says", [
+    ("added default", "the default argument added=[] holds"),
+    ("refused default", "keeps state between calls"),
+    ("module log", "the module-level list _LOG"),
+    ("undo every group", "which no refusal concerns"),
+])
+def test_apply_pending_keeps_no_state_and_undoes_only_the_refused_group(mistake, says):
+    _LOG.clear()
+    fails("E12.1", apply_pending_written(mistake), says)
+
+
+def test_held_state_names_defaults_closures_and_module_containers():
+    from nanovllm_course.common import held_state
+    seen = []
+
+    def f(x, acc=[], *, cache={}):                           # noqa: B006
+        acc.append(x)
+        cache[x] = x
+        seen.append(x)
+        _LOG.append(x)
+    _LOG.clear()
+    before = held_state(f)
+    f(1)
+    f(2)
+    after = held_state(f)
+    assert after["the default argument acc=[]"] == 2 and before["the default argument acc=[]"] == 0
+    assert after["the default argument cache={}"] == 2
+    assert after["the variable seen of the enclosing function"] == 2
+    assert after["the module-level list _LOG"] == 2
+    assert held_state(ch12.reference_apply_pending) == {}
+
+
+@pytest.mark.parametrize("name", ["read_on_hold", "stripped", "fffd_inside", "context_fffd", "blank_held"])
+def test_detokenize_mistakes_get_their_own_hint(name):
+    message = next(m for n, m, _ in ch12.DETOK_MUTANTS if n == name)
+    fails("E12.2", getattr(ch12, f"_detok_{name}"), message[:40])
+
+
+def test_detokenize_step_that_caches_between_calls_is_rejected():
+    def step(decode, ids, prefix, read, final=False, memo={}):       # noqa: B006 - the planted mistake
+        memo[len(memo)] = tuple(ids)
+        return ch12.reference_detokenize_step(decode, ids, prefix, read, final)
+    fails("E12.2", step, "keeps state between calls")
+
+
+@pytest.mark.parametrize("kind", ["finish_with_text", "sent_by_sample", "usage_per_output", "usage_characters"])
+def test_completion_events_mistakes_get_their_own_hint(kind):
+    message = next(m for k, m, _ in ch12.SSE_MUTANTS if k == kind)
+    fails("E12.3", functools.partial(ch12.completion_events_variant, kind=kind), message[:40])

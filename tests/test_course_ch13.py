@@ -251,7 +251,7 @@ def test_the_capstone_table_names_each_part_its_owner_and_what_did_not_run(capsy
     assert "attention_backend      yours      ch04 E4.2 paged_decode" in out
     assert ("not ch06 E6.3 paged_decode: a Triton kernel: C.1-C.3 run on the CPU, where Triton only interprets; it "
             "runs on a GPU (C.4)") in out
-    assert "17 of 17 exercise parts are yours and pass their chapter's check" in out
+    assert "17 of 17 exercises have parts that are yours and pass their chapter's check" in out
     assert "which parts run: yours" in out
     assert cap.gpu_choice == cap.choice          # no CUDA here: C.4 runs what C.1-C.3 run
 
@@ -266,7 +266,7 @@ def test_chapter_10_a_stub_falls_back_to_chapter_04s_store_on_the_cpu_and_says_s
     assert "graph_batch_sizes" not in cap.choice
     assert "not ch10 E10.3 store_kvcache: still a stub" in out
     assert "not ch06 E6.1 store_kvcache: a Triton kernel" in out
-    assert "15 of 17 exercise parts are yours" in out
+    assert "15 of 17 exercises have parts that are yours" in out
     assert "still the reference's: graph_batch_sizes (ch10 E10.1), store_kvcache (ch10 E10.3)" in out
     assert passes(cap, "tiny_vs_hf")
 
@@ -288,15 +288,16 @@ def test_a_part_failing_its_own_check_does_not_run_and_the_table_says_why(tmp_pa
     assert sampler.status == "failed"
     line = next(l for l in out.splitlines() if "not ch08 E8.1-E8.4 sample" in l)
     assert line.strip().startswith("not ch08 E8.1-E8.4 sample: fails its chapter's check (") and len(line) > 80, line
-    assert "16 of 17 exercise parts are yours" in out
+    assert "16 of 17 exercises have parts that are yours" in out
 
 
 def test_unfilled_chapters_run_on_reference_parts_and_e12_1_is_not_done(capsys):
     cap = ch13.assemble(str(REPO / "chapters"), stub_choose)
     out = capsys.readouterr().out
-    assert cap.chooser.startswith("E13.1 is still a stub") and "which parts run: E13.1 is still a stub" in out
+    assert cap.chooser == "the course's, because E13.1 is still a stub"
+    assert "which parts run: the course's, because E13.1 is still a stub\n" in out
     assert cap.choice == {} and cap.cpu_parts == Parts() and len(cap.missing()) == 17
-    assert "0 of 17 exercise parts are yours" in out
+    assert "0 of 17 exercises have parts that are yours" in out
     assert passes(cap, "tiny_vs_hf") and passes(cap, "stream_vs_reference") and passes(cap, "first_token_chi2")
     with pytest.raises(NotDone):
         ch13.check_capstone(stub_choose, cap)
@@ -308,15 +309,40 @@ def test_unfilled_chapters_run_on_reference_parts_and_e12_1_is_not_done(capsys):
 def test_a_choice_that_breaks_a_rule_does_not_run_and_e12_1_says_why(tmp_path, capsys):
     cap = ch13.assemble(str(folder_with(tmp_path, {})), choose_triton_everywhere)
     out = capsys.readouterr().out
-    assert "your choose_parts cannot run as it is (it chose the Triton kernel ch06 E6.3 paged_decode" in out
+    assert ("which parts run: the course's, because your choose_parts cannot run as it is (it chose the Triton "
+            "kernel ch06 E6.3 paged_decode") in out
     assert cap.choice == ch13.reference_choose_parts(cap.candidates, False)
     with pytest.raises(AssertionError, match="skip Triton candidates when cuda is False"):
         ch13.check_capstone(choose_triton_everywhere, cap)
 
 
+def choose_lowest_rank(candidates, cuda):
+    """Rules 1 and 2 kept, rule 3 reversed: the lowest-ranked runnable candidate wins (it could run)."""
+    chosen = {}
+    for c in candidates:
+        if c.status == "ok" and not (c.triton and not cuda):
+            if c.field not in chosen or c.rank < chosen[c.field].rank:
+                chosen[c.field] = c
+    return chosen
+
+
+def test_a_wrong_ranking_falls_back_to_the_course_choice_and_the_table_says_why(tmp_path, capsys):
+    """The text promises that a choose_parts which breaks a rule falls back to the course's choice; a wrong ranking
+    (a choice that could run) used to run under 'which parts run: yours'."""
+    cap = ch13.assemble(str(folder_with(tmp_path, {})), choose_lowest_rank)
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("which parts run: "))
+    assert line.startswith("which parts run: the course's, because your choose_parts breaks a rule here ("), line
+    assert "the right one is" in line, line
+    assert cap.choice == ch13.reference_choose_parts(cap.candidates, False)
+    with pytest.raises(AssertionError, match="compare c.rank"):
+        ch13.check_capstone(choose_lowest_rank, cap)
+
+
 def test_a_capstone_assembled_before_e12_1_was_done_is_stale(solved, capsys):
-    stale = ch13.dataclasses.replace(solved, chooser="E13.1 is still a stub, so the course's choose_parts chose")
-    with pytest.raises(AssertionError, match=r"(?s)assembled without it \(E13.1 is still a stub\).*run the cell"):
+    stale = ch13.dataclasses.replace(solved, chooser="the course's, because E13.1 is still a stub")
+    with pytest.raises(AssertionError, match=r"(?s)assembled without it \(which parts run: the course's, because "
+                                             r"E13.1 is still a stub\).*run the cell"):
         ch13.check_capstone(ch13.reference_choose_parts, stale)
 
 
@@ -460,3 +486,44 @@ def test_c3_prints_the_same_p_values_whatever_the_random_state(capsys):
     assert outs[0] == outs[1]
     assert outs[0].splitlines()[0].startswith("C.3 T=0.6: 20000 first tokens, chi-squared over 86 bins, p = 0.")
     assert [ch13._fmt_p(p) for p in (0.456, 0.004, 1e-9)] == ["p = 0.46", "p < 0.01", "p < 1e-06"]
+
+
+def test_capstone_figure_labels_sit_above_every_timed_run(tmp_path, monkeypatch):
+    """Each bar's median label is above the highest dot of its timed runs (the reference's 11,644 sat on the
+    12,057 run)."""
+    import json
+
+    from nanovllm_course import figures_ch13
+    data = json.loads(figures_ch13.GPU_JSON.read_text())
+    seen = {}
+    real_save = figures_ch13.save
+
+    def spy(fig, path):
+        ax = fig.axes[0]
+        seen["labels"] = [(t.get_position(), t.get_text()) for t in ax.texts if t.get_text()[:1].isdigit()]
+        seen["dots"] = [line.get_xydata() for line in ax.lines]
+        seen["top"] = ax.get_ylim()[1]
+        return real_save(fig, path)
+    monkeypatch.setattr(figures_ch13, "save", spy)
+    figures_ch13.capstone_throughput(tmp_path / "c.png", data)
+    assert len(seen["labels"]) == sum(1 for rec in data["engines"].values() if rec.get("median_tok_s"))
+    for (x, y), _ in seen["labels"]:
+        highest = max(py for dots in seen["dots"] for px, py in dots if abs(px - x) < 1e-9)
+        assert y >= highest + 0.02 * seen["top"], (x, y, highest)
+
+
+def test_the_chapter_states_the_part_counts_the_code_has():
+    """One count per thing, the same in the text as in the code: parts declared, the exercises they come from,
+    the Parts fields they fill (the text gave 17, "14 of 15" and 14 for three different things)."""
+    import re
+
+    import nbformat
+    from nanovllm_course import export as ex
+    nb = nbformat.read(str(REPO / "solutions" / "13_capstone.ipynb"), as_version=4)
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    parts = ex.all_parts()
+    stated = re.search(r"\((\d+) parts from (\d+) exercises, filling (\d+) of the (\d+) `Parts` fields", text)
+    assert stated, "the E13.1 spec states the counts"
+    assert [int(x) for x in stated.groups()] == [len(parts), len({(p.chapter, p.exercise) for p in parts}),
+                                                len({p.field for p in parts}), len(ch13.dataclasses.fields(Parts))]
+    assert "exercise parts" not in text
