@@ -39,9 +39,7 @@ def test_two_tp_engines_one_after_another_do_not_clash():
     assert outs[0] == outs[1]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=32, num_kvcache_blocks=6)
+LLM_ARGS = dict(kvcache_block_size=4, max_model_len=32, num_kvcache_blocks=6)   # the llm fixture (tests/conftest.py)
 
 
 BAD_REQUESTS = [
