@@ -10,7 +10,6 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
-NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 # JupyterLab serves the repository root (the chapters link their pictures as ../figures/*.png) and opens
 # chapters/; as root (containers) it needs --allow-root. tests/browser_lab.py starts Lab with the same flags.
 IS_ROOT := $(filter 0,$(shell id -u))
@@ -20,7 +19,8 @@ LAB_ARGS := --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/chapte
 LAB_PATH := $(abspath $(VENV))/bin
 SUDO := $(if $(IS_ROOT),,sudo)
 
-.PHONY: demo test test-browser chromium install model lab release bench-cpu clean
+.PHONY: demo test test-engine test-kernels test-serve test-course test-bench test-fast test-browser suite-timing \
+	chromium install model lab release bench-cpu clean
 
 # The stamp names the checkout installed into the venv. A .venv copied or moved from another checkout still
 # imports that checkout's code (pip's editable install records its path), so then the stamp is out of date.
@@ -47,8 +47,32 @@ model: $(STAMP)
 demo: model
 	@$(PY) -m nanovllm_ref demo
 
+# The whole suite, tests/. Each chapter notebook runs twice in it, filled and unfilled, each run under nbval as a
+# grader runs it and graded by `grade` from that same run; the filled run also compares every cell with the
+# solution's stored output (the gate `pytest --nbval solutions/` was; tests/test_course_machinery.py). TEST_WORKERS
+# xdist workers share the cores, longest work first (--dist loadgroup, tests/suite_plugin.py). One thread each: the
+# workers, the notebook kernels and the TP ranks they start would otherwise each take every core. The chapter
+# timings report lands in artifacts/chapter_timings.{csv,json}.
+# A developer's loop: `make test-engine` (kernels, serve, course, bench) runs one area, `make test-fast` all
+# but the slow tests; PYTEST_ARGS adds options (e.g. PYTEST_ARGS='-k stops -x').
+TEST_WORKERS ?= 2
+TEST_PATHS := tests/
+PYTEST_ARGS ?=
+PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -p no:cacheprovider -p tests.suite_plugin \
+	--timeout=900 -n $(TEST_WORKERS) --dist loadgroup
+
 test: model
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/ solutions/ $(NBVAL)
+	$(PYTEST) $(TEST_PATHS) $(PYTEST_ARGS)
+
+test-engine test-kernels test-serve test-course test-bench: model
+	$(PYTEST) -m $(@:test-%=%) $(TEST_PATHS) $(PYTEST_ARGS)
+
+test-fast: model
+	$(PYTEST) -m "not slow" $(TEST_PATHS) $(PYTEST_ARGS)
+
+# `make test` quiet, then with both cores kept busy, each timed; the record goes to bench/results/ (see the script).
+suite-timing: model
+	bench/suite_timing.sh
 
 lab: model
 	PATH="$(LAB_PATH):$$PATH" $(VENV)/bin/jupyter lab $(LAB_ARGS)

@@ -200,7 +200,7 @@ PY
       step "equivalence + Parts tests on GPU (fp32 vs HF), CUDA graphs: $cfg"
       NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"float32\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
         timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_parts.py \
-          tests/test_engine_faults_r2.py tests/test_triton_engine.py tests/test_sampler_top_k_top_p.py \
+          tests/test_engine_config_and_checkpoint_faults.py tests/test_triton_engine.py tests/test_sampler_top_k_top_p.py \
           -k "not tensor_parallel and not tp_engine and not exported" \
           --junitxml="$OUT/pytest_gpu_$cfg.xml" 2>&1 | grep -v DEBUG | tail -15
     done
@@ -270,7 +270,7 @@ PYEOF
     step "thin step, warm-up (no compile in generate), equivalence, Parts, faults, top-k/top-p on GPU with CUDA graphs"
     NANOVLLM_TEST_ENGINE_ARGS='{"dtype": "float32", "enforce_eager": false, "max_num_seqs": 16}' \
       timeout 300 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_thin_step.py tests/test_engine_equivalence.py \
-        tests/test_parts.py tests/test_engine_faults_r2.py tests/test_triton_engine.py tests/test_sampler_top_k_top_p.py} \
+        tests/test_parts.py tests/test_engine_config_and_checkpoint_faults.py tests/test_triton_engine.py tests/test_sampler_top_k_top_p.py} \
         -k "not tensor_parallel and not tp_engine and not exported" --junitxml="$OUT/pytest_gpu_round2.xml" 2>&1 | grep -v DEBUG | tail -15
     if [ -n "${EAGER:-}" ]; then
       step "equivalence on GPU without graphs"

@@ -699,10 +699,11 @@ def _answer(tok, ids: list[int]) -> str:
     return " / ".join(line for line in tok.decode(ids[:cut], skip_special_tokens=True).strip().splitlines() if line)
 
 
-def smollm2_throughput(cap: Capstone, max_tokens: int = SMOL_TOKENS, repeats: int = 3) -> None:
+def smollm2_throughput(cap: Capstone, max_tokens: int = SMOL_TOKENS, repeats: int = 3) -> dict:
     """C.2's four prompts on this CPU, greedy, max_tokens each with ignore_eos: output tokens per second of your
     engine and of the reference engine, each the median of `repeats` generate calls in one engine after one
-    warm-up call. Information, not graded: the numbers vary with the machine and its load."""
+    warm-up call. Information, not graded: the numbers vary with the machine and its load. Prints one line and
+    returns the rates as computed, {"yours": tok/s, "reference": tok/s} (an engine that failed is left out)."""
     import statistics
     import time
     from nanovllm_ref import LLM, Parts, SamplingParams
@@ -727,6 +728,7 @@ def smollm2_throughput(cap: Capstone, max_tokens: int = SMOL_TOKENS, repeats: in
         print(f"C.2 on this CPU ({len(prompts)} prompts x {max_tokens} tokens, median of {repeats}): yours "
               f"{rates['yours']:,.0f} output tok/s, reference {rates['reference']:,.0f} "
               f"({rates['yours'] / rates['reference']:.2f}x)")
+    return rates
 
 
 # -- C.3 sampling ---------------------------------------------------------------------------------------------

@@ -186,6 +186,7 @@ class Session:
         self._secret_file = None
         self._prepared: list[_Prepared] = []
         self._missing: list = []
+        self.prepared = None       # the notebook `prepare` made
 
     # the preamble ------------------------------------------------------------------------------------------
     @property
@@ -250,6 +251,7 @@ class Session:
             cell.metadata["tags"] = list(dict.fromkeys(rel.tags(cell) + [rel.CHECK_TAG]))
             cell.outputs, cell.execution_count = [], None
             self._prepared.append(_Prepared(i, token, ids, state))
+        self.prepared = nb         # kept (unexecuted) for callers that rebuild the executed notebook from cell outputs
         return nb
 
     def check_cells(self) -> list:

@@ -9,26 +9,9 @@ import io
 import pytest
 import torch
 
+from course_checks import fails, passes, stub
 from nanovllm_ref import SamplingParams
 from nanovllm_course import ch00, ch01, ch02
-
-
-def passes(check, fn, tag, capsys, times=3):
-    for _ in range(times):
-        capsys.readouterr()
-        check(fn)
-        assert capsys.readouterr().out == f"{tag} ok\n"
-
-
-def fails(check, fn, tag, match=None):
-    with pytest.raises(AssertionError, match=match) as info:
-        check(fn)
-    assert str(info.value).startswith(f"{tag}:"), str(info.value)
-    return str(info.value)
-
-
-def stub(*args, **kwargs):
-    raise NotImplementedError("Exercise: stub")
 
 
 CHECKS = [(e.check, tag) for module in (ch00, ch01, ch02) for tag, e in module.EXERCISES.items()]
@@ -36,12 +19,12 @@ CHECKS = [(e.check, tag) for module in (ch00, ch01, ch02) for tag, e in module.E
 
 @pytest.mark.parametrize("check, tag", CHECKS)
 def test_stub_is_reported_as_not_implemented(check, tag):
-    fails(check, stub, tag, match="not implemented yet")
+    fails(check, stub, tag=tag, match="not implemented yet")
 
 
 # -- E0.1 greedy completion ---------------------------------------------------------------------------------
 def test_e0_1_reference_passes(capsys):
-    passes(ch00.check_complete, ch00.reference_complete, "E0.1", capsys, times=2)
+    passes(ch00.check_complete, ch00.reference_complete, tag="E0.1", capsys=capsys, times=2)
 
 
 def _sampled(llm, prompt, max_tokens):
@@ -64,19 +47,19 @@ def _token_ids(llm, prompt, max_tokens):
     (_sampled, "temperature"), (_default_length, "max_tokens"), (_with_prompt, "only the completion"),
     (_token_ids, "should be a str")])
 def test_e0_1_catches(mutant, match):
-    fails(ch00.check_complete, mutant, "E0.1", match=match)
+    fails(ch00.check_complete, mutant, tag="E0.1", match=match)
 
 
 # -- E1.1 RMSNorm -------------------------------------------------------------------------------------------
 def test_e1_1_reference_passes(capsys):
-    passes(ch01.check_rms_norm, ch01.reference_rms_norm, "E1.1", capsys)
+    passes(ch01.check_rms_norm, ch01.reference_rms_norm, tag="E1.1", capsys=capsys, times=3)
 
 
 def test_e1_1_accepts_equivalent_formulas(capsys):
     def single_rounding(x, w, eps):          # multiply by weight in fp32, round once
         xf = x.float()
         return (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
-    passes(ch01.check_rms_norm, single_rounding, "E1.1", capsys)
+    passes(ch01.check_rms_norm, single_rounding, tag="E1.1", capsys=capsys, times=3)
 
 
 def _no_eps(x, w, eps):
@@ -129,12 +112,12 @@ def _in_place(x, w, eps):
     (_sum_not_mean, None), (_no_weight, None), (_wrong_dim, None), (_returns_fp32, "dtype"),
     (_in_place, "changed its input")])
 def test_e1_1_catches(mutant, match):
-    fails(ch01.check_rms_norm, mutant, "E1.1", match=match)
+    fails(ch01.check_rms_norm, mutant, tag="E1.1", match=match)
 
 
 # -- E1.2 fused add + RMSNorm -------------------------------------------------------------------------------
 def test_e1_2_reference_passes(capsys):
-    passes(ch01.check_fused_add_rms_norm, ch01.reference_fused_add_rms_norm, "E1.2", capsys)
+    passes(ch01.check_fused_add_rms_norm, ch01.reference_fused_add_rms_norm, tag="E1.2", capsys=capsys, times=3)
 
 
 def _returns_old_residual(x, r, w, eps):
@@ -177,7 +160,7 @@ def _no_eps_fused(x, r, w, eps):
     (_swapped, None), (_fp32_residual, "dtype"), (_no_eps_fused, None),
     (lambda x, r, w, eps: ch01.reference_rms_norm(x + r, w, eps), "tuple")])
 def test_e1_2_catches(mutant, match):
-    fails(ch01.check_fused_add_rms_norm, mutant, "E1.2", match=match)
+    fails(ch01.check_fused_add_rms_norm, mutant, tag="E1.2", match=match)
 
 
 def test_e1_2_names_normalising_before_rounding():
@@ -197,7 +180,7 @@ def test_e1_2_names_normalising_before_rounding():
 
 # -- E2.1 cos/sin table -------------------------------------------------------------------------------------
 def test_e2_1_reference_passes(capsys):
-    passes(ch02.check_rope_cos_sin, ch02.reference_rope_cos_sin, "E2.1", capsys)
+    passes(ch02.check_rope_cos_sin, ch02.reference_rope_cos_sin, tag="E2.1", capsys=capsys, times=3)
 
 
 def test_e2_1_accepts_fp64_computation(capsys):
@@ -205,7 +188,7 @@ def test_e2_1_accepts_fp64_computation(capsys):
         inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
         a = torch.outer(torch.arange(p, dtype=torch.float64), inv)
         return a.cos().float(), a.sin().float()
-    passes(ch02.check_rope_cos_sin, fp64, "E2.1", capsys)
+    passes(ch02.check_rope_cos_sin, fp64, tag="E2.1", capsys=capsys, times=3)
 
 
 def _table(d, p, base, *, exponent=None, start=0, dtype=torch.float32):
@@ -225,12 +208,12 @@ def _table(d, p, base, *, exponent=None, start=0, dtype=torch.float32):
     (lambda d, p, base: torch.stack(_table(d, p, base)), "tuple"),
 ])
 def test_e2_1_catches(mutant, match):
-    fails(ch02.check_rope_cos_sin, mutant, "E2.1", match=match)
+    fails(ch02.check_rope_cos_sin, mutant, tag="E2.1", match=match)
 
 
 # -- E2.2 apply RoPE ----------------------------------------------------------------------------------------
 def test_e2_2_reference_passes(capsys):
-    passes(ch02.check_apply_rope, ch02.reference_apply_rope, "E2.2", capsys)
+    passes(ch02.check_apply_rope, ch02.reference_apply_rope, tag="E2.2", capsys=capsys, times=3)
 
 
 def test_e2_2_accepts_fp32_in_another_order(capsys):
@@ -241,7 +224,7 @@ def test_e2_2_accepts_fp32_in_another_order(capsys):
             x1, x2 = x.float().chunk(2, -1)
             return torch.cat((-(x2 * s) + c * x1, s * x1 + x2 * c), -1).to(x.dtype)
         return rot(q), rot(k)
-    passes(ch02.check_apply_rope, other_order, "E2.2", capsys)
+    passes(ch02.check_apply_rope, other_order, tag="E2.2", capsys=capsys, times=3)
 
 
 def _hf_style_bf16(positions, q, k, cos, sin):     # cos/sin cast to the input dtype, rotate_half in bf16
@@ -267,7 +250,7 @@ def _bf16_halves(positions, q, k, cos, sin):       # the reference formula, but 
 def test_e2_2_catches_bf16_arithmetic(mutant):
     """The spec says fp32: bf16 arithmetic stays within the loose bf16 tolerance but is not one rounding."""
     for _ in range(3):                              # fresh inputs each time: caught on every draw
-        msg = fails(ch02.check_apply_rope, mutant, "E2.2", match="rounded once to bf16")
+        msg = fails(ch02.check_apply_rope, mutant, tag="E2.2", match="rounded once to bf16")
         assert "compute in fp32 and cast back once" in msg
 
 
@@ -314,7 +297,7 @@ def _wrong_base(positions, q, k, cos, sin):    # builds its own table with base 
     (_k_not_rotated, "k_rot"), (_returns_fp32, "dtype"), (_in_place, "changed its input"),
     (_wrong_base, None)])
 def test_e2_2_catches(mutant, match):
-    fails(ch02.check_apply_rope, mutant, "E2.2", match=match)
+    fails(ch02.check_apply_rope, mutant, tag="E2.2", match=match)
 
 
 def test_e2_2_reference_agrees_with_hugging_face():
@@ -387,7 +370,7 @@ def test_ch02_slowest_pair_periods():
 # -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
 def test_e2_2_hints_for_the_result_type_and_shape():
     fails(ch02.check_apply_rope, lambda positions, q, k, cos, sin: [*ch02.reference_apply_rope(positions, q, k, cos, sin)],
-          "E2.2", match="return a tuple")
+          tag="E2.2", match="return a tuple")
     msg = fails(ch02.check_apply_rope, lambda positions, q, k, cos, sin: tuple(
-        t.transpose(0, 1) for t in ch02.reference_apply_rope(positions, q, k, cos, sin)), "E2.2", match="shape")
+        t.transpose(0, 1) for t in ch02.reference_apply_rope(positions, q, k, cos, sin)), tag="E2.2", match="shape")
     assert "q_rot has the shape of q" in msg

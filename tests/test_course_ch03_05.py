@@ -11,28 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from course_checks import fails, passes, stub
 from nanovllm_ref.attn import torch_backend
 from nanovllm_course import ch03, ch04, ch05
 from nanovllm_ref.engine.block_manager import BlockManager, compute_block_hash
 from nanovllm_ref.layers.attention import store_kvcache_torch
 from nanovllm_ref.models.qwen3 import DecoderAttention, DecoderMLP
 from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
-
-
-def passes(check, *fns, tag, capsys):
-    capsys.readouterr()
-    check(*fns)
-    assert capsys.readouterr().out == f"{tag} ok\n"
-
-
-def fails(check, *fns, match):
-    with pytest.raises(AssertionError, match=match) as info:
-        check(*fns)
-    return str(info.value)
-
-
-def stub(*args, **kwargs):
-    raise NotImplementedError("Exercise: fill in this code")
 
 
 # == chapter 03 =============================================================================================

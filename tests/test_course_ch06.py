@@ -16,15 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from course_checks import fails, passes
+from course_checks import fails, passes, stub
 from nanovllm_course import ch06
 from nanovllm_course.export import is_stub, parts_from_functions
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-
-def stub(*args, **kwargs):
-    raise NotImplementedError("Exercise: fill in this code")
 
 
 # == E6.1 ===================================================================================================
@@ -133,16 +130,16 @@ if INTERPRET:       # only the interpreter's memory watch hands over slots past 
 
 
 def test_e6_1(capsys):
-    passes(ch06.check_store_kvcache, ch06.reference_store_kvcache, "E6.1", capsys)
-    passes(ch06.check_store_kvcache, ch06.reference_triton_store_kvcache, "E6.1", capsys)
-    passes(ch06.check_store_kvcache, store_with("none"), "E6.1", capsys)
-    fails(ch06.check_store_kvcache, stub, "not implemented yet")
+    passes(ch06.check_store_kvcache, ch06.reference_store_kvcache, tag="E6.1", capsys=capsys)
+    passes(ch06.check_store_kvcache, ch06.reference_triton_store_kvcache, tag="E6.1", capsys=capsys)
+    passes(ch06.check_store_kvcache, store_with("none"), tag="E6.1", capsys=capsys)
+    fails(ch06.check_store_kvcache, stub, match="not implemented yet")
 
 
 @pytest.mark.parametrize("bug,says", STORE_MUTANTS, ids=[m[0] for m in STORE_MUTANTS])
 def test_e6_1_rejects_every_time(bug, says):
     for _ in range(3):                            # fresh draws each call: every one must reject, with the hint
-        fails(ch06.check_store_kvcache, store_with(bug), re.escape(says))
+        fails(ch06.check_store_kvcache, store_with(bug), match=re.escape(says))
 
 
 GPU_PATH_STORE_MUTANTS = [           # what a GPU run checks (values and guard rows; no memory watch)
@@ -161,7 +158,7 @@ def test_e6_1_without_the_memory_watch(bug, says, monkeypatch):
         monkeypatch.setattr(ch06, "interpreting", lambda: False)
         monkeypatch.setattr(ch06, "kernel_device", lambda: "cpu")
     for _ in range(3):
-        fails(ch06.check_store_kvcache, store_with(bug), says)            # says: a regular expression
+        fails(ch06.check_store_kvcache, store_with(bug), match=says)            # says: a regular expression
 
 
 def test_e6_1_int32_case_runs_under_the_interpreter():
@@ -189,14 +186,14 @@ def softmax_transposed(scores, values, tile):
 
 def test_e6_2_hints_are_reached():
     for _ in range(3):
-        fails(ch06.check_online_softmax, softmax_shifts_scores_in_place, "online_softmax changed its inputs")
-        fails(ch06.check_online_softmax, softmax_transposed, "has shape")
+        fails(ch06.check_online_softmax, softmax_shifts_scores_in_place, match="online_softmax changed its inputs")
+        fails(ch06.check_online_softmax, softmax_transposed, match="has shape")
 
 
 def test_e6_2(capsys):
-    passes(ch06.check_online_softmax, ch06.reference_online_softmax, "E6.2", capsys)
-    passes(ch06.check_online_softmax, softmax_direct, "E6.2", capsys)
-    fails(ch06.check_online_softmax, stub, "not implemented yet")
+    passes(ch06.check_online_softmax, ch06.reference_online_softmax, tag="E6.2", capsys=capsys)
+    passes(ch06.check_online_softmax, softmax_direct, tag="E6.2", capsys=capsys)
+    fails(ch06.check_online_softmax, stub, match="not implemented yet")
 
 
 def written_online_softmax(mistake):
@@ -260,7 +257,7 @@ SOFTMAX_MUTANTS = [
 
 
 def test_e6_2_a_student_written_answer_passes(capsys):
-    passes(ch06.check_online_softmax, written_online_softmax("none"), "E6.2", capsys)
+    passes(ch06.check_online_softmax, written_online_softmax("none"), tag="E6.2", capsys=capsys)
 
 
 @pytest.mark.parametrize("fn,says", SOFTMAX_MUTANTS, ids=[
@@ -269,7 +266,7 @@ def test_e6_2_a_student_written_answer_passes(capsys):
     "max_starts_at_0", "no_guard_for_masked_tiles"])
 def test_e6_2_each_mistake_gets_its_own_hint_in_every_run(fn, says):
     for _ in range(3):
-        fails(ch06.check_online_softmax, fn, re.escape(says))
+        fails(ch06.check_online_softmax, fn, match=re.escape(says))
 
 
 # == E6.3 ===================================================================================================
@@ -406,16 +403,16 @@ if INTERPRET:      # silent on a GPU (or a crash later); the interpreter's memor
 
 
 def test_e6_3(capsys):
-    passes(ch06.check_paged_decode, ch06.reference_torch_paged_decode, "E6.3", capsys)
-    passes(ch06.check_paged_decode, ch06.reference_triton_paged_decode, "E6.3", capsys)
-    passes(ch06.check_paged_decode, decode_with("none"), "E6.3", capsys)
-    fails(ch06.check_paged_decode, stub, "not implemented yet")
+    passes(ch06.check_paged_decode, ch06.reference_torch_paged_decode, tag="E6.3", capsys=capsys)
+    passes(ch06.check_paged_decode, ch06.reference_triton_paged_decode, tag="E6.3", capsys=capsys)
+    passes(ch06.check_paged_decode, decode_with("none"), tag="E6.3", capsys=capsys)
+    fails(ch06.check_paged_decode, stub, match="not implemented yet")
 
 
 @pytest.mark.parametrize("bug,says", DECODE_MUTANTS, ids=[m[0] for m in DECODE_MUTANTS])
 def test_e6_3_rejects_every_time(bug, says):
     for _ in range(2):
-        fails(ch06.check_paged_decode, decode_with(bug), re.escape(says))
+        fails(ch06.check_paged_decode, decode_with(bug), match=re.escape(says))
 
 
 # == E6.4 ===================================================================================================
@@ -424,7 +421,7 @@ def test_e6_3_scale_forgotten():
     def no_scale(q, k_cache, v_cache, block_tables, context_lens, scale):
         return ch06.reference_triton_paged_decode(q, k_cache, v_cache, block_tables, context_lens, 1.0)
     for _ in range(2):
-        fails(ch06.check_paged_decode, no_scale, re.escape("multiply the scores q . k by `scale`"))
+        fails(ch06.check_paged_decode, no_scale, match=re.escape("multiply the scores q . k by `scale`"))
 
 
 def split_reference(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
@@ -510,9 +507,9 @@ if INTERPRET:
 
 
 def test_e6_4(capsys):
-    passes(ch06.check_split_decode, split_reference, "E6.4", capsys)
-    passes(ch06.check_split_decode, split_with(), "E6.4", capsys)
-    fails(ch06.check_split_decode, stub, "not implemented yet")
+    passes(ch06.check_split_decode, split_reference, tag="E6.4", capsys=capsys)
+    passes(ch06.check_split_decode, split_with(), tag="E6.4", capsys=capsys)
+    fails(ch06.check_split_decode, stub, match="not implemented yet")
 
 
 @pytest.mark.parametrize("fn,says", SPLIT_MUTANTS, ids=["last_split_lost", "lse_m_only", "average", "nan", "weight",
@@ -520,7 +517,7 @@ def test_e6_4(capsys):
                                                          "never_merged"][:len(SPLIT_MUTANTS)])
 def test_e6_4_rejects_every_time(fn, says):
     for _ in range(2):
-        fails(ch06.check_split_decode, fn, re.escape(says))
+        fails(ch06.check_split_decode, fn, match=re.escape(says))
 
 
 # == the notebook's parts ===================================================================================

@@ -686,19 +686,19 @@ TIMELINE_MUTANTS = {
 
 
 def test_e7_4_reference_passes(capsys):
-    course_checks.passes(ch07.check_overlap_timeline, ch07.reference_overlap_timeline, "E7.4", capsys)
-    course_checks.passes(ch07.check_overlap_timeline, lambda h, d, o: _timeline(h, d, o), "E7.4", capsys)
+    course_checks.passes(ch07.check_overlap_timeline, ch07.reference_overlap_timeline, tag="E7.4", capsys=capsys)
+    course_checks.passes(ch07.check_overlap_timeline, lambda h, d, o: _timeline(h, d, o), tag="E7.4", capsys=capsys)
 
 
 def test_e7_4_stub_is_not_implemented_yet():
-    course_checks.fails(ch07.check_overlap_timeline, _stub_timeline, "E7.4: not implemented yet")
+    course_checks.fails(ch07.check_overlap_timeline, _stub_timeline, match="E7.4: not implemented yet")
 
 
 @pytest.mark.parametrize("name", sorted(TIMELINE_MUTANTS))
 def test_e7_4_mutants(name):
     fn, says = TIMELINE_MUTANTS[name]
     for _ in range(3):                                     # fresh random inputs each time
-        text = course_checks.fails(ch07.check_overlap_timeline, fn, "E7.4: ")
+        text = course_checks.fails(ch07.check_overlap_timeline, fn, match="E7.4: ")
         assert says in text, text
 
 

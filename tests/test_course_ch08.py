@@ -7,15 +7,12 @@ import re
 import pytest
 import torch
 
-from course_checks import fails, passes
+from course_checks import fails, passes, stub
 from nanovllm_course import ch08
 from nanovllm_ref.layers.sampler import sample as engine_sample
 
 TINY = torch.finfo(torch.float32).tiny
 
-
-def stub(*args, **kwargs):
-    raise NotImplementedError("Exercise: fill in this code")
 
 
 # -- E8.1 -----------------------------------------------------------------------------------------------------
@@ -50,13 +47,13 @@ def returns_logits_dtype(logits, temperatures):
 
 
 def test_e8_1(capsys):
-    passes(ch08.check_temperature_probs, ch08.reference_temperature_probs, "E8.1", capsys)
-    fails(ch08.check_temperature_probs, stub, "E8.1: not implemented yet")
-    fails(ch08.check_temperature_probs, temperature_ignored, "temperature is ignored")
-    fails(ch08.check_temperature_probs, probs_divided_by_t, "divided the probabilities by T")
-    fails(ch08.check_temperature_probs, bf16_softmax, "softmax computed in bf16")
-    fails(ch08.check_temperature_probs, greedy_by_division, "temperature 0 contain NaN")
-    fails(ch08.check_temperature_probs, returns_logits_dtype, "expected torch.float32")
+    passes(ch08.check_temperature_probs, ch08.reference_temperature_probs, tag="E8.1", capsys=capsys)
+    fails(ch08.check_temperature_probs, stub, match="E8.1: not implemented yet")
+    fails(ch08.check_temperature_probs, temperature_ignored, match="temperature is ignored")
+    fails(ch08.check_temperature_probs, probs_divided_by_t, match="divided the probabilities by T")
+    fails(ch08.check_temperature_probs, bf16_softmax, match="softmax computed in bf16")
+    fails(ch08.check_temperature_probs, greedy_by_division, match="temperature 0 contain NaN")
+    fails(ch08.check_temperature_probs, returns_logits_dtype, match="expected torch.float32")
 
 
 # -- E8.2 -----------------------------------------------------------------------------------------------------
@@ -77,12 +74,12 @@ def race_with_item(probs, noise):
 
 
 def test_e8_2(capsys):
-    passes(ch08.check_exponential_race, ch08.reference_exponential_race, "E8.2", capsys)
-    fails(ch08.check_exponential_race, stub, "E8.2: not implemented yet")
-    fails(ch08.check_exponential_race, noise_times, "multiplied by the noise")
-    fails(ch08.check_exponential_race, noise_negated, "wrong sign")
-    fails(ch08.check_exponential_race, no_floor, "noise draw exactly 0")
-    fails(ch08.check_exponential_race, race_with_item, "host sync")
+    passes(ch08.check_exponential_race, ch08.reference_exponential_race, tag="E8.2", capsys=capsys)
+    fails(ch08.check_exponential_race, stub, match="E8.2: not implemented yet")
+    fails(ch08.check_exponential_race, noise_times, match="multiplied by the noise")
+    fails(ch08.check_exponential_race, noise_negated, match="wrong sign")
+    fails(ch08.check_exponential_race, no_floor, match="noise draw exactly 0")
+    fails(ch08.check_exponential_race, race_with_item, match="host sync")
 
 
 # -- E8.3 -----------------------------------------------------------------------------------------------------
@@ -125,12 +122,12 @@ def top_k_with_item(probs, top_k, top_p):
 
 
 def test_e8_3(capsys):
-    passes(ch08.check_top_k_top_p, ch08.reference_top_k_top_p, "E8.3", capsys)
-    fails(ch08.check_top_k_top_p, stub, "E8.3: not implemented yet")
-    fails(ch08.check_top_k_top_p, top_p_one_too_few, "top-p kept one token too few")
-    fails(ch08.check_top_k_top_p, top_k_drops_ties, "top-k kept exactly k tokens where several tie")
-    fails(ch08.check_top_k_top_p, not_renormalised, "not renormalised")
-    fails(ch08.check_top_k_top_p, top_k_with_item, "host sync")
+    passes(ch08.check_top_k_top_p, ch08.reference_top_k_top_p, tag="E8.3", capsys=capsys)
+    fails(ch08.check_top_k_top_p, stub, match="E8.3: not implemented yet")
+    fails(ch08.check_top_k_top_p, top_p_one_too_few, match="top-p kept one token too few")
+    fails(ch08.check_top_k_top_p, top_k_drops_ties, match="top-k kept exactly k tokens where several tie")
+    fails(ch08.check_top_k_top_p, not_renormalised, match="not renormalised")
+    fails(ch08.check_top_k_top_p, top_k_with_item, match="host sync")
 
 
 def filter_written(**mistake):
@@ -182,7 +179,7 @@ FILTER_MUTANTS = [
 
 
 def test_e8_3_the_written_form_passes(capsys):
-    passes(ch08.check_top_k_top_p, filter_written(), "E8.3", capsys)
+    passes(ch08.check_top_k_top_p, filter_written(), tag="E8.3", capsys=capsys)
 
 
 @pytest.mark.parametrize("fn,says", FILTER_MUTANTS, ids=[
@@ -190,7 +187,7 @@ def test_e8_3_the_written_form_passes(capsys):
     "p_then_k", "top_dropped", "fill_tiny", "not_renormalised", "descending_p1_not_off", "one_too_few"])
 def test_e8_3_each_mistake_gets_its_own_hint_in_every_run(fn, says):
     for _ in range(3):
-        fails(ch08.check_top_k_top_p, fn, re.escape(says))
+        fails(ch08.check_top_k_top_p, fn, match=re.escape(says))
 
 
 # -- E8.2: precision and floor on full-vocabulary rows ------------------------------------------------------------
@@ -206,16 +203,15 @@ RACE_MUTANTS = [   # (wrong race, what its message must say)
 
 
 def test_e8_2_right_races_in_other_forms_pass(capsys):
-    passes(ch08.check_exponential_race, lambda p, e: (p.double() / e.double().clamp_min(TINY)).argmax(-1), "E8.2",
-           capsys)
-    passes(ch08.check_exponential_race, lambda p, e: (p.log() - e.clamp_min(TINY).log()).argmax(-1), "E8.2", capsys)
+    passes(ch08.check_exponential_race, lambda p, e: (p.double() / e.double().clamp_min(TINY)).argmax(-1), tag="E8.2", capsys=capsys)
+    passes(ch08.check_exponential_race, lambda p, e: (p.log() - e.clamp_min(TINY).log()).argmax(-1), tag="E8.2", capsys=capsys)
 
 
 @pytest.mark.parametrize("fn,says", RACE_MUTANTS, ids=["bf16_inputs", "bf16_quotient", "fp16", "floor_1e-10",
                                                        "floor_1e-20", "floor_eps", "plus_1e-10"])
 def test_e8_2_reduced_precision_and_a_high_floor_are_rejected_every_time(fn, says):
     for _ in range(3):
-        fails(ch08.check_exponential_race, fn, re.escape(says))
+        fails(ch08.check_exponential_race, fn, match=re.escape(says))
 
 
 def test_e8_2_planted_rows_tell_fp32_from_bf16():
@@ -267,16 +263,15 @@ def sample_greedy_as_t1(logits, metadata):
 
 
 def test_e8_4(capsys):
-    passes(ch08.check_sample, ch08.reference_sample, "E8.4", capsys)
-    passes(ch08.check_sample, engine_sample, "E8.4", capsys)            # the engine's sampler passes too
-    fails(ch08.check_sample, stub, "E8.4: not implemented yet")
-    fails(ch08.check_sample, sample_with_row_item, r"host sync.*aten._local_scalar_dense")
-    fails(ch08.check_sample, sample_ignoring_temperature, "temperature is not applied")
-    fails(ch08.check_sample, sample_ignoring_filters, "the frequencies ignore top-k / top-p")
+    passes(ch08.check_sample, ch08.reference_sample, tag="E8.4", capsys=capsys)
+    passes(ch08.check_sample, engine_sample, tag="E8.4", capsys=capsys)            # the engine's sampler passes too
+    fails(ch08.check_sample, stub, match="E8.4: not implemented yet")
+    fails(ch08.check_sample, sample_with_row_item, match=r"host sync.*aten._local_scalar_dense")
+    fails(ch08.check_sample, sample_ignoring_temperature, match="temperature is not applied")
+    fails(ch08.check_sample, sample_ignoring_filters, match="the frequencies ignore top-k / top-p")
     # Fresh random logits each run: in the mixed batch the T=1 draws of the greedy rows may all land on the
     # argmax by chance (peaked rows); then the all-greedy batch catches it. Either message names T=0.
-    fails(ch08.check_sample, sample_greedy_as_t1,
-          "temperature 0 did not get argmax|an all-greedy batch did not give argmax")
+    fails(ch08.check_sample, sample_greedy_as_t1, match="temperature 0 did not get argmax|an all-greedy batch did not give argmax")
 
 
 # -- the machinery ----------------------------------------------------------------------------------------------
@@ -397,7 +392,7 @@ MUTANTS = [   # (check, wrong answer, what its message must say)
 @pytest.mark.parametrize("check,fn,says", MUTANTS, ids=[m[1].__name__ for m in MUTANTS])
 def test_mutants_of_issue_22_are_rejected_every_time_with_their_hint(check, fn, says):
     for _ in range(3):
-        fails(check, fn, says)
+        fails(check, fn, match=says)
 
 
 # -- every hint of the chapter's checks has a mutant that reaches it --------------------------------------------
@@ -514,7 +509,7 @@ SAMPLER_MUTANTS = [   # (wrong E8.4, what its message must say): each its own hi
 
 
 def test_e8_4_the_written_form_passes(capsys):
-    passes(ch08.check_sample, sampler_written(), "E8.4", capsys)
+    passes(ch08.check_sample, sampler_written(), tag="E8.4", capsys=capsys)
 
 
 @pytest.mark.parametrize("fn,says", SAMPLER_MUTANTS, ids=["bf16_race", "bf16_quotient", "floor_1e-10",
@@ -522,7 +517,7 @@ def test_e8_4_the_written_form_passes(capsys):
                                                           "shared_noise", "filters_only_with_both", "filters_first"])
 def test_e8_4_each_mistake_gets_its_own_hint_in_every_run(fn, says):
     for _ in range(3):
-        fails(ch08.check_sample, fn, re.escape(says))
+        fails(ch08.check_sample, fn, match=re.escape(says))
 
 
 def test_e8_4_planted_noise_reaches_a_sampler_that_draws_with_exponential_():
@@ -569,7 +564,7 @@ COVERAGE = [   # (check, wrong answer, what its message must say)
 @pytest.mark.parametrize("check,fn,says", COVERAGE, ids=[f"{m[0].__name__}-{i}" for i, m in enumerate(COVERAGE)])
 def test_every_hint_is_reached(check, fn, says):
     for _ in range(3):
-        fails(check, fn, re.escape(says))
+        fails(check, fn, match=re.escape(says))
 
 
 # -- E8.5 -----------------------------------------------------------------------------------------------------
@@ -623,9 +618,9 @@ def penalties_with_item(logits, prompt_mask, output_counts, presence, frequency,
 
 
 def test_e8_5(capsys):
-    passes(ch08.check_penalties, ch08.reference_apply_penalties, "E8.5", capsys)
-    passes(ch08.check_penalties, penalties, "E8.5", capsys)          # the mutants' builder, unmutated
-    fails(ch08.check_penalties, stub, "E8.5: not implemented yet")
+    passes(ch08.check_penalties, ch08.reference_apply_penalties, tag="E8.5", capsys=capsys)
+    passes(ch08.check_penalties, penalties, tag="E8.5", capsys=capsys)          # the mutants' builder, unmutated
+    fails(ch08.check_penalties, stub, match="E8.5: not implemented yet")
 
 
 E8_5_MUTANTS = [   # (planted mistake, what the message must say)
@@ -653,13 +648,13 @@ E8_5_MUTANTS = [   # (planted mistake, what the message must say)
                                                              enumerate(E8_5_MUTANTS)])
 def test_e8_5_rejects_each_mistake_with_its_hint(mistake, says):
     for _ in range(3):                                  # fresh inputs each call: the hint must not be luck
-        fails(ch08.check_penalties, lambda *a: penalties(*a, **mistake), re.escape(says))
+        fails(ch08.check_penalties, lambda *a: penalties(*a, **mistake), match=re.escape(says))
 
 
 def test_e8_5_rejects_a_host_sync_and_an_unknown_mistake():
-    fails(ch08.check_penalties, penalties_with_item, r"host sync.*aten._local_scalar_dense")
+    fails(ch08.check_penalties, penalties_with_item, match=r"host sync.*aten._local_scalar_dense")
     # the repetition penalty squared: no named mistake, so the generic message with the formula
-    fails(ch08.check_penalties, lambda z, m, c, p, f, r: penalties(z, m, c, p, f, r * r), "differs from the reference")
+    fails(ch08.check_penalties, lambda z, m, c, p, f, r: penalties(z, m, c, p, f, r * r), match="differs from the reference")
 
 
 def test_e8_5_an_answer_wrong_only_in_a_non_square_batch_gets_a_message_not_a_crash():
@@ -676,4 +671,4 @@ def test_e8_5_an_answer_wrong_only_in_a_non_square_batch_gets_a_message_not_a_cr
         return z.float()
 
     for _ in range(3):
-        fails(ch08.check_penalties, bf16_maths, r"^E8\.5: .*7 rows x 151 tokens")
+        fails(ch08.check_penalties, bf16_maths, match=r"^E8\.5: .*7 rows x 151 tokens")

@@ -1,7 +1,7 @@
 """The engine is the last word (nanovllm_course/engine_check.py): an engine-part exercise's check cell runs the
 part inside the tiny engine, and a part that passes a unit check but breaks the engine fails its exercise.
 
-- every declared part of the solutions passes `in_the_engine` (and the run is cheap);
+- every declared part of the solutions passes `in_the_engine` (the seconds each took are recorded);
 - realistic wrong parts that a unit check can miss fail inside the engine, with what differed: a store reading
   V with K's strides (the issue's case), a store that skips slot 0, a sampler that samples greedy rows in a
   mixed batch, a block manager that leaks blocks (the engine stops instead of hanging), a part that raises;
@@ -41,14 +41,16 @@ def solution_parts(tmp_path_factory):
     return by_tag
 
 
-def test_every_solution_part_runs_inside_the_engine(solution_parts, capsys):
+def test_every_solution_part_runs_inside_the_engine(solution_parts, capsys, record_property):
     assert sorted(solution_parts, key=lambda t: [int(n) for n in t[1:].split(".")]) == [
         "E1.1", "E1.2", "E2.1", "E2.2", "E3.3", "E4.1", "E4.2", "E4.3", "E5.2", "E5.3", "E6.1", "E6.3", "E7.3",
         "E8.4", "E9.1", "E10.1", "E10.3"]
+    seconds = {}
     for tag, functions in solution_parts.items():
         start = time.perf_counter()
         in_the_engine(tag, **functions)
-        assert time.perf_counter() - start < 30, tag
+        seconds[tag] = round(time.perf_counter() - start, 2)
+    record_property("in_the_engine_seconds", seconds)   # what each check cell's engine run costs: a report
     assert capsys.readouterr().out == ""              # success prints nothing: the check's ok line is the verdict
 
 
@@ -117,10 +119,11 @@ class LeakyBlockManager(BlockManager):
 
 
 def test_a_block_manager_that_leaks_stops_the_engine_instead_of_hanging():
-    start = time.perf_counter()
-    with pytest.raises(AssertionError, match=r"^E5\.2: inside the tiny engine \(a tight KV cache"):
+    """The check returns with the engine's failure under the tight cache. (What bounds the run is the engine
+    check's step limit, MAX_STEPS, and a hang would be pytest-timeout's failure: no bound in seconds here.)"""
+    with pytest.raises(AssertionError, match=r"^E5\.2: inside the tiny engine \(a tight KV cache[^)]*\) your "
+                                             r"BlockManager raised "):
         in_the_engine("E5.2", BlockManager=LeakyBlockManager)
-    assert time.perf_counter() - start < 60
 
 
 def store_raising(key, value, k_cache, v_cache, slot_mapping):

@@ -2,7 +2,6 @@
 the prompt ids), and turns template and transformers errors into ValueErrors that name the argument."""
 import pytest
 
-from engine_helpers import LLM, tiny_dir
 from nanovllm_ref import SamplingParams
 
 SP = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -20,9 +19,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 DOCS = [{"title": "Paris", "text": "Paris is the capital of France."}]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=128)
+LLM_ARGS = dict(kvcache_block_size=4, max_model_len=128)      # the llm fixture (tests/conftest.py)
 
 
 def hf_ids(llm, conv, **kwargs):

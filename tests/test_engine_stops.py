@@ -13,9 +13,7 @@ PROMPT = "Prefix caching reuses"
 FREE = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=64)
+LLM_ARGS = dict(kvcache_block_size=4, max_model_len=64)       # the llm fixture (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

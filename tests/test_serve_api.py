@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 from serve_fake_engine import fake_answer
-from serve_helpers import ServerProcess, make_tokenizer_dir, need_curl
+from serve_helpers import ServerProcess, need_curl
 
 from nanovllm_ref import sampling_params
 from nanovllm_ref.entrypoints.openai.sampling import MAPPED
@@ -17,11 +17,6 @@ from nanovllm_ref.llm import chat_token_ids
 
 MAX_MODEL_LEN, KV_CACHE_TOKENS, EOS_AFTER = 256, 200, 24
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tokenizer_dir(tmp_path_factory.mktemp("serve_tok"))
 
 
 @pytest.fixture(scope="module")

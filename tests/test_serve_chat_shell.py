@@ -7,9 +7,8 @@ import sys
 import threading
 import time
 
-import pytest
 from serve_fake_engine import fake_answer
-from serve_helpers import FAKE, ROOT, child_env, make_tokenizer_dir
+from serve_helpers import FAKE, ROOT, child_env
 
 from nanovllm_ref.llm import chat_token_ids
 
@@ -37,11 +36,6 @@ class _Reader:
                     return self.text
             time.sleep(0.02)
         raise AssertionError(f"timed out waiting for {what}; output so far: {self.text!r}")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tokenizer_dir(tmp_path_factory.mktemp("serve_tok"))
 
 
 def test_chat_shell_streams_keeps_history_stops_on_ctrl_c_and_quits_on_ctrl_d(tmp_path, model_dir):

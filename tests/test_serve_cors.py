@@ -10,15 +10,10 @@ import sys
 import httpx
 import openai
 import pytest
-from serve_helpers import ROOT, ServerProcess, child_env, make_tokenizer_dir
+from serve_helpers import ROOT, ServerProcess, child_env
 
 PAGE = "http://page.example:5173"
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tokenizer_dir(tmp_path_factory.mktemp("cors_tok"))
 
 
 @pytest.fixture(scope="module")

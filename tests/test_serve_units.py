@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 from serve_fake_engine import FakeCompletion, FakeEngine, FakeRequestOutput, fake_answer
-from serve_helpers import make_tokenizer_dir
 
 from nanovllm_ref.entrypoints.openai import sampling
 from nanovllm_ref.entrypoints.openai.engine_loop import Aborted, EngineDead, EngineLoop, Overloaded
@@ -18,11 +17,6 @@ from nanovllm_ref.entrypoints.openai.serving_engine import (LLMEngineAdapter, ch
                                                             default_engine_factory, engine_request_api_missing)
 from nanovllm_ref import sampling_params as sampling_params_module
 from nanovllm_ref.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tokenizer_dir(tmp_path_factory.mktemp("serve_tok"))
 
 
 def _input(ids, max_tokens=8, **kw):
