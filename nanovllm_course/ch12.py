@@ -665,15 +665,32 @@ def check_completion_events(fn) -> None:
     shapes = [(1, 1, False), (1, rng.randint(2, 3), True), (rng.randint(2, 3), 1, False),
               (rng.randint(2, 3), rng.randint(2, 3), True), (rng.randint(1, 3), rng.randint(1, 3), rng.random() < 0.5)]
     state = held_state(fn)
-    for call, (num_prompts, n, include_usage) in enumerate(shapes):
+    cases = []
+    for num_prompts, n, include_usage in shapes:
         outputs = _stream_outputs(rng, num_prompts, n)
         head = {"id": f"cmpl-{rng.getrandbits(64):016x}", "created": rng.randint(1_700_000_000, 1_900_000_000),
                 "model": rng.choice(("tiny", "SmolLM2-135M-Instruct", "m"))}
         case = f"{num_prompts} prompt(s), n={n}, include_usage={include_usage}, {len(outputs)} engine outputs"
+        cases.append((head, n, outputs, include_usage, case))
+    results = {}                                            # case index -> the student's events, stop_reason stripped
+
+    def student_events(i):
+        if i not in results:
+            head, n, outputs, include_usage, case = cases[i]
+            got_raw = call_student(tag, fn, dict(head), n, list(outputs), include_usage)
+            check_no_state_kept(tag, fn, state, len(results) + 1,
+                                "the server calls completion_events for every streamed request")
+            results[i] = [_normal(e) for e in _events_ok(tag, got_raw, case)]
+        return results[i]
+
+    def mutant_events(i, kind):
+        head, n, outputs, include_usage, case = cases[i]
+        return _strip_stop_reason([_normal(e) for e in _events_ok(
+            tag, completion_events_variant(dict(head), n, outputs, include_usage, kind), case)])
+
+    for call, (head, n, outputs, include_usage, case) in enumerate(cases):
         want = [_normal(e) for e in _events_ok(tag, reference_completion_events(head, n, outputs, include_usage), case)]
-        got_raw = call_student(tag, fn, dict(head), n, list(outputs), include_usage)
-        check_no_state_kept(tag, fn, state, call + 1, "the server calls completion_events for every streamed request")
-        got = [_normal(e) for e in _events_ok(tag, got_raw, case)]
+        got = student_events(call)
         if not any("stop_reason" in c for e in got if isinstance(e, dict) and isinstance(e.get("choices"), list)
                    for c in e["choices"]):
             want = _strip_stop_reason(want)                  # stop_reason is vLLM's extra: optional
@@ -684,14 +701,23 @@ def check_completion_events(fn) -> None:
             fail(tag, f"event {k} of {case}: {_first_difference(got[k], want[k])}",
                  "stop_reason is what ended the choice: the stop string or stop id that matched, None for eos or "
                  "the length limit (the engine's CompletionOutput.stop_reason); or leave the field out")
-        for kind, message, hint in SSE_MUTANTS:
-            mutant = [_normal(e) for e in _events_ok(tag, completion_events_variant(dict(head), n, outputs,
-                                                                                  include_usage, kind), case)]
-            # A mistake that changes nothing on this case (the index mistake with one prompt) names nothing.
-            if _strip_stop_reason(mutant) == _strip_stop_reason(want):
-                continue
-            if _strip_stop_reason(mutant) == _strip_stop_reason(got):
-                fail(tag, f"{message} ({case})", hint)
+        # The planted mistakes that give the student's events on this case. A mistake that changes nothing on
+        # this case (the index mistake with one prompt) names nothing. Two mistakes can give the same events
+        # on one case (one prompt, n=2 and two engine outputs: counting the prompt per sample or per output
+        # both double it), so the student's is the one that also gives their events on every other case.
+        candidates = [(kind, message, hint) for kind, message, hint in SSE_MUTANTS
+                      if mutant_events(call, kind) != _strip_stop_reason(want)
+                      and mutant_events(call, kind) == _strip_stop_reason(got)]
+        for other in range(len(cases)):
+            if len(candidates) <= 1:
+                break
+            if other != call:
+                theirs = _strip_stop_reason(student_events(other))
+                narrowed = [m for m in candidates if mutant_events(other, m[0]) == theirs]
+                candidates = narrowed or candidates
+        if candidates:
+            kind, message, hint = candidates[0]
+            fail(tag, f"{message} ({case})", hint)
         if k == min(len(got), len(want)):
             fail(tag, f"{len(got)} events for {case}, the server sends {len(want)} (the first {k} agree; next: "
                       f"{json.dumps(want[k] if k < len(want) else got[k], ensure_ascii=False)[:160]})",
