@@ -92,6 +92,7 @@ SLOW = {
     "test_serve_lifecycle.py": "*", "test_serve_chat_shell.py": "*", "test_smollm2_engine.py": "*",
     "test_fused_kernels_bench.py": "*", "test_triton_engine.py": "*",
     "test_async_scheduling.py": ("test_async_outputs_equal_sync_and_hf",),
+    "test_engine_core_split.py": "*", "test_serve_faults.py": "*",
     "test_attention_backends.py": ("test_flash_adapter_maps_our_three_calls_onto_each_implementation",),
     "test_bench.py": ("test_a_missing_or_failing_peer_gets_a_row_with_the_reason_and_the_others_still_run",
                       "test_a_peer_past_its_time_limit_is_a_timeout_row",

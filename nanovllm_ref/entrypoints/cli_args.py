@@ -67,6 +67,9 @@ def add_serve_flags(p) -> None:
     p.add_argument("--port", type=_int_in("a TCP port", 1, 65535), default=8000, help="TCP port (1..65535)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the --model value)")
+    p.add_argument("--engine-core", choices=["process", "thread"], default=None,
+                   help="where the engine core (scheduler, model) runs: its own process, fed over ZMQ, or a thread "
+                        "of the server (default: process on CUDA, thread on a CPU)")
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="most requests held at once (waiting or running); one more is answered 503")
     p.add_argument("--max-request-bytes", type=_int_in("the body size", 1), default=DEFAULT_MAX_REQUEST_BYTES,

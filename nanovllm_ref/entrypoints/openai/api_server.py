@@ -511,13 +511,14 @@ def check_can_listen(host: str, port: int) -> None:
 def run_server(args, model_path: str, engine_args: dict) -> int:
     """Build the engine, serve until SIGTERM / SIGINT, return the exit status (0 after a clean shutdown).
     args: the parsed `serve` flags (entrypoints/cli_args.py). Raises ValueError / TypeError for bad flags."""
-    from nanovllm_ref.entrypoints.openai.serving_engine import build_engine
+    from nanovllm_ref.entrypoints.openai.serving_engine import build_engine, resolve_engine_core
+    engine_core = resolve_engine_core(getattr(args, "engine_core", None), engine_args.get("device", "auto"))
     try:
         check_can_listen(args.host, args.port)         # before the engine loads: a taken port fails in a second
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
-    engine = build_engine(model_path, engine_args, args.engine_factory, args.engine_factory_kwargs)
+    engine = build_engine(model_path, engine_args, args.engine_factory, args.engine_factory_kwargs, engine_core)
     try:
         engine_loop = EngineLoop(engine, args.max_queued_requests)
         app = build_app(engine_loop, args.served_model_name or args.model, args.max_request_bytes,

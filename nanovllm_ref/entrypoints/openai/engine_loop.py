@@ -23,13 +23,18 @@ Abort: a handler whose client went away calls `RequestGroup.abort()`; its unfini
 in the engine at the next tick (`abort_request` frees their KV blocks), or dropped before they reach it.
 
 Failure and shutdown: if `step()` raises, the engine is dead: every open request gets the error, and
-later submits raise EngineDead (503). `begin_shutdown()` (on SIGTERM) refuses new requests and aborts every
+later submits raise EngineDead (503). With the engine core in its own process (`serve --engine-core
+process`, engine/core_client.py) that covers the core dying: `step()` waits on the core's output socket and
+its process sentinel together, so a core that raised, was killed or ran out of memory fails the step at once;
+while idle the loop asks `engine.check_health()` every HEALTH_POLL_S. `begin_shutdown()` (on SIGTERM) refuses new requests and aborts every
 open one; `shutdown()` then stops the thread, which applies those aborts and calls `engine.exit()`.
 
 Threads: the groups and their queues belong to the event loop; the pending adds and aborts are shared, under
 one lock; the engine belongs to the engine thread. Python's GIL lets only one of the two threads run Python
-at a time, so host work in `step()` and the HTTP side's per-chunk work slow each other down (vLLM runs its
-engine in another process for this reason).
+at a time, so host work in `step()` and the HTTP side's per-chunk work slow each other down. With a process
+core (vLLM's split), that thread only does the front end's part of a step (detokenizing, stop strings,
+RequestOutputs: engine/output_processor.py) and waits on the core's socket, GIL released, the rest of the
+time; scheduling and the model run in the core's process.
 """
 import asyncio
 import itertools
@@ -38,6 +43,7 @@ import threading
 import time
 
 logger = logging.getLogger("uvicorn.error")          # the server's log (uvicorn configures it)
+HEALTH_POLL_S = 0.2                                    # how often an idle loop asks the engine check_health()
 
 
 class Overloaded(Exception):
@@ -159,6 +165,9 @@ class EngineLoop:
         """Start the engine thread; its results go to the running event loop (the app's lifespan calls it)."""
         self._event_loop = asyncio.get_running_loop()
         self._stopped = self._event_loop.create_future()
+        stats = getattr(self.engine, "stats", None)
+        if stats is not None:                                # /health has the engine's numbers from the start
+            self.engine_stats = stats()
         self._thread = threading.Thread(target=self._engine_main, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -234,13 +243,18 @@ class EngineLoop:
     # -- the loop (engine thread) ----------------------------------------------------------------------
     def _engine_main(self) -> None:
         has_unfinished, cycle_start = False, None
+        # An engine whose core can die on its own (a process core) is asked while idle too, so a core killed
+        # between requests fails the loop within HEALTH_POLL_S, not at the next request.
+        check_health = getattr(self.engine, "check_health", None)
         try:
             while True:
                 if has_unfinished and cycle_start is not None:      # one whole cycle while requests ran
                     self.timing["busy_s"] += time.perf_counter() - cycle_start
                 with self._cond:
                     while not (self._pending_adds or self._pending_aborts or has_unfinished or self._stop):
-                        self._cond.wait()
+                        self._cond.wait(HEALTH_POLL_S if check_health is not None else None)
+                        if check_health is not None:
+                            check_health()
                     adds, self._pending_adds = self._pending_adds, []
                     aborts, self._pending_aborts = self._pending_aborts, set()
                     stop = self._stop

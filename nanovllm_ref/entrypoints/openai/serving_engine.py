@@ -31,6 +31,8 @@ Contract (vLLM's `LLMEngine` request API has the same shape):
   change after start-up).
 - Optional: `stats() -> dict[str, int]`, numbers about the engine now (sequences running and waiting, free KV
   blocks); the loop reads them after each tick and GET /health shows them.
+- Optional: `check_health()` raises when the engine can no longer run (LLMEngine's core process died:
+  EngineCoreDead); the loop calls it a few times a second while idle, so /health turns 503 without a request.
 - Facts the server checks requests against, before they reach the engine: `tokenizer` (a transformers
   tokenizer: `encode`, `decode`, `apply_chat_template`), `max_model_len`, `vocab_size` (prompt ids must
   lie in [0, vocab_size)), `kv_cache_tokens` (tokens whose K/V the whole cache holds; None if unknown).
@@ -114,8 +116,10 @@ class LLMEngineAdapter:
         """engine/request.py's check_request, the one add_request runs: it reads the config, the tokenizer and
         the scheduler's class, none of which change once the engine runs, so the HTTP thread may call it."""
         from nanovllm_ref.engine.request import check_request
+        client = getattr(self.engine, "core_client", None)
+        scheduler_cls = client.scheduler_cls if client is not None else type(self.engine.scheduler)
         check_request(prompt_token_ids, sampling_params, tokenizer=self.tokenizer, config=self.engine.config,
-                      scheduler_cls=type(self.engine.scheduler), where=where, sp_where="the request")
+                      scheduler_cls=scheduler_cls, where=where, sp_where="the request")
 
     def abort_request(self, request_id):
         self.engine.abort_request(request_id)
@@ -129,9 +133,21 @@ class LLMEngineAdapter:
     def exit(self):
         self.engine.exit()
 
+    def check_health(self) -> None:
+        """Raise EngineCoreDead (engine/core_client.py) if the engine core failed or its process died; the loop
+        calls it while idle, so a core killed between requests turns /health to 503 within a poll."""
+        client = getattr(self.engine, "core_client", None)
+        if client is not None:
+            client.check_health()
+
     def stats(self) -> dict:
         """Sequences running / waiting and KV blocks free / in all (a replaced scheduler or block manager may
-        lack some of them: those are left out)."""
+        lack some of them: those are left out), as the core reported them after its last step taken in; with
+        a process core also its pid and the seconds it spent in those steps (`core_step_s`)."""
+        from nanovllm_ref.engine.core_client import ProcessClient
+        client = getattr(self.engine, "core_client", None)
+        if isinstance(client, ProcessClient):
+            return {**self.engine.core_stats, "core_pid": client.pid, "core_step_s": round(self.engine.core_step_s, 6)}
         scheduler = self.engine.scheduler
         out = {name: len(getattr(scheduler, name)) for name in ("running", "waiting") if hasattr(scheduler, name)}
         free = getattr(getattr(scheduler, "block_manager", None), "num_free_blocks", None)
@@ -141,10 +157,30 @@ class LLMEngineAdapter:
         return out
 
 
-def default_engine_factory(model: str, **engine_args) -> LLMEngineAdapter:
-    """The real engine: `LLMEngine(model, **engine_args)` behind the adapter (its errors pass through)."""
+ENGINE_CORE_FLAGS = ("process", "thread")
+
+
+def resolve_engine_core(flag: str | None, device: str = "auto") -> str:
+    """The `serve --engine-core` flag as LLMEngine's engine_core: "process" (the core in its own process, fed
+    over ZMQ: the event loop's JSON and SSE work no longer shares the GIL with scheduling and the model's
+    host work) or "thread" ("inproc": the core on the server's engine thread). None: process on CUDA; on a CPU
+    thread, since there the model's own compute dominates a step, a second process only adds its start-up
+    (a second torch import and weight load, seconds on a 2-core machine) and the two processes share the
+    same few cores. Raises ValueError for another value."""
+    if flag is None:
+        import torch
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        flag = "process" if cuda else "thread"
+    if flag not in ENGINE_CORE_FLAGS:
+        raise ValueError(f"--engine-core must be one of {list(ENGINE_CORE_FLAGS)}, got {flag!r}")
+    return "process" if flag == "process" else "inproc"
+
+
+def default_engine_factory(model: str, engine_core: str = "inproc", **engine_args) -> LLMEngineAdapter:
+    """The real engine: `LLMEngine(model, engine_core=engine_core, **engine_args)` behind the adapter (its
+    errors pass through)."""
     from nanovllm_ref.engine.llm_engine import LLMEngine
-    return LLMEngineAdapter(LLMEngine(model, **engine_args))
+    return LLMEngineAdapter(LLMEngine(model, engine_core=engine_core, **engine_args))
 
 
 def load_engine_factory(spec: str | None) -> Callable[..., ServingEngine]:
@@ -166,10 +202,11 @@ def load_engine_factory(spec: str | None) -> Callable[..., ServingEngine]:
 
 
 def build_engine(model_path: str, engine_args: dict, factory_spec: str | None = None,
-                 factory_kwargs: str | None = None) -> ServingEngine:
+                 factory_kwargs: str | None = None, engine_core: str | None = None) -> ServingEngine:
     """The engine `serve` and `chat` run: the factory named by factory_spec (default: the real engine) called
-    as factory(model_path, **engine_args, **json.loads(factory_kwargs)). Raises ValueError for a bad spec or
-    kwargs, TypeError if the result is no ServingEngine."""
+    as factory(model_path, **engine_args, **json.loads(factory_kwargs)), plus engine_core= ("inproc" or
+    "process", resolve_engine_core) when given and the factory takes a parameter of that name. Raises
+    ValueError for a bad spec or kwargs, TypeError if the result is no ServingEngine."""
     factory = load_engine_factory(factory_spec)
     try:
         extra = json.loads(factory_kwargs or "{}")
@@ -177,6 +214,8 @@ def build_engine(model_path: str, engine_args: dict, factory_spec: str | None = 
         raise ValueError(f"--engine-factory-kwargs must be a JSON object: {exc}") from exc
     if not isinstance(extra, dict):
         raise ValueError(f"--engine-factory-kwargs must be a JSON object, got {type(extra).__name__}")
+    if engine_core is not None and "engine_core" in inspect.signature(factory).parameters:
+        extra = {"engine_core": engine_core, **extra}
     engine = factory(model_path, **engine_args, **extra)
     check_serving_engine(engine)
     return engine
