@@ -165,6 +165,18 @@ def summarize(results: list[dict], max_tokens: list[int], rate: float, wall_s: f
             **{k: v for k, v in summary.items() if k not in ("completed", "failed")}}
 
 
+def health_snapshot(base_url: str):
+    """GET /health's JSON body, or None when the server answers none (vLLM's /health has an empty body) or
+    fails to answer within 5 s: a snapshot is a record's extra, never a reason for a run to fail."""
+    import httpx
+    try:
+        res = httpx.get(base_url.rstrip("/") + "/health", timeout=5)
+        body = res.json() if res.status_code == 200 and res.content else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def served_model(base_url: str) -> str:
     import httpx
     return httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -197,8 +209,12 @@ def cmd_run(args) -> int:
         return 1
     runs = []
     for rate in rates:
+        before = health_snapshot(args.base_url)
         result = asyncio.run(run_rate(args.base_url, model, prompts, max_tokens, rate, args.temperature,
                                       args.seed, args.time_limit))
+        # Where the server spent this rate's steps, when its /health says (ours: the front end's loop timing
+        # and the engine core's step timing, summed over its life, so the difference is this rate's).
+        result["health"] = {"before": before, "after": health_snapshot(args.base_url)}
         runs.append(result)
         print(f"{args.server:14s} rate {result['rate']!s:>5}: {result['completed']}/{result['num_requests']} ok, "
               f"{result['output_throughput'] or 0:9.1f} out tok/s, {result['request_throughput'] or 0:6.2f} req/s, "

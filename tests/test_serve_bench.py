@@ -65,6 +65,10 @@ def test_client_runs_the_rates_against_the_fake_server_and_plots(tmp_path):
         assert 0 < r["ttft_ms"]["p50"] <= r["e2e_s"]["p50"] * 1e3
         assert r["tpot_ms"]["p50"] > 0 and r["output_throughput"] > 0 and r["request_throughput"] > 0
         assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+        # /health before and after the rate: the server's loop counted this rate's steps
+        before, after = r["health"]["before"], r["health"]["after"]
+        assert after["loop"]["steps"] > before["loop"]["steps"] and after["loop"]["step_s"] > before["loop"]["step_s"]
+    assert serve_bench.health_snapshot("http://127.0.0.1:9") is None        # nothing listens: no snapshot, no error
     # Token-id prompts reach the engine as they are, with max_tokens and ignore_eos (plus the warm-up request).
     prompts, _ = serve_bench.make_workload(**workload)
     sent = sorted((a["prompt_token_ids"], a["max_tokens"], a["ignore_eos"]) for a in adds[1:])
