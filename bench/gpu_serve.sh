@@ -70,7 +70,9 @@ fi
 
 if [ -z "${SKIP_OURS:-}" ]; then
   say "nanovllm_ref serve"
-  PYTHONPATH="$PWD:$SITE" python3 -m nanovllm_ref serve --model "$MODEL" "${COMMON[@]}" --port 8200 \
+  # --engine-core process: the engine core in its own process (issue 28), the default on CUDA, named here so
+  # the record says which split it measured.
+  PYTHONPATH="$PWD:$SITE" python3 -m nanovllm_ref serve --model "$MODEL" "${COMMON[@]}" --engine-core process --port 8200 \
     --log-level warning > "$OUT/serve_nanovllm_ref.log" 2>&1 &
   PID=$! T0=$SECONDS LIMIT=${OURS_S:-220}
   if wait_health http://127.0.0.1:8200 $PID $((LIMIT - 60)); then

@@ -4,12 +4,15 @@
     python -m nanovllm_bench serve overhead --model ~/.cache/nanovllm_ref/models/SmolLM2-135M-Instruct \
         --max-tokens 32 --record bench/results/serve_overhead_cpu.json
 
-One workload, three ways, on the CPU:
+One workload, four ways, on the CPU:
 1. `advance` : LLMEngine.advance() until done, the bare engine step (no outputs built; what generate runs);
 2. `step`    : LLMEngine.step() until done: the same step plus one RequestOutput per running request;
-3. `server`  : `python -m nanovllm_ref serve` in its own process, `streams` clients streaming the same
-   requests at once (httpx, SSE); the server's engine loop reports its own host time (GET /health "loop":
-   engine.step() seconds, whole ticks, and _deliver on the event loop).
+3. `server`  : `python -m nanovllm_ref serve --engine-core thread` in its own process, `streams` clients
+   streaming the same requests at once (httpx, SSE); the server's engine loop reports its own host time (GET
+   /health "loop": engine.step() seconds, whole ticks, and _deliver on the event loop);
+4. `server_process`: the same with `--engine-core process` (issue 28): the core steps in a process of its
+   own; the server's engine thread is the front end (detokenizing, RequestOutputs). Per step here means per
+   core step (GET /health "engine": core_steps, and core_step_s, the core's own seconds in them).
 
 Per step (milliseconds, median of `repeats` runs): the bare step, the step with outputs (their difference
 is output building), and in the server: engine.step() as the loop measured it (GIL waits included: the
@@ -102,23 +105,31 @@ def free_port() -> int:
 
 def served_run(url: str, prompts, max_tokens: int) -> dict:
     """One run of the workload through the server, streamed by len(prompts) clients at once: per-step times
-    from the loop's own counters (GET /health before and after)."""
+    from the loop's own counters (GET /health before and after). With a process core, per core step, and
+    `core_step_ms_per_step` the core's own time."""
     import httpx
-    before = httpx.get(url + "/health", timeout=10).json()["loop"]
+    h0 = httpx.get(url + "/health", timeout=10).json()
     wall = asyncio.run(_stream_all(url, prompts, max_tokens))
-    after = httpx.get(url + "/health", timeout=10).json()["loop"]
+    h1 = httpx.get(url + "/health", timeout=10).json()
+    before, after = h0["loop"], h1["loop"]
     d = {k: after[k] - before[k] for k in after}
     steps = d["steps"]
-    return {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+    core = {}
+    if "core_steps" in h1["engine"]:
+        steps = h1["engine"]["core_steps"] - h0["engine"]["core_steps"]
+        core = {"front_end_calls": d["steps"],
+                "core_step_ms_per_step": (h1["engine"]["core_step_s"] - h0["engine"]["core_step_s"]) / steps * 1e3}
+    return {"steps": steps, "wall_ms_per_step": wall / steps * 1e3, **core,
             **{f"{k[:-2]}_ms_per_step": d[k] / steps * 1e3 for k in ("step_s", "tick_s", "busy_s", "engine_cpu_s",
                                                                         "deliver_s")},
             # CPU time of everything but the engine's ticks: the event loop (HTTP, SSE chunks), the hand-off
             "http_cpu_ms_per_step": (d["process_cpu_s"] - d["engine_cpu_s"]) / steps * 1e3}
 
 
-def measure(model: str, streams: int = 16, max_tokens: int = 64, repeats: int = 3) -> dict:
+def measure(model: str, streams: int = 16, max_tokens: int = 64, repeats: int = 3,
+            engine_cores=("thread", "process")) -> dict:
     """The record: workload, offline and server per-step times (ms, medians), and what the server adds per
-    step. The three ways alternate, run after run, so a load that comes and goes on a shared machine
+    step, for each `serve --engine-core` in engine_cores ("server" for thread, "server_process" for process). The three ways alternate, run after run, so a load that comes and goes on a shared machine
     falls on all of them; CPU times (thread_time / process_time) are less sensitive to it than wall times."""
     import torch
     from transformers import AutoConfig
@@ -127,27 +138,41 @@ def measure(model: str, streams: int = 16, max_tokens: int = 64, repeats: int = 
     from nanovllm_ref.engine.llm_engine import LLMEngine
     prompts = workload(streams, max_tokens, AutoConfig.from_pretrained(model).vocab_size)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(model, port, os.path.join(tempfile.mkdtemp(prefix="serve_overhead_"), "server.log"))
-    engine = LLMEngine(model, **ENGINE)
-    runs = {"advance": [], "step": [], "server": []}
+    names = {"thread": "server", "process": "server_process"}
+    servers, logs = {}, tempfile.mkdtemp(prefix="serve_overhead_")
+    engine = None
+    runs = {"advance": [], "step": [], **{names[c]: [] for c in engine_cores}}
     try:
-        asyncio.run(_stream_all(url, prompts[:1], 4))                  # warm-up, both
+        for core in engine_cores:
+            port = free_port()
+            servers[names[core]] = (start_server(model, port, os.path.join(logs, f"server_{core}.log"),
+                                                 [*FLAGS, "--engine-core", core]), f"http://127.0.0.1:{port}")
+        engine = LLMEngine(model, **ENGINE)
+        for _, url in servers.values():
+            asyncio.run(_stream_all(url, prompts[:1], 4))              # warm-up, all
         offline_run(engine, prompts[:1], SamplingParams(temperature=0, max_tokens=4), "advance")
         for _ in range(repeats):
             runs["advance"].append(offline_run(engine, prompts, sp, "advance"))
             runs["step"].append(offline_run(engine, prompts, sp, "step"))
-            runs["server"].append(served_run(url, prompts, max_tokens))
+            for name, (_, url) in servers.items():
+                runs[name].append(served_run(url, prompts, max_tokens))
     finally:
-        engine.exit()
-        stop_server(proc)
+        if engine is not None:
+            engine.exit()
+        for proc, _ in servers.values():
+            stop_server(proc)
     med = {kind: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for kind, rs in runs.items()}
-    off, srv = {k: med[k] for k in ("advance", "step")}, med["server"]
+    off = {k: med[k] for k in ("advance", "step")}
+    srv = med.get("server") or med["server_process"]
+    split = {}
+    if "server_process" in med:
+        sp_ = med["server_process"]
+        split = {"server_process": sp_,
+                 "server_process_adds_ms_per_step": sp_["wall_ms_per_step"] - off["advance"]["wall_ms_per_step"]}
     return {"workload": "serve_overhead", "model": os.path.basename(os.path.normpath(model)), "streams": streams,
             "max_tokens": max_tokens, "prompt_tokens": sum(map(len, prompts)), "repeats": repeats,
             "engine": ENGINE, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "offline": off, "server": srv,
+            "offline": off, "server": srv, **split,
             "output_building_ms_per_step": off["step"]["cpu_ms_per_step"] - off["advance"]["cpu_ms_per_step"],
             "engine_thread_extra_cpu_ms_per_step": srv["engine_cpu_ms_per_step"] - off["step"]["cpu_ms_per_step"],
             "server_adds_ms_per_step": srv["wall_ms_per_step"] - off["advance"]["wall_ms_per_step"],
@@ -162,7 +187,12 @@ def summary(record: dict) -> str:
             f"engine.step {srv['step_ms_per_step']:.2f}, cycle {srv['busy_ms_per_step']:.2f}, wall "
             f"{srv['wall_ms_per_step']:.2f}; CPU engine thread {srv['engine_cpu_ms_per_step']:.2f}, HTTP side "
             f"{srv['http_cpu_ms_per_step']:.2f}, deliver {srv['deliver_ms_per_step']:.3f}; "
-            f"{srv['steps']:.0f} steps vs {off['advance']['steps']:.0f} offline")
+            f"{srv['steps']:.0f} steps vs {off['advance']['steps']:.0f} offline"
+            + (f"; process core: wall {record['server_process']['wall_ms_per_step']:.2f}, core step "
+               f"{record['server_process']['core_step_ms_per_step']:.2f}, front-end CPU "
+               f"{record['server_process']['engine_cpu_ms_per_step']:.2f}, HTTP side "
+               f"{record['server_process']['http_cpu_ms_per_step']:.2f} per core step"
+               if "server_process" in record else ""))
 
 
 def main(args) -> int:

@@ -91,6 +91,7 @@ class LLMEngine:
         self.last_steps: list[StepStats] = []         # every core step the last step() took in (process core)
         self.core_stats: dict = {}                    # the core's scheduler_stats after the last step taken in
         self.core_step_s = 0.0                        # the core's seconds in the steps taken in so far
+        self.core_steps = 0                           # the core steps taken in so far (messages that launched one)
         self.generate_stats: dict = {}
         self._closed = False
         atexit.register(self.exit)
@@ -225,6 +226,7 @@ class LLMEngine:
         for outs in self.core_client.get_outputs():
             if outs.step is not None:
                 steps.append(StepStats(outs.step.kind, outs.step.num_tokens, outs.step.num_seqs))
+                self.core_steps += 1
             self.core_stats = outs.scheduler_stats
             self.core_step_s += outs.step_s
             states, aborts = self.output_processor.process_outputs(outs.outputs)

@@ -143,11 +143,13 @@ class LLMEngineAdapter:
     def stats(self) -> dict:
         """Sequences running / waiting and KV blocks free / in all (a replaced scheduler or block manager may
         lack some of them: those are left out), as the core reported them after its last step taken in; with
-        a process core also its pid and the seconds it spent in those steps (`core_step_s`)."""
+        a process core also its pid, the core steps taken in (`core_steps`) and the seconds the core spent in them
+        (`core_step_s`)."""
         from nanovllm_ref.engine.core_client import ProcessClient
         client = getattr(self.engine, "core_client", None)
         if isinstance(client, ProcessClient):
-            return {**self.engine.core_stats, "core_pid": client.pid, "core_step_s": round(self.engine.core_step_s, 6)}
+            return {**self.engine.core_stats, "core_pid": client.pid, "core_steps": self.engine.core_steps,
+                    "core_step_s": round(self.engine.core_step_s, 6)}
         scheduler = self.engine.scheduler
         out = {name: len(getattr(scheduler, name)) for name in ("running", "waiting") if hasattr(scheduler, name)}
         free = getattr(getattr(scheduler, "block_manager", None), "num_free_blocks", None)
