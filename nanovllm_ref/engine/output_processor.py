@@ -159,23 +159,26 @@ class OutputProcessor:
         """Take one core step's deltas in. Returns (the requests that got a new token, in the order their first
         delta came, finished ones included and dropped from `requests`; the (core id, sample index) pairs the
         core must abort: samples a stop string ended here)."""
-        progressed, aborts = {}, []
+        progressed, aborts, ended = {}, [], []
+        by_core_id = self._by_core_id
         for out in outputs:
-            state = self._by_core_id.get(out.request_id)
+            state = by_core_id.get(out.request_id)
             if state is None:                  # aborted here, or finished here while the core ran on
                 continue
             if out.new_prompt_logprobs:
                 state.prompt_logprobs.extend(out.new_prompt_logprobs)
             sample = state.samples[out.index]
-            if sample.finished or not out.new_token_ids:
+            if sample.finish_reason is not None or not out.new_token_ids:
                 continue
             if self._take_tokens(state.sampling_params, sample, out):
                 aborts.append((out.request_id, out.index))
             progressed[state.request_id] = state
-        for request_id, state in progressed.items():
-            if state.finished:
-                del self.requests[request_id]
-                del self._by_core_id[state.core_id]
+            if sample.finish_reason is not None:
+                ended.append(state)            # only a request with a sample that just ended can be done
+        for state in ended:
+            if state.finished and state.request_id in self.requests:
+                del self.requests[state.request_id]
+                del by_core_id[state.core_id]
         return list(progressed.values()), aborts
 
     @staticmethod
@@ -183,9 +186,17 @@ class OutputProcessor:
         """Append the delta's tokens (and their logprob rows) to `sample`, matching stop strings token by token;
         returns True if a stop string ended a sample the core is still running."""
         ids, rows = out.new_token_ids, out.new_logprobs
-        last = len(ids) - 1
         # The core's own stop on a token id (eos, stop_token_ids): that token's text is not searched.
         token_stop = out.finish_reason == "stop"
+        if not sp.stop and rows is None:
+            # The usual delta (no stop strings, no logprobs): nothing to look at token by token. This runs for
+            # every sample of every step, so it is kept to one extend.
+            sample.token_ids.extend(ids)
+            if out.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+                sample.hide_last_token_text = token_stop and not sp.include_stop_str_in_output
+            return False
+        last = len(ids) - 1
         for j, token_id in enumerate(ids):
             sample.token_ids.append(token_id)
             if rows is not None:
