@@ -106,6 +106,12 @@ def test_process_core_gives_the_inproc_ids_text_and_logprobs(engines):
                 assert all(o.text.startswith(q.text) for o, q in zip(out.outputs, prev.outputs))
             last[out.request_id] = out
     _same(a, [last[f"s{i}"] for i in range(3)])
+    # the core's steps by what they launched after what add up to its totals; the first came after idle
+    kinds = process.core_step_kinds
+    assert sum(n for n, _, _ in kinds.values()) == process.core_steps
+    assert abs(sum(t for _, t, _ in kinds.values()) - process.core_step_s) < 1e-6
+    assert kinds["idle>prefill"][0] >= 1 and kinds["decode>decode"][0] >= 1
+    assert set(kinds) <= {f"{a}>{b}" for a in ("idle", "prefill", "decode") for b in ("prefill", "decode")}
 
 
 def test_a_stop_string_with_async_scheduling_drops_the_token_in_flight():

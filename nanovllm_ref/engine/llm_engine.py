@@ -92,6 +92,11 @@ class LLMEngine:
         self.core_stats: dict = {}                    # the core's scheduler_stats after the last step taken in
         self.core_step_s = 0.0                        # the core's seconds in the steps taken in so far
         self.core_steps = 0                           # the core steps taken in so far (messages that launched one)
+        # The core's step time by what it launched after what: {"decode>prefill": [steps, seconds, tokens], ...}.
+        # With async scheduling a core step launches step n+1 and waits for step n, so a prefill's host cost
+        # shows in "decode>prefill" and its device time in the "prefill>decode" step after it.
+        self.core_step_kinds: dict[str, list] = {}
+        self._last_core_kind = "idle"
         self.generate_stats: dict = {}
         self._closed = False
         atexit.register(self.exit)
@@ -227,6 +232,14 @@ class LLMEngine:
             if outs.step is not None:
                 steps.append(StepStats(outs.step.kind, outs.step.num_tokens, outs.step.num_seqs))
                 self.core_steps += 1
+                key = f"{self._last_core_kind}>{outs.step.kind}"
+                kind = self.core_step_kinds.setdefault(key, [0, 0.0, 0])
+                kind[0] += 1
+                kind[1] += outs.step_s
+                kind[2] += outs.step.num_tokens
+                self._last_core_kind = outs.step.kind
+            elif not outs.outputs:
+                self._last_core_kind = "idle"
             self.core_stats = outs.scheduler_stats
             self.core_step_s += outs.step_s
             states, aborts = self.output_processor.process_outputs(outs.outputs)
