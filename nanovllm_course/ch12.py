@@ -1417,6 +1417,48 @@ class Server:
         return status
 
 
+# -- 12.6 the GIL, measured: an engine's steps with and without Python work beside them --------------------------
+def http_side_load(stop) -> int:
+    """What the HTTP side does per chunk, as pure Python, until the threading.Event `stop` is set: build an SSE
+    chunk's dict and json.dumps it (both hold the GIL all the way). Returns the chunks made."""
+    made = 0
+    while not stop.is_set():
+        chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1796000000, "model": "m",
+                 "choices": [{"index": 0, "text": " token", "logprobs": None, "finish_reason": None}]}
+        f"data: {json.dumps(chunk)}\n\n"
+        made += 1
+    return made
+
+
+def gil_steps(llm, load: bool, num_requests: int = 8, max_tokens: int = 32) -> dict:
+    """Run num_requests greedy requests of max_tokens tokens to the end on `llm` (an LLM with any engine core),
+    with `load` a thread of this process running `http_side_load` meanwhile (the server's event loop, which
+    shares this process's GIL). Returns {"steps", "core_ms" (the core's own time per step: EngineCoreOutputs.step_s,
+    measured where the core runs), "wall_ms" (wall time per step seen by the caller), "chunks" (what the load
+    thread made)}."""
+    import threading
+
+    from nanovllm_ref import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    stop, made = threading.Event(), []
+    thread = threading.Thread(target=lambda: made.append(http_side_load(stop)), daemon=True)
+    for i in range(num_requests):
+        llm.add_request([5 + i, 6, 7, 8], sp)
+    if load:
+        thread.start()
+    core_s, steps, start = llm.core_step_s, 0, time.perf_counter()
+    while not llm.is_finished():
+        llm.step()
+        steps += len(llm.last_steps)
+    wall = time.perf_counter() - start
+    stop.set()
+    if load:
+        thread.join()
+    steps = max(steps, 1)
+    return {"steps": steps, "core_ms": (llm.core_step_s - core_s) / steps * 1e3, "wall_ms": wall / steps * 1e3,
+            "chunks": made[0] if made else 0}
+
+
 # -- TTFT and TPOT, live: the engine driven by arrivals in-process ---------------------------------------------------
 def online_run(llm, prompts, max_tokens: int, rate: float, seed: int = 0) -> dict:
     """Drive `llm` (an LLM / LLMEngine) as the server's loop does, without HTTP: request i arrives at the i-th
