@@ -25,6 +25,13 @@
   models) on fresh random streams (1-3 prompts, n = 1-3, samples that finish at different steps, steps that
   add no text, text that ends in multi-byte characters): the same events in the same order, each
   `data: {json}\\n\\n` with the same fields, then `data: [DONE]\\n\\n`.
+- `check_process_outputs(fn)` (E12.4): the student's `process_outputs(requests, outputs)`, the front end's half of a
+  step (the core's token-id deltas in: ids and text per sample, stop strings that end in the new text, the
+  samples to abort in the core out, late tokens and forgotten requests dropped), replayed on streams recorded
+  from the engine's own `nanovllm_ref.engine.output_processor.OutputProcessor` fed by a simulated core that runs
+  ahead (a sample it is asked to abort gets 0-2 more outputs) and a client that leaves: after every step the same
+  ids, text, finish and stop reasons per sample, the same aborts, the same requests left. The draws are redrawn
+  until each planted mistake (FRONT_MUTANTS) gives answers of its own, so a failure names the one it matches.
 
 Each check prints `E12.n ok` and nothing else on success and draws new inputs on every call. On a wrong answer
 it runs the usual wrong answers on the failing case and names the one that matches.
@@ -33,7 +40,8 @@ Tools: `byte_level_tokenizer()`, `metaspace_tokenizer()` and `llama_tokenizer()`
 memory), `Server`
 (`python -m nanovllm_ref serve` in a subprocess on a free port), `online_run` (the engine driven by Poisson
 arrivals in-process, with every request's TTFT and TPOT), `serve_record()` and `overhead_record()` (the
-committed records the chapter reads).
+committed records the chapter reads), `gil_steps` (section 12.6: an engine's time per step with and without a
+thread of pure Python beside it).
 """
 from __future__ import annotations
 
@@ -1595,7 +1603,7 @@ EXERCISES = exercises(
     Exercise("E12.4", check_process_outputs, ("process_outputs",), (reference_process_outputs,)),
 )
 # No engine parts: the exercises are the serving layer's own rules (apply_pending, the detokenizer step, the SSE
-# events). None is a `nanovllm_ref.Parts` field: Parts holds what runs inside a step (layers, inputs, attention,
+# events, the front end's step). None is a `nanovllm_ref.Parts` field: Parts holds what runs inside a step (layers, inputs, attention,
 # block manager, scheduler, sampler, graph sizes), and the serving layer sits outside LLMEngine, calling its
-# request API; the detokenizer is the engine's own, not swappable. So export and the capstone take nothing here.
+# request API; the detokenizer and the OutputProcessor are the engine's own, not swappable. So export and the capstone take nothing here.
 PARTS: list = []
