@@ -1299,8 +1299,10 @@ def _front_describe(case, k, got=None, want=None) -> str:
     """The step and the request (its settings) where the student's answers first differ from the engine's."""
     rid = None
     if got is not None and want is not None:
-        diff = [a[0] for a in set(got["aborts"]) ^ set(want["aborts"])] + sorted(set(got["requests"]) ^ set(want["requests"]))
-        diff += [cid for cid in want["samples"] if got["samples"].get(cid) != want["samples"][cid]]
+        # in _front_difference's order: the samples, then the aborts, then the requests left
+        diff = [cid for cid in want["samples"] if got["samples"].get(cid) != want["samples"][cid]]
+        diff += [a[0] for a in sorted(set(got["aborts"]) ^ set(want["aborts"]))]
+        diff += sorted(set(got["requests"]) ^ set(want["requests"]))
         rid = diff[0] if diff else None
     r = next((r for r in case["requests"] if r["core_id"] == rid), None)
     if r is None:
@@ -1603,7 +1605,8 @@ EXERCISES = exercises(
     Exercise("E12.4", check_process_outputs, ("process_outputs",), (reference_process_outputs,)),
 )
 # No engine parts: the exercises are the serving layer's own rules (apply_pending, the detokenizer step, the SSE
-# events, the front end's step). None is a `nanovllm_ref.Parts` field: Parts holds what runs inside a step (layers, inputs, attention,
-# block manager, scheduler, sampler, graph sizes), and the serving layer sits outside LLMEngine, calling its
-# request API; the detokenizer and the OutputProcessor are the engine's own, not swappable. So export and the capstone take nothing here.
+# events, the front end's step). None is a `nanovllm_ref.Parts` field: Parts holds what runs inside a step
+# (layers, inputs, attention, block manager, scheduler, sampler, graph sizes), and the serving layer sits outside
+# LLMEngine, calling its request API; the detokenizer and the OutputProcessor are the engine's own, not
+# swappable. So export and the capstone take nothing here.
 PARTS: list = []
