@@ -25,6 +25,13 @@
   models) on fresh random streams (1-3 prompts, n = 1-3, samples that finish at different steps, steps that
   add no text, text that ends in multi-byte characters): the same events in the same order, each
   `data: {json}\\n\\n` with the same fields, then `data: [DONE]\\n\\n`.
+- `check_process_outputs(fn)` (E12.4): the student's `process_outputs(requests, outputs)`, the front end's half of a
+  step (the core's token-id deltas in: ids and text per sample, stop strings that end in the new text, the
+  samples to abort in the core out, late tokens and forgotten requests dropped), replayed on streams recorded
+  from the engine's own `nanovllm_ref.engine.output_processor.OutputProcessor` fed by a simulated core that runs
+  ahead (a sample it is asked to abort gets 0-2 more outputs) and a client that leaves: after every step the same
+  ids, text, finish and stop reasons per sample, the same aborts, the same requests left. The draws are redrawn
+  until each planted mistake (FRONT_MUTANTS) gives answers of its own, so a failure names the one it matches.
 
 Each check prints `E12.n ok` and nothing else on success and draws new inputs on every call. On a wrong answer
 it runs the usual wrong answers on the failing case and names the one that matches.
@@ -33,10 +40,12 @@ Tools: `byte_level_tokenizer()`, `metaspace_tokenizer()` and `llama_tokenizer()`
 memory), `Server`
 (`python -m nanovllm_ref serve` in a subprocess on a free port), `online_run` (the engine driven by Poisson
 arrivals in-process, with every request's TTFT and TPOT), `serve_record()` and `overhead_record()` (the
-committed records the chapter reads).
+committed records the chapter reads), `gil_steps` (section 12.6: an engine's time per step with and without a
+thread of pure Python beside it).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -940,6 +949,438 @@ def check_apply_pending(fn) -> None:
     ok(tag)
 
 
+# -- E12.4 the front end's half of a step: token-id deltas in, text, stop strings and aborts out ----------------
+class FrontSample:
+    """One sample of a request in the front end (E12.4): `index`, `token_ids` (the completion's ids so far),
+    `text` (its text so far), `finish_reason` / `stop_reason` (None while it runs), and `detokenize(ids) -> str`,
+    the new text of ids that follow every id passed before (the engine's IncrementalDetokenizer, E12.2)."""
+
+    def __init__(self, index: int, detokenize):
+        self.index = index
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason = None
+        self.stop_reason = None
+        self.detokenize = detokenize
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self):
+        return (f"FrontSample(index={self.index}, token_ids={self.token_ids}, text={self.text!r}, "
+                f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})")
+
+
+class FrontRequest:
+    """One request in the front end (E12.4): `core_id` (the id the core knows it by), `sampling_params` (a
+    SamplingParams: stop, include_stop_str_in_output, min_tokens are read), `samples` (a FrontSample per
+    sample, n of them)."""
+
+    def __init__(self, core_id: str, sampling_params, samples):
+        self.core_id, self.sampling_params, self.samples = core_id, sampling_params, samples
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def __repr__(self):
+        return f"FrontRequest({self.core_id!r}, n={len(self.samples)})"
+
+
+def reference_process_outputs(requests, outputs):
+    """E12.4 by the spec, line by line as engine/output_processor.py's OutputProcessor.process_outputs and
+    _take_tokens do it (the check holds both to the same answers)."""
+    from nanovllm_ref.engine.stop import find_stop_string
+    aborts, progressed = [], []
+    for out in outputs:
+        req = requests.get(out.request_id)
+        if req is None:                                   # aborted by its client, or finished here: dropped
+            continue
+        sp, sample = req.sampling_params, req.samples[out.index]
+        if sample.finished or not out.new_token_ids:       # the core ran past a stop string: dropped
+            continue
+        progressed.append(req)
+        ids, last = out.new_token_ids, len(out.new_token_ids) - 1
+        token_stop = out.finish_reason == "stop"          # the core stopped on this delta's last token id
+        hit = None
+        for j, token_id in enumerate(ids):
+            sample.token_ids.append(token_id)
+            if token_stop and j == last:                  # eos or a stop id: its text is no stop-string text
+                if sp.include_stop_str_in_output:
+                    sample.text += sample.detokenize([token_id])
+                break
+            new = sample.detokenize([token_id])
+            sample.text += new
+            if sp.stop and len(sample.token_ids) > sp.min_tokens:
+                hit = find_stop_string(sample.text, len(new), sp.stop, sp.include_stop_str_in_output)
+                if hit is not None:
+                    sample.text = sample.text[:hit[1]]
+                    sample.finish_reason, sample.stop_reason = "stop", hit[0]
+                    if out.finish_reason is None:         # the core still runs it: ask it to stop
+                        aborts.append((out.request_id, out.index))
+                    break
+        if hit is None and out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+    for req in progressed:
+        if req.finished:
+            requests.pop(req.core_id, None)
+    return aborts
+
+
+def process_outputs_variant(requests, outputs, kind=None):
+    """E12.4 written out by hand, with one of the usual mistakes (`kind`, see FRONT_MUTANTS) or none (kind=None:
+    the reference's answers; a test holds them to it)."""
+    aborts, progressed = [], []
+    for out in outputs:
+        if kind == "key_error":
+            req = requests[out.request_id]
+        else:
+            req = requests.get(out.request_id)
+            if req is None:
+                continue
+        sp, sample = req.sampling_params, req.samples[out.index]
+        if (sample.finished and kind != "after_finish") or not out.new_token_ids:
+            continue
+        progressed.append(req)
+        ids, last = out.new_token_ids, len(out.new_token_ids) - 1
+        token_stop = out.finish_reason == "stop"
+        hit = False
+        for j, token_id in enumerate(ids):
+            sample.token_ids.append(token_id)
+            if token_stop and j == last:
+                if sp.include_stop_str_in_output or kind == "stop_token_text":
+                    sample.text += sample.detokenize([token_id])
+                break
+            new = sample.detokenize([token_id])
+            sample.text += new
+            if hit or not sp.stop or (len(sample.token_ids) <= sp.min_tokens and kind != "no_min_tokens"):
+                continue
+            found = None
+            for s in sp.stop:
+                if kind == "new_text_only":
+                    i = new.find(s)
+                    i = -1 if i == -1 else len(sample.text) - len(new) + i
+                else:
+                    start = 0 if kind == "whole_text" else max(0, len(sample.text) - len(new) - len(s) + 1)
+                    i = sample.text.find(s, start)
+                if i != -1 and (found is None or i < found[1]):
+                    found = (s, i)
+            if found is None:
+                continue
+            s, i = found
+            cut = i + len(s) if sp.include_stop_str_in_output and kind != "include_ignored" else i
+            sample.text = sample.text[:cut]
+            sample.finish_reason, sample.stop_reason = "stop", s
+            hit = True
+            if (out.finish_reason is None or kind == "abort_finished") and kind != "no_abort":
+                aborts.append((out.request_id, out.index))
+            if kind != "rest_of_delta":
+                break
+        if not hit and out.finish_reason is not None and kind != "finish_not_copied":
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+    if kind != "keep_finished":
+        for req in progressed:
+            if req.finished:
+                requests.pop(req.core_id, None)
+    return aborts
+
+
+_CORE_RUNS_ON = ("the core runs ahead of the front end: by the time your abort reaches it, it has made more "
+                 "tokens of that sample, and they are already on their way")
+FRONT_MUTANTS = [
+    ("after_finish", "tokens that arrived after a sample had finished were appended to it: " + _CORE_RUNS_ON,
+     "skip an output whose sample has already finished (if sample.finish_reason is not None: continue)"),
+    ("new_text_only", "a stop string that is split over several tokens was missed: you searched only the new "
+     "token's text", "search sample.text, from max(0, len(text) - len(new) - len(stop) + 1): the stop string may "
+     "begin in earlier tokens and end in this one"),
+    ("whole_text", "a stop string that appeared before min_tokens was matched later: search only where a match "
+     "ends in the new token's text (an earlier match was seen, and refused, when it was new)",
+     "text.find(stop, max(0, len(text) - len(new) - len(stop) + 1)), not text.find(stop)"),
+    ("no_min_tokens", "a stop string ended a sample before it had more than min_tokens tokens",
+     "search for stop strings only once len(sample.token_ids) > sampling_params.min_tokens"),
+    ("no_abort", "a stop string ended a sample but the core was not asked to stop it, so it runs on to "
+     "max_tokens, holding its KV blocks and its batch seat", "append (out.request_id, out.index) to the list "
+     "you return when a stop string ends a sample the core still runs (out.finish_reason is None)"),
+    ("abort_finished", "you asked the core to abort a sample it had finished itself in the same output (its "
+     "finish_reason was set): it holds nothing of it any more", "abort only when out.finish_reason is None"),
+    ("stop_token_text", "the text of the token the core stopped on (eos or a stop id) is in the sample's text: "
+     "it stays out unless include_stop_str_in_output", "for the last token of an output with finish_reason "
+     "'stop', append its id, and its text only if include_stop_str_in_output"),
+    ("include_ignored", "with include_stop_str_in_output the stop string stays in the text: you cut before it",
+     "cut the text at the match's start + len(stop) when include_stop_str_in_output, else at its start"),
+    ("rest_of_delta", "after a stop string ended a sample, the output's later tokens were appended to it",
+     "stop taking an output's tokens at the one that completed the stop string (break)"),
+    ("finish_not_copied", "the core finished a sample (finish_reason 'length' or 'stop' in its output) and it "
+     "is still running in the front end", "when the output has a finish_reason (and no stop string ended the "
+     "sample first), copy its finish_reason and stop_reason to the sample"),
+    ("keep_finished", "a request all of whose samples finished is still in `requests`: the front end must forget "
+     "it, so late outputs of it are dropped and it does not stay in memory",
+     "after the loop, requests.pop(core id) for every request that progressed and has all its samples finished"),
+]
+FRONT_KINDS = [k for k, _, _ in FRONT_MUTANTS]
+_FRONT_STOPS = ("the lazy", "ox ju", "ck b", ". ", "er t", "he ", "fix t", "st s")
+
+
+def _front_stream(rng, tok, stops, feature=None, min_tokens=0):
+    """One sample's planned core stream: ASCII text (every token's text is whole; stop strings spread over
+    several tokens) and how the core ends it. feature "min_block": the text starts with a stop string that ends
+    within the first `min_tokens` tokens (returned: the min_tokens that covers it); "final_hit": the stream
+    ends ("length") on the very token that completes a stop string."""
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+    for _ in range(rng.choice((0, 1, 1, 2)) if stops else 0):         # plant stop strings (maybe twice)
+        k = rng.randint(0, len(text))
+        text = text[:k] + rng.choice(stops) + text[k:]
+    if feature == "min_block":
+        text = stops[0] + text
+    ids = tok.encode(text, add_special_tokens=False)
+    if feature == "min_block":
+        upto = next(j for j in range(len(ids)) if stops[0] in tok.decode(ids[:j + 1]))
+        min_tokens = upto + 1 + rng.randint(0, 2)
+        return dict(ids=ids[:max(min_tokens + 4, rng.randint(6, 30))], reason="length", stop_reason=None), min_tokens
+    if feature == "final_hit":
+        start = rng.randint(2, 5)
+        ids = ids[:start] + tok.encode(stops[0] + " " + text, add_special_tokens=False)
+        upto = next(j for j in range(len(ids)) if stops[0] in tok.decode(ids[:j + 1]))
+        return dict(ids=ids[:upto + 1], reason="length", stop_reason=None), min_tokens
+    ids = ids[:rng.randint(6, 30)]
+    end = rng.choice(("length", "length", "eos", "stop_id"))
+    if end == "eos":
+        return dict(ids=ids + [tok.eos_token_id], reason="stop", stop_reason=None), min_tokens
+    if end == "stop_id":
+        return dict(ids=ids, reason="stop", stop_reason=ids[-1]), min_tokens
+    return dict(ids=ids, reason="length", stop_reason=None), min_tokens
+
+
+def _front_case(rng, tok):
+    """One E12.4 case: 3-4 requests (n = 1-2) with their settings and the core's planned token streams, plus a
+    script of client aborts; request 0 has a stop string hidden by min_tokens, request 1 a stop string on the
+    token the core finished with, the others are random. Returns a dict the check replays."""
+    from nanovllm_ref import SamplingParams
+    reqs = []
+    for r in range(rng.randint(3, 4)):
+        feature = {0: "min_block", 1: "final_hit"}.get(r)
+        n = rng.choice((1, 2, 2))
+        stops = rng.sample(_FRONT_STOPS, 1 if feature == "final_hit" else rng.choice((0, 1, 2, 2, 3) if feature is None
+                                                                                     else (1, 2)))
+        include = rng.random() < 0.35
+        streams, min_tokens = [], 0 if feature is not None or rng.random() < 0.6 else rng.randint(1, 4)
+        for i in range(n):
+            stream, m = _front_stream(rng, tok, stops, feature if i == 0 else None, min_tokens)
+            if i == 0:
+                min_tokens = m
+            streams.append(stream)
+        min_tokens = min(min_tokens, min(len(s["ids"]) for s in streams) - 1)
+        stop_ids = sorted({s["stop_reason"] for s in streams if s["stop_reason"] is not None})
+        sp = SamplingParams(n=n, stop=stops or None, include_stop_str_in_output=include, min_tokens=max(min_tokens, 0),
+                            max_tokens=64, stop_token_ids=stop_ids or None)
+        prompt = tok.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 5))), add_special_tokens=False)
+        reqs.append(dict(core_id=f"{r}-{rng.getrandbits(24):06x}", sp=sp, prompt=prompt, streams=streams))
+    rng.shuffle(reqs)
+    # a client leaves at this step (None: none does); its request's outputs already on their way still come
+    return dict(requests=reqs, seed=rng.getrandbits(32), client_abort=rng.choice((None, 1, 2, 3)))
+
+
+def _front_objects(case, tok):
+    """Fresh FrontRequests for a case (each sample with its own IncrementalDetokenizer)."""
+    from nanovllm_ref.engine.detokenizer import IncrementalDetokenizer
+    out = {}
+    for r in case["requests"]:
+        samples = [FrontSample(i, IncrementalDetokenizer(tok, r["prompt"], True).update) for i in range(r["sp"].n)]
+        out[r["core_id"]] = FrontRequest(r["core_id"], r["sp"], samples)
+    return out
+
+
+def _front_record(case, tok):
+    """Run the case through the engine's own OutputProcessor with a simulated core that runs ahead (a sample
+    the front end aborts gets 0-2 more outputs: the abort is in flight) and clients that leave. Returns
+    (steps, trace): steps = [(client aborts, [EngineCoreOutput])], trace = the OutputProcessor's state after each
+    step (see _front_snapshot)."""
+    from types import SimpleNamespace as NS
+
+    from nanovllm_ref.engine.core_messages import EngineCoreOutput
+    from nanovllm_ref.engine.output_processor import OutputProcessor
+    rng = random.Random(case["seed"])
+    proc = OutputProcessor(tok)
+    states = {r["core_id"]: proc.add_request(r["core_id"], r["core_id"], None, r["prompt"], r["sp"])
+              for r in case["requests"]}
+    pos = {(r["core_id"], i): 0 for r in case["requests"] for i in range(r["sp"].n)}
+    stop_at = {}                                          # (core id, index) -> step from which the core sends none
+    steps, trace, step = [], [], 0
+    no_hold = NS(stop_holdback=0)
+    while any(p is not None for p in pos.values()) and step < 200:
+        client = []
+        live = [r["core_id"] for r in case["requests"] if r["core_id"] in proc.requests]
+        if step == case["client_abort"] and live:
+            rid = rng.choice(live)
+            proc.abort_request(rid)
+            client.append(rid)
+            delay = rng.randint(0, 2)
+            for key in pos:
+                if key[0] == rid:
+                    stop_at.setdefault(key, step + delay)
+        outs = []
+        for r in case["requests"]:
+            for i, s in enumerate(r["streams"]):
+                key = (r["core_id"], i)
+                p = pos[key]
+                if p is None or stop_at.get(key, 1 << 30) <= step:
+                    pos[key] = None
+                    continue
+                k = 2 if rng.random() < 0.25 else 1
+                if rng.random() < 0.05 and step == 0:
+                    k = 0                                  # a prefill chunk: no token yet
+                new = s["ids"][p:p + k]
+                pos[key] = p + len(new)
+                done = pos[key] >= len(s["ids"])
+                outs.append(EngineCoreOutput(r["core_id"], i, list(new), s["reason"] if done else None,
+                                             s["stop_reason"] if done else None))
+                if done:
+                    pos[key] = None
+        rng.shuffle(outs) if rng.random() < 0.3 else None
+        _, aborts = proc.process_outputs(outs)
+        for key in aborts:
+            stop_at.setdefault(tuple(key), step + 1 + rng.randint(0, 2))
+        steps.append((client, outs))
+        trace.append(_front_snapshot(aborts, proc.requests.keys(), {
+            cid: [(list(s.token_ids), s.text(no_hold), s.finish_reason, s.stop_reason) for s in st.samples]
+            for cid, st in states.items()}))
+        step += 1
+    return steps, trace
+
+
+def _front_snapshot(aborts, live_ids, samples):
+    return {"aborts": sorted(tuple(a) for a in aborts), "requests": sorted(live_ids), "samples": samples}
+
+
+def _front_replay(fn, case, steps, tok, tag=None):
+    """The trace of `fn` on a recorded case (the same outputs, the same client aborts): (trace, None), or
+    (trace so far, (step, KeyError)) if fn raised KeyError."""
+    reqs = _front_objects(case, tok)
+    objs = dict(reqs)
+    trace = []
+    for k, (client, outs) in enumerate(steps):
+        for rid in client:                                # the client left: the front end forgets it
+            gone = reqs.pop(rid, None) or objs[rid]
+            for s in gone.samples:
+                if s.finish_reason is None:
+                    s.finish_reason, s.stop_reason = "abort", None
+        try:
+            got = fn(reqs, list(outs)) if tag is None else call_student(tag, fn, reqs, list(outs))
+        except KeyError as exc:
+            return trace, (k, exc)
+        if not isinstance(got, list) or not all(isinstance(a, tuple) and len(a) == 2 for a in got):
+            return trace, (k, TypeError(f"process_outputs should return a list of (core request id, sample index) "
+                                        f"tuples, got {got!r}"[:300]))
+        trace.append(_front_snapshot(got, reqs.keys(), {
+            cid: [(list(s.token_ids), s.text, s.finish_reason, s.stop_reason) for s in r.samples]
+            for cid, r in objs.items()}))
+    return trace, None
+
+
+def _front_cases(g, tok, tries: int = 30):
+    """Fresh E12.4 cases on which every planted mistake gives answers of its own: each differs from the
+    engine's somewhere, and no two give the same answers everywhere (redrawn until so)."""
+    rng = _rng(g)
+    for _ in range(tries):
+        cases = [_front_case(rng, tok) for _ in range(5)]
+        if not any(c["client_abort"] for c in cases):
+            cases[0]["client_abort"] = 1
+        records = [_front_record(c, tok) for c in cases]
+        traces = {kind: tuple(repr(_front_replay(functools.partial(process_outputs_variant, kind=kind), c, st, tok))
+                              for c, (st, _) in zip(cases, records)) for kind in FRONT_KINDS}
+        want = tuple(repr((tr, None)) for _, tr in records)
+        if all(t != want for t in traces.values()) and len(set(traces.values())) == len(traces):
+            return cases, records
+    return cases, records
+
+
+def _front_describe(case, k, got=None, want=None) -> str:
+    """The step and the request (its settings) where the student's answers first differ from the engine's."""
+    rid = None
+    if got is not None and want is not None:
+        # in _front_difference's order: the samples, then the aborts, then the requests left
+        diff = [cid for cid in want["samples"] if got["samples"].get(cid) != want["samples"][cid]]
+        diff += [a[0] for a in sorted(set(got["aborts"]) ^ set(want["aborts"]))]
+        diff += sorted(set(got["requests"]) ^ set(want["requests"]))
+        rid = diff[0] if diff else None
+    r = next((r for r in case["requests"] if r["core_id"] == rid), None)
+    if r is None:
+        return f"at step {k}"
+    sp = r["sp"]
+    return (f"at step {k}, request {rid}: n={sp.n}, stop={list(sp.stop)}, include_stop_str_in_output="
+            f"{sp.include_stop_str_in_output}, min_tokens={sp.min_tokens}")
+
+
+def check_process_outputs(fn) -> None:
+    tag = "E12.4"
+    g = fresh_generator()
+    tok = byte_level_tokenizer()
+    state = held_state(fn)
+    cases, records = _front_cases(g, tok)
+    got_traces = {}
+
+    def student(i):
+        if i not in got_traces:
+            got_traces[i] = _front_replay(fn, cases[i], records[i][0], tok, tag)
+            check_no_state_kept(tag, fn, state, len(got_traces),
+                                "the front end calls process_outputs for every step of the core")
+        return got_traces[i]
+
+    def mutant(i, kind):
+        return _front_replay(functools.partial(process_outputs_variant, kind=kind), cases[i], records[i][0], tok)
+
+    for i, (case, (steps, want)) in enumerate(zip(cases, records)):
+        got, err = student(i)
+        if err is not None and isinstance(err[1], TypeError):
+            fail(tag, str(err[1]), "return the list of (out.request_id, out.index) pairs a stop string ended")
+        if err is None and got == want:
+            continue
+        # the planted mistakes that give the student's answers here, narrowed by the other cases
+        mine = repr((got, None if err is None else type(err[1]).__name__))
+        candidates = [m for m in FRONT_MUTANTS if repr(_normal_err(mutant(i, m[0]))) == mine]
+        for other in range(len(cases)):
+            if len(candidates) <= 1:
+                break
+            if other != i:
+                theirs = repr(_normal_err(student(other)))
+                candidates = [m for m in candidates if repr(_normal_err(mutant(other, m[0]))) == theirs] or candidates
+        k = len(got) if err is not None else next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+        where = f"({_front_describe(case, k, *((got[k], want[k]) if err is None else ()))})"
+        if candidates:
+            kind, message, hint = candidates[0]
+            fail(tag, f"{message} {where}", hint)
+        if err is not None:
+            fail(tag, f"KeyError {err[1]}: an output came for a request that is no longer in `requests` (its client "
+                      f"left, or it finished here while the core ran on; the core's outputs are already on their "
+                      f"way) {where}", "look each output's request up with requests.get(out.request_id) and skip it "
+                      "when it is None")
+        fail(tag, f"after step {k} {_front_difference(got[k], want[k])} {where}",
+             "per output: skip an unknown request or a finished sample; per token: append the id, add its text, "
+             "search for a stop string that ends in the new text; then copy the core's finish; return the aborts")
+    ok(tag)
+
+
+def _normal_err(result):
+    trace, err = result
+    return trace, None if err is None else type(err[1]).__name__
+
+
+def _front_difference(got: dict, want: dict) -> str:
+    """What first differs between two snapshots, in words."""
+    names = ("token_ids", "text", "finish_reason", "stop_reason")
+    for cid, samples in want["samples"].items():
+        for idx, (a, b) in enumerate(zip(got["samples"][cid], samples)):
+            for name, x, y in zip(names, a, b):
+                if x != y:
+                    return f"sample {idx} of {cid} has {name} {x!r}, the engine's front end {y!r}"
+    if got["aborts"] != want["aborts"]:
+        return f"you asked the core to abort {got['aborts']}, the front end must ask for {want['aborts']}"
+    if got["requests"] != want["requests"]:
+        return f"`requests` holds {got['requests']}, it should hold {want['requests']}"
+    return "the states differ"
+
+
 # -- the server in a subprocess (the chapter's demos) -------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -984,6 +1425,48 @@ class Server:
         status = self.proc.wait(timeout=60)
         self._log.close()
         return status
+
+
+# -- 12.6 the GIL, measured: an engine's steps with and without Python work beside them --------------------------
+def http_side_load(stop) -> int:
+    """What the HTTP side does per chunk, as pure Python, until the threading.Event `stop` is set: build an SSE
+    chunk's dict and json.dumps it (both hold the GIL all the way). Returns the chunks made."""
+    made = 0
+    while not stop.is_set():
+        chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1796000000, "model": "m",
+                 "choices": [{"index": 0, "text": " token", "logprobs": None, "finish_reason": None}]}
+        f"data: {json.dumps(chunk)}\n\n"
+        made += 1
+    return made
+
+
+def gil_steps(llm, load: bool, num_requests: int = 8, max_tokens: int = 32) -> dict:
+    """Run num_requests greedy requests of max_tokens tokens to the end on `llm` (an LLM with any engine core),
+    with `load` a thread of this process running `http_side_load` meanwhile (the server's event loop, which
+    shares this process's GIL). Returns {"steps", "core_ms" (the core's own time per step: EngineCoreOutputs.step_s,
+    measured where the core runs), "wall_ms" (wall time per step seen by the caller), "chunks" (what the load
+    thread made)}."""
+    import threading
+
+    from nanovllm_ref import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    stop, made = threading.Event(), []
+    thread = threading.Thread(target=lambda: made.append(http_side_load(stop)), daemon=True)
+    for i in range(num_requests):
+        llm.add_request([5 + i, 6, 7, 8], sp)
+    if load:
+        thread.start()
+    core_s, steps, start = llm.core_step_s, 0, time.perf_counter()
+    while not llm.is_finished():
+        llm.step()
+        steps += len(llm.last_steps)
+    wall = time.perf_counter() - start
+    stop.set()
+    if load:
+        thread.join()
+    steps = max(steps, 1)
+    return {"steps": steps, "core_ms": (llm.core_step_s - core_s) / steps * 1e3, "wall_ms": wall / steps * 1e3,
+            "chunks": made[0] if made else 0}
 
 
 # -- TTFT and TPOT, live: the engine driven by arrivals in-process ---------------------------------------------------
@@ -1119,9 +1602,11 @@ EXERCISES = exercises(
     Exercise("E12.1", check_apply_pending, ("apply_pending",), (reference_apply_pending,)),
     Exercise("E12.2", check_detokenize_step, ("detokenize_step",), (reference_detokenize_step,)),
     Exercise("E12.3", check_completion_events, ("completion_events",), (reference_completion_events,)),
+    Exercise("E12.4", check_process_outputs, ("process_outputs",), (reference_process_outputs,)),
 )
 # No engine parts: the exercises are the serving layer's own rules (apply_pending, the detokenizer step, the SSE
-# events). None is a `nanovllm_ref.Parts` field: Parts holds what runs inside a step (layers, inputs, attention,
-# block manager, scheduler, sampler, graph sizes), and the serving layer sits outside LLMEngine, calling its
-# request API; the detokenizer is the engine's own, not swappable. So export and the capstone take nothing here.
+# events, the front end's step). None is a `nanovllm_ref.Parts` field: Parts holds what runs inside a step
+# (layers, inputs, attention, block manager, scheduler, sampler, graph sizes), and the serving layer sits outside
+# LLMEngine, calling its request API; the detokenizer and the OutputProcessor are the engine's own, not
+# swappable. So export and the capstone take nothing here.
 PARTS: list = []

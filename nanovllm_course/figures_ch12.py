@@ -2,6 +2,9 @@
 
 - ch12_engine_loop.png: the server's two threads, the HTTP handlers on the event loop and the engine loop
   that owns the engine, and what passes between them (nanovllm_ref/entrypoints/openai/engine_loop.py);
+- ch12_engine_core.png: the split (engine/core.py, engine/core_client.py, engine/output_processor.py): the front
+  end in the server's process, the engine core's busy loop in its own, and the msgspec messages between them
+  over two ZMQ sockets;
 - ch12_detok_window.png: the incremental detokenizer's window (prefix and read offsets) sliding over a
   byte-level stream in which a character is split over three byte tokens, from the reference step;
 - ch12_serving_latency.png: TTFT and TPOT against output throughput, drawn from the committed serving record
@@ -91,6 +94,33 @@ def _label(tok, t) -> str:
     return piece.replace("Ġ", "␣")
 
 
+def engine_core(path: Path) -> Path:
+    fig, ax = figure(figsize=(10.5, 4.6))
+    ax.set_xlim(0, 10.5)
+    ax.set_ylim(-0.1, 4.5)
+    ax.axis("off")
+    ax.add_patch(Rectangle((0.05, 0.2), 4.5, 4.1, fc="none", ec=GREY, ls="--", lw=0.8))
+    ax.text(0.15, 4.2, "server process: the front end (one GIL)", fontsize=8, color=GREY, va="top")
+    ax.add_patch(Rectangle((6.75, 0.2), 3.65, 4.1, fc="none", ec=GREY, ls="--", lw=0.8))
+    ax.text(6.85, 4.2, "engine core process (its own GIL)", fontsize=8, color=GREY, va="top")
+    _box(ax, 0.3, 2.75, 4.0, 1.0, "event loop: HTTP handlers, JSON, SSE\n(tokenizing on a worker thread)", BLUE)
+    _box(ax, 0.3, 0.5, 4.0, 1.8, "front end (LLMEngine + OutputProcessor):\nadd_request -> EngineCoreRequest\n"
+                                 "per step (E12.4): append token ids,\ndetokenize (E12.2), find stop strings\n"
+                                 "-> abort in the core; RequestOutputs", GREEN, fontsize=8)
+    _arrow(ax, (2.5, 2.75), (2.5, 2.3), "", BLUE)
+    _arrow(ax, (2.2, 2.3), (2.2, 2.75), "", GREEN)
+    _box(ax, 7.0, 0.5, 3.2, 3.25, "busy loop (run_engine_core):\n\n1. take every add and abort\n   that arrived\n"
+                                  "2. schedule, execute, update\n   (token ids only)\n3. send EngineCoreOutputs\n"
+                                  "4. again; block on the input\n   socket when idle", ORANGE, fontsize=8)
+    _arrow(ax, (4.3, 2.0), (7.0, 2.9))
+    ax.text(5.55, 2.95, "ZMQ PUSH -> PULL (ipc):\nEngineCoreRequest,\nEngineCoreAbort", ha="center", va="bottom",
+            fontsize=7.2)
+    _arrow(ax, (7.0, 1.3), (4.3, 1.1), color=RED)
+    ax.text(5.65, 0.3, "EngineCoreOutputs, one per step\n(msgpack): per sample the new\ntoken ids, finish reason",
+            ha="center", va="bottom", fontsize=7.2, color=RED)
+    return save(fig, path)
+
+
 def detok_window(path: Path) -> Path:
     """The window of E12.2 over a byte-level stream: ' Paris € ok' with € (E2 82 AC) split over three byte
     tokens."""
@@ -161,5 +191,6 @@ def serving_latency(path: Path) -> Path:
 
 def draw(out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
-    return [engine_loop(out_dir / "ch12_engine_loop.png"), detok_window(out_dir / "ch12_detok_window.png"),
+    return [engine_loop(out_dir / "ch12_engine_loop.png"), engine_core(out_dir / "ch12_engine_core.png"),
+            detok_window(out_dir / "ch12_detok_window.png"),
             serving_latency(out_dir / "ch12_serving_latency.png")]

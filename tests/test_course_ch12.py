@@ -420,3 +420,99 @@ def test_detokenize_step_that_caches_between_calls_is_rejected():
 def test_completion_events_mistakes_get_their_own_hint(kind):
     message = next(m for k, m, _ in ch12.SSE_MUTANTS if k == kind)
     fails("E12.3", functools.partial(ch12.completion_events_variant, kind=kind), message[:40])
+
+
+# -- E12.4 the front end's half of a step ---------------------------------------------------------------------------
+FRONT_RUNS = 12               # fresh draws per planted mistake: its own hint in every one
+
+
+def test_front_end_reference_is_the_engines_output_processor():
+    """The hand-written reference and the mistake-free variant give, step by step, the OutputProcessor's state."""
+    tok = ch12.byte_level_tokenizer()
+    for seed in range(4):
+        cases, records = ch12._front_cases(ch12.fresh_generator(seed), tok)
+        for case, (steps, want) in zip(cases, records):
+            assert ch12._front_replay(ch12.reference_process_outputs, case, steps, tok) == (want, None)
+            assert ch12._front_replay(functools.partial(ch12.process_outputs_variant, kind=None), case, steps,
+                                      tok) == (want, None)
+
+
+def test_front_end_draws_hold_what_the_spec_promises():
+    """Every draw has stop strings split over tokens, a stop string hidden by min_tokens, one on the core's last
+    token, tokens that arrive after a sample finished, an abort in the core, and a client that leaves."""
+    tok = ch12.byte_level_tokenizer()
+    for seed in range(3):
+        cases, records = ch12._front_cases(ch12.fresh_generator(100 + seed), tok)
+        assert any(r["sp"].min_tokens > 0 for c in cases for r in c["requests"])
+        assert any(tr[-1]["aborts"] or any(t["aborts"] for t in tr) for _, tr in records)
+        assert any(c["client_abort"] and any(cl for cl, _ in st) for c, (st, _) in zip(cases, records))
+        assert any(len(o.new_token_ids) == 2 for _, (st, _) in zip(cases, records) for _, outs in st for o in outs)
+
+
+@pytest.mark.parametrize("kind", ch12.FRONT_KINDS)
+def test_front_end_mistakes_get_their_own_hint(kind):
+    message, hint = next((m, h) for k, m, h in ch12.FRONT_MUTANTS if k == kind)
+    fails("E12.4", functools.partial(ch12.process_outputs_variant, kind=kind), message[:50], hint[:40], times=FRONT_RUNS)
+
+
+def test_front_end_indexing_requests_by_id_is_caught():
+    fails("E12.4", functools.partial(ch12.process_outputs_variant, kind="key_error"),
+          "no longer in `requests`", "requests.get(out.request_id)", times=FRONT_RUNS)
+
+
+def _front_written(requests, outputs, seen=None):
+    """E12.4 as a student writes it (not the reference's shape); with `seen` a list, it keeps every output."""
+    aborts = []
+    for out in outputs:
+        if seen is not None:
+            seen.append(out)
+        req = requests.get(out.request_id)
+        if req is None:
+            continue
+        sample, sp = req.samples[out.index], req.sampling_params
+        if sample.finish_reason is not None:
+            continue
+        stopped_by_string = False
+        for j, tid in enumerate(out.new_token_ids):
+            sample.token_ids.append(tid)
+            if out.finish_reason == "stop" and j == len(out.new_token_ids) - 1:
+                if sp.include_stop_str_in_output:
+                    sample.text += sample.detokenize([tid])
+                break
+            new = sample.detokenize([tid])
+            sample.text += new
+            if len(sample.token_ids) <= sp.min_tokens:
+                continue
+            matches = []
+            for stop in sp.stop:
+                i = sample.text.find(stop, max(0, len(sample.text) - len(new) - len(stop) + 1))
+                if i >= 0:
+                    matches.append((i, stop))
+            if matches:
+                i, stop = min(matches)
+                sample.text = sample.text[:i + len(stop) if sp.include_stop_str_in_output else i]
+                sample.finish_reason, sample.stop_reason = "stop", stop
+                if out.finish_reason is None:
+                    aborts.append((out.request_id, out.index))
+                stopped_by_string = True
+                break
+        if not stopped_by_string and out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        if all(s.finish_reason is not None for s in req.samples):
+            del requests[out.request_id]
+    return aborts
+
+
+def test_front_end_written_form_passes(capsys):
+    passes("E12.4", _front_written, capsys)
+
+
+def test_front_end_that_keeps_outputs_between_calls_is_rejected():
+    def keeps(requests, outputs, seen=[]):                        # noqa: B006 - the planted mistake
+        return _front_written(requests, outputs, seen)
+    fails("E12.4", keeps, "keeps state between calls", "the default argument seen=[]")
+
+
+def test_front_end_wrong_return_type():
+    fails("E12.4", lambda requests, outputs: set(ch12.reference_process_outputs(requests, outputs)),
+          "should return a list of (core request id, sample index)")
