@@ -26,7 +26,8 @@
 #                             head; $OUT/profile4_<TAG>.json + the table in gpu_run.log. RUN=triton:graph (default)
 #
 # Peers (vLLM, upstream nano-vllm, HF, nanovllm_ref's back-ends) in one record: build the payload here first
-# (`python -m nanovllm_bench.payload`: parts .carry/peers/p1 .. pN, each <= 58 MiB), then back to back:
+# (`python -m nanovllm_bench.payload`: parts .carry/peers/p1 .. pN, each <= 40 MiB, so that
+# a part and the checkout fit one call's 64 MiB), then back to back:
 #   calls 1 .. N-1 (carry .carry/peers/pK):  bash bench/gpu_run.sh peers-stage   # copies part K to /tmp/payload
 #   call N        (carry .carry/peers/pN):  NANOVLLM_REF_COMMIT=<commit> bash bench/gpu_run.sh peers
 #     checks every part's sha256, unpacks vLLM's site + nano-vllm's source to /tmp/peers, and runs

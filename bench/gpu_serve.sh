@@ -76,7 +76,9 @@ if [ -z "${SKIP_OURS:-}" ]; then
     --log-level warning > "$OUT/serve_nanovllm_ref.log" 2>&1 &
   PID=$! T0=$SECONDS LIMIT=${OURS_S:-220}
   if wait_health http://127.0.0.1:8200 $PID $((LIMIT - 60)); then
-    REV=${NANOVLLM_REF_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+    # The device's copy of the checkout carries the working tree, not its git history: its HEAD can name an
+    # older commit than the code that runs (2026-12-02: it said ae49a08 for 879ea8c). Pass the commit in.
+    REV=${NANOVLLM_REF_COMMIT:-"unknown (NANOVLLM_REF_COMMIT not given)"}
     bench http://127.0.0.1:8200 nanovllm_ref "nanovllm_ref $REV serve, defaults + ${COMMON[*]}" $((LIMIT - (SECONDS - T0)))
   else
     tail -30 "$OUT/serve_nanovllm_ref.log"

@@ -47,7 +47,7 @@ PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x
 # Optional kernels vLLM lists but a Qwen3 run on Hopper with FA3 never imports, what the device has in
 # another form (torch's own build), and optional imports of the tools carried (fastapi[standard]'s command
 # line and its cloud client; ipykernel's debugger, IPython's completion): each is imported under a guard or
-# by a command nobody runs there. Leaving them out keeps the payload in two parts.
+# by a command nobody runs there. Leaving them out keeps the payload small (114 MiB: three 40 MiB parts).
 SKIP = {canonicalize_name(n) for n in (
     "flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache", "tilelang", "nvidia-cutlass-dsl",
     "nvidia-cutlass-dsl-libs-base", "quack-kernels", "fastsafetensors", "nvidia-cudnn-frontend", "torch",
@@ -271,8 +271,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".carry/peers", help="folder for the parts (git-ignored)")
     ap.add_argument("--cache", default=".carry/cache", help="wheel cache and staging folder (git-ignored)")
-    ap.add_argument("--part-mib", type=float, default=58.0,
-                    help="largest part; 64 MiB per call less the checkout (about 5 MiB)")
+    ap.add_argument("--part-mib", type=float, default=40.0,
+                    help="largest part: 64 MiB per call less the checkout, which travels with every part "
+                         "(7 MiB on 2026-12-02, when 57 MiB parts no longer fitted; 40 MiB gives three parts)")
     args = ap.parse_args(argv)
     repo = Path(__file__).resolve().parents[1]
     manifest = build(Path(args.out).resolve(), Path(args.cache).resolve(), args.part_mib)

@@ -197,3 +197,22 @@ def test_a_killed_process_core_fails_the_next_step_and_leaves_nothing_behind():
     while core_pid in _children(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert core_pid not in _children(os.getpid())
+
+
+def test_a_script_that_starts_a_process_core_without_a_main_guard_gets_engine_core_dead_naming_the_guard(tmp_path):
+    # spawn imports the script again in the core's process, whose top level then starts another process before
+    # it has finished starting: the core ends without a word, and the parent must say why, not EOFError.
+    import subprocess
+    import sys
+    script = tmp_path / "no_guard.py"
+    script.write_text("from nanovllm_ref import LLM\n"
+                      "from nanovllm_ref.engine.core_client import EngineCoreDead\n"
+                      "try:\n"
+                      f"    LLM({tiny_dir('qwen3')!r}, engine_core='process')\n"
+                      "except EngineCoreDead as exc:\n"
+                      "    print('DEAD', exc)\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    dead = [line for line in run.stdout.splitlines() if line.startswith("DEAD")]
+    assert len(dead) == 1, run.stdout + run.stderr
+    assert 'if __name__ == "__main__":' in dead[0] and "while starting" in dead[0]

@@ -136,8 +136,20 @@ class ProcessClient:
         while not ready.poll(STARTUP_POLL_S):
             if not self.proc.is_alive():
                 raise EngineCoreDead(f"the engine core process exited while starting (exit code {self.proc.exitcode})")
-        kind, value = ready.recv()
-        ready.close()
+        try:
+            kind, value = ready.recv()
+        except (EOFError, OSError):
+            # The pipe closed without a word: the process ended before it could report. The usual cause is
+            # a script that starts a process core at its top level: spawn re-imports the script in the
+            # child, whose own top level then tries to start a process before it has finished starting.
+            self.proc.join(timeout=5)
+            raise EngineCoreDead(
+                f"the engine core process exited while starting (exit code {self.proc.exitcode}) before it "
+                "reported; if a script starts it, put the script's top level under "
+                "`if __name__ == \"__main__\":` (the core is started with multiprocessing's spawn, which "
+                "imports the script again in the new process)") from None
+        finally:
+            ready.close()
         if kind == "error":
             raise value
         return value
