@@ -522,6 +522,9 @@ def check_compute_bound_batch(fn) -> None:
     h200 = model_stats(qwen3_06b_config())
     cases = [("Qwen3-0.6B on the H200, context 0", h200, 4.25e12, 796e12, 0),
              ("Qwen3-0.6B on the H200, context 512", h200, 4.25e12, 796e12, 512),
+             # B = 200.64 here and 187.29 on the H200: one rounds up, the other down, so rounding to the
+             # nearest whole batch is never mistaken for always rounding up or down, whatever the random draws
+             ("Qwen3-0.6B on an A100-40GB, context 0", h200, 1.555e12, 312e12, 0),
              _small_batch_case(g), _boundary_case(g)]
     for i in range(5):
         st = model_stats(_random_config(g))
@@ -586,6 +589,7 @@ H200_RECORDS = (
     ("bench_h200_round3_smoke_2026-12-01.json", "round 3, first look"),
     ("bench_h200_peers_2026-12-01_call2.json", "round 3, peers"),
     ("bench_h200_peers_2026-12-01_call4.json", "round 3, peers 2"),
+    ("bench_h200_peers_2026-12-02.json", "round 4, peers"),
 )
 # The round-3 record with every peer in one call (chapter 11's peers table; its vLLM row failed, see the chapter).
 PEERS_RECORD = "bench_h200_peers_2026-12-01_call2.json"
@@ -594,11 +598,14 @@ PEERS_RECORD = "bench_h200_peers_2026-12-01_call2.json"
 # the latest vLLM numbers there are until a call of `python -m nanovllm_bench` records vLLM's row itself.
 VLLM_EARLIER = dict(version="0.20.2", date="2026-12-01", tok_s=18_770, min_tok_s=18_610, max_tok_s=19_386,
                     batch1_tok_s=506, ours_then=18_995, ours_then_commit="45c6c05")
-# vLLM and our engine side by side in one call (issue 29: `bench/gpu_run.sh peers` at ae49a08, median of 3): the
-# only kind of record a ratio between two engines may come from. VLLM_EARLIER is from another lease.
-VLLM_SAME_CALL = dict(version="0.20.2", date="2026-12-01", commit="ae49a08", tok_s=22_080, min_tok_s=21_667,
-                      max_tok_s=22_980, batch1_tok_s=483, ours=22_967, ours_min=22_101, ours_max=23_129,
-                      ours_batch1=818, nano_vllm=20_078, nano_vllm_batch1=446)
+# vLLM and our engine side by side in one call (`bench/gpu_run.sh peers` at 879ea8c, 2026-12-02, median of 3;
+# bench_h200_peers_2026-12-02.json): the only kind of record a ratio between two engines may come from.
+# VLLM_EARLIER is from another lease. The first such call (issue 29, ae49a08, 2026-12-01) gave vLLM 22,080 and
+# ours 22,967 (1.04x): two calls of the same two engines differ by several per cent, vLLM's more than ours.
+VLLM_SAME_CALL = dict(version="0.20.2", date="2026-12-02", commit="879ea8c", tok_s=20_953, min_tok_s=19_524,
+                      max_tok_s=21_676, batch1_tok_s=521, ours=23_336, ours_min=23_062, ours_max=23_761,
+                      ours_batch1=925, nano_vllm=19_652, nano_vllm_batch1=465,
+                      record="bench_h200_peers_2026-12-02.json")
 
 
 def h200_results(folder: Path = RESULTS) -> list[dict]:

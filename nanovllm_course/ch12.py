@@ -1541,6 +1541,32 @@ def serve_record() -> tuple[str, dict]:
     raise FileNotFoundError("no serving record in bench/results (serve_h200.json or serve_cpu.json)")
 
 
+def cpu_serve_record() -> tuple[str, dict]:
+    """(file name, record) of the CPU serving record (bench/results/serve_cpu.json: our server on SmolLM2 under
+    three engine settings), the one section 12.5's trade-off reads whatever else is committed."""
+    return CPU_SERVE_RECORD, json.loads((RESULTS / CPU_SERVE_RECORD).read_text())
+
+
+H200_CORE_PROFILE_RECORD = "serve_h200_core_profile_2026-12-02.json"
+
+
+def core_step_costs(run: dict) -> dict:
+    """{"decode>prefill": (steps, ms a step, tokens a step), ...} for one rate of a serving record whose
+    runs keep our server's /health before and after (bench/results/serve_h200_core_profile_2026-12-02.json):
+    the engine core's steps by what each launched after what (LLMEngine.core_step_kinds), this rate's share
+    (after minus before). {} when the run has no such snapshots (vLLM's, or an older record)."""
+    health = run.get("health") or {}
+    before, after = health.get("before") or {}, health.get("after") or {}
+    kinds_before = (before.get("engine") or {}).get("core_step_kinds", {})
+    kinds_after = (after.get("engine") or {}).get("core_step_kinds", {})
+    out = {}
+    for kind, (n, seconds, tokens) in sorted(kinds_after.items()):
+        n0, s0, t0 = kinds_before.get(kind, (0, 0.0, 0))
+        if n > n0:
+            out[kind] = (n - n0, (seconds - s0) / (n - n0) * 1e3, (tokens - t0) / (n - n0))
+    return out
+
+
 def overhead_record() -> dict:
     """bench/results/serve_overhead_cpu.json: the host time the server adds per step (nanovllm_bench serve overhead)."""
     return json.loads((RESULTS / "serve_overhead_cpu.json").read_text())

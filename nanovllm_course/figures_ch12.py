@@ -8,8 +8,10 @@
 - ch12_detok_window.png: the incremental detokenizer's window (prefix and read offsets) sliding over a
   byte-level stream in which a character is split over three byte tokens, from the reference step;
 - ch12_serving_latency.png: TTFT and TPOT against output throughput, drawn from the committed serving record
-  (`ch12.serve_record()`: bench/results/serve_h200.json once the H200 run is committed, until then the CPU
-  record bench/results/serve_cpu.json).
+  (`ch12.serve_record()`: bench/results/serve_h200.json, our server against `vllm serve` in one H200 call, when
+  it is committed, else the CPU record);
+- ch12_serving_latency_cpu.png: the same from the CPU record (bench/results/serve_cpu.json: three engine
+  settings of our server on SmolLM2), section 12.5's trade-off.
 """
 from pathlib import Path
 
@@ -162,8 +164,10 @@ def detok_window(path: Path) -> Path:
     return save(fig, path)
 
 
-def serving_latency(path: Path) -> Path:
-    name, record = ch12.serve_record()
+def serving_latency(path: Path, which=None) -> Path:
+    """TTFT and TPOT against output throughput from a serving record: `which` (file name, record), default
+    ch12.serve_record() (the H200 record once committed)."""
+    name, record = which or ch12.serve_record()
     panels = [("ttft_ms", "time to first token (ms)"), ("tpot_ms", "time per output token (ms)")]
     fig, axes = figure(1, 2, figsize=(11, 4.2))
     for (key, label), ax in zip(panels, axes):
@@ -193,4 +197,5 @@ def draw(out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
     return [engine_loop(out_dir / "ch12_engine_loop.png"), engine_core(out_dir / "ch12_engine_core.png"),
             detok_window(out_dir / "ch12_detok_window.png"),
-            serving_latency(out_dir / "ch12_serving_latency.png")]
+            serving_latency(out_dir / "ch12_serving_latency.png"),
+            serving_latency(out_dir / "ch12_serving_latency_cpu.png", ch12.cpu_serve_record())]

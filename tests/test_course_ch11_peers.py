@@ -1,4 +1,6 @@
 """Chapter 11's table of peers, read from a benchmark record (nanovllm_bench's JSON)."""
+import json
+
 from nanovllm_course import ch11
 
 RECORD = dict(
@@ -44,3 +46,17 @@ def test_the_committed_peers_record_names_its_vllm_failure():
     rows = {r["name"]: r for r in ch11.peer_rows(record)}
     assert rows["vllm"]["status"] == "failed" and rows["nano-vllm"]["version"] == "bb823b3"
     assert "| vllm |  | failed: exit 1: RuntimeError: Engine core initialization failed." in ch11.peers_markdown(record)
+
+
+def test_the_same_call_numbers_are_the_committed_records_own():
+    # VLLM_SAME_CALL restates one peers record: every number must be that record's, rounded as printed.
+    v = ch11.VLLM_SAME_CALL
+    record = json.loads((ch11.RESULTS / v["record"]).read_text())
+    rows = {r["name"]: r for r in record["runs"]}
+    vllm, ours, nano = rows["vllm"], rows["nanovllm_ref[triton:graph]"], rows["nano-vllm"]
+    assert (v["tok_s"], v["min_tok_s"], v["max_tok_s"], v["batch1_tok_s"]) == tuple(
+        round(vllm[k]) for k in ("tok_s", "min_tok_s", "max_tok_s", "batch1_tok_s"))
+    assert (v["ours"], v["ours_min"], v["ours_max"], v["ours_batch1"]) == tuple(
+        round(ours[k]) for k in ("tok_s", "min_tok_s", "max_tok_s", "batch1_tok_s"))
+    assert (v["nano_vllm"], v["nano_vllm_batch1"]) == (round(nano["tok_s"]), round(nano["batch1_tok_s"]))
+    assert v["date"] == record["date"]
