@@ -68,9 +68,9 @@ def grade_cli(*args, timeout=900):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def nbval(paths, junit: Path, timeout=900):
+def nbval(paths, junit: Path, *options, timeout=900):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *NBVAL,
-                           f"--junitxml={junit}", *map(str, paths)], cwd=REPO, env=ENV, capture_output=True,
+                           f"--junitxml={junit}", *options, *map(str, paths)], cwd=REPO, env=ENV, capture_output=True,
                           text=True, timeout=timeout)
     assert junit.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     cases = {}
@@ -223,9 +223,14 @@ def test_chapter_09_cheats_fool_the_plain_check_cells(ch09_cheat):
 
 
 def test_chapter_09_cheats_fail_under_grade_and_pytest_nbval(ch09_cheat, tmp_path):
-    proc = grade_cli(ch09_cheat, "--json", tmp_path / "g.json")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    report = json.loads((tmp_path / "g.json").read_text())["notebooks"][0]
+    """One `pytest --nbval` run of the cheat feeds both verdicts: nbval's items and `grade`'s verdict on that same
+    run (grading.Session.grade_executed, recorded by tests/suite_plugin.py --nbval-record, as the chapter runs of
+    test_course_machinery.py are; `grade`'s own kernel runs the chapter 08 cheats below and the three students)."""
+    record_dir = tmp_path / "run"
+    proc, cases = nbval([ch09_cheat], tmp_path / "cheat.xml", "-p", "tests.suite_plugin", f"--nbval-record={record_dir}")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((record_dir / f"{ch09_cheat.stem}.json").read_text())["grade"]
+    assert report is not None, "the cheat's notebook was not graded as a student's"
     lines = {e["exercise"]: e["line"] for e in report["exercises"]}
     assert lines["E9.1"] == ("E9.1 failed: load_qkv_shard is nanovllm_ref.layers.linear.load_qkv_shard, not your code "
                              "(hint: write load_qkv_shard yourself in the exercise cell)"), lines
@@ -234,7 +239,6 @@ def test_chapter_09_cheats_fail_under_grade_and_pytest_nbval(ch09_cheat, tmp_pat
         "E9.2: before its check the notebook had replaced nanovllm_course.ch09.check_simulated_forward; the course "
         "put the originals back"]
     assert report["total"] == f"{CH09}: 0 of 2 exercises ok"
-    _, cases = nbval([ch09_cheat], tmp_path / "cheat.xml")
     items = {name: v for (cls, name), v in cases.items() if name.startswith("E")}
     assert items["E9.1"][:2] == ("failed", lines["E9.1"]) and items["E9.2"][:2] == ("failed", "E9.2 not done yet"), items
 
