@@ -38,6 +38,25 @@ def section_passes(cap, name, **kwargs) -> bool:
     return cap.results[SECTION[name]][0]
 
 
+_LIVE_REFERENCE: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def one_live_smollm2_reference_per_module(monkeypatch):
+    """C.2's reference side (ch13.reference_smollm2: the reference engine on SmolLM2, greedy, fp32, CPU: the same
+    ids and margins on every call) runs live once per (max_tokens, checkpoint) in this module, about 5 s of CPU;
+    every test that runs C.2, or calls it, reads a copy of that run. A test that replaces it still can."""
+    real = ch13.reference_smollm2
+
+    def once(max_tokens=ch13.SMOL_TOKENS, path=None):
+        from nanovllm_models.download import ensure_model
+        key = (max_tokens, path or str(ensure_model()))
+        if key not in _LIVE_REFERENCE:
+            _LIVE_REFERENCE[key] = real(*key)
+        return [(list(ids), list(margins)) for ids, margins in _LIVE_REFERENCE[key]]
+    monkeypatch.setattr(ch13, "reference_smollm2", once)
+
+
 def stub_choose(candidates, cuda):
     raise NotImplementedError("Exercise 13.1: for each Parts field, the candidate that runs")
 
