@@ -412,6 +412,38 @@ def test_the_total_honours_optional_exercises():
     assert plain.ok and plain.total() == "01_rmsnorm.ipynb: 1 of 1 exercises ok"
 
 
+def test_the_grader_reads_each_chapters_optional_exercises_from_its_source_as_the_chapter_declares_them():
+    """The grader's process runs no check (the kernel does), so it reads which exercises are optional from the
+    chapter modules' source (grading.optional_in_source) instead of importing them with torch and the engine: the
+    same ids as every chapter's imported EXERCISES, and a verdict's `optional` without torch in the process."""
+    import importlib
+    for n in range(14):
+        module = importlib.import_module(f"nanovllm_course.ch{n:02d}")
+        assert grading.optional_in_source(n) == {e for e, x in module.EXERCISES.items() if x.optional}, n
+    assert grading.optional_in_source(4) == {"E4.3"} and grading.optional_in_source(6) == {"E6.4"}
+    assert grading.optional_in_source(99) == frozenset()
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['rfc3987_syntax'] = None\n"
+                           "from nanovllm_course import grading\n"
+                           "print(grading._optional('E4.3'), grading._optional('E4.1'), grading._optional('E99.1'), "
+                           "'torch' in sys.modules)"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["True", "False", "False", "False"], proc.stdout + proc.stderr
+
+
+def test_the_graders_cuda_question_is_torchs_answer_and_needs_no_torch_where_no_gpu_driver_is_installed(monkeypatch):
+    """release.cuda_available() (which `gpu` cells the grader skips) is torch.cuda.is_available(); on a Linux machine
+    with none of the GPU drivers' files it answers without importing torch (the grader's process then needs none)."""
+    import torch
+    assert rel.cuda_available() == torch.cuda.is_available()
+    no_driver = sys.platform.startswith("linux") and not any(os.path.exists(p) for p in rel._GPU_DRIVER_PATHS)
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['rfc3987_syntax'] = None\n"
+                           "from nanovllm_course import release\n"
+                           "print(release.cuda_available(), 'torch' in sys.modules)"], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == [str(torch.cuda.is_available()), str(not no_driver)], proc.stdout + proc.stderr
+    monkeypatch.setattr(rel, "_GPU_DRIVER_PATHS", (str(REPO),))          # "a driver is there": torch decides
+    assert rel.cuda_available() == torch.cuda.is_available()
+
+
 def test_student_names_tell_the_folders_apart():
     assert grading.student_names(["/c/2026/alice/04.ipynb", "/c/2026/bob/04.ipynb", "/c/2026/bob/09.ipynb"]) == \
         ["alice", "bob", "bob"]
