@@ -333,17 +333,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def tp_worker(rank: int, world: int, port: int, path: str, kernels, steps: int, queue) -> None:
-    """One rank of the tensor-parallel session (importable: spawn pickles it by name)."""
+def tp_worker(rank: int, world: int, port: int, paths: dict, kernels, steps: int, queue) -> None:
+    """One rank of the tensor-parallel session, over each of `paths` ({arch: checkpoint}) in turn (importable: spawn
+    pickles it by name)."""
     import torch.distributed as dist
     # Several K splits per rank (o_proj: K = 32 per rank, down: 64), so the all-reduce adds real partials.
     small_gemm.choose_config = split_k_in_16s(small_gemm.choose_config)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        ids, logits = greedy_session(build_model(path, torch.float32, kernels, rank, world), PROMPTS, steps)
-        if rank == 0:
+        results = {}
+        for arch, path in paths.items():
+            ids, logits = greedy_session(build_model(path, torch.float32, kernels, rank, world), PROMPTS, steps)
             # numpy, not tensors: a tensor travels as a shared-memory handle that dies with this process
-            queue.put((ids, [t.numpy().copy() for t in logits]))
+            results[arch] = (ids, [t.numpy().copy() for t in logits] if rank == 0 else None)
+        if rank == 0:
+            queue.put(results)
         # Both ranks past their last all-reduce before either closes its sockets: a rank that finishes its
         # half of the last ring all-reduce first and exits resets the other's connection (seen once in a
         # loaded full run: the result arrived, then a rank exited non-zero).
@@ -368,23 +372,27 @@ def _result_or_failure(queue, procs, timeout: float):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU tensors; over NCCL the engine's TP tests run "
                     "the fused route (fuse=True on CUDA)")
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_tensor_parallel_fused_decode_all_reduces_split_k_partials(arch):
-    path, steps = tiny_dir(arch), 3
+def test_tensor_parallel_fused_decode_all_reduces_split_k_partials():
+    """Both tiny architectures in one tensor-parallel session: the two ranks start once (a rank's start, torch and
+    the model code, is ~3 s of CPU) and run qwen3, then llama."""
+    paths, steps = {arch: tiny_dir(arch) for arch in ("qwen3", "llama")}, 3
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=tp_worker, args=(r, 2, port, path, FusedKernels.all(), steps, queue)) for r in range(2)]
+    procs = [ctx.Process(target=tp_worker, args=(r, 2, port, paths, FusedKernels.all(), steps, queue)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        tp_ids, tp_logits = _result_or_failure(queue, procs, timeout=240)
+        results = _result_or_failure(queue, procs, timeout=480)
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0], f"tensor-parallel ranks' exit codes {[p.exitcode for p in procs]}"
-    ids, logits = greedy_session(build_model(path, torch.float32, None), PROMPTS, steps)
-    assert tp_ids == ids == [hf_greedy(path, p, steps + 1) for p in PROMPTS]
-    for a, b in zip(logits, tp_logits):
-        torch.testing.assert_close(torch.from_numpy(b), a, atol=1e-4, rtol=1e-4)
+    assert sorted(results) == sorted(paths)
+    for arch, path in paths.items():
+        tp_ids, tp_logits = results[arch]
+        ids, logits = greedy_session(build_model(path, torch.float32, None), PROMPTS, steps)
+        assert tp_ids == ids == [hf_greedy(path, p, steps + 1) for p in PROMPTS], arch
+        for a, b in zip(logits, tp_logits):
+            torch.testing.assert_close(torch.from_numpy(b), a, atol=1e-4, rtol=1e-4, msg=lambda m, arch=arch: f"{arch}: {m}")
