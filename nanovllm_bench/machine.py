@@ -5,11 +5,13 @@ import platform
 import subprocess
 import time
 
-import torch
+# torch is imported where it is used: a peer process that stops before measuring (its engine is not installed,
+# fails to start or dies) then never pays torch's import (~2 s of CPU).
 
 
 def measure_machine(device: str) -> dict:
     """Copy bandwidth (read + write bytes / s) and bf16 (GPU) or fp32 (CPU) matmul FLOP/s."""
+    import torch
     if device == "cuda":
         x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
         y = torch.empty_like(x)
@@ -77,11 +79,13 @@ def project_commit() -> str | None:
 
 def versions() -> dict:
     """torch, triton, transformers and Python of this process."""
+    import torch
     return dict(torch=torch.__version__, triton=_version("triton"), transformers=_version("transformers"),
                 python=platform.python_version())
 
 
 def device_name(device: str) -> str:
+    import torch
     return torch.cuda.get_device_name(0) if device == "cuda" else (platform.processor() or platform.machine() or "cpu")
 
 

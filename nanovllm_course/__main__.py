@@ -18,7 +18,13 @@ import os
 import sys
 from pathlib import Path
 
-from nanovllm_course import release as rel
+# nbformat's validator imports jsonschema, whose optional IRI format checker (rfc3987_syntax) builds a Lark grammar
+# at import: 1.7 s of CPU in every command here (they all read notebooks) for a format that no notebook schema
+# uses. This process is the command's own, so it leaves that checker out, before nbformat is imported (the test
+# processes do the same: tests/suite_plugin.py). A notebook kernel, the student's, is left as it is.
+sys.modules.setdefault("rfc3987_syntax", None)
+
+from nanovllm_course import release as rel  # noqa: E402
 
 
 def _names(values):

@@ -131,12 +131,7 @@ def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if GPU_TAG in _cell_tags(item)]
     if not gpu_items:
         return
-    try:
-        import torch
-        has_cuda = torch.cuda.is_available()
-    except Exception:
-        has_cuda = False
-    if has_cuda:
+    if _rel().cuda_available():
         return
     skip = pytest.mark.skip(reason="notebook cell tagged 'gpu' needs CUDA")
     for item in gpu_items:

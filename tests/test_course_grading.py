@@ -68,9 +68,9 @@ def grade_cli(*args, timeout=900):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def nbval(paths, junit: Path, timeout=900):
+def nbval(paths, junit: Path, *options, timeout=900):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *NBVAL,
-                           f"--junitxml={junit}", *map(str, paths)], cwd=REPO, env=ENV, capture_output=True,
+                           f"--junitxml={junit}", *options, *map(str, paths)], cwd=REPO, env=ENV, capture_output=True,
                           text=True, timeout=timeout)
     assert junit.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     cases = {}
@@ -223,9 +223,14 @@ def test_chapter_09_cheats_fool_the_plain_check_cells(ch09_cheat):
 
 
 def test_chapter_09_cheats_fail_under_grade_and_pytest_nbval(ch09_cheat, tmp_path):
-    proc = grade_cli(ch09_cheat, "--json", tmp_path / "g.json")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    report = json.loads((tmp_path / "g.json").read_text())["notebooks"][0]
+    """One `pytest --nbval` run of the cheat feeds both verdicts: nbval's items and `grade`'s verdict on that same
+    run (grading.Session.grade_executed, recorded by tests/suite_plugin.py --nbval-record, as the chapter runs of
+    test_course_machinery.py are; `grade`'s own kernel runs the chapter 08 cheats below and the three students)."""
+    record_dir = tmp_path / "run"
+    proc, cases = nbval([ch09_cheat], tmp_path / "cheat.xml", "-p", "tests.suite_plugin", f"--nbval-record={record_dir}")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((record_dir / f"{ch09_cheat.stem}.json").read_text())["grade"]
+    assert report is not None, "the cheat's notebook was not graded as a student's"
     lines = {e["exercise"]: e["line"] for e in report["exercises"]}
     assert lines["E9.1"] == ("E9.1 failed: load_qkv_shard is nanovllm_ref.layers.linear.load_qkv_shard, not your code "
                              "(hint: write load_qkv_shard yourself in the exercise cell)"), lines
@@ -234,7 +239,6 @@ def test_chapter_09_cheats_fail_under_grade_and_pytest_nbval(ch09_cheat, tmp_pat
         "E9.2: before its check the notebook had replaced nanovllm_course.ch09.check_simulated_forward; the course "
         "put the originals back"]
     assert report["total"] == f"{CH09}: 0 of 2 exercises ok"
-    _, cases = nbval([ch09_cheat], tmp_path / "cheat.xml")
     items = {name: v for (cls, name), v in cases.items() if name.startswith("E")}
     assert items["E9.1"][:2] == ("failed", lines["E9.1"]) and items["E9.2"][:2] == ("failed", "E9.2 not done yet"), items
 
@@ -406,6 +410,38 @@ def test_the_total_honours_optional_exercises():
     assert not missing.ok and missing.total() == f"{CH04}: 1 of 2 required ok, optional E4.3 ok"
     plain = grading.Grade("01_rmsnorm.ipynb", [grading.Verdict("E1.1", "E1.1 ok", "E1.1 ok")], [])
     assert plain.ok and plain.total() == "01_rmsnorm.ipynb: 1 of 1 exercises ok"
+
+
+def test_the_grader_reads_each_chapters_optional_exercises_from_its_source_as_the_chapter_declares_them():
+    """The grader's process runs no check (the kernel does), so it reads which exercises are optional from the
+    chapter modules' source (grading.optional_in_source) instead of importing them with torch and the engine: the
+    same ids as every chapter's imported EXERCISES, and a verdict's `optional` without torch in the process."""
+    import importlib
+    for n in range(14):
+        module = importlib.import_module(f"nanovllm_course.ch{n:02d}")
+        assert grading.optional_in_source(n) == {e for e, x in module.EXERCISES.items() if x.optional}, n
+    assert grading.optional_in_source(4) == {"E4.3"} and grading.optional_in_source(6) == {"E6.4"}
+    assert grading.optional_in_source(99) == frozenset()
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['rfc3987_syntax'] = None\n"
+                           "from nanovllm_course import grading\n"
+                           "print(grading._optional('E4.3'), grading._optional('E4.1'), grading._optional('E99.1'), "
+                           "'torch' in sys.modules)"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["True", "False", "False", "False"], proc.stdout + proc.stderr
+
+
+def test_the_graders_cuda_question_is_torchs_answer_and_needs_no_torch_where_no_gpu_driver_is_installed(monkeypatch):
+    """release.cuda_available() (which `gpu` cells the grader skips) is torch.cuda.is_available(); on a Linux machine
+    with none of the GPU drivers' files it answers without importing torch (the grader's process then needs none)."""
+    import torch
+    assert rel.cuda_available() == torch.cuda.is_available()
+    no_driver = sys.platform.startswith("linux") and not any(os.path.exists(p) for p in rel._GPU_DRIVER_PATHS)
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['rfc3987_syntax'] = None\n"
+                           "from nanovllm_course import release\n"
+                           "print(release.cuda_available(), 'torch' in sys.modules)"], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == [str(torch.cuda.is_available()), str(not no_driver)], proc.stdout + proc.stderr
+    monkeypatch.setattr(rel, "_GPU_DRIVER_PATHS", (str(REPO),))          # "a driver is there": torch decides
+    assert rel.cuda_available() == torch.cuda.is_available()
 
 
 def test_student_names_tell_the_folders_apart():

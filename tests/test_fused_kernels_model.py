@@ -37,7 +37,10 @@ from nanovllm_ref.utils.parallel import tensor_parallel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 47))]
-GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# Tokens per prompt of the greedy comparisons: 1 prefill and 3 decode steps (the decode slots of the 7- and 2-token
+# prompts cross a block boundary at block size 4); each step under the Triton interpreter costs ~0.8 s of CPU.
+TOKENS = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
 KERNEL_SETS = {
     "all": FusedKernels.all(),
     "gemm only": FusedKernels(gemm=True),
@@ -122,19 +125,19 @@ LAYERS = 2                                    # the tiny models' layers
 def test_engine_on_triton_kernels_matches_hf_greedy(arch, kernel_set, llm_with_kernels, kernel_calls):
     path = tiny_dir(arch)
     kernels = KERNEL_SETS[kernel_set]
-    # Block size 4: prompts of 7 and 17 tokens put decode slots on both sides of block boundaries.
+    # Block size 4: the prompts of 2 and 7 tokens put decode slots on both sides of a block boundary.
     llm = llm_with_kernels(path, kernels, kvcache_block_size=4, max_model_len=64)
     assert llm.model_runner.model.kernels == kernels
     got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm.exit()
-    assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
-    steps = 1 + 5                             # one prefill (26 rows <= max_m: the small GEMM too), 5 decodes
+    assert got == [hf_greedy(path, p, TOKENS) for p in PROMPTS]
+    steps = TOKENS                            # one prefill (26 rows <= max_m: the small GEMM too), TOKENS - 1 decodes
     gemms = kernel_calls["linear"] + kernel_calls["partials"] + kernel_calls["silu"]
     assert len(gemms) == (steps * LAYERS * 4 if kernels.gemm else 0)
     assert len(kernel_calls["partials"]) == (steps * LAYERS * 2 if kernels.split_k else 0)
     assert len(kernel_calls["silu"]) == (steps * LAYERS if kernels.gemm_silu else 0)
     assert kernel_calls["norm"] == (steps * (2 * LAYERS + 1) if kernels.add_rms_norm else 0)
-    assert kernel_calls["qk_store"] == (5 * LAYERS if kernels.qk_norm_rope_store else 0), "decode steps only"
+    assert kernel_calls["qk_store"] == ((TOKENS - 1) * LAYERS if kernels.qk_norm_rope_store else 0), "decode steps only"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -143,8 +146,8 @@ def test_engine_with_several_k_splits_matches_hf_greedy(arch, llm_with_kernels, 
     llm = llm_with_kernels(path, FusedKernels.all(), kvcache_block_size=4, max_model_len=64)
     got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm.exit()
-    assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
-    assert len(kernel_calls["partials"]) == 6 * LAYERS * 2
+    assert got == [hf_greedy(path, p, TOKENS) for p in PROMPTS]
+    assert len(kernel_calls["partials"]) == TOKENS * LAYERS * 2
 
 
 def test_decode_batches_over_4_use_the_tl_dot_gemm_and_match_hf(llm_with_kernels, kernel_calls):
@@ -168,8 +171,8 @@ def test_awkward_shape_on_triton_kernels_matches_hf(llm_with_kernels, kernel_cal
     llm = llm_with_kernels(path, FusedKernels.all(), kvcache_block_size=4, max_model_len=64)
     got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm.exit()
-    assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
-    assert kernel_calls["qk_store"] == 5 * LAYERS and kernel_calls["partials"]
+    assert got == [hf_greedy(path, p, TOKENS) for p in PROMPTS]
+    assert kernel_calls["qk_store"] == (TOKENS - 1) * LAYERS and kernel_calls["partials"]
 
 
 def test_batches_over_max_m_run_cublas_gemms_with_the_norm_and_qk_kernels(llm_with_kernels, kernel_calls):
@@ -200,10 +203,10 @@ def test_a_replaced_part_keeps_its_kernel_off_and_runs_as_written(llm_with_kerne
     got = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     spied = parts_spies.CALLS["rms_norm"] - before
     llm.exit()
-    assert got == [hf_greedy(path, p, 6) for p in PROMPTS]
-    # q_norm and k_norm of every layer, and layer 0's input norm, in each of the 6 steps are the student's.
-    assert spied == 6 * (2 * LAYERS + 1)
-    assert kernel_calls["qk_store"] == 0 and kernel_calls["norm"] == 6 * 2 * LAYERS
+    assert got == [hf_greedy(path, p, TOKENS) for p in PROMPTS]
+    # q_norm and k_norm of every layer, and layer 0's input norm, in each of the TOKENS steps are the student's.
+    assert spied == TOKENS * (2 * LAYERS + 1)
+    assert kernel_calls["qk_store"] == 0 and kernel_calls["norm"] == TOKENS * 2 * LAYERS
 
 
 def test_asking_for_a_kernel_that_a_part_replaced_is_refused_by_name():
@@ -330,17 +333,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def tp_worker(rank: int, world: int, port: int, path: str, kernels, steps: int, queue) -> None:
-    """One rank of the tensor-parallel session (importable: spawn pickles it by name)."""
+def tp_worker(rank: int, world: int, port: int, paths: dict, kernels, steps: int, queue) -> None:
+    """One rank of the tensor-parallel session, over each of `paths` ({arch: checkpoint}) in turn (importable: spawn
+    pickles it by name)."""
     import torch.distributed as dist
     # Several K splits per rank (o_proj: K = 32 per rank, down: 64), so the all-reduce adds real partials.
     small_gemm.choose_config = split_k_in_16s(small_gemm.choose_config)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        ids, logits = greedy_session(build_model(path, torch.float32, kernels, rank, world), PROMPTS, steps)
-        if rank == 0:
+        results = {}
+        for arch, path in paths.items():
+            ids, logits = greedy_session(build_model(path, torch.float32, kernels, rank, world), PROMPTS, steps)
             # numpy, not tensors: a tensor travels as a shared-memory handle that dies with this process
-            queue.put((ids, [t.numpy().copy() for t in logits]))
+            results[arch] = (ids, [t.numpy().copy() for t in logits] if rank == 0 else None)
+        if rank == 0:
+            queue.put(results)
         # Both ranks past their last all-reduce before either closes its sockets: a rank that finishes its
         # half of the last ring all-reduce first and exits resets the other's connection (seen once in a
         # loaded full run: the result arrived, then a rank exited non-zero).
@@ -365,23 +372,27 @@ def _result_or_failure(queue, procs, timeout: float):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU tensors; over NCCL the engine's TP tests run "
                     "the fused route (fuse=True on CUDA)")
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_tensor_parallel_fused_decode_all_reduces_split_k_partials(arch):
-    path, steps = tiny_dir(arch), 3
+def test_tensor_parallel_fused_decode_all_reduces_split_k_partials():
+    """Both tiny architectures in one tensor-parallel session: the two ranks start once (a rank's start, torch and
+    the model code, is ~3 s of CPU) and run qwen3, then llama."""
+    paths, steps = {arch: tiny_dir(arch) for arch in ("qwen3", "llama")}, 3
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=tp_worker, args=(r, 2, port, path, FusedKernels.all(), steps, queue)) for r in range(2)]
+    procs = [ctx.Process(target=tp_worker, args=(r, 2, port, paths, FusedKernels.all(), steps, queue)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        tp_ids, tp_logits = _result_or_failure(queue, procs, timeout=240)
+        results = _result_or_failure(queue, procs, timeout=480)
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0], f"tensor-parallel ranks' exit codes {[p.exitcode for p in procs]}"
-    ids, logits = greedy_session(build_model(path, torch.float32, None), PROMPTS, steps)
-    assert tp_ids == ids == [hf_greedy(path, p, steps + 1) for p in PROMPTS]
-    for a, b in zip(logits, tp_logits):
-        torch.testing.assert_close(torch.from_numpy(b), a, atol=1e-4, rtol=1e-4)
+    assert sorted(results) == sorted(paths)
+    for arch, path in paths.items():
+        tp_ids, tp_logits = results[arch]
+        ids, logits = greedy_session(build_model(path, torch.float32, None), PROMPTS, steps)
+        assert tp_ids == ids == [hf_greedy(path, p, steps + 1) for p in PROMPTS], arch
+        for a, b in zip(logits, tp_logits):
+            torch.testing.assert_close(torch.from_numpy(b), a, atol=1e-4, rtol=1e-4, msg=lambda m, arch=arch: f"{arch}: {m}")

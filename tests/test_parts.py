@@ -243,8 +243,15 @@ def _export(notebooks: str, tmp_path: Path):
     return parts, rows, cli.stdout
 
 
-def test_exported_solutions_run_in_the_engine_with_hf_equal_ids(tmp_path):
-    parts, rows, printed = _export("solutions", tmp_path)
+@pytest.fixture(scope="module")
+def exported_solutions(tmp_path_factory):
+    """(parts, rows, printed) of the solutions exported once for this module's tests (the export command and the
+    import of what it wrote: about 3 s of CPU); the tests only read them."""
+    return _export("solutions", tmp_path_factory.mktemp("exported_solutions"))
+
+
+def test_exported_solutions_run_in_the_engine_with_hf_equal_ids(exported_solutions):
+    parts, rows, printed = exported_solutions
     assert {r["source"] for r in rows} == {"yours"}
     assert set(parts.replaced()) == {"rms_norm", "add_rms_norm", "rope_cos_sin", "rotary", "qkv_weight_loader",
                                      "gate_up_weight_loader", "prepare_prefill", "prepare_decode",
@@ -269,8 +276,8 @@ def test_exported_solutions_run_in_the_engine_with_hf_equal_ids(tmp_path):
             assert ids == hf_greedy(path, prompt, 10), arch
 
 
-def test_exported_parts_pickle_into_tensor_parallel_workers(tmp_path):
-    parts, _, _ = _export("solutions", tmp_path)
+def test_exported_parts_pickle_into_tensor_parallel_workers(exported_solutions):
+    parts, _, _ = exported_solutions
     path = tiny_dir("qwen3")
     with LLM(path, parts=parts, tensor_parallel_size=2, kvcache_block_size=4, max_model_len=64) as llm:
         out = llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)
