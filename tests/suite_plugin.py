@@ -89,7 +89,11 @@ FILE_AREAS = (
 # is slow throughout; a test may also carry @pytest.mark.slow itself.
 SLOW = {
     "*.ipynb": "*", "browser_lab.py": "*",
-    "test_serve_lifecycle.py": "*", "test_serve_chat_shell.py": "*", "test_smollm2_engine.py": "*",
+    "test_serve_lifecycle.py": ("test_full_admission_queue_answers_503_at_once_and_recovers",
+                                "test_sigterm_aborts_open_requests_calls_exit_and_exits_0",
+                                "test_port_in_use_exits_1_before_the_engine_loads",
+                                "test_a_served_model_name_holding_the_chunk_marks_streams_intact"),
+    "test_serve_chat_shell.py": "*", "test_smollm2_engine.py": "*",
     "test_fused_kernels_bench.py": "*", "test_triton_engine.py": "*",
     "test_async_scheduling.py": ("test_async_outputs_equal_sync_and_hf",),
     "test_engine_core_split.py": "*", "test_serve_faults.py": "*",
