@@ -1,5 +1,6 @@
-"""The server's back-pressure and lifecycle, each on its own server process with the fake engine: a full
-admission queue answers 503 at once, SIGTERM aborts what is open and exits 0, start-up errors exit by name."""
+"""The server's back-pressure and lifecycle, on real server processes with the fake engine: a full admission
+queue answers 503 at once, SIGTERM aborts what is open and exits 0 (its own server), start-up errors exit by name
+(argument and factory errors through the command's main() in this process, a taken port in a real process)."""
 import json
 import socket
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 import httpx
 import pytest
-from serve_helpers import FAKE, ROOT, child_env
+from serve_helpers import FAKE, ROOT, ServerProcess, child_env
 
 
 def _open_stream(client: httpx.Client, prompt, max_tokens=190):
@@ -20,9 +21,21 @@ def _open_stream(client: httpx.Client, prompt, max_tokens=190):
     return response, lines
 
 
-def test_full_admission_queue_answers_503_at_once_and_recovers(fake_server):
-    with fake_server({"step_delay": 0.02}, args=["--max-queued-requests", "2"]) as srv, \
-            httpx.Client(base_url=srv.url, timeout=httpx.Timeout(20)) as client:
+ODD_NAME = 'm 987654321 "@@text@@" @@text@@'      # the marks the stream's chunk template was once cut at
+
+
+@pytest.fixture(scope="module")
+def queue_server(tmp_path_factory, model_dir):
+    """One server for the two tests that only send requests: two places in the admission queue, and a served
+    model name holding the chunk marks (the admission test leaves out `model`, which any name accepts)."""
+    with ServerProcess(tmp_path_factory.mktemp("lifecycle"), model_dir, {"step_delay": 0.02},
+                       args=["--max-queued-requests", "2", "--served-model-name", ODD_NAME]) as srv:
+        yield srv
+
+
+def test_full_admission_queue_answers_503_at_once_and_recovers(queue_server):
+    srv = queue_server
+    with httpx.Client(base_url=srv.url, timeout=httpx.Timeout(20)) as client:
         held = [_open_stream(client, [5, 6, 7 + i]) for i in range(2)]
         res = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=10)
         # answered at once: both held requests were still in the engine's running batch when the 503 came back
@@ -76,13 +89,38 @@ def _serve(args, timeout=120):
     return subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def test_bad_engine_factory_fails_by_name_before_serving(model_dir):
-    res = _serve(["--model", model_dir, "--engine-factory", "no_such_module:make"])
+class _Exit:
+    def __init__(self, returncode, stderr):
+        self.returncode, self.stderr = returncode, stderr
+
+
+@pytest.fixture
+def serve_main(capsys):
+    """`python -m nanovllm_ref serve ARGS` run in this process: the command line's own main(), whose return value
+    `python -m` exits with (an argparse error exits 2 from inside it). For refusals that happen before anything
+    serves: each saves a process start (~2.5 s of CPU importing torch); test_port_in_use_exits_1_before_the_engine_loads
+    keeps a real process. The tests that use it carry a 60 s timeout: a regression that let the command serve
+    would block in this process, and fails there instead."""
+    from nanovllm_ref.__main__ import main
+
+    def run(args):
+        capsys.readouterr()
+        try:
+            code = main(["serve", *args])
+        except SystemExit as exc:
+            code = exc.code
+        return _Exit(code, capsys.readouterr().err)
+    return run
+
+
+@pytest.mark.timeout(60)
+def test_bad_engine_factory_fails_by_name_before_serving(model_dir, serve_main):
+    res = serve_main(["--model", model_dir, "--engine-factory", "no_such_module:make"])
     assert res.returncode == 2
     assert "--engine-factory" in res.stderr and "no_such_module" in res.stderr
-    res = _serve(["--model", model_dir, "--engine-factory", FAKE, "--engine-factory-kwargs", "[1]"])
+    res = serve_main(["--model", model_dir, "--engine-factory", FAKE, "--engine-factory-kwargs", "[1]"])
     assert res.returncode == 2 and "must be a JSON object" in res.stderr
-    res = _serve(["--model", model_dir, "--engine-factory", FAKE, "--max-queued-requests", "0"])
+    res = serve_main(["--model", model_dir, "--engine-factory", FAKE, "--max-queued-requests", "0"])
     assert res.returncode == 2 and "max_queued_requests must be an int >= 1" in res.stderr
 
 
@@ -99,31 +137,29 @@ def test_port_in_use_exits_1_before_the_engine_loads(tmp_path, model_dir):
     assert not (tmp_path / "ev.jsonl").exists(), "the engine was built although the port was taken"
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("port", ["99999", "0", "-1", "http"])
-def test_a_port_outside_the_tcp_range_is_an_argument_error_before_loading(tmp_path, model_dir, port):
-    res = _serve(["--model", model_dir, "--engine-factory", FAKE, "--port", port,
-                  "--engine-factory-kwargs", json.dumps({"record": str(tmp_path / "ev.jsonl")})])
+def test_a_port_outside_the_tcp_range_is_an_argument_error_before_loading(tmp_path, model_dir, serve_main, port):
+    res = serve_main(["--model", model_dir, "--engine-factory", FAKE, "--port", port,
+                      "--engine-factory-kwargs", json.dumps({"record": str(tmp_path / "ev.jsonl")})])
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "argument --port: a TCP port must be" in res.stderr
     assert not (tmp_path / "ev.jsonl").exists()
 
 
-ODD_NAME = 'm 987654321 "@@text@@" @@text@@'      # the marks the stream's chunk template was once cut at
-
-
-def test_a_served_model_name_holding_the_chunk_marks_streams_intact(fake_server):
-    with fake_server({"step_delay": 0.005}, args=["--served-model-name", ODD_NAME]) as srv:
-        for path, body, text_of in (
-                ("/v1/completions", {"prompt": [5, 6, 7]}, lambda c: c["text"]),
-                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
-                 lambda c: c["message"]["content"] if "message" in c else c["delta"]["content"] or "")):
-            body = {**body, "model": ODD_NAME, "max_tokens": 6}
-            full = httpx.post(srv.url + path, json=body, timeout=10).json()
-            with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=10) as res:
-                lines = [line for line in res.iter_lines() if line]
-            assert lines[-1] == "data: [DONE]"
-            chunks = [json.loads(line[6:]) for line in lines[:-1]]
-            assert {c["model"] for c in chunks} == {ODD_NAME} == {full["model"]}
-            assert len({c["id"] for c in chunks}) == 1 and all(c["choices"][0]["index"] == 0 for c in chunks)
-            streamed = "".join(text_of(c["choices"][0]) for c in chunks)
-            assert streamed == text_of(full["choices"][0]) and len(streamed.split()) == 6
+def test_a_served_model_name_holding_the_chunk_marks_streams_intact(queue_server):
+    srv = queue_server       # its prompt is one that the admission test's filters do not match, in any order
+    for path, body, text_of in (
+            ("/v1/completions", {"prompt": [7, 8, 9]}, lambda c: c["text"]),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+             lambda c: c["message"]["content"] if "message" in c else c["delta"]["content"] or "")):
+        body = {**body, "model": ODD_NAME, "max_tokens": 6}
+        full = httpx.post(srv.url + path, json=body, timeout=10).json()
+        with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=10) as res:
+            lines = [line for line in res.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        assert {c["model"] for c in chunks} == {ODD_NAME} == {full["model"]}
+        assert len({c["id"] for c in chunks}) == 1 and all(c["choices"][0]["index"] == 0 for c in chunks)
+        streamed = "".join(text_of(c["choices"][0]) for c in chunks)
+        assert streamed == text_of(full["choices"][0]) and len(streamed.split()) == 6
