@@ -169,6 +169,23 @@ SLOW = {
 }
 
 
+# Tests that share an expensive module fixture, by file and function: `make test` hands each group to one worker
+# (pytest_xdist_make_scheduler), so that the fixture runs once, not once on each worker that draws one of them.
+TOGETHER = {
+    "test_course_grading.py": {  # the module fixture graded_class: `grade` of the three students (~24 s of CPU)
+        "test_one_command_grades_three_students_into_a_table_csv_and_json": "three_students",
+        "test_pytest_nbval_names_each_students_notebook_and_agrees_with_grade": "three_students"},
+}
+
+
+def together_group(nodeid: str) -> str | None:
+    """The TOGETHER group of a test's node id (`tests/test_x.py::test_f[...]`), as `tests/test_x.py::<group>`, or
+    None."""
+    path, _, rest = nodeid.partition("::")
+    group = TOGETHER.get(path.rsplit("/", 1)[-1], {}).get(rest.split("[", 1)[0])
+    return None if group is None else f"{path}::{group}"
+
+
 def is_slow(file_name: str, function: str) -> bool:
     for pattern, tests in SLOW.items():
         if fnmatch.fnmatch(file_name, pattern) and (tests == "*" or function in tests):
@@ -238,7 +255,7 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::", 1)[0]
             if path.endswith(".ipynb"):
                 return path
-            return super()._split_scope(nodeid)
+            return together_group(nodeid) or super()._split_scope(nodeid)
 
         def schedule(self):
             # keep the workers' order (pytest_collection_modifyitems below puts the longest first); xdist would

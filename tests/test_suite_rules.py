@@ -97,3 +97,15 @@ def test_the_slow_table_names_test_functions_that_exist():
         defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
         stale += [f"{pattern}::{t}" for t in tests if t not in defined]
     assert stale == []
+
+
+def test_the_together_table_names_test_functions_that_exist_and_gives_each_group_one_scope():
+    """tests/suite_plugin.TOGETHER (tests that share a module fixture, run on one worker) names tests by file and
+    function, and every test of a group gets the group's one xdist scope."""
+    for file, tests in suite_plugin.TOGETHER.items():
+        tree = ast.parse((TESTS / file).read_text(encoding="utf-8"))
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        assert [t for t in tests if t not in defined] == [], file
+        for test, group in tests.items():
+            assert suite_plugin.together_group(f"tests/{file}::{test}[case]") == f"tests/{file}::{group}"
+    assert suite_plugin.together_group("tests/test_course_grading.py::test_grade_refuses_bad_arguments") is None
