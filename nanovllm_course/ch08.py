@@ -284,6 +284,11 @@ _RACE_MISTAKES = [   # (wrong race on (probs, noise), message, hint); the sign m
     (lambda p, e: (p / e.clamp_min(TINY)).argmin(-1), "argmin instead of argmax", "the winner has the largest p / E"),
     (lambda p, e: (p.log() + e).argmax(-1), "log p + E is not Gumbel-max: Gumbel noise is -log(E), not E",
      "use the race directly: argmax(p / E)"),
+    # Named by itself: on a draw where every racer's E is large it agrees with the race, and where one draw is
+    # tiny it looks like a floor set too high, so neither of those messages would say what was done.
+    (lambda p, e: (p / (e + 1)).argmax(-1), "you added 1 to the noise (to avoid dividing by zero): argmax(p / (E + 1)) "
+     "is no longer a draw from p, since a racer's time is E itself", "floor the noise instead, at fp32's smallest "
+     "normal: noise.clamp_min(torch.finfo(torch.float32).tiny)"),
 ]
 
 

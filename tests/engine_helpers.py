@@ -228,3 +228,19 @@ def run_checked(llm, prompts, sampling_params, outputs: bool = False):
     assert bm.num_free_blocks == len(bm.blocks), "blocks leaked after all requests finished"
     assert all(b.ref_count == 0 for b in bm.blocks)
     return [done[i] for i in ids], steps
+
+
+def live_parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process, from /proc (the process tests' way of seeing what a
+    run left behind)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                out[int(entry)] = int(fields[1])
+    return out

@@ -547,7 +547,7 @@ def sample_temperature_squared(logits, metadata):
 COVERAGE = [   # (check, wrong answer, what its message must say)
     (ch08.check_temperature_probs, probs_transposed, "has shape"),
     (ch08.check_temperature_probs, temperature_plus_eps, "differs from the reference"),
-    (ch08.check_exponential_race, race_plus_one, "token ids differ from argmax(probs / noise)"),
+    (ch08.check_exponential_race, race_plus_one, "you added 1 to the noise"),
     (ch08.check_exponential_race, race_as_list, "should return a torch.Tensor of token ids"),
     (ch08.check_exponential_race, race_keepdim, "one token id per row"),
     (ch08.check_exponential_race, race_int32, "expected torch.int64"),

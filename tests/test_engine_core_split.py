@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine_helpers import LLM, tiny_dir
+from engine_helpers import LLM, live_parents, tiny_dir
 from nanovllm_ref import SamplingParams
 from nanovllm_ref.engine.core_client import EngineCoreDead, InprocClient, ProcessClient
 from nanovllm_ref.engine.core_messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
@@ -18,18 +18,8 @@ PROMPTS = ["hello world", "The capital of", "one two three four"]
 
 
 def _children(pid: int) -> set[int]:
-    """Live (not zombie) child processes of `pid`, from /proc."""
-    out = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.add(int(entry))
-    return out
+    """Live (not zombie) child processes of `pid`."""
+    return {p for p, parent in live_parents().items() if parent == pid}
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from engine_helpers import live_parents
 from serve_helpers import ROOT, child_env, free_port
 
 FLAGS = ["--device", "cpu", "--max-model-len", "256", "--kvcache-block-size", "16", "--max-num-seqs", "16",
@@ -20,23 +21,8 @@ FLAGS = ["--device", "cpu", "--max-model-len", "256", "--kvcache-block-size", "1
 DEADLINE_S = 30              # a guard against a hang, not a timing claim
 
 
-def _ppids() -> dict[int, int]:
-    """pid -> parent pid of every live (not zombie) process, from /proc."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                out[int(entry)] = int(fields[1])
-    return out
-
-
 def descendants(pid: int) -> set[int]:
-    ppids, found, frontier = _ppids(), set(), {pid}
+    ppids, found, frontier = live_parents(), set(), {pid}
     while frontier:
         frontier = {p for p, pp in ppids.items() if pp in frontier} - found
         found |= frontier
@@ -44,7 +30,7 @@ def descendants(pid: int) -> set[int]:
 
 
 def alive(pid: int) -> bool:
-    return pid in _ppids()
+    return pid in live_parents()
 
 
 def wait_until(predicate, what: str):
