@@ -20,7 +20,7 @@ once per row and reused by later snapshots.
 """
 from nanovllm_ref.engine.core_messages import EngineCoreOutput
 from nanovllm_ref.engine.detokenizer import IncrementalDetokenizer
-from nanovllm_ref.engine.stop import find_stop_string
+from nanovllm_ref.engine.stop import find_stop_string, shown_text
 from nanovllm_ref.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm_ref.sampling_params import SamplingParams
 
@@ -48,17 +48,8 @@ class SampleState:
     def text(self, sp: SamplingParams) -> str:
         """The completion's text as far as it may be shown now: all of it once finished, else without the
         last stop_holdback characters (a stop string may still claim them)."""
-        d = self.detokenizer
-        if not d.flushed:
-            end = len(self.token_ids) - (1 if self.hide_last_token_text else 0)
-            if end > d.num_tokens:
-                d.update(self.token_ids[d.num_tokens:end])
-            if self.finished:
-                d.flush()
-        if self.finished:
-            return d.text
-        hold = sp.stop_holdback
-        return d.text[:max(len(d.text) - hold, 0)] if hold else d.text
+        return shown_text(self.detokenizer, self.token_ids, len(self.token_ids), self.hide_last_token_text,
+                          self.finished, sp.stop_holdback)
 
 
 class RequestState:

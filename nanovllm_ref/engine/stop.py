@@ -82,23 +82,30 @@ def check_stop(seq: Sequence, token_id: int, eos: frozenset, max_model_len: int)
     return True
 
 
-def completion_text(seq: Sequence) -> str:
-    """The text of `seq`'s completion as far as it may be shown now: all of it once finished, else without
-    the last SamplingParams.stop_holdback characters (a stop string may still claim them). "" for a
-    sequence without a detokenizer."""
-    d = seq.detokenizer
-    if d is None:
-        return ""
+def shown_text(d, token_ids, known: int, hide_last: bool, finished: bool, holdback: int) -> str:
+    """The text a completion may show now, from its IncrementalDetokenizer `d` (engine/detokenizer.py): the
+    first `known` of `token_ids` decoded (but for the last one when `hide_last`: a stop token whose text stays
+    out), all of it once `finished`, else without its last `holdback` characters (a stop string may still
+    claim them). The core's sequences (completion_text) and the front end's samples
+    (output_processor.SampleState.text) both show their text this way."""
     if not d.flushed:
-        end = seq.num_known_completion_tokens - (1 if seq.hide_last_token_text else 0)
+        end = known - (1 if hide_last else 0)
         if end > d.num_tokens:
-            d.update(seq.completion_token_ids[d.num_tokens:end])
-        if seq.is_finished:
+            d.update(token_ids[d.num_tokens:end])
+        if finished:
             d.flush()
-    if seq.is_finished:
+    if finished:
         return d.text
-    hold = seq.sampling_params.stop_holdback
-    return d.text[:max(len(d.text) - hold, 0)] if hold else d.text
+    return d.text[:max(len(d.text) - holdback, 0)] if holdback else d.text
+
+
+def completion_text(seq: Sequence) -> str:
+    """The text of `seq`'s completion as far as it may be shown now (shown_text). "" for a sequence without a
+    detokenizer."""
+    if seq.detokenizer is None:
+        return ""
+    return shown_text(seq.detokenizer, seq.completion_token_ids, seq.num_known_completion_tokens,
+                      seq.hide_last_token_text, seq.is_finished, seq.sampling_params.stop_holdback)
 
 
 def min_tokens_bans(seqs: list[Sequence], eos: frozenset, vocab_size: int) -> tuple[list[int], list[int]] | None:
