@@ -93,6 +93,12 @@ class CoreServer:
         assert self.proc.wait(timeout=DEADLINE_S) == 0, self.text()
         wait_until(lambda: not any(alive(p) for p in family), f"the server's processes {family} exit")
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def close(self):
         if self.proc.poll() is None:
             self.proc.kill()
@@ -144,8 +150,7 @@ def _check_dead_server(server: CoreServer, streams, reason: str):
 
 
 def test_a_core_that_raises_mid_step_ends_every_open_stream_with_the_error(tiny_dir, tmp_path):
-    server = CoreServer(tiny_dir, tmp_path / "raise.log", {"fail_with_seqs": 2})
-    try:
+    with CoreServer(tiny_dir, tmp_path / "raise.log", {"fail_with_seqs": 2}) as server:
         first = Stream(server.url, max_tokens=250)           # the fault waits for both to run together
         assert first.first.wait(DEADLINE_S)
         streams = [first, Stream(server.url, max_tokens=250)]
@@ -153,37 +158,28 @@ def test_a_core_that_raises_mid_step_ends_every_open_stream_with_the_error(tiny_
         assert all(s.chunks for s in streams)                 # both ran before the fault
         assert "RuntimeError: planted fault" in server.text()   # the core's traceback is in the log
         server.sigterm_exits_cleanly()
-    finally:
-        server.close()
 
 
 def test_a_core_killed_idle_turns_health_to_503_without_a_request(tiny_dir, tmp_path):
-    server = CoreServer(tiny_dir, tmp_path / "idle.log")
-    try:
+    with CoreServer(tiny_dir, tmp_path / "idle.log") as server:
         assert server.complete().status_code == 200
         os.kill(server.core_pid, signal.SIGKILL)
         _check_dead_server(server, [], "SIGKILL")
         server.sigterm_exits_cleanly()
-    finally:
-        server.close()
 
 
 def test_a_core_killed_mid_step_ends_every_open_stream(tiny_dir, tmp_path):
-    server = CoreServer(tiny_dir, tmp_path / "busy.log")
-    try:
+    with CoreServer(tiny_dir, tmp_path / "busy.log") as server:
         streams = [Stream(server.url, max_tokens=240), Stream(server.url, max_tokens=240)]
         for s in streams:
             assert s.first.wait(DEADLINE_S) and not s.finish
         os.kill(server.core_pid, signal.SIGKILL)
         _check_dead_server(server, streams, "SIGKILL")
         server.sigterm_exits_cleanly()
-    finally:
-        server.close()
 
 
 def test_sigterm_stops_the_server_and_its_live_core_cleanly(tiny_dir, tmp_path):
-    server = CoreServer(tiny_dir, tmp_path / "term.log")
-    try:
+    with CoreServer(tiny_dir, tmp_path / "term.log") as server:
         assert server.complete(max_tokens=6).json()["choices"][0]["text"] is not None
         stream = Stream(server.url, max_tokens=240)
         assert stream.first.wait(DEADLINE_S)
@@ -192,5 +188,3 @@ def test_sigterm_stops_the_server_and_its_live_core_cleanly(tiny_dir, tmp_path):
         stream.join(DEADLINE_S)
         assert stream.done and stream.finish == ["abort"] and not stream.errors
         assert not alive(core)
-    finally:
-        server.close()
