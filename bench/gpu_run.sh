@@ -24,6 +24,9 @@
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
 #                             head; $OUT/profile4_<TAG>.json + the table in gpu_run.log. RUN=triton:graph (default)
+#   or:                       bash bench/gpu_run.sh prefill-step  # no payload, ~1-2 min: one served prefill
+#                             step timed (wall, device, host) at 128-4096 tokens and profiled (bench/prefill_step.py);
+#                             PREFILL_GRAPHS_RUNS="0 1" runs it without and with prefill CUDA graphs
 #
 # Peers (vLLM, upstream nano-vllm, HF, nanovllm_ref's back-ends) in one record: build the payload here first
 # (`python -m nanovllm_bench.payload`: parts .carry/peers/p1 .. pN, each <= 40 MiB, so that
@@ -124,6 +127,21 @@ if [ "$mode" = ab4 ]; then   # issue 29: baseline engine vs this tree's, one cal
     done
     step "A/B table"
     python3 -m nanovllm_bench.ab "$OUT/profile4_ab_base.json" "$OUT/profile4_ab_new.json" --out "$OUT/ab4.json"
+    step "done"
+  } 2>&1 | tee "$OUT/gpu_run.log"
+  exit 0
+fi
+if [ "$mode" = prefill-step ]; then   # issue 28: one served prefill step timed and profiled (no payload)
+  {
+    step "versions"
+    python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+    for g in ${PREFILL_GRAPHS_RUNS:-default}; do
+      step "prefill steps (bench/prefill_step.py), prefill graphs: $g"
+      if [ "$g" = default ]; then unset PREFILL_GRAPHS; else export PREFILL_GRAPHS=$g; fi
+      OUT="$OUT/$g" ; mkdir -p "$OUT"
+      timeout ${PREFILL_S:-200} python3 bench/prefill_step.py 2>&1 | grep -v DEBUG | grep -v USDT
+      OUT=$(dirname "$OUT")
+    done
     step "done"
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0
