@@ -53,6 +53,13 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/smol
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site" NANOVLLM_REF_HOME=/tmp/nanovllm_home HF_HUB_OFFLINE=1
 unset TRITON_INTERPRET
+# The engine's own dependencies the device lacks (msgspec, pyzmq: engine/core_messages.py, core_client.py), as
+# wheels made by `bash bench/gpu_wheels.sh` and carried in .carry/wheels: unpacked into /tmp/site once.
+for whl in .carry/wheels/*.whl; do
+  [ -e "$whl" ] || continue
+  name=$(basename "$whl" | cut -d- -f1)
+  [ -d "/tmp/site/$name" ] || python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/site')" "$whl"
+done
 
 if [ "$mode" = peers-stage ]; then
   mkdir -p /tmp/payload && cp .carry/peers/p*/part_* /tmp/payload/ && ls -la /tmp/payload

@@ -8,7 +8,8 @@ at once, it times `repeat` single prefill steps (max_tokens=1, so the step is th
 - device: CUDA events around the model runner's execute + sample;
 - host: wall time of the forward's Python (launches return before the kernels finish; a synchronize follows).
 Then one torch.profiler trace (CPU + CUDA) of a 564-token prefill step: the top ops by self CPU time and by
-CUDA time, and the number of kernels launched. Writes $OUT/prefill_step.json.
+CUDA time, and the number of kernels launched. Writes $OUT/prefill_step.json. PREFILL_GRAPHS=0: the engine with
+max_prefill_graph_tokens=0 (every prefill step eager); unset or 1: the default (prefill CUDA graphs).
 """
 import json
 import os
@@ -25,15 +26,17 @@ from nanovllm_ref import LLM, SamplingParams  # noqa: E402
 out_dir = os.environ.get("OUT") or tempfile.gettempdir()
 graphs = os.environ.get("PREFILL_GRAPHS")
 kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=4096, enable_prefix_caching=False)
-if graphs is not None:
-    kwargs["prefill_graphs"] = graphs == "1"
+if graphs == "0":
+    kwargs["max_prefill_graph_tokens"] = 0          # prefill graphs off: every prefill step eager
 path = make_model_folder("qwen3-0.6b", tempfile.mkdtemp())
 t0 = time.perf_counter()
 llm = LLM(path, **kwargs)
 start_s = time.perf_counter() - t0
 engine = llm.llm_engine if hasattr(llm, "llm_engine") else llm
 runner = engine.model_runner
-result = {"engine_start_s": round(start_s, 2), "kwargs": kwargs, "cases": {}}
+result = {"engine_start_s": round(start_s, 2), "kwargs": kwargs, "cases": {},
+          "prefill_graph_sizes": list(runner.plan.prefill_graph_sizes), "plan": runner.plan.describe()}
+print(runner.plan.describe(), flush=True)
 
 execute, sample = runner.execute, runner.sample
 marks = {}

@@ -39,6 +39,10 @@ class Config:
     gpu_memory_utilization: fraction of GPU memory the engine may use in all (weights + activations + KV).
     tensor_parallel_size: number of processes (GPUs, or CPU ranks over gloo) sharing each layer.
     enforce_eager: never use CUDA graphs.
+    max_prefill_graph_tokens: the largest prefill step (in tokens) that runs as a CUDA graph
+        (engine/prefill_graph.py; vLLM's max_cudagraph_capture_size plays the same part). Larger prefill steps
+        run eagerly. 0 turns prefill graphs off; they are also off without decode graphs (CPU, enforce_eager)
+        and where the engine plan cannot run them (nanovllm_ref.Parts.resolve says why at start-up).
     decode_kernels: "auto" (default): on CUDA the model uses the hand-written Triton kernels (fused add +
         RMSNorm, q/k-norm + RoPE + KV store, small-batch GEMMs with split-K and SiLU epilogues;
         utils/fusion.FusedKernels, chosen by nanovllm_ref.Parts.resolve) wherever the parts are the reference
@@ -68,6 +72,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    max_prefill_graph_tokens: int = 4096
     decode_kernels: str = "auto"
     async_scheduling: bool | None = None
     kvcache_block_size: int = 256
@@ -96,7 +101,7 @@ class Config:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model folder {self.model!r} has no config.json")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                     "kvcache_block_size", "num_kvcache_blocks", "seed"):
+                     "kvcache_block_size", "num_kvcache_blocks", "seed", "max_prefill_graph_tokens"):
             if isinstance(getattr(self, name), numbers.Integral) and not isinstance(getattr(self, name), bool):
                 _set(name, int(getattr(self, name)))      # numpy ints become plain ints
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -106,6 +111,7 @@ class Config:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)
         _check_int("kvcache_block_size", self.kvcache_block_size, 1)
         _check_int("seed", self.seed, 0, 2**63 - 1)
+        _check_int("max_prefill_graph_tokens", self.max_prefill_graph_tokens, 0, 65536)
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

@@ -60,6 +60,7 @@ import torch
 from nanovllm_ref.engine import inputs
 from nanovllm_ref.engine.block_manager import BlockManager
 from nanovllm_ref.engine.cuda_graph import graph_batch_sizes
+from nanovllm_ref.engine.prefill_graph import MAX_SEQS as PREFILL_GRAPH_SEQS, prefill_graph_sizes
 from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.layers.activation import silu_and_mul
 from nanovllm_ref.layers.layernorm import add_rms_norm, rms_norm
@@ -222,12 +223,30 @@ class Parts:
         else:
             async_ = bool(config.async_scheduling)
         sizes = tuple(self.graph_batch_sizes(config.max_num_seqs)) if use_graphs else ()
+        prefill_sizes, prefill_off = self._prefill_graphs(config, use_graphs, name, world_size)
         return EnginePlan(device_type=device_type, dtype=dtype, world_size=world_size, attention=name,
                           backend=backend, store_kvcache=store, fuse=fuse, ops=ops,
                           prepare_prefill=self.prepare_prefill, prepare_decode=self.prepare_decode,
                           sampler=sampler, sample_rows_name=rows_name,
                           graph_sample_rows=rows if in_graph else None, use_graphs=use_graphs,
-                          graph_batch_sizes=sizes, async_scheduling=async_, replaced=tuple(self.replaced()))
+                          graph_batch_sizes=sizes, prefill_graph_sizes=prefill_sizes, prefill_graphs_off=prefill_off,
+                          async_scheduling=async_, replaced=tuple(self.replaced()))
+
+    @staticmethod
+    def _prefill_graphs(config, use_graphs: bool, attention: str, world_size: int) -> tuple[tuple, str]:
+        """(token counts to capture prefill graphs for, why there are none: "" when there are some). They need
+        decode graphs' conditions (CUDA, not enforce_eager), one process (the workers run eager prefill
+        messages), and the engine's Triton back-end, whose prefill kernel has no host sync and takes padded
+        sequences (engine/prefill_graph.py)."""
+        if not use_graphs:
+            return (), "no CUDA graphs"
+        if config.max_prefill_graph_tokens == 0:
+            return (), "max_prefill_graph_tokens=0"
+        if world_size > 1:
+            return (), "tensor parallel"
+        if attention != "triton":
+            return (), f"the {attention} attention back-end (they need the engine's triton one)"
+        return prefill_graph_sizes(config.max_prefill_graph_tokens, config.max_num_batched_tokens), ""
 
     def _attention(self, config, device_type: str, dtype: torch.dtype):
         """(back-end name, back-end, KV store): the parts' own, or the engine's choice (config.attention_backend;
@@ -318,7 +337,8 @@ class EnginePlan:
     "eager", or "as written" for a sampler of yours). graph_sample_rows: the row draw that runs inside the
     decode CUDA graph (then the graph ends in sampled ids), or None (the graph stops at the hidden states: a
     sampler of yours, tensor parallelism, no graphs). use_graphs, graph_batch_sizes: decode CUDA graphs and
-    their sizes. async_scheduling: the engine schedules step n+1 while step n runs. replaced: the Parts
+    their sizes. prefill_graph_sizes: the token counts of the prefill CUDA graphs (engine/prefill_graph.py), ()
+    for none, and then prefill_graphs_off says why. async_scheduling: the engine schedules step n+1 while step n runs. replaced: the Parts
     fields that are not the reference."""
     device_type: str
     dtype: torch.dtype
@@ -337,6 +357,8 @@ class EnginePlan:
     graph_batch_sizes: tuple
     async_scheduling: bool
     replaced: tuple
+    prefill_graph_sizes: tuple = ()
+    prefill_graphs_off: str = "not planned"
 
     def describe(self) -> str:
         """The plan as a few lines of text (what the engine logs at start-up)."""
@@ -354,6 +376,8 @@ class EnginePlan:
             f"{self.sample_rows_name}; {'inside the decode CUDA graph' if self.graph_sample_rows else 'after the forward'}",
             f"  CUDA graphs: {'sizes ' + _sizes(sizes) if self.use_graphs else 'off'}; async scheduling "
             f"{'on' if self.async_scheduling else 'off'}",
+            "  prefill CUDA graphs: " + (f"token counts {_sizes(self.prefill_graph_sizes)}, up to {PREFILL_GRAPH_SEQS} "
+                                         "sequences" if self.prefill_graph_sizes else f"off ({self.prefill_graphs_off})"),
             f"  replaced parts: {', '.join(self.replaced) or 'none'}",
         ]
         return "\n".join(lines)

@@ -60,7 +60,49 @@ def fill_static_inputs(buffers: dict, input_ids: torch.Tensor, positions: torch.
     buffers["block_tables"][:batch, :meta.block_tables.shape[1]] = meta.block_tables
 
 
-class StaticDecodeInputs:
+class PinnedInputs:
+    """Named int32 fields laid out one after another in ONE device buffer, with a pinned host twin: a step
+    writes its inputs into the host twin and sends them with one copy (`upload`), not one copy per tensor.
+
+    sizes: field name -> length, in layout order. `views(buf)` names the slices of either buffer (numpy for the
+    host's); `host_views` / `device_views` are those of the two. The host buffer is the source of a
+    non-blocking copy, so a writer calls `wait_for_last_copy()` before it overwrites it."""
+
+    def __init__(self, sizes: dict, device):
+        self.sizes = dict(sizes)
+        size = sum(self.sizes.values())
+        self.device_buf = torch.zeros(size, dtype=torch.int32, device=device)
+        self.host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+        self.host = self.host_buf.numpy()
+        self.device_views = self.views(self.device_buf)
+        self.host_views = self.views(self.host)
+        self._copied = torch.cuda.Event() if self.host_buf.is_pinned() else None   # the last upload's end
+
+    def views(self, buf) -> dict:
+        out, start = {}, 0
+        for name, n in self.sizes.items():
+            out[name] = buf[start:start + n]
+            start += n
+        return out
+
+    def upload(self, part: np.ndarray) -> None:
+        """One host -> device copy of `part`: the head of the host buffer (what a `pack` returned), here or on
+        rank 0 (then it is first written into this buffer's head)."""
+        n = len(part)
+        if not np.may_share_memory(part, self.host):
+            self.wait_for_last_copy()
+            self.host[:n] = part
+        self.device_buf[:n].copy_(self.host_buf[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def wait_for_last_copy(self) -> None:
+        """The host buffer is the source of a non-blocking copy: do not overwrite it before that copy ran."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+
+class StaticDecodeInputs(PinnedInputs):
     """The decode graphs' inputs as one int32 buffer on the device and its pinned twin on the host.
 
     Layout, for capacity M = max batch and W = max blocks per sequence (each field a slice of length M,
@@ -76,21 +118,12 @@ class StaticDecodeInputs:
 
     def __init__(self, max_bs: int, max_blocks: int, device):
         self.max_bs, self.max_blocks = max_bs, max_blocks
-        size = max_bs * (len(self.FIELDS) + max_blocks)
-        self.device_buf = torch.zeros(size, dtype=torch.int32, device=device)
-        self.host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
-        self.host = self.host_buf.numpy()
-        self.device_views = self.views(self.device_buf)
-        self.host_views = self.views(self.host)
+        super().__init__(dict({name: max_bs for name in self.FIELDS}, block_tables=max_bs * max_blocks), device)
         self.host_views["block_tables"][:] = -1
-        self._copied = torch.cuda.Event() if self.host_buf.is_pinned() else None   # the last upload's end
 
     def views(self, buf) -> dict:
-        m, out = self.max_bs, {}
-        for i, name in enumerate(self.FIELDS):
-            out[name] = buf[i * m:(i + 1) * m]
-        start = len(self.FIELDS) * m
-        out["block_tables"] = buf[start:].reshape(m, self.max_blocks)
+        out = super().views(buf)
+        out["block_tables"] = out["block_tables"].reshape(self.max_bs, self.max_blocks)
         host = isinstance(buf, np.ndarray)
         out["temperatures"] = out["temperatures"].view(np.float32 if host else torch.float32)
         if host:                                  # seeds are in [0, 2**32); the device reads the same bits
@@ -102,7 +135,7 @@ class StaticDecodeInputs:
         buffer and padding into rows B..padded-1 (slot -1, context 0, block table -1); returns the part of the
         buffer a step of `padded` rows reads (a view). Raises ValueError if a block table is wider than the
         graphs were captured for."""
-        self._wait_for_last_copy()
+        self.wait_for_last_copy()
         h, step, rows = self.host_views, batch.inputs, batch.sampling
         meta = step.metadata
         b = int(step.input_ids.shape[0])
@@ -127,22 +160,6 @@ class StaticDecodeInputs:
             h["prev_rows"][b:padded] = -1
             h["block_tables"][b:padded] = -1
         return self.host[:len(self.FIELDS) * self.max_bs + padded * self.max_blocks]
-
-    def upload(self, part: np.ndarray) -> None:
-        """One host -> device copy of `part`: what `pack` returned, here or on rank 0 (then it is first
-        written into this buffer's head)."""
-        n = len(part)
-        if not np.may_share_memory(part, self.host):
-            self._wait_for_last_copy()
-            self.host[:n] = part
-        self.device_buf[:n].copy_(self.host_buf[:n], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-
-    def _wait_for_last_copy(self) -> None:
-        """The host buffer is the source of a non-blocking copy: do not overwrite it before that copy ran."""
-        if self._copied is not None:
-            self._copied.synchronize()
 
 
 class CUDAGraphRunner:

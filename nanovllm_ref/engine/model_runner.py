@@ -7,6 +7,7 @@ A short orchestrator over modules that each teach one thing:
 - utils/context.py: `with attention_metadata(meta):` hands the metadata to the attention layers;
 - engine/kv_cache.py: sizing and allocating the paged KV cache;
 - engine/cuda_graph.py: decode CUDA graphs (capture, the packed static inputs, replay);
+- engine/prefill_graph.py: prefill CUDA graphs by token count (small prefill steps, padded);
 - engine/sampling_inputs.py: the record's sampling rows -> the sampler's, the processors' and min_tokens'
   device tensors;
 - layers/logits_processors.py, layers/sampler.py, layers/logprobs.py: what runs on the logits.
@@ -25,6 +26,8 @@ Messages (one per step, rank 0 -> every rank; a few kB, never the sequences with
 - `PackedDecodeStep(packed, batch, sample_in_graph)`: the decode graphs' packed input buffer (one pinned
   copy, engine/cuda_graph.py) and the batch size; `sample_in_graph` says whether the graph's own ids are the
   answer;
+- `PackedPrefillStep(packed, num_tokens, num_seqs)`: a prefill step that replays a prefill graph (rank 0 only:
+  prefill graphs run in one process);
 - `ModelStep(batch)`: the StepBatch itself (without its sampling rows: StepBatch.for_workers), for a step
   that runs eagerly; each rank copies its host tensors to its device;
 - `Exit()`: leave the process group and free the memory.
@@ -46,9 +49,15 @@ from `last_ids` on the device before the graph overwrites them), then `plan.samp
 Logprobs (SamplingParams.logprobs) change no route: they are computed from the step's raw logits, which every
 route keeps, and the ids the step chose, and travel to the host with the ids (`PendingStep`).
 
-Prefill steps always run eagerly and sample after the forward. A prefill with prompt_logprobs also computes
-the logits of its chunk's prompt positions (`StepBatch.logit_rows`, on every rank, since the LM head gathers
-across ranks), from which the prompt's logprobs come.
+Prefill step routes. Both sample after the forward, on the logits of each sequence's last token.
+
+| inputs                            | forward                          | when                                                    |
+|-----------------------------------|----------------------------------|---------------------------------------------------------|
+| packed buffer, one pinned copy    | prefill graph replay (padded)    | plan.prefill_graph_sizes, and the step fits one: at most the largest size in tokens, at most 16 sequences, no prompt_logprobs |
+| the record's tensors, copied in   | eager                            | otherwise                                               |
+
+A prefill with prompt_logprobs also computes the logits of its chunk's prompt positions (`StepBatch.logit_rows`,
+on every rank, since the LM head gathers across ranks), from which the prompt's logprobs come.
 
 At start-up the runner:
 - resolves the parts into its plan and logs it (logger "nanovllm_ref", INFO);
@@ -56,7 +65,9 @@ At start-up the runner:
 - runs one prefill at the largest batch, to measure peak activation memory (GPU);
 - sizes the KV cache from what is left (`num_kvcache_blocks`; the engine builds the scheduler with it);
 - captures the decode CUDA graphs (plan.graph_batch_sizes);
-- warms every other kernel and compiled variant (engine/warmup.py), so no request pays for a compile.
+- warms every other kernel and compiled variant (engine/warmup.py), so no request pays for a compile;
+- captures the prefill CUDA graphs (plan.prefill_graph_sizes), after the warm-up, whose prefill steps must
+  run eagerly to warm the eager route.
 Upstream nano-vllm `engine/model_runner.py` pickles the sequences to the workers and has one decode route.
 """
 import contextlib
@@ -71,12 +82,13 @@ import torch.distributed as dist
 from nanovllm_ref.config import Config
 from nanovllm_ref.engine import kv_cache, sampling_inputs, warmup
 from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, resolve_pending
+from nanovllm_ref.engine.prefill_graph import PrefillGraphRunner
 from nanovllm_ref.engine.inputs import to_device, upload
 from nanovllm_ref.engine.step_batch import StepBatch, prefill_batch
 from nanovllm_ref.layers.logits_processors import LogitsProcessing
 from nanovllm_ref.layers.logprobs import LogprobsTensors, gather_logprobs
 from nanovllm_ref.models import get_model_class
-from nanovllm_ref.parts import Parts, logger
+from nanovllm_ref.parts import PREFILL_GRAPH_SEQS, Parts, logger
 from nanovllm_ref.utils.context import attention_metadata
 from nanovllm_ref.utils.loader import load_model
 from nanovllm_ref.utils import onednn
@@ -120,6 +132,16 @@ class PackedDecodeStep:
     packed: np.ndarray
     batch: int
     sample_in_graph: bool
+
+
+@dataclass(frozen=True)
+class PackedPrefillStep:
+    """A prefill step that replays a prefill CUDA graph (engine/prefill_graph.py). packed: the graphs' whole
+    input buffer, what StaticPrefillInputs.pack returned; num_tokens, num_seqs: the real tokens and sequences
+    (the rest up to the graph's sizes are padding)."""
+    packed: np.ndarray
+    num_tokens: int
+    num_seqs: int
 
 
 @dataclass(frozen=True)
@@ -197,7 +219,7 @@ class ModelRunner:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=120))
 
-        self.model = self.kv_cache = self.graph_runner = self.plan = None
+        self.model = self.kv_cache = self.graph_runner = self.prefill_graphs = self.plan = None
         self.num_kvcache_blocks = 0
         self.out_of_step = False          # rank 0: a tensor-parallel step was interrupted midway (see launch)
         try:
@@ -250,6 +272,8 @@ class ModelRunner:
             self.capture_cudagraph()
         if self.plan.fuse or self.device_type == "cuda":
             warmup.warm_step_variants(self)
+        if self.plan.prefill_graph_sizes:
+            self.capture_prefill_graphs()
 
     # -- set-up -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -315,22 +339,41 @@ class ModelRunner:
                                   f"Parts fields replaced: {mine}" if mine else "")
                                + "; enforce_eager=True runs without CUDA graphs") from exc
 
+    def capture_prefill_graphs(self, runner_cls=PrefillGraphRunner, sizes=None):
+        """Capture one prefill graph per token count in `sizes` (default plan.prefill_graph_sizes;
+        engine/prefill_graph.py). runner_cls: PrefillGraphRunner, or (tests on a CPU) a subclass whose
+        `_record` replays eagerly. Raises RuntimeError, naming max_prefill_graph_tokens=0 as the way out, if a
+        capture fails."""
+        cfg = self.config
+        max_blocks = (cfg.max_model_len + self.block_size - 1) // self.block_size
+        sizes = list(sizes or self.plan.prefill_graph_sizes)
+        try:
+            self.prefill_graphs = runner_cls(self.model, sizes, max_blocks, cfg.hf_config.hidden_size, self.dtype,
+                                             self.device, max_seqs=min(cfg.max_num_seqs, PREFILL_GRAPH_SEQS),
+                                             max_seqlen_k=cfg.max_model_len)
+        except Exception as exc:
+            raise RuntimeError(f"CUDA graph capture of the prefill step failed ({type(exc).__name__}: {exc}); "
+                               "max_prefill_graph_tokens=0 runs prefill steps eagerly") from exc
+
     @contextlib.contextmanager
     def eager_steps(self):
-        """Inside the block, this rank runs decode steps eagerly: no CUDA-graph replay, the model's kernels
+        """Inside the block, this rank runs decode and prefill steps eagerly: no CUDA-graph replay, the model's kernels
         launched one by one (what a profiler needs to see them). The graphs stay captured and replay again
         after the block. Benchmarks and tests use it; an engine never needs it."""
-        saved = self.graph_runner
-        self.graph_runner = None
+        saved = self.graph_runner, self.prefill_graphs
+        self.graph_runner = self.prefill_graphs = None
         try:
             yield self
         finally:
-            self.graph_runner = saved
+            self.graph_runner, self.prefill_graphs = saved
 
     # -- one step ---------------------------------------------------------------------------------------
     def message(self, batch: StepBatch):
-        """This step's message (module docstring): a PackedDecodeStep when graphs are captured and one fits
-        the batch, else a ModelStep of the record (without its sampling rows)."""
+        """This step's message (module docstring): a PackedDecodeStep or PackedPrefillStep when graphs are
+        captured and one fits the batch, else a ModelStep of the record (without its sampling rows)."""
+        prefill = self.prefill_graphs
+        if batch.is_prefill and prefill is not None and prefill.inputs.fits(batch):
+            return PackedPrefillStep(prefill.inputs.pack(batch), int(batch.inputs.input_ids.shape[0]), batch.num_seqs)
         if not batch.is_prefill and self.graph_runner is not None:
             padded = self.graph_runner.padded_size(batch.num_seqs)
             if padded is not None:
@@ -357,6 +400,11 @@ class ModelRunner:
                 ids = graph.buffers["token_ids"][:b] if message.sample_in_graph else None
                 return graph.buffers["logits"][:b], ids, None
             return self.model.compute_logits(graph.buffers["outputs"][:b]), None, None
+        if isinstance(message, PackedPrefillStep):
+            graphs = self.prefill_graphs
+            graphs.inputs.upload(message.packed)
+            graphs.replay(message.num_tokens)
+            return self.model.compute_logits(graphs.buffers["outputs"][:message.num_seqs]), None, None
         batch = message.batch
         step = upload(batch.inputs, self.device)
         meta, input_ids = step.metadata, step.input_ids
@@ -482,11 +530,12 @@ class ModelRunner:
 
     def _release(self):
         """Drop the graphs, the KV cache and the weights, and hand the cached GPU memory back."""
-        if self.graph_runner is not None:
-            self.graph_runner.release()
+        for graphs in (self.graph_runner, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release()
         for layer in self._attention_layers() if self.model is not None else []:
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.graph_runner, self.kv_cache, self.model = None, None, None
+        self.graph_runner, self.prefill_graphs, self.kv_cache, self.model = None, None, None, None
         if self.device_type == "cuda":
             import gc
             gc.collect()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanovllm_ref.engine.inputs import StepInputs
+from nanovllm_ref.engine.inputs import StepInputs, block_tables_array
 from nanovllm_ref.engine.sampling_inputs import SamplingRows, prompt_rows, sampling_rows
 from nanovllm_ref.engine.sequence import Sequence
 
@@ -33,7 +33,10 @@ class StepBatch:
     sample). logit_rows / prompt_targets: None, or [P] int64: indices into a prefill's packed tokens whose
     logits give prompt logprobs, and the prompt token each predicts; prompt_num_top: the most top tokens a row
     asks for; prompt_owners: ((batch row, first prompt position, count), ...) per sequence, in row order (the
-    engine matches the logprobs to its sequences with them)."""
+    engine matches the logprobs to its sequences with them). block_tables: None, or in a prefill step once the KV
+    cache exists, every sequence's block table [num_seqs, longest] int32 padded with -1, cached prefix or not
+    (what a prefill CUDA graph reads, engine/prefill_graph.py; the attention metadata holds them only when some
+    sequence has a cached prefix)."""
     is_prefill: bool
     inputs: StepInputs
     prev_rows: np.ndarray | None = None
@@ -42,6 +45,7 @@ class StepBatch:
     prompt_targets: np.ndarray | None = None
     prompt_num_top: int = 0
     prompt_owners: tuple = ()
+    block_tables: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -84,12 +88,13 @@ class StepBuilder:
                                     count=len(seqs))
         rows = sampling_rows(seqs, self.eos, self.vocab_size)
         prompt = prompt_rows(seqs) if is_prefill else None
+        tables = block_tables_array(seqs) if is_prefill and all(seq.block_table for seq in seqs) else None
         if prompt is None:
-            return StepBatch(is_prefill, inputs, prev_rows, rows)
+            return StepBatch(is_prefill, inputs, prev_rows, rows, block_tables=tables)
         for row, first, count in prompt.owners:
             seqs[row].num_prompt_logprobs_launched = first + count
         return StepBatch(is_prefill, inputs, prev_rows, rows, np.asarray(prompt.rows, dtype=np.int64),
-                         np.asarray(prompt.targets, dtype=np.int64), prompt.num_top, tuple(prompt.owners))
+                         np.asarray(prompt.targets, dtype=np.int64), prompt.num_top, tuple(prompt.owners), tables)
 
 
 @torch.inference_mode()
