@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine_helpers import LLM, live_parents, tiny_dir
+from engine_helpers import LLM, hf_greedy, live_parents, tiny_dir
 from nanovllm_ref import SamplingParams
 from nanovllm_ref.engine.core_client import EngineCoreDead, InprocClient, ProcessClient
 from nanovllm_ref.engine.core_messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
@@ -138,6 +138,25 @@ def test_abort_and_a_reused_request_id_on_the_process_core(engines):
     assert outs[-1].request_id == "mine" and outs[-1].outputs[0].token_ids == want.outputs[0].token_ids
     assert process.core_stats["running"] == 0 and process.core_stats["waiting"] == 0
     assert process.core_stats["kv_blocks_free"] == process.config.num_kvcache_blocks
+
+
+def test_wake_returns_a_waiting_step_at_once_and_the_next_step_still_runs(engines):
+    """LLMEngine.wake from another thread (the server's engine loop on a new request): a get_outputs waiting with
+    no timeout on an idle process core returns [] instead of waiting for a step that never comes; outputs still
+    arrive after."""
+    import threading
+    _, process = engines
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(process.core_client.get_outputs()), daemon=True)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "get_outputs returned with nothing to return and no wake-up"
+    process.wake()
+    waiter.join(60)                                            # a liveness bound: a broken wake blocks for ever
+    assert not waiter.is_alive() and got == [[]], "wake() did not end the wait"
+    process.wake()                                             # a stale wake-up costs one early return at most
+    out = process.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert out[0]["token_ids"] == hf_greedy(tiny_dir("qwen3"), [5, 6, 7], 4)
 
 
 def test_bad_engine_core_is_refused_by_name_before_anything_loads():

@@ -127,9 +127,15 @@ class ProcessClient:
         self.config = config.derived(num_kvcache_blocks=info["num_kvcache_blocks"])
         self.async_scheduling = info["async_scheduling"]
         self.scheduler_cls, self.block_manager_cls = info["scheduler_cls"], info["block_manager_cls"]
+        # A pipe another thread writes to (`wake`): get_outputs returns at once, so the caller can send the
+        # core a request that arrived while it waited, instead of holding it until the core's next step ends.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
         self._poller.register(self.proc.sentinel, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
 
     def _handshake(self, ready) -> dict:
         """Wait for the core's ("ready", facts) or ("error", exception) while watching that it lives."""
@@ -196,18 +202,33 @@ class ProcessClient:
         if self.dead is not None:
             raise EngineCoreDead(self.dead)
 
+    def wake(self) -> None:
+        """From any thread: make a `get_outputs` waiting now (or the next one) return at once, [] if no step
+        finished (the server's engine loop calls it when a request arrives). Never blocks."""
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):              # the pipe is full (a wake-up is pending) or closed
+            pass
+
     def get_outputs(self, timeout_ms: int | None = None) -> list[EngineCoreOutputs]:
-        """Every step message that arrived, waiting for the first (at most timeout_ms; [] then). Raises
-        EngineCoreDead when the core reports a failure or its process is gone."""
+        """Every step message that arrived, waiting for the first (at most timeout_ms, or until `wake`; []
+        then). Raises EngineCoreDead when the core reports a failure or its process is gone."""
         self.check_health()
         zmq = self._zmq
         while True:
             events = dict(self._poller.poll(timeout_ms))
+            woken = self._wake_r in events
+            if woken:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
             if self._output in events:
                 break
-            if events:                                   # only the sentinel: the process ended
+            if self.proc.sentinel in events:             # the process ended
                 self.check_health()
-            if timeout_ms is not None:
+            if woken or timeout_ms is not None:
                 return []
         batches = []
         while True:
@@ -246,6 +267,9 @@ class ProcessClient:
             self._input.close(0)
             self._output.close(0)
             self._ctx.term()
+            for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
+                if fd is not None:
+                    os.close(fd)
             shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -260,6 +260,15 @@ class LLMEngine:
         size), or None after an idle call."""
         return [state.output() for state in self._step()]
 
+    def wake(self) -> None:
+        """From any thread: a `step()` waiting on a process core's next outputs returns now (with what arrived,
+        maybe nothing), so its caller can hand the core a request that came in meanwhile (the server's engine
+        loop calls it on every new request and abort). Does nothing with an inproc core, whose step() never
+        waits for another process."""
+        wake = getattr(self.core_client, "wake", None)
+        if wake is not None:
+            wake()
+
     def advance(self) -> int:
         """One engine step, as `step` runs it, without building outputs (what `generate` runs: it makes each
         output once, at the end; benchmarks time this). Returns how many requests finished in it; their

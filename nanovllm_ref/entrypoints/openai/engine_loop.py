@@ -1,7 +1,7 @@
 """One background loop owns the engine; HTTP handlers talk to it through queues (serving chapter).
 
     event loop (HTTP)                              engine thread (the loop)
-    handler ──submit()──▶ pending adds ───┐
+    handler ──submit()──▶ pending adds ───┐    (and engine.wake(): a step() waiting on a process core returns)
     handler ──abort()───▶ pending aborts ─┴──▶ tick: aborts, adds, one engine.step()
     handler ◀── group queue ◀── deliver ◀──── call_soon_threadsafe(outputs)
     handler ◀── admitted future (ok, or the engine's ValueError: a 400)
@@ -223,7 +223,16 @@ class EngineLoop:
         with self._cond:
             self._pending_adds += [(group, rid, item) for rid, item in zip(request_ids, inputs)]
             self._cond.notify()
+        self._wake_engine()
         return group
+
+    def _wake_engine(self) -> None:
+        """An engine thread waiting inside step() on a process core returns now and hands the new work to the
+        core (LLMEngine.wake), instead of after the core's next step: that step's time would be added to the
+        new request's time to first token."""
+        wake = getattr(self.engine, "wake", None)
+        if wake is not None:
+            wake()
 
     def _abort_group(self, group: RequestGroup) -> None:
         with self._cond:
@@ -236,6 +245,7 @@ class EngineLoop:
                 if rid not in queued:                   # never reached the engine: nothing to free there
                     self._pending_aborts.add(rid)
             self._cond.notify()
+        self._wake_engine()
         if not group.admitted.done():
             group.admitted.set_exception(Aborted("aborted before admission"))
             group.admitted.exception()                  # retrieved: no "never retrieved" warning
