@@ -2,11 +2,12 @@
 
 Why: a served request usually arrives alone, so its prefill step is one prompt of a few hundred tokens. Run
 eagerly, that step is host-bound like an eager decode step. On the H200 a 564-token prefill of Qwen3-0.6B
-took 48 ms of host time for 2.5 ms of kernels (`bench/prefill_step.py`; record
-bench/results/prefill_step_h200_2026-12-02_baseline.json): 113 cuBLAS calls at ~68 us of host each, and the
-compiled element-wise regions at ~0.7 ms a layer (Dynamo's guards and wrappers for dynamic shapes). 128 tokens
-cost as much as 4,096. Every request waited that long for its first token, and every running decode waited
-with it. vLLM captures its piecewise graphs by token count for the same reason.
+took 30-48 ms of host time for 2.5 ms of kernels (`bench/prefill_step.py`; records
+bench/results/prefill_step_h200_2026-12-02_baseline.json and prefill_step_h200_2026-12-02.json): 113 cuBLAS
+calls at ~68 us of host each, and the compiled element-wise regions at ~0.7 ms a layer (Dynamo's guards and
+wrappers for dynamic shapes); 128 tokens cost nearly as much as 4,096. Every request waited that long for its
+first token, and every running decode waited with it. Replayed from a graph, the same step takes 4.3 ms
+(128 tokens: 2.6 ms; 4,096: 20.7 ms). vLLM captures its piecewise graphs by token count for the same reason.
 
 How: a prefill step of T real tokens over S sequences is padded to the smallest captured token count >= T,
 and to S_max sequences (`max_seqs`), and replays that graph. What makes the padding change nothing:
