@@ -232,7 +232,7 @@ def test_h200_table_reads_the_committed_results():
     assert ("vllm", "bench_h200_peers_2026-12-01_call2.json") not in rows          # it failed: no tok/s row
     assert {r["record"] for r in ch11.h200_results()} == {"round 1", "TP host, seams", "round 2", "round 2, TP host",
                                                           "round 3, first look", "round 3, peers", "round 3, peers 2",
-                                                          "round 4, peers"}
+                                                          "round 4, peers", "round 4, peers 2"}
     assert [(r["nano_vllm"], r["vllm"]) for r in ch11.PUBLISHED["rows"]] == [(1434, 1362), (8961, 7484)]
 
 
