@@ -60,6 +60,18 @@ def fill_static_inputs(buffers: dict, input_ids: torch.Tensor, positions: torch.
     buffers["block_tables"][:batch, :meta.block_tables.shape[1]] = meta.block_tables
 
 
+def record_graph(step, pool):
+    """Capture `step()` (no arguments) as a CUDA graph after running it once eagerly (the warm-up: compiles and
+    allocator growth happen outside the graph). pool: the memory pool to capture into, or None for a new one.
+    Returns (the graph, the pool the next graph of the same set shares: graphs of one set never run at once)."""
+    graph = torch.cuda.CUDAGraph()
+    step()
+    with torch.cuda.graph(graph, pool):
+        step()
+    torch.cuda.synchronize()
+    return graph, (graph.pool() if pool is None else pool)
+
+
 class PinnedInputs:
     """Named int32 fields laid out one after another in ONE device buffer, with a pinned host twin: a step
     writes its inputs into the host twin and sends them with one copy (`upload`), not one copy per tensor.
@@ -222,12 +234,7 @@ class CUDAGraphRunner:
 
     def _record(self, bs: int, pool):
         """Capture the step of size `bs`; returns (an object with .replay(), the memory pool to share)."""
-        graph = torch.cuda.CUDAGraph()
-        self._step(bs)                                   # warm-up (compiles, allocator) outside the graph
-        with torch.cuda.graph(graph, pool):
-            self._step(bs)
-        torch.cuda.synchronize()
-        return graph, (graph.pool() if pool is None else pool)
+        return record_graph(lambda: self._step(bs), pool)
 
     def replay(self, batch: int) -> int:
         """Replay the graph for a batch of `batch` whose inputs are already in the static buffers.

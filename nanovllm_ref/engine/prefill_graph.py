@@ -34,7 +34,7 @@ block tables [S_max, max_blocks], filled by one copy from its pinned host twin.
 import numpy as np
 import torch
 
-from nanovllm_ref.engine.cuda_graph import PinnedInputs
+from nanovllm_ref.engine.cuda_graph import PinnedInputs, record_graph
 from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
 
 # Token counts to capture: a prompt pads by at most half again (and by at most 16 tokens below 32).
@@ -145,12 +145,7 @@ class PrefillGraphRunner:
 
     def _record(self, t: int, pool):
         """Capture the step of `t` tokens; returns (an object with .replay(), the memory pool to share)."""
-        graph = torch.cuda.CUDAGraph()
-        self._step(t)                                   # warm-up (compiles, allocator) outside the graph
-        with torch.cuda.graph(graph, pool):
-            self._step(t)
-        torch.cuda.synchronize()
-        return graph, (graph.pool() if pool is None else pool)
+        return record_graph(lambda: self._step(t), pool)
 
     def replay(self, num_tokens: int) -> int:
         """Replay the graph for a step of `num_tokens` whose inputs are uploaded. Returns the size that ran."""
