@@ -181,6 +181,27 @@ class Config:
         _set("eos", frozenset(_token_ids("config.json eos_token_id", hf.eos_token_id)
                               | _token_ids("generation_config.json eos_token_id", _generation_eos(self.model))))
 
+    # Pickled (to a tensor-parallel worker, to the core process), a Config carries its hf_config as a ModelConfig:
+    # the same attributes with the same values, in a class of this module, so the process that unpickles it
+    # imports no transformers (about 1.2 s of CPU; a worker needs only the numbers). A copy keeps the object.
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        hf = state.get("hf_config")
+        if hf is not None and not isinstance(hf, ModelConfig):
+            state["hf_config"] = ModelConfig.of(hf)
+        return state
+
+    def __copy__(self):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
     @classmethod
     def argument_names(cls) -> list[str]:
         """The engine arguments a caller may pass (every field but those read from the model folder)."""
@@ -195,6 +216,45 @@ class Config:
             object.__setattr__(new, "num_kvcache_blocks", int(num_kvcache_blocks))
         object.__setattr__(new, "eos", self.eos | frozenset(int(t) for t in extra_eos))
         return new
+
+
+class ModelConfig:
+    """An HF config's attributes (its instance attributes: what config.json set and transformers filled in), as
+    a plain object: `Config.hf_config` in a process that received the Config pickled. The engine reads only
+    attributes of the HF config, and `getattr(c, name, default)` finds each here as there. Made by
+    `ModelConfig.of`, which gives back the HF object itself when a value is not plain data (then the other
+    process imports transformers, as it did before)."""
+
+    def __init__(self, class_name: str, values: dict):
+        self.__dict__.update(values)
+        self.__dict__["_hf_class_name"] = class_name
+
+    @staticmethod
+    def of(hf):
+        values = dict(vars(hf))
+        if not all(isinstance(k, str) and _plain(v) for k, v in values.items()):
+            return hf
+        return ModelConfig(type(hf).__name__, copy.deepcopy(values))
+
+    def __reduce__(self):
+        values = {k: v for k, v in vars(self).items() if k != "_hf_class_name"}
+        return ModelConfig, (self._hf_class_name, values)
+
+    def __repr__(self):
+        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()) if not k.startswith("_"))
+        return f"ModelConfig[{self._hf_class_name}]({shown})"
+
+
+def _plain(value) -> bool:
+    """True for JSON-like data (None, bool, int, float, str; lists, tuples and str-keyed dicts of them) and
+    torch dtypes: what pickles without importing transformers."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return type(value) in (type(None), bool, int, float, str)
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return all(_plain(v) for v in value)
+    if type(value) in (dict,):
+        return all(isinstance(k, (str, int)) and _plain(v) for k, v in value.items())
+    return type(value).__module__ == "torch" and type(value).__name__ == "dtype"
 
 
 def rope_theta(hf_config) -> float:
