@@ -1440,7 +1440,7 @@ def http_side_load(stop) -> int:
     return made
 
 
-def gil_steps(llm, load: bool, num_requests: int = 8, max_tokens: int = 32) -> dict:
+def gil_steps(llm, load: bool, num_requests: int = 8, max_tokens: int = 16) -> dict:
     """Run num_requests greedy requests of max_tokens tokens to the end on `llm` (an LLM with any engine core),
     with `load` a thread of this process running `http_side_load` meanwhile (the server's event loop, which
     shares this process's GIL). Returns {"steps", "core_ms" (the core's own time per step: EngineCoreOutputs.step_s,
