@@ -174,7 +174,38 @@ class StaticDecodeInputs(PinnedInputs):
         return self.host[:len(self.FIELDS) * self.max_bs + padded * self.max_blocks]
 
 
-class CUDAGraphRunner:
+class CapturedSizes:
+    """The part a set of CUDA graphs captured at several sizes shares (the decode graphs by batch size, the
+    prefill graphs by token count): a subclass sets `sizes` (sorted), `graphs` = {} and defines `_step(size)`,
+    the step a graph records, then calls `_capture()`: largest first, so the smaller graphs fit in the memory
+    pool the largest one made. Tests on a CPU override `_record` to replay `_step` eagerly."""
+
+    def padded_size(self, n: int) -> int | None:
+        """The captured size a step of `n` rows or tokens runs in (the smallest that fits), or None."""
+        return next((size for size in self.sizes if size >= n), None)
+
+    @torch.inference_mode()
+    def _capture(self):
+        pool = None
+        for size in reversed(self.sizes):
+            self.graphs[size], pool = self._record(size, pool)
+
+    def _record(self, size: int, pool):
+        """Capture the step of `size`; returns (an object with .replay(), the memory pool to share)."""
+        return record_graph(lambda: self._step(size), pool)
+
+    def replay(self, n: int) -> int:
+        """Replay the graph for a step of `n` rows or tokens whose inputs are already in the static buffers.
+        Returns the padded size that ran."""
+        size = self.padded_size(n)
+        self.graphs[size].replay()
+        return size
+
+    def release(self):
+        self.graphs, self.buffers, self.model = {}, {}, None
+
+
+class CUDAGraphRunner(CapturedSizes):
     """Decode graphs of one model, one per size in `sizes` (largest first, sharing one memory pool).
 
     model: called as model(input_ids, positions) -> hidden [B, hidden], with `compute_logits(hidden)`;
@@ -202,10 +233,6 @@ class CUDAGraphRunner:
         self.graphs = {}
         self._capture()
 
-    def padded_size(self, batch: int) -> int | None:
-        """The captured size a batch of `batch` runs in (the smallest that fits), or None."""
-        return next((b for b in self.sizes if b >= batch), None)
-
     def _step(self, bs: int) -> None:
         g = self.buffers
         meta = AttentionMetadata(is_prefill=False, slot_mapping=g["slot_mapping"][:bs],
@@ -225,23 +252,3 @@ class CUDAGraphRunner:
             # The token sampled is the sequence's next one: its index is the input's position + 1.
             g["token_ids"][:bs] = self.sample_rows(logits, temperatures, seeds=g["seeds"][:bs].long() & 0xFFFFFFFF,
                                                    counters=g["positions"][:bs].long() + 1)
-
-    @torch.inference_mode()
-    def _capture(self):
-        pool = None
-        for bs in reversed(self.sizes):
-            self.graphs[bs], pool = self._record(bs, pool)
-
-    def _record(self, bs: int, pool):
-        """Capture the step of size `bs`; returns (an object with .replay(), the memory pool to share)."""
-        return record_graph(lambda: self._step(bs), pool)
-
-    def replay(self, batch: int) -> int:
-        """Replay the graph for a batch of `batch` whose inputs are already in the static buffers.
-        Returns the padded size that ran."""
-        bs = self.padded_size(batch)
-        self.graphs[bs].replay()
-        return bs
-
-    def release(self):
-        self.graphs, self.buffers, self.model = {}, {}, None

@@ -82,13 +82,13 @@ import torch.distributed as dist
 from nanovllm_ref.config import Config
 from nanovllm_ref.engine import kv_cache, sampling_inputs, warmup
 from nanovllm_ref.engine.cuda_graph import CUDAGraphRunner, resolve_pending
-from nanovllm_ref.engine.prefill_graph import PrefillGraphRunner
+from nanovllm_ref.engine.prefill_graph import MAX_SEQS as PREFILL_GRAPH_SEQS, PrefillGraphRunner
 from nanovllm_ref.engine.inputs import to_device, upload
 from nanovllm_ref.engine.step_batch import StepBatch, prefill_batch
 from nanovllm_ref.layers.logits_processors import LogitsProcessing
 from nanovllm_ref.layers.logprobs import LogprobsTensors, gather_logprobs
 from nanovllm_ref.models import get_model_class
-from nanovllm_ref.parts import PREFILL_GRAPH_SEQS, Parts, logger
+from nanovllm_ref.parts import Parts, logger
 from nanovllm_ref.utils.context import attention_metadata
 from nanovllm_ref.utils.loader import load_model
 from nanovllm_ref.utils import onednn

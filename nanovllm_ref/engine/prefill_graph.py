@@ -34,7 +34,7 @@ block tables [S_max, max_blocks], filled by one copy from its pinned host twin.
 import numpy as np
 import torch
 
-from nanovllm_ref.engine.cuda_graph import PinnedInputs, record_graph
+from nanovllm_ref.engine.cuda_graph import CapturedSizes, PinnedInputs
 from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
 
 # Token counts to capture: a prompt pads by at most half again (and by at most 16 tokens below 32).
@@ -104,7 +104,7 @@ class StaticPrefillInputs(PinnedInputs):
         return self.host
 
 
-class PrefillGraphRunner:
+class PrefillGraphRunner(CapturedSizes):
     """Prefill graphs of one model, one per token count in `sizes` (largest first, sharing one memory pool).
 
     model: called as model(input_ids, positions) -> hidden [T, hidden]; max_blocks: the widest block table
@@ -121,11 +121,8 @@ class PrefillGraphRunner:
         self.buffers = dict(self.inputs.device_views,
                             outputs=torch.zeros(max_seqs, hidden_size, dtype=dtype, device=device))
         self.graphs = {}
+        self.inputs.upload(self.inputs.host)          # all padding: no sequence, no slot, for the warm-up runs
         self._capture()
-
-    def padded_size(self, num_tokens: int) -> int | None:
-        """The captured token count a step of `num_tokens` runs in (the smallest that fits), or None."""
-        return next((t for t in self.sizes if t >= num_tokens), None)
 
     def _step(self, t: int) -> None:
         g = self.buffers
@@ -135,23 +132,3 @@ class PrefillGraphRunner:
         with attention_metadata(meta):
             hidden = self.model(g["input_ids"][:t].long(), g["positions"][:t].long())
         g["outputs"].copy_(hidden[g["last_rows"].long()])
-
-    @torch.inference_mode()
-    def _capture(self):
-        self.inputs.upload(self.inputs.host)          # all padding: no sequence, no slot
-        pool = None
-        for t in reversed(self.sizes):
-            self.graphs[t], pool = self._record(t, pool)
-
-    def _record(self, t: int, pool):
-        """Capture the step of `t` tokens; returns (an object with .replay(), the memory pool to share)."""
-        return record_graph(lambda: self._step(t), pool)
-
-    def replay(self, num_tokens: int) -> int:
-        """Replay the graph for a step of `num_tokens` whose inputs are uploaded. Returns the size that ran."""
-        t = self.padded_size(num_tokens)
-        self.graphs[t].replay()
-        return t
-
-    def release(self):
-        self.graphs, self.buffers, self.model = {}, {}, None
