@@ -159,6 +159,9 @@ def _floor_mutants(prompts, max_tokens, config, bw, flops) -> list[tuple[str, st
     out.append(("kv_all_m", "kv_bytes", "kv_bytes counts M decode tokens per request: the first output token comes out "
                 "of the prefill, so decode makes M - 1", "decode token t = 1 .. M-1 reads P + t positions: (M - 1) x P + "
                 "(M - 1) x M / 2 in all", kv_with(lambda P, M: M * P + M * (M - 1) // 2)))
+    out.append(("kv_m_plus", "kv_bytes", "kv_bytes counts decode tokens t = 1 .. M: the first output token comes out "
+                "of the prefill, so decode makes M - 1 tokens, t = 1 .. M-1", "decode token t = 1 .. M-1 reads P + t "
+                "positions: (M - 1) x P + (M - 1) x M / 2 in all", kv_with(lambda P, M: M * P + M * (M + 1) // 2)))
     out.append(("kv_prompt_only", "kv_bytes", "kv_bytes counts only the prompt's K/V: each decode token also reads the "
                 "K/V of the tokens generated before it (the cache grows by one a step)", "decode token t reads P + t "
                 "positions: (M - 1) x P + (M - 1) x M / 2 in all", kv_with(lambda P, M: (M - 1) * P)))

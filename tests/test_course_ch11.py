@@ -358,6 +358,7 @@ def floor_written(kv_positions="right", kv_bytes_per_value=2, kv_layers=True, st
         positions = {"right": lambda P, M: (M - 1) * P + (M - 1) * M // 2,
                      "one less": lambda P, M: (M - 1) * P + (M - 1) * (M - 2) // 2,
                      "M tokens": lambda P, M: M * P + M * (M - 1) // 2,
+                     "t = 1 .. M": lambda P, M: M * P + M * (M + 1) / 2,
                      "prompt only": lambda P, M: (M - 1) * P}[kv_positions]
         kv = sum(per_token * positions(len(p), m) for p, m in zip(prompts, max_tokens))
         n_steps = max(max_tokens) - 1 if steps == "max - 1" else sum(max_tokens) // len(max_tokens)
@@ -400,6 +401,7 @@ def roofline_kv_once(st, bw, flops, c=0):
 HINT_MUTANTS = [   # (exercise, wrong answer, what its message must say)
     ("E11.1", floor_written(kv_positions="one less"), "counts P + t - 1 positions"),
     ("E11.1", floor_written(kv_positions="M tokens"), "counts M decode tokens per request"),
+    ("E11.1", floor_written(kv_positions="t = 1 .. M"), "counts decode tokens t = 1 .. M"),
     ("E11.1", floor_written(kv_positions="prompt only"), "counts only the prompt's K/V"),
     ("E11.1", floor_written(kv_bytes_per_value=4), "counts 4 bytes per cached value"),
     ("E11.1", floor_written(kv_layers=False), "counts one layer's cache"),
