@@ -27,6 +27,10 @@
 #   or:                       bash bench/gpu_run.sh prefill-step  # no payload, ~1-2 min: one served prefill
 #                             step timed (wall, device, host) at 128-4096 tokens and profiled (bench/prefill_step.py);
 #                             PREFILL_GRAPHS_RUNS="0 1" runs it without and with prefill CUDA graphs
+#   or (carry .carry/wheels from `SERVE=1 bash bench/gpu_wheels.sh`):  bash bench/gpu_run.sh serve-profile
+#                             no payload, ~2 min: our server alone at RATES (default 32,inf), one client call per
+#                             rate, the Python stacks of the server and its engine core sampled per rate
+#                             ($OUT/stacks.*.json, stacks_report.txt/json; nanovllm_bench/stack_sampler.py)
 #
 # Peers (vLLM, upstream nano-vllm, HF, nanovllm_ref's back-ends) in one record: build the payload here first
 # (`python -m nanovllm_bench.payload`: parts .carry/peers/p1 .. pN, each <= 40 MiB, so that
@@ -149,6 +153,15 @@ if [ "$mode" = prefill-step ]; then   # issue 28: one served prefill step timed 
       timeout ${PREFILL_S:-200} python3 bench/prefill_step.py 2>&1 | grep -v DEBUG | grep -v USDT
       OUT=$(dirname "$OUT")
     done
+    step "done"
+  } 2>&1 | tee "$OUT/gpu_run.log"
+  exit 0
+fi
+if [ "$mode" = serve-profile ]; then   # issue 28: our server alone, its threads' stacks sampled (no payload)
+  # Needs `SERVE=1 bash bench/gpu_wheels.sh` carried (.carry/wheels: FastAPI, uvicorn, pydantic, msgspec, pyzmq).
+  {
+    step "our server alone at ${RATES:-32,inf} req/s, every process's Python stacks sampled (nanovllm_bench/stack_sampler.py)"
+    SITE=/tmp/site SKIP_VLLM=1 STACK_SAMPLE=1 RATES=${RATES:-32,inf} bash bench/gpu_serve.sh 2>&1 | grep -v DEBUG
     step "done"
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0

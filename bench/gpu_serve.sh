@@ -14,6 +14,9 @@
 # stream real text. Env: RATES (default 8,16,32,inf), VLLM_S / OURS_S (seconds allowed per server, start-up
 # included: default 220 each, so the whole call, unpacking included, stays within 540 s), RATE_S (seconds per
 # rate before open requests count as failed, default 60), SKIP_VLLM=1 / SKIP_OURS=1.
+# STACK_SAMPLE=1 (gpu_run.sh serve-profile): our server's processes sample their Python stacks
+# (nanovllm_bench/stack_sampler.py), the client runs once per rate with the rate as the samples' phase, each
+# rate's record in serve_profile_<rate>.json, and the report in stacks_report.txt / stacks_report.json.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SITE=${SITE:-/tmp/peers/site}
@@ -72,18 +75,38 @@ if [ -z "${SKIP_OURS:-}" ]; then
   say "nanovllm_ref serve"
   # --engine-core process: the engine core in its own process (issue 28), the default on CUDA, named here so
   # the record says which split it measured.
-  PYTHONPATH="$PWD:$SITE" python3 -m nanovllm_ref serve --model "$MODEL" "${COMMON[@]}" --engine-core process --port 8200 \
+  SAMPLE_PATH=()
+  [ -n "${STACK_SAMPLE:-}" ] && SAMPLE_PATH=(env PYTHONPATH="$PWD/bench/stack_sample:$PWD:$SITE" NANOVLLM_STACK_SAMPLE="$OUT/stacks")
+  PYTHONPATH="$PWD:$SITE" "${SAMPLE_PATH[@]}" python3 -m nanovllm_ref serve --model "$MODEL" "${COMMON[@]}" --engine-core process --port 8200 \
     --log-level warning > "$OUT/serve_nanovllm_ref.log" 2>&1 &
   PID=$! T0=$SECONDS LIMIT=${OURS_S:-220}
   if wait_health http://127.0.0.1:8200 $PID $((LIMIT - 60)); then
     # The device's copy of the checkout carries the working tree, not its git history: its HEAD can name an
     # older commit than the code that runs (2026-12-02: it said ae49a08 for 879ea8c). Pass the commit in.
     REV=${NANOVLLM_REF_COMMIT:-"unknown (NANOVLLM_REF_COMMIT not given)"}
-    bench http://127.0.0.1:8200 nanovllm_ref "nanovllm_ref $REV serve, defaults + ${COMMON[*]}" $((LIMIT - (SECONDS - T0)))
+    if [ -n "${STACK_SAMPLE:-}" ]; then
+      for r in ${RATES//,/ }; do
+        echo "rate-$r" > "$OUT/stacks.phase"
+        timeout $((LIMIT - (SECONDS - T0))) "${CLIENT[@]}" run --base-url http://127.0.0.1:8200 --server nanovllm_ref \
+          --notes "nanovllm_ref $REV serve (stacks sampled), defaults + ${COMMON[*]}" --rates "$r" \
+          --record "$OUT/serve_profile_$r.json" --time-limit "${RATE_S:-60}"
+        echo "client exit $?"
+        rm -f "$OUT/stacks.phase"; sleep 0.5
+      done
+    else
+      bench http://127.0.0.1:8200 nanovllm_ref "nanovllm_ref $REV serve, defaults + ${COMMON[*]}" $((LIMIT - (SECONDS - T0)))
+    fi
   else
     tail -30 "$OUT/serve_nanovllm_ref.log"
   fi
   stop $PID
+fi
+
+if [ -n "${STACK_SAMPLE:-}" ]; then
+  say "stack samples"
+  sleep 1
+  ls "$OUT"/stacks.*.json && env PYTHONPATH="$PWD:$SITE" python3 -m nanovllm_bench.stack_sampler report "$OUT"/stacks.*.json --json "$OUT/stacks_report.json" \
+    > "$OUT/stacks_report.txt" 2>&1; head -150 "$OUT/stacks_report.txt"
 fi
 
 say "figure"
