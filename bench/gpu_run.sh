@@ -30,7 +30,8 @@
 #   or (carry .carry/wheels from `SERVE=1 bash bench/gpu_wheels.sh`):  bash bench/gpu_run.sh serve-profile
 #                             no payload, ~2 min: our server alone at RATES (default 32,inf), one client call per
 #                             rate, the Python stacks of the server and its engine core sampled per rate
-#                             ($OUT/stacks.*.json, stacks_report.txt/json; nanovllm_bench/stack_sampler.py)
+#                             ($OUT/stacks.*.json, stacks_report.txt/json; nanovllm_bench/stack_sampler.py); STACK_SAMPLE=
+#                             (empty) runs the same without the sampler, one client call (serve_h200.json)
 #
 # Peers (vLLM, upstream nano-vllm, HF, nanovllm_ref's back-ends) in one record: build the payload here first
 # (`python -m nanovllm_bench.payload`: parts .carry/peers/p1 .. pN, each <= 40 MiB, so that
@@ -161,7 +162,7 @@ if [ "$mode" = serve-profile ]; then   # issue 28: our server alone, its threads
   # Needs `SERVE=1 bash bench/gpu_wheels.sh` carried (.carry/wheels: FastAPI, uvicorn, pydantic, msgspec, pyzmq).
   {
     step "our server alone at ${RATES:-32,inf} req/s, every process's Python stacks sampled (nanovllm_bench/stack_sampler.py)"
-    SITE=/tmp/site SKIP_VLLM=1 STACK_SAMPLE=1 RATES=${RATES:-32,inf} bash bench/gpu_serve.sh 2>&1 | grep -v DEBUG
+    SITE=/tmp/site SKIP_VLLM=1 STACK_SAMPLE=${STACK_SAMPLE-1} RATES=${RATES:-32,inf} bash bench/gpu_serve.sh 2>&1 | grep -v DEBUG
     step "done"
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0

@@ -162,7 +162,15 @@ def summarize(results: list[dict], max_tokens: list[int], rate: float, wall_s: f
     return {"rate": "inf" if math.isinf(rate) else rate, "num_requests": len(results),
             "completed": summary["completed"], "failed": summary["failed"], "wrong_length": short,
             "errors": sorted({r["error"] for r in results if r["error"]})[:5],
-            **{k: v for k, v in summary.items() if k not in ("completed", "failed")}}
+            **{k: v for k, v in summary.items() if k not in ("completed", "failed")},
+            # Each request in send order: [sent, TTFT, E2E] in ms from the run's start and from its send, and its
+            # output tokens (None where it failed): when the first tokens came, not only their percentiles.
+            "requests": [[_ms(r.get("sent")), _ms(r.get("ttft")), _ms(r.get("e2e")), r.get("output_tokens")]
+                         for r in results]}
+
+
+def _ms(seconds):
+    return None if seconds is None else round(seconds * 1e3, 2)
 
 
 def health_snapshot(base_url: str):

@@ -54,6 +54,8 @@ CHECKS = [   # (prompt, SamplingParams kwargs, config changes, scheduler, field,
     ([1] * 33, {"max_tokens": 1}, {}, Scheduler, "prompt", "its 33 tokens need 9 blocks of 4"),
     ([1] * 20, {"max_tokens": 14}, {}, Scheduler, "max_tokens", "at most 13"),
     ([1, "x"], {}, {}, Scheduler, "prompt", "prompt[1] must be an int"),
+    ([1, True, 3], {}, {}, Scheduler, "prompt", "prompt[1] must be an int token id, got bool"),
+    ([-1, 5, 100, 101, 3], {}, {}, Scheduler, "prompt", "outside [0, 100): [-1, 100, 101]"),
     (b"ab", {}, {}, Scheduler, "prompt", "must be a str or a list"),
 ]
 
@@ -65,6 +67,18 @@ def test_check_request_refusals_carry_their_field(prompt, kwargs, config, schedu
         check_request(prompt, SamplingParams(**{"max_tokens": 4, **kwargs}), tokenizer=None,
                       config=SimpleNamespace(**{**CONFIG, **config}), scheduler_cls=scheduler)
     assert info.value.field == field and says in info.value.message, info.value.message
+
+
+def test_plain_and_numpy_int_prompts_give_the_same_ids():
+    """Plain ints take check_request's fast path (one type check for the list, min/max for the range); other
+    integers (numpy's) the per-id path: the same list of Python ints either way."""
+    import numpy as np
+    config, sp = SimpleNamespace(**CONFIG), SamplingParams(max_tokens=4)
+    ids = [0, 7, 99, 42]
+    plain = check_request(ids, sp, tokenizer=None, config=config, scheduler_cls=Scheduler)
+    numpy_ids = check_request(list(np.array(ids, dtype=np.int64)), sp, tokenizer=None, config=config,
+                              scheduler_cls=Scheduler)
+    assert plain == numpy_ids == ids and all(type(t) is int for t in numpy_ids) and plain is not ids
 
 
 def test_the_kv_cache_edge_is_exact():

@@ -149,14 +149,20 @@ def check_request(prompt, sp, *, tokenizer, config, scheduler_cls, where: str = 
     if isinstance(prompt, str):
         token_ids = encode_text(tokenizer, prompt, where)
     elif isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray)):
-        for j, t in enumerate(prompt):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise RequestTypeError("prompt", f"{where}[{j}] must be an int token id, got {type(t).__name__}")
-        token_ids = [int(t) for t in prompt]
+        if set(map(type, prompt)) <= {int}:
+            # The usual prompt, plain ints (a server's JSON body): no per-id isinstance against numbers.Integral,
+            # an ABC check that cost ~0.3 ms for a 560-token prompt, twice per served request.
+            token_ids = list(prompt)
+        else:
+            for j, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise RequestTypeError("prompt", f"{where}[{j}] must be an int token id, got {type(t).__name__}")
+            token_ids = [int(t) for t in prompt]
     else:
         raise RequestTypeError("prompt", f"{where} must be a str or a list of int token ids, got "
                                          f"{type(prompt).__name__}")
-    bad = [t for t in token_ids if not 0 <= t < vocab]
+    in_range = not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab)
+    bad = [] if in_range else [t for t in token_ids if not 0 <= t < vocab]
     if bad:
         raise RequestError("prompt", f"{where} has token ids outside [0, {vocab}): {bad[:5]}"
                            + (" (the tokenizer made them: it knows more tokens than the model's embedding table)"
