@@ -110,15 +110,14 @@ async def one_request(client, url: str, body: dict, start: float) -> dict:
     return request_metrics(sent - start, events, tokens, error)
 
 
-async def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, temperature: float, seed: int,
-                   time_limit: float) -> dict:
-    """All requests of one rate. Requests still open after `time_limit` s are cancelled and count as failed."""
+async def _send_requests(base_url: str, model: str, prompts, max_tokens, times, indices, start: float,
+                         temperature: float, time_limit: float) -> list[dict]:
+    """Requests `indices` of one rate, request i sent at `start + times[i]` (perf_counter seconds: one clock
+    for every process of this machine). Requests still open after `time_limit` s are cancelled (failed)."""
     import httpx
     url = base_url.rstrip("/") + "/v1/completions"
-    times = arrival_times(len(prompts), rate, seed)
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    limits = httpx.Limits(max_connections=len(indices) + 8, max_keepalive_connections=len(indices) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(time_limit, connect=30), limits=limits) as client:
-        start = time.perf_counter()
 
         async def launch(i):
             await asyncio.sleep(max(0.0, start + times[i] - time.perf_counter()))
@@ -126,14 +125,48 @@ async def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, 
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             return await one_request(client, url, body, start)
 
-        tasks = [asyncio.create_task(launch(i)) for i in range(len(prompts))]
-        done, pending = await asyncio.wait(tasks, timeout=time_limit)
+        tasks = [asyncio.create_task(launch(i)) for i in indices]
+        done, pending = await asyncio.wait(tasks, timeout=max(1.0, start - time.perf_counter()) + time_limit)
         for task in pending:
             task.cancel()
-        end = time.perf_counter()
-    results = [t.result() if t in done else {"error": f"cancelled after the time limit ({time_limit} s)",
-                                            "output_tokens": 0} for t in tasks]
-    return summarize(results, max_tokens, rate, end - start)
+    return [t.result() if t in done else {"error": f"cancelled after the time limit ({time_limit} s)",
+                                          "output_tokens": 0} for t in tasks]
+
+
+def _client_process(job: tuple) -> tuple[list[dict], float]:
+    """One client process's share of a rate (multiprocessing): its results and its CPU seconds (imports left out)."""
+    import httpx  # noqa: F401 (imported before the CPU clock starts)
+    cpu = time.process_time()
+    results = asyncio.run(_send_requests(*job))
+    return results, time.process_time() - cpu
+
+
+def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, temperature: float, seed: int,
+             time_limit: float, procs: int = 1) -> dict:
+    """All requests of one rate, from `procs` client processes (request i from process i % procs; one process
+    is this one). A Python client streaming 256 requests at once can be the slowest party: its own event loop
+    then decides when it reads a first token, and TTFT measures the client. `client_cpu_s` in the result is
+    the client's CPU seconds over the run: near `duration_s` x procs means the client was saturated."""
+    if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+        raise ValueError(f"procs must be an int >= 1, got {procs!r}")
+    times = arrival_times(len(prompts), rate, seed)
+    start = time.perf_counter() + (0.0 if procs == 1 else 2.0)     # time for the processes to start
+    jobs = [(base_url, model, prompts, max_tokens, times, list(range(k, len(prompts), procs)), start, temperature,
+             time_limit) for k in range(procs)]
+    if procs == 1:
+        shares = [_client_process(jobs[0])]
+    else:
+        import multiprocessing as mp
+        with mp.get_context("spawn").Pool(procs) as pool:
+            shares = pool.map(_client_process, jobs)
+    results = [None] * len(prompts)
+    for job, (share, _) in zip(jobs, shares):
+        for i, r in zip(job[5], share):
+            results[i] = r
+    end = time.perf_counter()
+    summary = summarize(results, max_tokens, rate, end - start)
+    summary["client_procs"], summary["client_cpu_s"] = procs, sum(cpu for _, cpu in shares)
+    return summary
 
 
 def latency_summary(results: list[dict], wall_s: float) -> dict:
@@ -210,16 +243,15 @@ def cmd_run(args) -> int:
                     max_len=args.max_len, min_out=args.min_out, max_out=args.max_out, max_id=args.max_id)
     prompts, max_tokens = make_workload(**workload)
     model = args.model or served_model(args.base_url)
-    warm = asyncio.run(run_rate(args.base_url, model, [prompts[0][:16]], [16], math.inf, args.temperature, 0,
-                                args.time_limit))
+    warm = run_rate(args.base_url, model, [prompts[0][:16]], [16], math.inf, args.temperature, 0, args.time_limit)
     if warm["failed"]:
         print(f"warm-up request failed: {warm['errors']}", file=sys.stderr)
         return 1
     runs = []
     for rate in rates:
         before = health_snapshot(args.base_url)
-        result = asyncio.run(run_rate(args.base_url, model, prompts, max_tokens, rate, args.temperature,
-                                      args.seed, args.time_limit))
+        result = run_rate(args.base_url, model, prompts, max_tokens, rate, args.temperature, args.seed,
+                          args.time_limit, args.client_procs)
         # Where the server spent this rate's steps, when its /health says (ours: the front end's loop timing
         # and the engine core's step timing, summed over its life, so the difference is this rate's).
         result["health"] = {"before": before, "after": health_snapshot(args.base_url)}
@@ -227,7 +259,8 @@ def cmd_run(args) -> int:
         print(f"{args.server:14s} rate {result['rate']!s:>5}: {result['completed']}/{result['num_requests']} ok, "
               f"{result['output_throughput'] or 0:9.1f} out tok/s, {result['request_throughput'] or 0:6.2f} req/s, "
               f"TTFT p50 {result['ttft_ms']['p50'] or 0:8.1f} ms, TPOT p50 {result['tpot_ms']['p50'] or 0:6.2f} ms, "
-              f"E2E p50 {result['e2e_s']['p50'] or 0:6.2f} s", flush=True)
+              f"E2E p50 {result['e2e_s']['p50'] or 0:6.2f} s, client CPU {result['client_cpu_s']:.1f} s "
+              f"in {result['client_procs']} process(es)", flush=True)
     record = {}
     if args.record and os.path.exists(args.record):
         with open(args.record) as f:
@@ -342,6 +375,8 @@ def main(argv=None) -> int:
     p.add_argument("--notes", default="", help="free text kept with the results (server flags, versions)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--time-limit", type=float, default=300, help="seconds per rate before open requests are cancelled")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="client processes sharing the requests (request i from process i %% N); default 1")
     for name, default in (("num-requests", 256), ("seed", 0), ("min-len", 100), ("max-len", 1024), ("min-out", 100),
                           ("max-out", 1024), ("max-id", 10000)):
         p.add_argument(f"--{name}", type=int, default=default, help="workload (default: upstream bench.py's)")
