@@ -14,7 +14,8 @@
 # stream real text. Env: RATES (default 8,16,32,inf), VLLM_S / OURS_S (seconds allowed per server, start-up
 # included: default 220 each, so the whole call, unpacking included, stays within 540 s), RATE_S (seconds per
 # rate before open requests count as failed, default 60), SKIP_VLLM=1 / SKIP_OURS=1, CLIENT_PROCS (client
-# processes; default 1; a list such as "4 1" runs the client once per count, the first into the record).
+# processes; default 4: one Python client process streaming 256 requests at once was saturated (2026-12-02:
+# 5.3 s of CPU in a 5.7 s run) and set the TTFT it measured; a list such as "4 1" runs the client once per count, the first into the record).
 # STACK_SAMPLE=1 (gpu_run.sh serve-profile): our server's processes sample their Python stacks
 # (nanovllm_bench/stack_sampler.py), the client runs once per rate with the rate as the samples' phase, each
 # rate's record in serve_profile_<rate>.json, and the report in stacks_report.txt / stacks_report.json.
@@ -47,7 +48,7 @@ stop() {          # pid: SIGTERM, then SIGKILL after 30 s; prints the exit statu
 }
 bench() {         # url server-name notes seconds-left
   local t0=$SECONDS rec=serve_h200.json
-  for cp in ${CLIENT_PROCS:-1}; do   # the first count's results go to the record, later ones to serve_h200_procsN.json
+  for cp in ${CLIENT_PROCS:-4}; do   # the first count's results go to the record, later ones to serve_h200_procsN.json
     local left=$(($4 - (SECONDS - t0)))
     if [ "$left" -le 10 ]; then echo "no time left for the client ($left s)"; return; fi
     timeout "$left" "${CLIENT[@]}" run --base-url "$1" --server "$2" --notes "$3" --rates "$RATES" \
