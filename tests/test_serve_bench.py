@@ -50,7 +50,7 @@ def test_client_runs_the_rates_against_the_fake_server_and_plots(tmp_path):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in workload.items()]
     with ServerProcess(tmp_path, model_dir, {"step_delay": 0.002}) as srv:
         run = subprocess.run([sys.executable, "-m", "nanovllm_bench", "serve", "run", "--base-url", srv.url, "--server", "fake",
-                              "--rates", "20,inf", "--record", str(record), "--time-limit", "60", *flags],
+                              "--rates", "20,inf", "--record", str(record), "--time-limit", "60", "--client-procs", "2", *flags],
                              cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=180)
         assert run.returncode == 0, run.stdout + run.stderr
         adds = srv.events("add")
@@ -65,6 +65,10 @@ def test_client_runs_the_rates_against_the_fake_server_and_plots(tmp_path):
         assert 0 < r["ttft_ms"]["p50"] <= r["e2e_s"]["p50"] * 1e3
         assert r["tpot_ms"]["p50"] > 0 and r["output_throughput"] > 0 and r["request_throughput"] > 0
         assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+        # two client processes shared the requests; each request's [sent, TTFT, E2E] (ms) and tokens, in order
+        assert r["client_procs"] == 2 and r["client_cpu_s"] > 0
+        assert [q[3] for q in r["requests"]] == max_tokens
+        assert all(q[0] >= 0 and 0 < q[1] <= q[2] for q in r["requests"])
         # /health before and after the rate: the server's loop counted this rate's steps
         before, after = r["health"]["before"], r["health"]["after"]
         assert after["loop"]["steps"] > before["loop"]["steps"] and after["loop"]["step_s"] > before["loop"]["step_s"]
