@@ -26,6 +26,7 @@ parent dies (Linux: PR_SET_PDEATHSIG; elsewhere it notices within a second), so 
 core behind. The front end notices a dead core at once: it waits on the output socket and the process's
 sentinel together.
 """
+import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -312,6 +313,11 @@ def run_engine_core(config, parts, input_addr: str, output_addr: str, ready, par
                           "async_scheduling": core.async_scheduling, "scheduler_cls": type(core.scheduler),
                           "block_manager_cls": type(core.scheduler.block_manager)}))
     ready.close()
+    # Everything built so far (torch modules, compiled graphs, the scheduler's tables) lives as long as the core:
+    # freeze it out of the garbage collector's view, so a full collection mid-run walks only what the steps
+    # allocate, not the whole start-up heap (a pause there stalls every running stream).
+    gc.collect()
+    gc.freeze()
     decode, encode = input_decoder().decode, output_encoder().encode
     try:
         while True:

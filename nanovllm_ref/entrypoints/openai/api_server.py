@@ -36,6 +36,7 @@ GIL while they encode). One thread, because a transformers tokenizer is not docu
 concurrent calls; --max-request-bytes bounds how long one request can hold it.
 """
 import asyncio
+import gc
 import itertools
 import json
 import logging
@@ -530,6 +531,10 @@ def run_server(args, model_path: str, engine_args: dict) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     engine = build_engine(model_path, engine_args, args.engine_factory, args.engine_factory_kwargs, engine_core)
+    # The engine and the app live as long as the server: keep the start-up heap out of the garbage collector's
+    # full collections, which would otherwise walk it while streams wait (the core process does the same).
+    gc.collect()
+    gc.freeze()
     try:
         engine_loop = EngineLoop(engine, args.max_queued_requests)
         app = build_app(engine_loop, args.served_model_name or args.model, args.max_request_bytes,
