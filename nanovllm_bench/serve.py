@@ -151,8 +151,8 @@ def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, temper
         raise ValueError(f"procs must be an int >= 1, got {procs!r}")
     times = arrival_times(len(prompts), rate, seed)
     start = time.perf_counter() + (0.0 if procs == 1 else 2.0)     # time for the processes to start
-    jobs = [(base_url, model, prompts, max_tokens, times, list(range(k, len(prompts), procs)), start, temperature,
-             time_limit) for k in range(procs)]
+    indices = [list(range(k, len(prompts), procs)) for k in range(procs)]
+    jobs = [(base_url, model, prompts, max_tokens, times, idx, start, temperature, time_limit) for idx in indices]
     if procs == 1:
         shares = [_client_process(jobs[0])]
     else:
@@ -160,8 +160,8 @@ def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, temper
         with mp.get_context("spawn").Pool(procs) as pool:
             shares = pool.map(_client_process, jobs)
     results = [None] * len(prompts)
-    for job, (share, _) in zip(jobs, shares):
-        for i, r in zip(job[5], share):
+    for idx, (share, _) in zip(indices, shares):
+        for i, r in zip(idx, share):
             results[i] = r
     end = time.perf_counter()
     summary = summarize(results, max_tokens, rate, end - start)

@@ -37,13 +37,14 @@ MAX_DEPTH = 48
 
 
 def _frame_name(code) -> str:
-    path = code.co_filename
-    parts = path.replace("\\", "/").split("/")
-    # Keep the package path for our code (nanovllm_ref/engine/core.py), the file name elsewhere.
-    for root in ("nanovllm_ref", "nanovllm_bench", "site-packages", "dist-packages", "lib"):
+    """"file:function", the file named from our package down (nanovllm_ref/engine/core.py) or from below the
+    library folder (fastapi/routing.py); elsewhere by its last three path parts."""
+    parts = code.co_filename.replace("\\", "/").split("/")
+    for root, keep_root in (("nanovllm_ref", True), ("nanovllm_bench", True), ("site-packages", False),
+                            ("dist-packages", False), ("lib", False)):
         if root in parts:
-            i = len(parts) - 1 - parts[::-1].index(root)
-            parts = parts[i + 1:] if root != "nanovllm_ref" and root != "nanovllm_bench" else parts[i:]
+            i = len(parts) - 1 - parts[::-1].index(root)       # the innermost such folder
+            parts = parts[i if keep_root else i + 1:]
             break
     return f"{'/'.join(parts[-3:])}:{code.co_name}"
 

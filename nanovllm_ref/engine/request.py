@@ -161,9 +161,8 @@ def check_request(prompt, sp, *, tokenizer, config, scheduler_cls, where: str = 
     else:
         raise RequestTypeError("prompt", f"{where} must be a str or a list of int token ids, got "
                                          f"{type(prompt).__name__}")
-    in_range = not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab)
-    bad = [] if in_range else [t for t in token_ids if not 0 <= t < vocab]
-    if bad:
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         raise RequestError("prompt", f"{where} has token ids outside [0, {vocab}): {bad[:5]}"
                            + (" (the tokenizer made them: it knows more tokens than the model's embedding table)"
                               if isinstance(prompt, str) else ""))

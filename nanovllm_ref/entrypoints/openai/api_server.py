@@ -63,7 +63,7 @@ from nanovllm_ref.entrypoints.openai.protocol import (APIError, AssistantMessage
                                                       ModelCard, ModelList, random_id)
 from nanovllm_ref.entrypoints.openai.sampling import request_param
 from nanovllm_ref.entrypoints.openai.serving import (Choices, chat_inputs, chat_logprobs, completion_inputs,
-                                                     completion_logprobs)
+                                                     completion_logprobs, needs_tokenizer)
 from nanovllm_ref.errors import RequestError
 
 logger = logging.getLogger("uvicorn.error")          # uvicorn configures it: one log for the server
@@ -185,11 +185,6 @@ class _ServerFault:
             err = APIError(f"the server failed on this request ({type(exc).__name__}); see its log", status=500,
                            type="internal_server_error")
             await _error_response(err)(scope, receive, send)
-
-
-def _has_text(prompt) -> bool:
-    """A /v1/completions prompt holds text (a str, or a list with a str in it), which the tokenizer must encode."""
-    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
 
 
 def _sse(chunk) -> str:
@@ -362,7 +357,7 @@ def build_app(engine_loop: EngineLoop, model_name: str, max_request_bytes: int =
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        if _has_text(body.prompt):
+        if needs_tokenizer(body.prompt):
             inputs = await off_loop(completion_inputs, body, engine)
         else:
             # Token ids need no tokenizer: checked here, a few microseconds, instead of two thread hand-offs

@@ -56,6 +56,12 @@ def completion_prompts(prompt, tokenizer) -> list[tuple[list[int], str]]:
     return out
 
 
+def needs_tokenizer(prompt) -> bool:
+    """A /v1/completions prompt (as completion_prompts takes it) holds text: a str, or a list with a str in it.
+    Token ids alone need no tokenizer, so the server checks them on the event loop."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
+
+
 def chat_conversation(messages) -> list[dict]:
     """The messages as the chat template reads them: role, content (text parts joined by newlines) and, when
     given, name (vLLM passes it through too)."""
