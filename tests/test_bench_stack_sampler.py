@@ -14,6 +14,14 @@ def _spin_here(stop: threading.Event) -> None:
         sum(range(2000))                     # Python work, so the thread is seen in this function
 
 
+def _wait_for_samples(sampler, phase: str, count: int) -> None:
+    """Until the sampler has `count` samples in `phase` (a busy machine gives fewer a second: no fixed sleep)."""
+    deadline = time.monotonic() + 60
+    while sampler.samples[phase] < count:
+        assert time.monotonic() < deadline, f"the sampler took no {count} samples in phase {phase!r} in 60 s"
+        time.sleep(0.01)
+
+
 def test_samples_count_each_thread_in_its_function_and_phase(tmp_path):
     path, phase = tmp_path / "stacks.json", tmp_path / "stacks.phase"
     sampler = StackSampler(str(path), interval_s=0.002)
@@ -22,11 +30,11 @@ def test_samples_count_each_thread_in_its_function_and_phase(tmp_path):
     worker = threading.Thread(target=_spin_here, args=(stop,), name="spinner")
     worker.start()
     sampler.start()
-    time.sleep(0.3)                          # phase "-": no phase file
+    _wait_for_samples(sampler, "-", 10)      # phase "-": no phase file
     phase.write_text("rate-inf\n")
-    time.sleep(0.4)
+    _wait_for_samples(sampler, "rate-inf", 21)
     phase.unlink()
-    time.sleep(0.2)
+    _wait_for_samples(sampler, "-", sampler.samples["-"] + 5)
     stop.set()
     worker.join()
     sampler.close()
