@@ -20,6 +20,8 @@
 #                             made by `bash bench/make_ab_base.sh [COMMIT]`) then this tree's, one workload
 #                             profile each (plain generate, batch-1, decode probes 1:512 and 256:512), and the
 #                             side-by-side table (nanovllm_bench/ab.py); $OUT/ab4.json, profile4_ab_*.json
+#   or (carry .carry/ab):     bash bench/gpu_run.sh round5    # ~7 min: bench/kernels_round5.py (decode layers at
+#                             M = 1-256, GEMMs vs cuBLAS with PDL and L2 prefetch, large-M configs), then ab4
 #   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
@@ -121,10 +123,16 @@ if [ "$mode" = triton-check ]; then   # issue 29, item 5: bf16 equivalence on th
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0
 fi
-if [ "$mode" = ab4 ]; then   # issue 29: baseline engine vs this tree's, one call (carry .carry/ab)
+if [ "$mode" = ab4 ] || [ "$mode" = round5 ]; then   # issue 29: baseline engine vs this tree's (carry .carry/ab)
   {
     step "versions"
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
+    if [ "$mode" = round5 ]; then   # round 5 first: the decode GEMMs and layers (bench/kernels_round5.py)
+      step "decode layers and GEMMs: PDL launch at start, L2 prefetch of W, row tiles above 64 (bench/kernels_round5.py)"
+      timeout ${KERNELS_S:-260} python3 bench/kernels_round5.py --out "$OUT/kernels_round5.json" --budget ${KERNELS_BUDGET:-200} \
+        --sections ${SECTIONS:-layer,gemm,sweep} 2>&1 | grep -v gemm_sweep | tail -${KERNELS_TAIL:-140}
+      [ -e .carry/ab/base.tgz ] || { step "done (no .carry/ab: no A/B)"; exit 0; }
+    fi
     rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar xzf .carry/ab/base.tgz -C /tmp/ab_base || exit 1
     cat /tmp/ab_base/BASE_COMMIT 2>/dev/null
     for side in ${AB_SIDES:-base new}; do

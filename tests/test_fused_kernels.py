@@ -271,9 +271,25 @@ def test_gate_up_with_silu_epilogue_matches_gemm_then_silu_and_mul(dtype, m, bia
     assert_matches(got, silu_and_mul(_reference_linear(x, w, b)), dtype, GEMM_TOL)
 
 
+# More rows than one tile (small_gemm.TILE_M = 64): the rows are cut into tiles along grid axis 2, and every
+# form must still give each row its own output (a kernel that ignored the row tile would repeat tile 0).
+@pytest.mark.parametrize("m", [65, 130])
+def test_rows_beyond_one_tile_take_row_tiles_in_every_form(m):
+    g = gen(m + 30)
+    x, w, b = randn(g, m, 72), randn(g, 80, 72, scale=0.2), randn(g, 80)
+    cfg = choose_config(m, 80, 72, "full")
+    assert cfg.use_dot and cfg.block_m == small_gemm.TILE_M < m
+    assert_matches(small_gemm.linear(x, w, b), _reference_linear(x, w, b), torch.float32, GEMM_TOL)
+    partials = small_gemm.linear_partials(x, w, b)
+    torch.testing.assert_close(partials.double().sum(0), F.linear(x.double(), w.double(), b.double()),
+                               atol=1e-4, rtol=1e-4)
+    assert_matches(small_gemm.linear_silu_mul(x, w, b), silu_and_mul(_reference_linear(x, w, b)), torch.float32,
+                   GEMM_TOL)
+
+
 @pytest.mark.parametrize("call, match", [
-    (lambda: small_gemm.linear(torch.zeros(0, 8), torch.zeros(4, 8)), "1 <= M <= 64"),
-    (lambda: small_gemm.linear(torch.zeros(65, 8), torch.zeros(4, 8)), "F.linear"),
+    (lambda: small_gemm.linear(torch.zeros(0, 8), torch.zeros(4, 8)), "1 <= M <= 512"),
+    (lambda: small_gemm.linear(torch.zeros(513, 8), torch.zeros(4, 8)), "F.linear"),
     (lambda: small_gemm.linear(torch.zeros(2, 8), torch.zeros(4, 6)), "x must be"),
     (lambda: small_gemm.linear(torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.bfloat16)), "dtype"),
     (lambda: small_gemm.linear_silu_mul(torch.zeros(2, 8), torch.zeros(5, 8)), "even"),

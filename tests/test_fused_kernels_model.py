@@ -237,7 +237,7 @@ def test_fuse_on_a_cpu_builds_no_kernels_and_an_explicit_record_is_kept():
     (dict(split_k=True, gemm=True), ValueError, "add_rms_norm"),
     (dict(gemm_silu=True), ValueError, "gemm=True"),
     (dict(max_m=0), ValueError, "max_m"),
-    (dict(max_m=65), ValueError, "max_m"),
+    (dict(max_m=513), ValueError, "max_m"),
     (dict(gemm=1), TypeError, "bool"),
 ])
 def test_fused_kernels_record_refuses_combinations_it_cannot_run(kwargs, exc, match):

@@ -284,7 +284,8 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, CAST_FP32: tl.constexpr, ONE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:           # launched before the kernel in front of it ended: wait until its writes are visible
+    if USE_PDL:           # launched before the kernel in front of it ended: let the next one launch too, then
+        tl.extra.cuda.gdc_launch_dependents()      # wait until the writes of the one in front are visible
         tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -345,6 +346,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)

@@ -40,7 +40,8 @@ import triton.language as tl
 
 from nanovllm_ref.kernels.numerics import DEFINED_INTERPRETED, interpreting, pdl_launch_kwargs, round_to  # noqa: F401
 
-MAX_M = 64                 # larger batches go to cuBLAS
+MAX_M = 512                # the kernel's limit; the engine's FusedKernels.max_m says which batches it serves
+TILE_M = 64                # above this many rows the rows are cut into tiles of TILE_M (grid axis 2)
 # Up to this M the default is the dot-free GEMV. Measured on the H200 (bench/results/kernels_round3_h200.json):
 # at M=1 the GEMV beats cuBLAS on every projection, at M=4 it is 1.1-1.7x slower than cuBLAS on the wide ones
 # (each row re-reads the W tile), while tl.dot with M padded to 16 is level with cuBLAS there.
@@ -103,29 +104,35 @@ def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) ->
     if m <= GEMV_MAX_M:
         cfg = dict(block_m=triton.next_power_of_2(m), block_n=16, use_dot=False, num_stages=2, num_warps=4,
                    block_k=256 if kind == "partials" else 512)
-    else:
+    elif m <= TILE_M:
         wide = triton.cdiv(n_out, 32) >= target
         block_m = max(16, triton.next_power_of_2(m))
         # Two accumulators (SiLU) of 32-64 rows spill registers at 4 warps (fp32, sm_90 build): use 8.
         cfg = dict(block_m=block_m, block_n=32 if wide else 16, use_dot=True, num_stages=4, block_k=128,
                    num_warps=8 if kind == "silu" and block_m >= 32 else 4)
+    else:
+        # More rows than one tile: tiles of TILE_M rows, and wider column tiles so that x (re-read from L2
+        # by every column tile) stays a small part of the traffic.
+        cfg = dict(block_m=TILE_M, block_n=64, use_dot=True, num_stages=4, block_k=64,
+                   num_warps=8 if kind == "silu" else 4)
     cfg["block_k"] = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     split = 1
     if kind == "partials":
-        tiles = triton.cdiv(n_out, cfg["block_n"])
+        tiles = triton.cdiv(n_out, cfg["block_n"]) * triton.cdiv(m, cfg["block_m"])
         split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, cfg["block_k"])))
     return GemmConfig(split_k=split, **cfg)
 
 
 def warm_batch_sizes(max_m: int = MAX_M) -> list[int]:
-    """One batch size for each kernel variant `choose_config` picks for 1..max_m rows (BLOCK_M and GEMV or
-    dot; M itself is not specialised on): decode steps at these sizes compile every variant, e.g. in a
-    start-up warm-up of eager decode. For max_m = 64: [1, 2, 17, 33]."""
+    """One batch size for each kernel variant `choose_config` picks for 1..max_m rows (its tile sizes, warps,
+    stages and GEMV or dot; M itself is not specialised on): decode steps at these sizes compile every variant,
+    e.g. in a start-up warm-up of eager decode. For max_m = 64: [1, 2, 17, 33]; 512: [1, 2, 17, 33, 65]."""
     seen, sizes = set(), []
     for m in range(1, max_m + 1):
         cfg = choose_config(m, 4096, 4096)
-        if (cfg.block_m, cfg.use_dot) not in seen:
-            seen.add((cfg.block_m, cfg.use_dot))
+        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.use_dot, cfg.num_warps, cfg.num_stages)
+        if key not in seen:
+            seen.add(key)
             sizes.append(m)
     return sizes
 
@@ -156,6 +163,14 @@ def _accumulate(acc, x_ptr, stride_xm, w_rows, ks, k_mask, offs_m, m_mask, n_mas
     return acc
 
 
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask the memory system to bring the 128-byte lines at `ptrs` into L2 (PTX prefetch.global.L2): no value,
+    no wait, no effect on any result. A GPU-only hint: the interpreter cannot run inline PTX."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _small_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
@@ -163,11 +178,12 @@ def _small_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_FP32: tl.constexpr, EMULATE_ROUNDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PF_COLS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
@@ -176,9 +192,23 @@ def _small_gemm_kernel(
     k_stop = tl.minimum(k_start + k_per_split, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     up_w_rows = w_rows + up_offset                   # SiLU: the up rows sit I rows below the gate
+    if PREFETCH:
+        # W is never written during a step, so this program's slice of it can be asked for before the wait
+        # below: under PDL this runs while the kernel in front (the norm that makes x) is still running, and
+        # the loop then finds W in L2. Rows past N re-ask for row N - 1 (a prefetch must name real memory).
+        pf_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+        for k0 in range(k_start, k_stop, BLOCK_K):
+            cols = k0 + tl.arange(0, PF_COLS) * LINE_ELEMS
+            cols = tl.where(cols < k_stop, cols, k0)[None, :]
+            _prefetch_l2(pf_rows + cols)
+            if SILU_MUL:
+                _prefetch_l2(pf_rows + up_offset + cols)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
+        # Let the next kernel launch now (its own wait holds it until this grid has finished and its writes
+        # are visible), so its launch and its own prefetch overlap this kernel; then wait for x.
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     for k0 in range(k_start, k_stop, BLOCK_K):
         ks = k0 + offs_k
@@ -188,16 +218,15 @@ def _small_gemm_kernel(
         if SILU_MUL:
             acc_up = _accumulate(acc_up, x_ptr, stride_xm, up_w_rows, ks, k_mask, offs_m, m_mask, n_mask, M,
                                  BLOCK_M, USE_DOT, CAST_FP32, DOT_PRECISION)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:                                      # added once: by split 0 of the partial sums
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc += tl.where(split == 0, bias, 0.0)[None, :]
         if SILU_MUL:
             acc_up += tl.load(bias_ptr + up_rows + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
+    rows = offs_m.to(tl.int64)[:, None] * stride_om
     if PARTIALS:
-        tl.store(out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], acc, mask=out_mask)
+        tl.store(out_ptr + split * stride_os + rows + offs_n[None, :], acc, mask=out_mask)
     else:
         dtype = out_ptr.dtype.element_ty
         y = round_to(acc, dtype, EMULATE_ROUNDING)                 # the GEMM output in the model dtype
@@ -205,7 +234,7 @@ def _small_gemm_kernel(
             up = round_to(acc_up, dtype, EMULATE_ROUNDING)
             y = round_to(y * tl.sigmoid(y), dtype, EMULATE_ROUNDING)   # F.silu writes the model dtype
             y = round_to(y * up, dtype, EMULATE_ROUNDING)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(dtype), mask=out_mask)
+        tl.store(out_ptr + rows + offs_n[None, :], y.to(dtype), mask=out_mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig | None):
@@ -226,14 +255,21 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
     if config is not None and config.use_dot and not interpreting() and \
             min(config.block_m, config.block_n, config.block_k) < 16:
         raise ValueError(f"tl.dot needs tiles >= 16 on a GPU, got {config}")
-    if config is not None and config.block_m < x.shape[0]:
-        raise ValueError(f"config.block_m={config.block_m} is smaller than M={x.shape[0]}")
+    if config is not None and not config.use_dot and config.block_m < x.shape[0]:
+        raise ValueError(f"config.block_m={config.block_m} is smaller than M={x.shape[0]} (the GEMV form "
+                         "takes every row in one tile)")
 
 
-def _launch(x, weight, bias, out, n_out, config, partials, silu, use_pdl):
+def prefetch_supported(x: torch.Tensor) -> bool:
+    """Whether the kernel can ask for its weights ahead (L2 prefetch, inline PTX): a CUDA device, compiled."""
+    return x.device.type == "cuda" and not interpreting()
+
+
+def _launch(x, weight, bias, out, n_out, config, partials, silu, use_pdl, prefetch):
     m, k = x.shape
     num_splits = config.num_splits(k) if partials else 1
-    grid = (triton.cdiv(n_out, config.block_n), num_splits)
+    grid = (triton.cdiv(n_out, config.block_n), num_splits, triton.cdiv(m, config.block_m))
+    line_elems = max(1, 128 // weight.element_size())             # elements of W in one 128-byte line
     _small_gemm_kernel[grid](
         x, weight, bias if bias is not None else out, out,
         m, n_out, k, x.stride(0), weight.stride(0), out.stride(0) if partials else 0, out.stride(-2),
@@ -242,14 +278,15 @@ def _launch(x, weight, bias, out, n_out, config, partials, silu, use_pdl):
         PARTIALS=partials, SILU_MUL=silu, HAS_BIAS=bias is not None, CAST_FP32=interpreting(),
         EMULATE_ROUNDING=interpreting(),
         DOT_PRECISION="ieee" if (x.dtype == torch.float32 or interpreting()) else "tf32",
-        USE_PDL=use_pdl, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_launch_kwargs(use_pdl),
+        USE_PDL=use_pdl, PREFETCH=prefetch and prefetch_supported(x), LINE_ELEMS=line_elems,
+        PF_COLS=max(1, config.block_k // line_elems),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_kwargs(use_pdl),
     )
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: GemmConfig | None = None, use_pdl: bool = False) -> torch.Tensor:
+           config: GemmConfig | None = None, use_pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
     """y = x @ weight.T + bias for a small batch, in one kernel over the full K.
 
     x: [M, K] with 1 <= M <= 64, weight: [N, K], bias: [N] or None, one dtype (bf16, fp16 or fp32), K
@@ -258,11 +295,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _check(x, weight, bias, config)
     config = config or choose_config(x.shape[0], weight.shape[0], x.shape[1], "full", num_sms(x.device))
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, weight.shape[0], config, False, False, use_pdl)
+    return _launch(x, weight, bias, out, weight.shape[0], config, False, False, use_pdl, prefetch)
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    config: GemmConfig | None = None, use_pdl: bool = False) -> torch.Tensor:
+                    config: GemmConfig | None = None, use_pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
     """Split-K partial sums of x @ weight.T (+ bias, added to split 0 only): P [S, M, N] fp32 with
     sum_s P[s] = x @ weight.T + bias. S = config.num_splits(K) (config None: `choose_config(..., "partials")`).
     The consumer adds the S slices (kernels/rms_norm.add_rms_norm); under tensor parallelism an all-reduce of
@@ -271,11 +308,11 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     m, k = x.shape
     config = config or choose_config(m, weight.shape[0], k, "partials", num_sms(x.device))
     out = torch.empty((config.num_splits(k), m, weight.shape[0]), dtype=torch.float32, device=x.device)
-    return _launch(x, weight, bias, out, weight.shape[0], config, True, False, use_pdl)
+    return _launch(x, weight, bias, out, weight.shape[0], config, True, False, use_pdl, prefetch)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    config: GemmConfig | None = None, use_pdl: bool = False) -> torch.Tensor:
+                    config: GemmConfig | None = None, use_pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
     """silu(x @ W_gate.T) * (x @ W_up.T) in one kernel, W = weight = [W_gate; W_up] ([2I, K], the merged
     gate_up projection; bias [2I] likewise). Returns [M, I] in x's dtype; each step rounds to the model
     dtype as the unfused GEMM + layers/activation.silu_and_mul do. Raises ValueError if weight has an odd
@@ -286,4 +323,4 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     config = config or choose_config(x.shape[0], weight.shape[0], x.shape[1], "silu", num_sms(x.device))
     inter = weight.shape[0] // 2
     out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, inter, config, False, True, use_pdl)
+    return _launch(x, weight, bias, out, inter, config, False, True, use_pdl, prefetch)

@@ -55,6 +55,9 @@ def fused(fn):
     return fn
 
 
+MAX_M = 512      # kernels/small_gemm.MAX_M (not imported here: importing a kernel module fixes interpreter or compiler)
+
+
 @dataclass(frozen=True)
 class FusedKernels:
     """Which of the decode-step Triton kernels a model uses (table in this module's docstring); all off by
@@ -77,8 +80,8 @@ class FusedKernels:
         for name in self.KERNEL_FIELDS + ("pdl",):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FusedKernels.{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.max_m, bool) or not isinstance(self.max_m, int) or not 1 <= self.max_m <= 64:
-            raise ValueError(f"FusedKernels.max_m must be an int in [1, 64], got {self.max_m!r}")
+        if isinstance(self.max_m, bool) or not isinstance(self.max_m, int) or not 1 <= self.max_m <= MAX_M:
+            raise ValueError(f"FusedKernels.max_m must be an int in [1, {MAX_M}], got {self.max_m!r}")
         if self.gemm_silu and not self.gemm:
             raise ValueError("FusedKernels.gemm_silu needs gemm=True (it is the gate_up GEMM's epilogue)")
         if self.split_k and not (self.gemm and self.add_rms_norm):
