@@ -194,8 +194,7 @@ def gemm_shapes(s: dict) -> dict:
             "gate_up": (2 * s["inter"], s["hidden"], "silu"), "down": (s["hidden"], s["inter"], "partials")}
 
 
-def gemm_case(rec, op, m, n, k, kind, device, dtype, config=None, use_pdl=False, section="gemm", old=True,
-              prefetch=True):
+def gemm_case(rec, op, m, n, k, kind, device, dtype, config=None, use_pdl=False, section="gemm", old=True):
     from nanovllm_ref.kernels import small_gemm
     from nanovllm_ref.layers.activation import silu_and_mul
     g = torch.Generator(device=device).manual_seed(m * 7 + n)
@@ -215,16 +214,15 @@ def gemm_case(rec, op, m, n, k, kind, device, dtype, config=None, use_pdl=False,
     if m <= small_gemm.MAX_M:
         cfg = config or small_gemm.choose_config(m, n, k, kind, small_gemm.num_sms(device))
         fn = {"full": small_gemm.linear, "partials": small_gemm.linear_partials, "silu": small_gemm.linear_silu_mul}[kind]
-        out = fn(x, ws[0], config=cfg, use_pdl=use_pdl, prefetch=prefetch)
+        out = fn(x, ws[0], config=cfg, use_pdl=use_pdl)
         if kind == "partials":
             err, out_bytes = max_err(out.sum(0), exact), out.numel() * 4
         elif kind == "silu":
             err, out_bytes = max_err(out, silu_and_mul(exact.to(dtype))), out.numel() * dtype.itemsize
         else:
             err, out_bytes = max_err(out, exact), out.numel() * dtype.itemsize
-        us = time_us([lambda w=w: fn(x, w, config=cfg, use_pdl=use_pdl, prefetch=prefetch) for w in ws], device)
-        path = "triton" + ("+pdl" if use_pdl else "") + ("+prefetch" if prefetch and device.type == "cuda" else "")
-        rows.append({"op": op, "m": m, "n": n, "k": k, "path": path,
+        us = time_us([lambda w=w: fn(x, w, config=cfg, use_pdl=use_pdl) for w in ws], device)
+        rows.append({"op": op, "m": m, "n": n, "k": k, "path": "triton" + ("+pdl" if use_pdl else ""),
                      "kind": kind, "config": dataclasses.asdict(cfg), "splits": cfg.num_splits(k) if kind == "partials" else 1,
                      "us": round(us[0], 2), "us_min": round(us[1], 2), "us_max": round(us[2], 2), "max_abs_err": err,
                      **bandwidth(wbytes + m * k * dtype.itemsize + out_bytes, us[0])})
@@ -466,9 +464,7 @@ def compile_variants(s: dict, dtypes=("bf16", "fp32")):
                             k3._small_gemm_kernel, {**sig3, "out_ptr": "*fp32"} if kind == "partials" else sig3,
                             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
                                  PARTIALS=kind == "partials", SILU_MUL=kind == "silu", HAS_BIAS=False, CAST_FP32=False,
-                                 EMULATE_ROUNDING=False, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", USE_PDL=pdl,
-                                 PREFETCH=pdl, LINE_ELEMS=128 // (2 if dt == "bf16" else 4),
-                                 PF_COLS=max(1, cfg.block_k * (2 if dt == "bf16" else 4) // 128)),
+                                 EMULATE_ROUNDING=False, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", USE_PDL=pdl),
                             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
     return out
 
@@ -509,12 +505,10 @@ def compile_check(rec, budget, s, dtypes=("bf16", "fp32")):
             ptx = compiled.asm.get("ptx", "")
             row = {"variant": name, "compiled": True, "seconds": round(time.monotonic() - t0, 2),
                    "griddepcontrol_in_ptx": "griddepcontrol" in ptx,
-                   "l2_prefetch_in_ptx": "prefetch.global.L2" in ptx,
                    "dynamic_shared_bytes": getattr(compiled.metadata, "shared", None),
                    **resource_usage(compiled.asm.get("cubin", b""))}
             rec.add("compile_check", row)
-            log(f"  compile {name:60s} regs {row.get('reg')} stack {row.get('stack')} pdl {row['griddepcontrol_in_ptx']} "
-                f"prefetch {row['l2_prefetch_in_ptx']}")
+            log(f"  compile {name:60s} regs {row.get('reg')} stack {row.get('stack')} pdl {row['griddepcontrol_in_ptx']}")
         guarded(rec, budget, f"compile {name}", one, min_left=1.0)
 
 

@@ -4,21 +4,16 @@
     python3 bench/kernels_round5.py --out results.json              # the GPU run, ~3-4 min
     python3 bench/kernels_round5.py --dry-run --out /tmp/dry.json   # CPU: Triton interpreter, tiny shapes
 
-What changed in the kernels (kernels/small_gemm.py, rms_norm.py, qk_norm_rope_store.py, attention.py):
-- every decode kernel lets the next one launch at its start (PDL's launch_dependents before its wait), so a
-  kernel's launch overlaps the one in front instead of its tail only;
-- the small GEMM asks for its slice of W into L2 (`prefetch.global.L2`) before it waits for x: W is never
-  written in a step, so it streams in while the kernel in front (the norm that makes x) still runs;
-- the small GEMM cuts more rows than TILE_M into row tiles, so it can serve decode batches above 64 (where the
-  engine calls cuBLAS today: 0.8-0.9 ms of GEMMs a step at 64-256 rows against a 0.28 ms weight read).
-
-Sections, most wanted first (each case guarded as in bench/kernels_round3.py, whose helpers this reuses):
+What it measures (call 1 of 2026-12-02, bench/results/kernels_round5_h200_2026-12-02.json, also tried two
+kernel changes that lost and were taken out: letting the next kernel launch at each kernel's start under PDL,
+and asking for W into L2 before the PDL wait; the small GEMM's row tiles above 64 rows stayed, unused by default):
 1. layer: decoder layers of the Qwen3-0.6B shape in CUDA-graph replays (context 512), per layer = (t3 - t1) / 2,
    at M = 1, 16, 64, 128, 256: `fused` (every kernel, PDL, GEMMs in Triton up to 512 rows), `cublas>64`
-   (the same with max_m = 64: cuBLAS above 64 rows, today's engine route), `nopdl` (fused without PDL).
-2. gemm: each projection at M = 1 .. 256, cuBLAS against the Triton kernel's default config without PDL, with
-   PDL, and with PDL + the L2 prefetch; back-to-back calls over weight copies that L2 cannot hold.
-3. sweep: other configs for M = 96, 128, 192, 256 (PDL + prefetch), to choose choose_config's large-M rows.
+   (the same with max_m = 64: cuBLAS above 64 rows, the engine's route), `nopdl` (fused without PDL).
+2. attention: the decode attention kernel at the workload's batch/context mix, the engine's launch against
+   other BLOCK_N / warps / stages and KV splits, in % of the copy bandwidth (call 2: the engine now takes
+   32-key tiles, 2 warps, 3 stages from 1,024 programs on: kernels/attention.decode_launch).
+3. gemm: each projection at M = 1 .. 256, cuBLAS against the Triton kernel without and with PDL.
 The JSON (--out) is rewritten after every case.
 """
 import argparse
@@ -35,7 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true", help="CPU: Triton interpreter, tiny shapes, no timings")
     p.add_argument("--budget", type=float, default=200.0, help="seconds before no new case starts")
-    p.add_argument("--sections", default="layer,gemm,sweep")
+    p.add_argument("--sections", default="layer,attention,gemm")
     return p.parse_args(argv)
 
 
@@ -50,19 +45,43 @@ import kernels_round3 as r3  # noqa: E402  (parses the same --out/--dry-run, byp
 import torch  # noqa: E402
 
 
-def sweep_configs(m: int, kind: str):
-    from nanovllm_ref.kernels.small_gemm import GemmConfig
-    silu = kind == "silu"
-    out = []
-    for bm, bn, bk, warps, stages in ((64, 64, 64, 4, 4), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3),
-                                      (64, 32, 128, 4, 4), (128, 128, 64, 8, 3), (64, 64, 128, 4, 3),
-                                      (32, 64, 128, 4, 4), (128, 32, 128, 4, 4)):
-        if bm > max(32, m) * 2 or (silu and bm * bn > 64 * 64 and warps < 8):
-            continue
-        splits = (1,) if kind != "partials" else (1, 2, 4)
-        for sk in splits:
-            out.append(GemmConfig(bm, bn, bk, split_k=sk, use_dot=True, num_warps=8 if silu else warps,
-                                  num_stages=stages))
+def attention_case(rec, batch, context, cfg, shapes, device, dtype):
+    """One decode attention call (kernels/attention.paged_decode) of `batch` sequences at `context` tokens, in
+    CUDA-graph replays; cfg: dict of block_n / num_warps / num_stages / num_splits overrides (empty = the
+    engine's). Bytes = the K and V it must read once; % of the copy bandwidth; max error against cfg = {}."""
+    from nanovllm_ref.kernels import attention as attn
+    hkv, h, d, block = shapes["kv_heads"], shapes["heads"], shapes["head_dim"], 256 if device.type == "cuda" else 16
+    g = torch.Generator(device=device).manual_seed(batch * 131 + context)
+    per_seq = -(-context // block)
+    k_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
+    v_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
+    # Blocks shuffled, as a cache that has served a while hands them out.
+    table = torch.randperm(batch * per_seq, device=device, generator=g).to(torch.int32).view(batch, per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, h, d, device=device, generator=g).to(dtype)
+    scale = d ** -0.5
+    ref = attn.paged_decode(q, k_cache, v_cache, table, lens, scale)
+    out = attn.paged_decode(q, k_cache, v_cache, table, lens, scale, **cfg)
+    us = r3.time_us([lambda: attn.paged_decode(q, k_cache, v_cache, table, lens, scale, **cfg)], device,
+                    reps=10, iters=7)
+    nbytes = 2 * batch * context * hkv * d * dtype.itemsize
+    row = {"batch": batch, "context": context, "config": cfg or "engine default",
+           "default_splits": attn.decode_num_splits(batch, hkv, per_seq * block, device),
+           "us": round(us[0], 2), "us_min": round(us[1], 2), "us_max": round(us[2], 2),
+           "max_abs_err_vs_default": r3.max_err(out, ref), **r3.bandwidth(nbytes, us[0])}
+    rec.add("attention", row)
+    r3.log(f"  attention B={batch:<3d} ctx={context:<5d} {str(cfg or 'default'):58s} {row['us']:8.1f} us "
+           f"{row['pct_of_peak']:5.1f} %")
+    return row
+
+
+def attention_configs(batch: int):
+    out = [{}]
+    for bn, warps, stages in ((64, 4, 3), (64, 4, 4), (64, 8, 2), (64, 8, 3), (128, 4, 2), (128, 8, 2),
+                              (128, 8, 3), (32, 4, 2), (32, 2, 3), (64, 2, 2)):
+        out.append(dict(block_n=bn, num_warps=warps, num_stages=stages))
+    if batch <= 64:
+        out += [dict(num_splits=s) for s in (1, 2, 4, 8)]
     return out
 
 
@@ -86,8 +105,7 @@ def main(args) -> int:
     rec.data["meta"]["copy_tbps_measured"] = r3.guarded(rec, budget, "copy bandwidth",
                                                         lambda: r3.measure_copy_tbps(device))
     layer_ms = [1, 5] if args.dry_run else [1, 16, 64, 128, 256]
-    gemm_ms = [1, 5] if args.dry_run else [1, 8, 16, 32, 64, 96, 128, 192, 256]
-    sweep_ms = [5] if args.dry_run else [96, 128, 192, 256]
+    gemm_ms = [1, 5] if args.dry_run else [1, 8, 16, 64, 128, 256]
     depths = (1, 2) if args.dry_run else (1, 3)
     if "layer" in sections:
         r3.log("1. decoder layers")
@@ -102,25 +120,22 @@ def main(args) -> int:
                 r3.guarded(rec, budget, f"layer M={m} {name}",
                            lambda: r3.layer_case(rec, m, name, kernels, shapes, device, dtype, reference, depths),
                            min_left=8.0)
+    if "attention" in sections:
+        r3.log("2. decode attention: the engine's launch against other tile sizes, warps, stages and splits")
+        rec.data.setdefault("attention", [])
+        shapes_attn = [(2, 64)] if args.dry_run else [(256, 512), (128, 1024), (64, 1536), (32, 2048), (1, 1024)]
+        for batch, context in shapes_attn:
+            for cfg in (attention_configs(batch) if not args.dry_run else [{}, dict(block_n=32)]):
+                r3.guarded(rec, budget, f"attention B={batch} ctx={context} {cfg}",
+                           lambda: attention_case(rec, batch, context, cfg, shapes, device, dtype), min_left=2.0)
     if "gemm" in sections:
-        r3.log("2. GEMMs: cuBLAS, Triton, Triton + PDL, Triton + PDL + L2 prefetch")
+        r3.log("3. GEMMs: cuBLAS, Triton, Triton + PDL")
         for m in gemm_ms:
             for op, (n, k, kind) in r3.gemm_shapes(shapes).items():
-                r3.guarded(rec, budget, f"gemm {op} M={m}",
-                           lambda: r3.gemm_case(rec, op, m, n, k, kind, device, dtype, prefetch=False))
+                r3.guarded(rec, budget, f"gemm {op} M={m}", lambda: r3.gemm_case(rec, op, m, n, k, kind, device, dtype))
                 if pdl:
-                    for pf in (False, True):
-                        r3.guarded(rec, budget, f"gemm {op} M={m} pdl prefetch={pf}",
-                                   lambda: r3.gemm_case(rec, op, m, n, k, kind, device, dtype, use_pdl=True,
-                                                        old=False, prefetch=pf))
-    if "sweep" in sections:
-        r3.log("3. large-M configs")
-        for m in sweep_ms:
-            for op, (n, k, kind) in r3.gemm_shapes(shapes).items():
-                for cfg in sweep_configs(m, kind):
-                    r3.guarded(rec, budget, f"sweep {op} M={m} {cfg}",
-                               lambda: r3.gemm_case(rec, op, m, n, k, kind, device, dtype, config=cfg,
-                                                    use_pdl=pdl, section="gemm_sweep", old=False), min_left=2.0)
+                    r3.guarded(rec, budget, f"gemm {op} M={m} pdl",
+                               lambda: r3.gemm_case(rec, op, m, n, k, kind, device, dtype, use_pdl=True, old=False))
     timer.cancel()
     rec.save()
     r3.log(f"done in {rec.data['meta']['elapsed_s']} s: {len(rec.data['errors'])} errors, "

@@ -203,6 +203,26 @@ def test_decode_num_splits_fills_an_h200_at_batch_one_and_is_one_for_big_batches
     assert kattn.decode_num_splits(1, 1, 1 << 20, cuda) == kattn.MAX_SPLITS
 
 
+def test_decode_launch_takes_small_tiles_from_1024_programs_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(kattn, "_interpreting", lambda: False)
+    assert kattn.decode_launch(128, 8) == (32, 2, 3)                      # 1,024 programs
+    assert kattn.decode_launch(127, 8) == (64, 4, 2)
+    assert kattn.decode_launch(1, 8) == (64, 4, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_with_the_small_tile_launch_matches_reference(dtype):
+    """The launch decode_launch picks for big batches (32-key tiles over 16-token blocks: two tiles a block)."""
+    g = _gen(9)
+    context_lens = [1, 31, 32, 33, 70]
+    k_cache, v_cache, table = _paged_cache(g, context_lens, 16, 2, 32, dtype)
+    q = _randn(g, len(context_lens), 4, 32, dtype=dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    got = kattn.paged_decode(q, k_cache, v_cache, table, lens, 32 ** -0.5, num_splits=1, block_n=32, num_warps=2,
+                             num_stages=3)
+    assert_attention_close(got, ref.paged_decode(q, k_cache, v_cache, table, lens, 32 ** -0.5), dtype)
+
+
 # --------------------------------------------------------------------------------------------- prefill
 
 PREFILL_CASES = [  # (block_size, group, head_dim, dtype)

@@ -284,8 +284,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, CAST_FP32: tl.constexpr, ONE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:           # launched before the kernel in front of it ended: let the next one launch too, then
-        tl.extra.cuda.gdc_launch_dependents()      # wait until the writes of the one in front are visible
+    if USE_PDL:           # launched before the kernel in front of it ended: wait until its writes are visible
         tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -346,7 +345,6 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -386,15 +384,28 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def _decode_block_n() -> int:
-    return 16 if _interpreting() else 64
+# From this many (sequence, KV head) programs on, the decode kernel runs 32-key tiles with 2 warps and 3 stages:
+# measured on the H200 (bench/results/kernels_round5_h200_2026-12-02_attention.json, CUDA-graph replays), 256
+# sequences x 512 tokens took 128.7 us against 134.2 with 64-key tiles and 4 warps, 128 x 1,024 127.3 against
+# 130.3; with fewer programs the smaller tiles lose (64 x 1,536: 104.5 against 97.5), as each SM then holds too
+# few of them to keep enough loads in flight.
+SMALL_TILE_PROGRAMS = 1024
+
+
+def decode_launch(batch: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel for `batch` sequences of `num_kv_heads` KV heads:
+    (32, 2, 3) from SMALL_TILE_PROGRAMS programs on, else (64, 4, 2); BLOCK_N 16 in the interpreter."""
+    if _interpreting():
+        return 16, 4, 2
+    return (32, 2, 3) if batch * num_kv_heads >= SMALL_TILE_PROGRAMS else (64, 4, 2)
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, block_n=None,
-                 use_pdl: bool = False):
+                 use_pdl: bool = False, num_warps: int | None = None, num_stages: int | None = None):
     """One query per sequence against its paged context. q: [B, H, D] -> [B, H, D].
 
-    num_splits / block_n override the heuristics (tests and benchmarks); the engine passes neither.
+    num_splits / block_n / num_warps / num_stages override the heuristics (`decode_num_splits`,
+    `decode_launch`; tests and benchmarks: bench/kernels_round5.py); the engine passes none of them.
     use_pdl: launch both kernels with programmatic dependent launch (Hopper, kernels/numerics.py), each waiting
     on the device for the kernel before it: the decode step's other kernels are launched so, and a launch that
     overlaps the previous kernel's tail saves about a microsecond (the engine's plan sets it with its decode
@@ -416,7 +427,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    block_n = block_n or _decode_block_n()
+    launch = decode_launch(batch, num_kv_heads)
+    block_n, num_warps, num_stages = block_n or launch[0], num_warps or launch[1], num_stages or launch[2]
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     block_d = triton.next_power_of_2(head_dim)
@@ -432,8 +444,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_IN_BLOCK=block_size % block_n == 0, CAST_FP32=_interpreting(),
-        ONE_SPLIT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype), USE_PDL=use_pdl, num_warps=4,
-        num_stages=2, **pdl_launch_kwargs(use_pdl),
+        ONE_SPLIT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype), USE_PDL=use_pdl, num_warps=num_warps,
+        num_stages=num_stages, **pdl_launch_kwargs(use_pdl),
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

@@ -78,8 +78,7 @@ def _qk_norm_rope_store_kernel(
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < HALF
     dtype = q_out_ptr.dtype.element_ty
-    if USE_PDL:             # let the next kernel launch now (it waits for this one on the device), then wait
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=mask, other=0.0)

@@ -37,8 +37,7 @@ def _add_rms_norm_kernel(
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     dtype = out_ptr.dtype.element_ty
-    if USE_PDL:             # let the next kernel launch now (it waits for this one on the device), then wait
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
     if PARTIALS:
         x = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -54,6 +53,8 @@ def _add_rms_norm_kernel(
         h = x
     if STORE_H:
         tl.store(h_ptr + row * stride_ht + offs, h.to(dtype), mask=mask)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     mean_sq = tl.sum(h * h, axis=0) / D
     normed = round_to(h * tl.rsqrt(mean_sq + eps), dtype, EMULATE_ROUNDING)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)

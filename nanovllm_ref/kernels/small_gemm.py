@@ -93,8 +93,8 @@ def num_sms(device: torch.device) -> int:
 def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) -> GemmConfig:
     """The default GemmConfig for x [m, k] @ W[n, k].T; kind "full", "partials" or "silu" (n counts the
     merged gate and up rows). Aims at >= 2 programs per SM: column tiles of BLOCK_N rows, times K splits
-    for "partials". Examples on an H200 (132 SMs): o_proj at M=1 (K=2048, N=1024): GEMV, 64 tiles of 16
-    rows x 4 splits of 512 = 256 programs; qkv at M=1 (K=1024, N=4096): 256 tiles of 16 rows, full K."""
+    for "partials". Examples on an H200 (132 SMs): o_proj at M=1 (K=2048, N=1024): GEMV, 32 tiles of 32
+    rows x 8 splits of 256 = 256 programs; qkv at M=1 (K=1024, N=4096): 256 tiles of 16 rows, full K."""
     if kind not in ("full", "partials", "silu"):
         raise ValueError(f"kind must be 'full', 'partials' or 'silu', got {kind!r}")
     if not 1 <= m <= MAX_M:
@@ -102,8 +102,10 @@ def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) ->
     target = 2 * sms
     n_out = n // 2 if kind == "silu" else n
     if m <= GEMV_MAX_M:
-        cfg = dict(block_m=triton.next_power_of_2(m), block_n=16, use_dot=False, num_stages=2, num_warps=4,
-                   block_k=256 if kind == "partials" else 512)
+        # Partials (o_proj, down): 32-row tiles and more K splits. On the H200 that took o_proj from 4.13 to
+        # 3.74 us and down from 5.28 to 4.70 (bench/results/kernels_round3_h200_2026-12-01.json, gemm_sweep).
+        cfg = dict(block_m=triton.next_power_of_2(m), block_n=32 if kind == "partials" else 16, use_dot=False,
+                   num_stages=2, num_warps=4, block_k=256 if kind == "partials" else 512)
     elif m <= TILE_M:
         wide = triton.cdiv(n_out, 32) >= target
         block_m = max(16, triton.next_power_of_2(m))
@@ -163,14 +165,6 @@ def _accumulate(acc, x_ptr, stride_xm, w_rows, ks, k_mask, offs_m, m_mask, n_mas
     return acc
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask the memory system to bring the 128-byte lines at `ptrs` into L2 (PTX prefetch.global.L2): no value,
-    no wait, no effect on any result. A GPU-only hint: the interpreter cannot run inline PTX."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _small_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
@@ -178,7 +172,7 @@ def _small_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_FP32: tl.constexpr, EMULATE_ROUNDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PF_COLS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -192,23 +186,9 @@ def _small_gemm_kernel(
     k_stop = tl.minimum(k_start + k_per_split, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     up_w_rows = w_rows + up_offset                   # SiLU: the up rows sit I rows below the gate
-    if PREFETCH:
-        # W is never written during a step, so this program's slice of it can be asked for before the wait
-        # below: under PDL this runs while the kernel in front (the norm that makes x) is still running, and
-        # the loop then finds W in L2. Rows past N re-ask for row N - 1 (a prefetch must name real memory).
-        pf_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-        for k0 in range(k_start, k_stop, BLOCK_K):
-            cols = k0 + tl.arange(0, PF_COLS) * LINE_ELEMS
-            cols = tl.where(cols < k_stop, cols, k0)[None, :]
-            _prefetch_l2(pf_rows + cols)
-            if SILU_MUL:
-                _prefetch_l2(pf_rows + up_offset + cols)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
-        # Let the next kernel launch now (its own wait holds it until this grid has finished and its writes
-        # are visible), so its launch and its own prefetch overlap this kernel; then wait for x.
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     for k0 in range(k_start, k_stop, BLOCK_K):
         ks = k0 + offs_k
@@ -218,6 +198,11 @@ def _small_gemm_kernel(
         if SILU_MUL:
             acc_up = _accumulate(acc_up, x_ptr, stride_xm, up_w_rows, ks, k_mask, offs_m, m_mask, n_mask, M,
                                  BLOCK_M, USE_DOT, CAST_FP32, DOT_PRECISION)
+    if USE_PDL:
+        # Not at the start: a trial that let the next kernel launch there made back-to-back tl.dot GEMMs
+        # 1.5-1.7x slower with PDL than without it on the H200 (M = 8-64,
+        # bench/results/kernels_round5_h200_2026-12-02.json).
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:                                      # added once: by split 0 of the partial sums
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc += tl.where(split == 0, bias, 0.0)[None, :]
@@ -260,16 +245,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
                          "takes every row in one tile)")
 
 
-def prefetch_supported(x: torch.Tensor) -> bool:
-    """Whether the kernel can ask for its weights ahead (L2 prefetch, inline PTX): a CUDA device, compiled."""
-    return x.device.type == "cuda" and not interpreting()
-
-
-def _launch(x, weight, bias, out, n_out, config, partials, silu, use_pdl, prefetch):
+def _launch(x, weight, bias, out, n_out, config, partials, silu, use_pdl):
     m, k = x.shape
     num_splits = config.num_splits(k) if partials else 1
     grid = (triton.cdiv(n_out, config.block_n), num_splits, triton.cdiv(m, config.block_m))
-    line_elems = max(1, 128 // weight.element_size())             # elements of W in one 128-byte line
     _small_gemm_kernel[grid](
         x, weight, bias if bias is not None else out, out,
         m, n_out, k, x.stride(0), weight.stride(0), out.stride(0) if partials else 0, out.stride(-2),
@@ -278,15 +257,13 @@ def _launch(x, weight, bias, out, n_out, config, partials, silu, use_pdl, prefet
         PARTIALS=partials, SILU_MUL=silu, HAS_BIAS=bias is not None, CAST_FP32=interpreting(),
         EMULATE_ROUNDING=interpreting(),
         DOT_PRECISION="ieee" if (x.dtype == torch.float32 or interpreting()) else "tf32",
-        USE_PDL=use_pdl, PREFETCH=prefetch and prefetch_supported(x), LINE_ELEMS=line_elems,
-        PF_COLS=max(1, config.block_k // line_elems),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_kwargs(use_pdl),
+        USE_PDL=use_pdl, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_kwargs(use_pdl),
     )
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: GemmConfig | None = None, use_pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
+           config: GemmConfig | None = None, use_pdl: bool = False) -> torch.Tensor:
     """y = x @ weight.T + bias for a small batch, in one kernel over the full K.
 
     x: [M, K] with 1 <= M <= 64, weight: [N, K], bias: [N] or None, one dtype (bf16, fp16 or fp32), K
@@ -295,11 +272,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _check(x, weight, bias, config)
     config = config or choose_config(x.shape[0], weight.shape[0], x.shape[1], "full", num_sms(x.device))
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, weight.shape[0], config, False, False, use_pdl, prefetch)
+    return _launch(x, weight, bias, out, weight.shape[0], config, False, False, use_pdl)
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    config: GemmConfig | None = None, use_pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
+                    config: GemmConfig | None = None, use_pdl: bool = False) -> torch.Tensor:
     """Split-K partial sums of x @ weight.T (+ bias, added to split 0 only): P [S, M, N] fp32 with
     sum_s P[s] = x @ weight.T + bias. S = config.num_splits(K) (config None: `choose_config(..., "partials")`).
     The consumer adds the S slices (kernels/rms_norm.add_rms_norm); under tensor parallelism an all-reduce of
@@ -308,11 +285,11 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     m, k = x.shape
     config = config or choose_config(m, weight.shape[0], k, "partials", num_sms(x.device))
     out = torch.empty((config.num_splits(k), m, weight.shape[0]), dtype=torch.float32, device=x.device)
-    return _launch(x, weight, bias, out, weight.shape[0], config, True, False, use_pdl, prefetch)
+    return _launch(x, weight, bias, out, weight.shape[0], config, True, False, use_pdl)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    config: GemmConfig | None = None, use_pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
+                    config: GemmConfig | None = None, use_pdl: bool = False) -> torch.Tensor:
     """silu(x @ W_gate.T) * (x @ W_up.T) in one kernel, W = weight = [W_gate; W_up] ([2I, K], the merged
     gate_up projection; bias [2I] likewise). Returns [M, I] in x's dtype; each step rounds to the model
     dtype as the unfused GEMM + layers/activation.silu_and_mul do. Raises ValueError if weight has an odd
@@ -323,4 +300,4 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     config = config or choose_config(x.shape[0], weight.shape[0], x.shape[1], "silu", num_sms(x.device))
     inter = weight.shape[0] // 2
     out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, inter, config, False, True, use_pdl, prefetch)
+    return _launch(x, weight, bias, out, inter, config, False, True, use_pdl)
