@@ -31,6 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="CPU: Triton interpreter, tiny shapes, no timings")
     p.add_argument("--budget", type=float, default=200.0, help="seconds before no new case starts")
     p.add_argument("--sections", default="layer,attention,gemm")
+    p.add_argument("--mixed-only", action="store_true", help="attention: the mixed-length cases only")
     return p.parse_args(argv)
 
 
@@ -45,33 +46,43 @@ import kernels_round3 as r3  # noqa: E402  (parses the same --out/--dry-run, byp
 import torch  # noqa: E402
 
 
-def attention_case(rec, batch, context, cfg, shapes, device, dtype):
+def attention_case(rec, batch, context, cfg, shapes, device, dtype, mixed: str | None = None):
     """One decode attention call (kernels/attention.paged_decode) of `batch` sequences at `context` tokens, in
     CUDA-graph replays; cfg: dict of block_n / num_warps / num_stages / num_splits overrides (empty = the
-    engine's). Bytes = the K and V it must read once; % of the copy bandwidth; max error against cfg = {}."""
+    engine's). mixed: None (every sequence `context` long), "random" (lengths uniform in [100, context], in
+    random order, as the bench workload's batches are) or "longest_first" (the same lengths, longest first).
+    Bytes = the K and V it must read once; % of the copy bandwidth; max error against cfg = {}."""
+    import random
     from nanovllm_ref.kernels import attention as attn
     hkv, h, d, block = shapes["kv_heads"], shapes["heads"], shapes["head_dim"], 256 if device.type == "cuda" else 16
     g = torch.Generator(device=device).manual_seed(batch * 131 + context)
+    lengths = [context] * batch
+    if mixed:
+        rnd = random.Random(batch)
+        lengths = [rnd.randint(min(100, context), context) for _ in range(batch)]
+        if mixed == "longest_first":
+            lengths.sort(reverse=True)
     per_seq = -(-context // block)
     k_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
     v_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
     # Blocks shuffled, as a cache that has served a while hands them out.
     table = torch.randperm(batch * per_seq, device=device, generator=g).to(torch.int32).view(batch, per_seq)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     q = torch.randn(batch, h, d, device=device, generator=g).to(dtype)
     scale = d ** -0.5
     ref = attn.paged_decode(q, k_cache, v_cache, table, lens, scale)
     out = attn.paged_decode(q, k_cache, v_cache, table, lens, scale, **cfg)
     us = r3.time_us([lambda: attn.paged_decode(q, k_cache, v_cache, table, lens, scale, **cfg)], device,
                     reps=10, iters=7)
-    nbytes = 2 * batch * context * hkv * d * dtype.itemsize
-    row = {"batch": batch, "context": context, "config": cfg or "engine default",
+    nbytes = 2 * sum(lengths) * hkv * d * dtype.itemsize
+    row = {"batch": batch, "context": context, "lengths": mixed or "equal", "mean_length": sum(lengths) / batch,
+           "config": cfg or "engine default",
            "default_splits": attn.decode_num_splits(batch, hkv, per_seq * block, device),
            "us": round(us[0], 2), "us_min": round(us[1], 2), "us_max": round(us[2], 2),
            "max_abs_err_vs_default": r3.max_err(out, ref), **r3.bandwidth(nbytes, us[0])}
     rec.add("attention", row)
-    r3.log(f"  attention B={batch:<3d} ctx={context:<5d} {str(cfg or 'default'):58s} {row['us']:8.1f} us "
-           f"{row['pct_of_peak']:5.1f} %")
+    r3.log(f"  attention B={batch:<3d} ctx={context:<5d} {mixed or 'equal':13s} {str(cfg or 'default'):50s} "
+           f"{row['us']:8.1f} us {row['pct_of_peak']:5.1f} %")
     return row
 
 
@@ -124,10 +135,20 @@ def main(args) -> int:
         r3.log("2. decode attention: the engine's launch against other tile sizes, warps, stages and splits")
         rec.data.setdefault("attention", [])
         shapes_attn = [(2, 64)] if args.dry_run else [(256, 512), (128, 1024), (64, 1536), (32, 2048), (1, 1024)]
-        for batch, context in shapes_attn:
+        for batch, context in ([] if args.mixed_only else shapes_attn):
             for cfg in (attention_configs(batch) if not args.dry_run else [{}, dict(block_n=32)]):
                 r3.guarded(rec, budget, f"attention B={batch} ctx={context} {cfg}",
                            lambda: attention_case(rec, batch, context, cfg, shapes, device, dtype), min_left=2.0)
+        # Mixed lengths, as in the bench workload: does the longest sequence's program set the kernel's time?
+        mixed_shapes = [(2, 64)] if args.dry_run else [(256, 2048), (128, 2048), (64, 2048), (256, 1024)]
+        for batch, context in mixed_shapes:
+            for mixed in ("random", "longest_first"):
+                for cfg in ({}, dict(num_splits=2), dict(num_splits=3), dict(num_splits=4)):
+                    if mixed == "longest_first" and cfg:
+                        continue
+                    r3.guarded(rec, budget, f"attention B={batch} ctx={context} {mixed} {cfg}",
+                               lambda: attention_case(rec, batch, context, cfg, shapes, device, dtype, mixed),
+                               min_left=2.0)
     if "gemm" in sections:
         r3.log("3. GEMMs: cuBLAS, Triton, Triton + PDL")
         for m in gemm_ms:

@@ -332,10 +332,10 @@ def test_default_configs_fill_an_h200_with_programs(name, m):
         assert cfg.num_splits(k) > 1, "narrow N needs split-K to have enough programs"
 
 
-def test_o_proj_at_batch_1_is_a_gemv_with_eight_splits():
+def test_o_proj_at_batch_1_is_a_gemv_with_four_splits():
     """The worked example of choose_config's docstring."""
     cfg = choose_config(1, 1024, 2048, "partials", sms=132)
-    assert (cfg.block_m, cfg.block_n, cfg.use_dot, cfg.k_per_split(2048), cfg.num_splits(2048)) == (1, 32, False, 256, 8)
+    assert (cfg.block_m, cfg.block_n, cfg.use_dot, cfg.k_per_split(2048), cfg.num_splits(2048)) == (1, 16, False, 512, 4)
 
 
 def test_warm_batch_sizes_meet_every_variant_once():

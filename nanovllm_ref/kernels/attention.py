@@ -370,42 +370,42 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# When the batch alone fills the GPU twice over, a batch of mixed lengths still waits for the programs of its
+# longest sequences. Measured on the H200 (bench/results/kernels_round5_h200_2026-12-02_mixed.json; lengths
+# uniform in 100..2,048 as in the bench workload): 64 sequences 85.2 us with 1 split, 81.2 with 3, 80.3 with 4;
+# 128 sequences 155.8 with 1, 151.4 with 2; 256 sequences: splits made it slower (271.6 -> 279.5 with 3).
+# So such batches take up to MAX_BALANCE_SPLITS splits, aiming at BALANCE_PROGRAMS_PER_SM programs per SM.
+BALANCE_PROGRAMS_PER_SM = 8
+MAX_BALANCE_SPLITS = 4
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """How many KV splits so that batch x kv_heads x splits fills the GPU about twice over (two waves hide
     the tail of uneven sequences), without splits shorter than MIN_TOKENS_PER_SPLIT tokens.
     Batch 1, 8 KV heads, 4096 tokens on an H200 (132 SMs): min(33, 64) = 33 splits, 264 programs.
-    Batch 64 x 8 heads = 512 programs already fill it: 1 split, no merge kernel at all (measured: 2 or 4
-    splits were 7% slower there)."""
+    A batch that fills it twice over already gets up to MAX_BALANCE_SPLITS splits, so that about
+    BALANCE_PROGRAMS_PER_SM programs per SM share out sequences of different lengths (the comment above):
+    batch 64 x 8 heads = 512 programs: 3 splits; 128: 2; 132 and more: 1, no merge kernel at all."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
     programs = max(1, batch * num_kv_heads)
     by_occupancy = triton.cdiv(2 * sms, programs)
+    if by_occupancy == 1:
+        by_occupancy = min(MAX_BALANCE_SPLITS, triton.cdiv(BALANCE_PROGRAMS_PER_SM * sms, programs))
     by_length = max(1, triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT))
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-# From this many (sequence, KV head) programs on, the decode kernel runs 32-key tiles with 2 warps and 3 stages:
-# measured on the H200 (bench/results/kernels_round5_h200_2026-12-02_attention.json, CUDA-graph replays), 256
-# sequences x 512 tokens took 128.7 us against 134.2 with 64-key tiles and 4 warps, 128 x 1,024 127.3 against
-# 130.3; with fewer programs the smaller tiles lose (64 x 1,536: 104.5 against 97.5), as each SM then holds too
-# few of them to keep enough loads in flight.
-SMALL_TILE_PROGRAMS = 1024
-
-
-def decode_launch(batch: int, num_kv_heads: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the decode kernel for `batch` sequences of `num_kv_heads` KV heads:
-    (32, 2, 3) from SMALL_TILE_PROGRAMS programs on, else (64, 4, 2); BLOCK_N 16 in the interpreter."""
-    if _interpreting():
-        return 16, 4, 2
-    return (32, 2, 3) if batch * num_kv_heads >= SMALL_TILE_PROGRAMS else (64, 4, 2)
+def _decode_block_n() -> int:
+    return 16 if _interpreting() else 64
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, block_n=None,
                  use_pdl: bool = False, num_warps: int | None = None, num_stages: int | None = None):
     """One query per sequence against its paged context. q: [B, H, D] -> [B, H, D].
 
-    num_splits / block_n / num_warps / num_stages override the heuristics (`decode_num_splits`,
-    `decode_launch`; tests and benchmarks: bench/kernels_round5.py); the engine passes none of them.
+    num_splits / block_n / num_warps / num_stages override the heuristics (`decode_num_splits`; tests and
+    benchmarks: bench/kernels_round5.py); the engine passes none of them.
     use_pdl: launch both kernels with programmatic dependent launch (Hopper, kernels/numerics.py), each waiting
     on the device for the kernel before it: the decode step's other kernels are launched so, and a launch that
     overlaps the previous kernel's tail saves about a microsecond (the engine's plan sets it with its decode
@@ -427,8 +427,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    launch = decode_launch(batch, num_kv_heads)
-    block_n, num_warps, num_stages = block_n or launch[0], num_warps or launch[1], num_stages or launch[2]
+    # 64-key tiles, 4 warps, 2 stages. 32-key tiles with 2 warps and 3 stages were 4 % faster on 256 equal
+    # 512-token contexts but made the whole bench workload (mixed lengths) 4 % slower on the H200
+    # (bench/results/ab5_h200_2026-12-02_small_tiles.json), so they are not used.
+    block_n, num_warps, num_stages = block_n or _decode_block_n(), num_warps or 4, num_stages or 2
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     block_d = triton.next_power_of_2(head_dim)

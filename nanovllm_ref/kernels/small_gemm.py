@@ -93,8 +93,8 @@ def num_sms(device: torch.device) -> int:
 def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) -> GemmConfig:
     """The default GemmConfig for x [m, k] @ W[n, k].T; kind "full", "partials" or "silu" (n counts the
     merged gate and up rows). Aims at >= 2 programs per SM: column tiles of BLOCK_N rows, times K splits
-    for "partials". Examples on an H200 (132 SMs): o_proj at M=1 (K=2048, N=1024): GEMV, 32 tiles of 32
-    rows x 8 splits of 256 = 256 programs; qkv at M=1 (K=1024, N=4096): 256 tiles of 16 rows, full K."""
+    for "partials". Examples on an H200 (132 SMs): o_proj at M=1 (K=2048, N=1024): GEMV, 64 tiles of 16
+    rows x 4 splits of 512 = 256 programs; qkv at M=1 (K=1024, N=4096): 256 tiles of 16 rows, full K."""
     if kind not in ("full", "partials", "silu"):
         raise ValueError(f"kind must be 'full', 'partials' or 'silu', got {kind!r}")
     if not 1 <= m <= MAX_M:
@@ -102,10 +102,8 @@ def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) ->
     target = 2 * sms
     n_out = n // 2 if kind == "silu" else n
     if m <= GEMV_MAX_M:
-        # Partials (o_proj, down): 32-row tiles and more K splits. On the H200 that took o_proj from 4.13 to
-        # 3.74 us and down from 5.28 to 4.70 (bench/results/kernels_round3_h200_2026-12-01.json, gemm_sweep).
-        cfg = dict(block_m=triton.next_power_of_2(m), block_n=32 if kind == "partials" else 16, use_dot=False,
-                   num_stages=2, num_warps=4, block_k=256 if kind == "partials" else 512)
+        cfg = dict(block_m=triton.next_power_of_2(m), block_n=16, use_dot=False, num_stages=2, num_warps=4,
+                   block_k=256 if kind == "partials" else 512)
     elif m <= TILE_M:
         wide = triton.cdiv(n_out, 32) >= target
         block_m = max(16, triton.next_power_of_2(m))
