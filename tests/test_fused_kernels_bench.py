@@ -66,3 +66,23 @@ def test_every_bf16_kernel_variant_compiles_for_sm90_pipelined_and_with_pdl_wher
             bm, bn, bk = (int(v) for v in r["variant"].split()[4].split("x"))
             assert r["dynamic_shared_bytes"] >= 3 * (bm + bn) * bk * 2, r
     assert max(r.get("stack", 0) for r in rows) <= 16, "a kernel variant spills registers"
+
+
+def test_round5_dry_run_records_layers_attention_and_gemms_with_real_errors(tmp_path):
+    """bench/kernels_round5.py (the round-5 record's script) end to end in the interpreter: every section
+    recorded, no case skipped, and the numbers it compares are close to their references."""
+    out = tmp_path / "round5.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_round5.py"), "--dry-run", "--out", str(out),
+                           "--sections", "layer,attention,gemm"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["errors"] == [] and rec["skipped"] == []
+    assert {(r["m"], r["variant"]) for r in rec["layer"]} == {(1, "fused"), (5, "fused")}
+    lengths = {r["lengths"] for r in rec["attention"]}
+    assert lengths == {"equal", "random", "longest_first"}
+    assert all(r["max_abs_err_vs_default"] < 2e-2 for r in rec["attention"])
+    assert {r["op"] for r in rec["gemm"]} == {"qkv", "o_proj", "gate_up", "down"}
+    assert all(r["max_abs_err"] < 2e-2 for r in rec["gemm"] if "max_abs_err" in r)

@@ -370,28 +370,19 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# When the batch alone fills the GPU twice over, a batch of mixed lengths still waits for the programs of its
-# longest sequences. Measured on the H200 (bench/results/kernels_round5_h200_2026-12-02_mixed.json; lengths
-# uniform in 100..2,048 as in the bench workload): 64 sequences 85.2 us with 1 split, 81.2 with 3, 80.3 with 4;
-# 128 sequences 155.8 with 1, 151.4 with 2; 256 sequences: splits made it slower (271.6 -> 279.5 with 3).
-# So such batches take up to MAX_BALANCE_SPLITS splits, aiming at BALANCE_PROGRAMS_PER_SM programs per SM.
-BALANCE_PROGRAMS_PER_SM = 8
-MAX_BALANCE_SPLITS = 4
-
-
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """How many KV splits so that batch x kv_heads x splits fills the GPU about twice over (two waves hide
     the tail of uneven sequences), without splits shorter than MIN_TOKENS_PER_SPLIT tokens.
     Batch 1, 8 KV heads, 4096 tokens on an H200 (132 SMs): min(33, 64) = 33 splits, 264 programs.
-    A batch that fills it twice over already gets up to MAX_BALANCE_SPLITS splits, so that about
-    BALANCE_PROGRAMS_PER_SM programs per SM share out sequences of different lengths (the comment above):
-    batch 64 x 8 heads = 512 programs: 3 splits; 128: 2; 132 and more: 1, no merge kernel at all."""
+    Batch 64 x 8 heads = 512 programs already fill it: 1 split, no merge kernel at all (measured: 2 or 4
+    splits were 7% slower there). Batches of mixed lengths gained 3-6 % from 2-4 splits in the kernel alone
+    (bench/results/kernels_round5_h200_2026-12-02_mixed.json), but the whole bench workload did not get
+    faster with them (ab5_h200_2026-12-02_balance_splits.json: decode device time 5.025 -> 5.000 s, plain
+    throughput 24,340 -> 23,899 tok/s, one run each), so the rule stays."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
     programs = max(1, batch * num_kv_heads)
     by_occupancy = triton.cdiv(2 * sms, programs)
-    if by_occupancy == 1:
-        by_occupancy = min(MAX_BALANCE_SPLITS, triton.cdiv(BALANCE_PROGRAMS_PER_SM * sms, programs))
     by_length = max(1, triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT))
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 

@@ -61,7 +61,8 @@ MAX_M = 512      # kernels/small_gemm.MAX_M (not imported here: importing a kern
 @dataclass(frozen=True)
 class FusedKernels:
     """Which of the decode-step Triton kernels a model uses (table in this module's docstring); all off by
-    default. max_m: the largest decode batch they serve (1..64; larger batches use cuBLAS). pdl: launch
+    default. max_m: the largest decode batch they serve (1..512, default 64: above that cuBLAS's GEMMs
+    made whole layers faster on the H200, kernels/small_gemm.py; larger batches use cuBLAS). pdl: launch
     them with programmatic dependent launch (Hopper; kernels/numerics.py). Raises TypeError or ValueError
     for a field of the wrong type or a combination that cannot run (split_k without add_rms_norm: nothing
     would sum the partials)."""
