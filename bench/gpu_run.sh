@@ -16,12 +16,13 @@
 #                             (attention_backend=triton) with CUDA graphs and eager, told from faults by the
 #                             logprob-closeness check (tests/engine_helpers.py); fp32 exactness of the same tests
 #                             too (FP32=1, default on); junit XML into $OUT
-#   or (carry .carry/ab):     bash bench/gpu_run.sh ab4       # ~3-4 min: the baseline engine (.carry/ab/base.tgz,
+#   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh ab4       # ~3-4 min: the baseline engine (.carry/ab/base.tgz,
 #                             made by `bash bench/make_ab_base.sh [COMMIT]`) then this tree's, one workload
 #                             profile each (plain generate, batch-1, decode probes 1:512 and 256:512), and the
 #                             side-by-side table (nanovllm_bench/ab.py); $OUT/ab4.json, profile4_ab_*.json
-#   or (carry .carry/ab):     bash bench/gpu_run.sh round5    # ~7 min: bench/kernels_round5.py (decode layers at
-#                             M = 1-256, GEMMs vs cuBLAS with PDL and L2 prefetch, large-M configs), then ab4
+#   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh round5    # ~5 min: bench/kernels_round5.py
+#                             (decode layers at M = 1-256, the decode attention's launch options and splits, GEMMs
+#                             against cuBLAS; SECTIONS picks), then ab4
 #   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
@@ -128,9 +129,9 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ]; then   # issue 29: baseline engine
     step "versions"
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
     if [ "$mode" = round5 ]; then   # round 5 first: the decode GEMMs and layers (bench/kernels_round5.py)
-      step "decode layers and GEMMs: PDL launch at start, L2 prefetch of W, row tiles above 64 (bench/kernels_round5.py)"
+      step "decode layers, attention and GEMMs (bench/kernels_round5.py, sections ${SECTIONS:-layer,attention,gemm})"
       timeout ${KERNELS_S:-260} python3 bench/kernels_round5.py --out "$OUT/kernels_round5.json" --budget ${KERNELS_BUDGET:-200} \
-        --sections ${SECTIONS:-layer,gemm,sweep} 2>&1 | grep -v gemm_sweep | tail -${KERNELS_TAIL:-140}
+        --sections ${SECTIONS:-layer,attention,gemm} 2>&1 | tail -${KERNELS_TAIL:-140}
       [ -e .carry/ab/base.tgz ] || { step "done (no .carry/ab: no A/B)"; exit 0; }
     fi
     rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar xzf .carry/ab/base.tgz -C /tmp/ab_base || exit 1
