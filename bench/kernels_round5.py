@@ -41,8 +41,7 @@ if ARGS.dry_run:
 else:
     os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-sys.argv = [sys.argv[0], "--out", ARGS.out] + (["--dry-run"] if ARGS.dry_run else [])
-import kernels_round3 as r3  # noqa: E402  (parses the same --out/--dry-run, bypasses nanovllm_ref/__init__)
+import kernels_round3 as r3  # noqa: E402  (its helpers; it bypasses nanovllm_ref/__init__, which imports the engine)
 import torch  # noqa: E402
 
 
@@ -104,7 +103,9 @@ def main(args) -> int:
         return 2
     shapes = r3.TINY if args.dry_run else r3.QWEN3
     dtype = torch.bfloat16
-    rec = r3.Record(args.out, {**r3.meta_of(r3.parse_args(sys.argv[1:]), device), "script": "bench/kernels_round5.py", "budget_s": args.budget})
+    r3_args = r3.parse_args(["--out", args.out] + (["--dry-run"] if args.dry_run else []))
+    rec = r3.Record(args.out, {**r3.meta_of(r3_args, device), "script": "bench/kernels_round5.py",
+                               "budget_s": args.budget})
     budget = r3.Budget(args.budget)
     sections = args.sections.split(",")
     timer = threading.Timer(args.budget + 20, lambda: (rec.data["meta"].update(watchdog="fired"), rec.save(),

@@ -233,6 +233,14 @@ def test_fuse_on_a_cpu_builds_no_kernels_and_an_explicit_record_is_kept():
     assert model.kernels is kernels and model.model.layers[0].mlp.gate_up_proj.small_gemm.max_m == 8
 
 
+def test_fused_kernels_max_m_bound_is_the_small_gemm_kernels_limit():
+    """utils/fusion.py cannot import the kernel module (it would fix interpreter or compiler), so it repeats
+    small_gemm.MAX_M: the two must agree."""
+    from nanovllm_ref.utils import fusion
+    assert fusion.MAX_M == small_gemm.MAX_M
+    FusedKernels(max_m=small_gemm.MAX_M)
+
+
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(split_k=True, gemm=True), ValueError, "add_rms_norm"),
     (dict(gemm_silu=True), ValueError, "gemm=True"),
