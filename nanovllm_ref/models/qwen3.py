@@ -180,13 +180,45 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, qk_norm, ops) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm,
                             kernel=_norm_kernel(ops), pdl=ops.kernels.pdl)
+        # A decode step of one sequence as one persistent kernel (kernels/persistent_decode.py): only at tensor
+        # parallel size 1 and without linear biases (the kernel has none); made at its first step, once the KV
+        # cache exists, and made again if the cache is re-allocated.
+        bias = getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
+        self.persistent = ops.kernels.persistent and get_tp_size() == 1 and not bias
+        self._persistent_step, self._persistent_key = None, None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.persistent and input_ids.shape[0] == 1:
+            meta = current_metadata()
+            if not meta.is_prefill and meta.block_tables is not None and self.layers[0].self_attn.attn.has_cache:
+                return self.persistent_step()(input_ids, positions, meta.slot_mapping, meta.block_tables,
+                                              meta.context_lens)
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def persistent_step(self, programs: int | None = None):
+        """The kernels/persistent_decode.PersistentDecode of this model's weights and KV cache, made once per
+        cache; `programs` (default: one per SM, 3 under the interpreter) makes it again with that many."""
+        attns = [layer.self_attn for layer in self.layers]
+        key = attns[0].attn.k_cache.data_ptr()
+        if self._persistent_step is None or self._persistent_key != key or \
+                (programs is not None and programs != self._persistent_step.config.programs):
+            from nanovllm_ref.kernels.persistent_decode import PersistentDecode
+            weights = [{"qkv": a.qkv_proj.weight, "o": a.o_proj.weight, "gate_up": layer.mlp.gate_up_proj.weight,
+                        "down": layer.mlp.down_proj.weight, "input_norm": layer.input_layernorm.weight,
+                        "post_norm": layer.post_attention_layernorm.weight,
+                        "q_norm": a.q_norm.weight if a.qk_norm else None,
+                        "k_norm": a.k_norm.weight if a.qk_norm else None} for a, layer in zip(attns, self.layers)]
+            a = attns[0]
+            self._persistent_step = PersistentDecode(
+                weights, self.embed_tokens.weight, self.norm.weight, self.norm.eps,
+                [x.attn.k_cache for x in attns], [x.attn.v_cache for x in attns], a.rotary_emb.cos_sin_cache,
+                a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale, programs=programs)
+            self._persistent_key = key
+        return self._persistent_step
 
 
 class Qwen3ForCausalLM(nn.Module):

@@ -63,7 +63,9 @@ class FusedKernels:
     """Which of the decode-step Triton kernels a model uses (table in this module's docstring); all off by
     default. max_m: the largest decode batch they serve (1..512, default 64: above that cuBLAS's GEMMs
     made whole layers faster on the H200, kernels/small_gemm.py; larger batches use cuBLAS). pdl: launch
-    them with programmatic dependent launch (Hopper; kernels/numerics.py). Raises TypeError or ValueError
+    them with programmatic dependent launch (Hopper; kernels/numerics.py). persistent: a decode step of one
+    sequence runs as one persistent kernel (kernels/persistent_decode.py) in place of every layer's kernels;
+    it needs every kernel field on. Raises TypeError or ValueError
     for a field of the wrong type or a combination that cannot run (split_k without add_rms_norm: nothing
     would sum the partials)."""
     rms_norm: bool = False
@@ -74,11 +76,12 @@ class FusedKernels:
     split_k: bool = False
     max_m: int = 64
     pdl: bool = False
+    persistent: bool = False
 
     KERNEL_FIELDS = ("rms_norm", "add_rms_norm", "qk_norm_rope_store", "gemm", "gemm_silu", "split_k")
 
     def __post_init__(self):
-        for name in self.KERNEL_FIELDS + ("pdl",):
+        for name in self.KERNEL_FIELDS + ("pdl", "persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FusedKernels.{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.max_m, bool) or not isinstance(self.max_m, int) or not 1 <= self.max_m <= MAX_M:
@@ -88,6 +91,10 @@ class FusedKernels:
         if self.split_k and not (self.gemm and self.add_rms_norm):
             raise ValueError("FusedKernels.split_k needs gemm=True and add_rms_norm=True (the add + RMSNorm "
                              "kernel is what sums the split-K partials)")
+        if self.persistent and not all(getattr(self, name) for name in self.KERNEL_FIELDS):
+            raise ValueError("FusedKernels.persistent needs every kernel field on (the persistent step does the "
+                             "work of all of them, so no part they stand in for may be replaced); got "
+                             f"{', '.join(self.enabled()) or 'none'}")
 
     @classmethod
     def all(cls, **overrides) -> "FusedKernels":
@@ -105,11 +112,11 @@ class FusedKernels:
     def large_batch(self) -> "FusedKernels":
         """The kernels of a decode step of more than max_m tokens: the element-wise ones only (add+RMSNorm,
         q/k-norm+RoPE+KV store), the GEMMs cuBLAS's (so no split-K partials, no SiLU epilogue)."""
-        return dataclasses.replace(self, gemm=False, gemm_silu=False, split_k=False)
+        return dataclasses.replace(self, gemm=False, gemm_silu=False, split_k=False, persistent=False)
 
     def restricted_to(self, allowed: "FusedKernels") -> "FusedKernels":
         """The kernels on in both self and `allowed` (split_k and gemm_silu dropped with what they need)."""
         on = {name: getattr(self, name) and getattr(allowed, name) for name in self.KERNEL_FIELDS}
         on["gemm_silu"] = on["gemm_silu"] and on["gemm"]
         on["split_k"] = on["split_k"] and on["gemm"] and on["add_rms_norm"]
-        return dataclasses.replace(self, **on)
+        return dataclasses.replace(self, **on, persistent=self.persistent and all(on.values()))

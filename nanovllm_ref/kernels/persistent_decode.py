@@ -1,0 +1,550 @@
+"""The whole decode step of one sequence in one persistent Triton kernel (chapter 10; issue 29, round 6).
+
+Why
+    A batch-1 decode step of Qwen3-0.6B is ~270 dependent kernels (9 a layer, round 5's profile). Its weights
+    take 0.28 ms to read on an H200 and the step took 1.02 ms: each small kernel pays its ramp-up and drain,
+    and a GEMV of 2-12 MB is too short to reach the copy bandwidth on its own. Here one program per SM stays
+    resident for all the layers and a grid-wide barrier stands where a kernel boundary was (the "megakernel"
+    of Mirage / Hazy Research's "No Bubbles", 2025, and the cooperative-groups grid sync of CUDA).
+
+What it computes (batch 1, M = 1; the same values as the layer-by-layer forward of models/qwen3.py with the
+fused kernels of kernels/rms_norm.py, qk_norm_rope_store.py, small_gemm.py and attention.py: each step rounds to
+the model dtype where the reference chain rounds, kernels/numerics.py), per layer, as five phases:
+    P0 add + RMSNorm (the previous layer's down partials + residual; layer 0: the token's embedding row),
+       then the QKV GEMV                                          -> qkv [Nqkv] model dtype
+    P1 attention: work items (KV head j, split s). Each normalises and rotates the G query heads of j (and,
+       for the split holding the newest position, k and v of the token, which it stores into the paged cache
+       first), streams its key range with online softmax and writes a partial output and its log-sum-exp;
+       the last split of j to finish merges the splits (an atomic count per KV head: no extra barrier)
+                                                                  -> attn [H * d] model dtype
+    P2 o_proj GEMV in split-K items                               -> o partials [KS_o, hidden] fp32
+    P3 add + RMSNorm (o partials + residual), gate_up GEMV with SiLU-and-mul -> act [I] model dtype
+    P4 down GEMV in split-K items                                 -> down partials [KS_d, hidden] fp32
+and at the end the final add + RMSNorm -> out [hidden]. Every program recomputes the 1-row norms itself (a
+few KB from L2) rather than waiting on a program that would. The residual stream alternates between two
+rows, so a phase never overwrites the row another program is still reading.
+
+Barriers and the interpreter
+    `_grid_sync` counts arrivals on one int32 (release by each program, acquire polls), so it needs every
+    program resident at once: the grid is one program per SM. Data another program wrote in this launch is
+    loaded with cache_modifier=".cg" (L2, never a stale L1 line). A barrier gives up after MAX_SPIN polls and
+    counts that in `err` (a result then is wrong, but nothing hangs). The last program out resets the
+    counters, so a CUDA-graph replay starts from zero. Triton's interpreter runs programs one after another,
+    where a barrier would wait forever: `stepwise=True` (forced under the interpreter) launches each phase
+    of each layer as its own kernel instead, with the same code and no barriers.
+
+Weights are read where the model keeps them: `table` [L, 8] int64 holds each layer's tensor as an element
+offset from one base tensor (all share the model dtype), so no copy or re-layout is made.
+Limits: one sequence, tensor parallel size 1, no linear biases, head_dim even; the model (models/qwen3.py)
+uses it only when FusedKernels.persistent is on and those hold, else its layers run.
+"""
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm_ref.kernels.attention import LOG2E, _key_rows, _load_kv_tile, _online_softmax_step
+from nanovllm_ref.kernels.numerics import DEFINED_INTERPRETED, interpreting, round_to  # noqa: F401
+
+MAX_SPIN = tl.constexpr(1 << 22)  # polls before a barrier gives up (about a second): a fault is counted, never a hang
+PHASES = 5                  # per layer, above; step = layer * PHASES + phase, then one final step
+
+
+@triton.jit
+def _grid_sync(bar_ptr, err_ptr, target):
+    """Wait until the counter at bar_ptr reaches `target` (each program adds 1 per barrier)."""
+    tl.debug_barrier()                          # all of this program's writes come before its arrival
+    tl.atomic_add(bar_ptr, 1, sem="release")
+    seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
+    spins = 0
+    while (seen < target) & (spins < MAX_SPIN):
+        seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
+        spins += 1
+    if spins >= MAX_SPIN:
+        tl.atomic_add(err_ptr, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _load_row(ptr, offs, mask, CG: tl.constexpr):
+    """fp32 values at ptr + offs; CG: written by another program in this launch (read from L2)."""
+    if CG:
+        return tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sum_parts(ptr, num_parts, stride, offs, mask, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """sum_s ptr[s * stride + offs] (fp32 split-K partials), rounded to the model dtype as a GEMM writes."""
+    x = tl.zeros(offs.shape, dtype=tl.float32)
+    for s in range(num_parts):
+        x += _load_row(ptr + s * stride, offs, mask, True)
+    return round_to(x, dtype, EMULATE)
+
+
+@triton.jit
+def _rms_norm_row(h, w_ptr, offs, mask, n, eps, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """RMSNorm of one fp32 row h (masked entries 0) with weight w: the rounding of kernels/rms_norm.py."""
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return round_to(w * round_to(h * rstd, dtype, EMULATE), dtype, EMULATE)
+
+
+@triton.jit
+def _gemv(x, w_ptr, rows, row_mask, offs_k, k_mask, K):
+    """fp32 [BLOCK_N] = W[rows, offs_k] @ x (x fp32 [BLOCK_K], W row-major with K columns)."""
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :],
+                mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+
+
+@triton.jit
+def _add_norm_phase(x_parts, num_parts, res_in, res_out, w_norm, ids_ptr, embed_ptr, pid, eps, FIRST,
+                    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """The normed row every program needs: h = round(sum of partials) + residual (FIRST: the embedding row of
+    the token), stored by program 0 as the new residual; returns RMSNorm(h) * w, fp32 [BLOCK_H]."""
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < HIDDEN
+    if FIRST:
+        token = tl.load(ids_ptr).to(tl.int64)
+        h = _load_row(embed_ptr + token * HIDDEN, offs, mask, False)
+    else:
+        x = _sum_parts(x_parts, num_parts, HIDDEN, offs, mask, dtype, EMULATE)
+        h = round_to(x + _load_row(res_in, offs, mask, True), dtype, EMULATE)
+    if pid == 0:
+        tl.store(res_out + offs, h.to(dtype), mask=mask)
+    return _rms_norm_row(h, w_norm, offs, mask, HIDDEN, eps, dtype, EMULATE)
+
+
+@triton.jit
+def _qkv_phase(normed, w_qkv, qkv_ptr, pid, nprog,
+               HIDDEN: tl.constexpr, NQKV: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr,
+               dtype: tl.constexpr, EMULATE: tl.constexpr):
+    offs_k = tl.arange(0, BLOCK_H)
+    k_mask = offs_k < HIDDEN
+    for t in range(pid, tl.cdiv(NQKV, BN), nprog):
+        rows = t * BN + tl.arange(0, BN)
+        row_mask = rows < NQKV
+        y = _gemv(normed, w_qkv, rows, row_mask, offs_k, k_mask, HIDDEN)
+        tl.store(qkv_ptr + rows, round_to(y, dtype, EMULATE).to(dtype), mask=row_mask)
+
+
+@triton.jit
+def _gate_up_phase(normed, w_gu, act_ptr, pid, nprog,
+                   HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr,
+                   dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """act = silu(gate) * up with the rounding of small_gemm.linear_silu_mul (gate rows, then the up rows)."""
+    offs_k = tl.arange(0, BLOCK_H)
+    k_mask = offs_k < HIDDEN
+    for t in range(pid, tl.cdiv(INTER, BN), nprog):
+        rows = t * BN + tl.arange(0, BN)
+        row_mask = rows < INTER
+        g = round_to(_gemv(normed, w_gu, rows, row_mask, offs_k, k_mask, HIDDEN), dtype, EMULATE)
+        u = round_to(_gemv(normed, w_gu, rows + INTER, row_mask, offs_k, k_mask, HIDDEN), dtype, EMULATE)
+        g = round_to(g * tl.sigmoid(g), dtype, EMULATE)
+        tl.store(act_ptr + rows, round_to(g * u, dtype, EMULATE).to(dtype), mask=row_mask)
+
+
+@triton.jit
+def _split_k_phase(x_ptr, w_ptr, part_ptr, pid, nprog, N: tl.constexpr, K: tl.constexpr,
+                   BN: tl.constexpr, KC: tl.constexpr):
+    """part[c, n] = W[n, c*KC:(c+1)*KC] @ x[c*KC:(c+1)*KC] (fp32) for items (row tile, K chunk c)."""
+    row_tiles = tl.cdiv(N, BN)
+    chunks = tl.cdiv(K, KC)
+    for item in range(pid, row_tiles * chunks, nprog):
+        t = item % row_tiles
+        c = item // row_tiles
+        rows = t * BN + tl.arange(0, BN)
+        row_mask = rows < N
+        offs_k = c * KC + tl.arange(0, KC)
+        k_mask = offs_k < K
+        x = _load_row(x_ptr, offs_k, k_mask, True)
+        tl.store(part_ptr + c * N + rows, _gemv(x, w_ptr, rows, row_mask, offs_k, k_mask, K), mask=row_mask)
+
+
+@triton.jit
+def _norm_rope_halves(x1, x2, w_ptr, cos, sin, offs_h, h_mask, eps,
+                      HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+                      dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """Rows of heads as halves [R, BLOCK_HALF]: per-head RMSNorm (Qwen3) then rotate-half RoPE, rounded as
+    kernels/qk_norm_rope_store.py rounds. Returns the two rotated halves (fp32)."""
+    if QK_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+        w1 = tl.load(w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        x1 = round_to(w1[None, :] * round_to(x1 * rstd[:, None], dtype, EMULATE), dtype, EMULATE)
+        x2 = round_to(w2[None, :] * round_to(x2 * rstd[:, None], dtype, EMULATE), dtype, EMULATE)
+    r1 = round_to(x1 * cos[None, :] - x2 * sin[None, :], dtype, EMULATE)
+    r2 = round_to(x2 * cos[None, :] + x1 * sin[None, :], dtype, EMULATE)
+    return r1, r2
+
+
+@triton.jit
+def _attention_phase(qkv_ptr, q_norm_w, k_norm_w, k_cache, v_cache, positions_ptr, slot_ptr, table_ptr,
+                     context_lens_ptr, cos_sin_ptr, stride_cs, q_scratch, part_out, part_lse, count_ptr,
+                     attn_ptr, pid, nprog, eps, qk_scale, num_splits,
+                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     TILE_IN_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, CAST_FP32: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    KV_ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM            # a cache slot holds [Hkv, d]
+    context_len = tl.load(context_lens_ptr)
+    pos = tl.load(positions_ptr).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_HALF)
+    h_mask = offs_h < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_h, mask=h_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_h, mask=h_mask, other=0.0)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    last = context_len - 1                                     # the newest position: this step's token
+    scratch = q_scratch + pid * (BLOCK_G * BLOCK_D)
+    for item in range(pid, NUM_KV_HEADS * num_splits, nprog):
+        kv_head = item // num_splits
+        split = item % num_splits
+        start = split * tiles_per_split * BLOCK_N
+        end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
+        # q of the group's heads: normed and rotated, staged in this program's scratch as whole rows for tl.dot
+        heads = kv_head * GROUP + offs_g
+        hm = g_mask[:, None] & h_mask[None, :]
+        q1 = tl.load(qkv_ptr + heads[:, None] * HEAD_DIM + offs_h[None, :], mask=hm, other=0.0,
+                     cache_modifier=".cg").to(tl.float32)
+        q2 = tl.load(qkv_ptr + heads[:, None] * HEAD_DIM + HALF + offs_h[None, :], mask=hm, other=0.0,
+                     cache_modifier=".cg").to(tl.float32)
+        q1, q2 = _norm_rope_halves(q1, q2, q_norm_w, cos, sin, offs_h, h_mask, eps, HEAD_DIM, HALF, QK_NORM,
+                                   dtype, EMULATE)
+        tl.debug_barrier()                                     # the last item's reads of scratch are done
+        tl.store(scratch + offs_g[:, None] * BLOCK_D + offs_h[None, :], q1.to(dtype), mask=hm)
+        tl.store(scratch + offs_g[:, None] * BLOCK_D + HALF + offs_h[None, :], q2.to(dtype), mask=hm)
+        if (start <= last) & (last < end):
+            # This split holds the token's own position: store its k (normed, rotated) and v first.
+            k_col = (NUM_HEADS + kv_head) * HEAD_DIM
+            k1 = tl.load(qkv_ptr + k_col + offs_h[None, :], mask=h_mask[None, :], other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+            k2 = tl.load(qkv_ptr + k_col + HALF + offs_h[None, :], mask=h_mask[None, :], other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+            k1, k2 = _norm_rope_halves(k1, k2, k_norm_w, cos, sin, offs_h, h_mask, eps, HEAD_DIM, HALF,
+                                       QK_NORM, dtype, EMULATE)
+            slot = tl.load(slot_ptr).to(tl.int64)
+            dst = slot * KV_ROW + kv_head * HEAD_DIM
+            tl.store(k_cache + dst + offs_h[None, :], k1.to(dtype), mask=h_mask[None, :])
+            tl.store(k_cache + dst + HALF + offs_h[None, :], k2.to(dtype), mask=h_mask[None, :])
+            v_col = k_col + KV_ROW
+            v = tl.load(qkv_ptr + v_col + offs_d, mask=d_mask, other=0.0, cache_modifier=".cg")
+            tl.store(v_cache + dst + offs_d, v, mask=d_mask)
+        tl.debug_barrier()                                     # scratch and the new k, v seen by every thread
+        q = tl.load(scratch + offs_g[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if CAST_FP32:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        for tile_start in range(start, end, BLOCK_N):
+            valid = tile_start + offs_n < end
+            rows = _key_rows(table_ptr, 0, tile_start, offs_n, valid, BLOCK_SIZE, True, TILE_IN_BLOCK)
+            k, v = _load_kv_tile(k_cache, v_cache, rows, kv_head, KV_ROW, HEAD_DIM, KV_ROW, HEAD_DIM, offs_d,
+                                 valid, d_mask, CAST_FP32)
+            acc, m_i, l_i = _online_softmax_step(q, k, v, acc, m_i, l_i, qk_scale, valid[None, :], True,
+                                                 DOT_PRECISION)
+        has_keys = l_i > 0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        part_rows = heads * num_splits + split                  # workspace [H, S, d] and [H, S]
+        tl.store(part_out + part_rows[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse + part_rows, lse, mask=g_mask)
+        tl.debug_barrier()
+        # The last split of this KV head to arrive merges all of them (kernels/attention.py's merge).
+        if tl.atomic_add(count_ptr + kv_head, 1, sem="acq_rel") == num_splits - 1:
+            tl.debug_barrier()
+            offs_s = tl.arange(0, BLOCK_S)
+            s_mask = offs_s < num_splits
+            for g in range(GROUP):
+                head = kv_head * GROUP + g
+                lse_s = tl.load(part_lse + head * num_splits + offs_s, mask=s_mask, other=float("-inf"),
+                                cache_modifier=".cg")
+                m = tl.max(lse_s, 0)
+                m = tl.where(m == float("-inf"), 0.0, m)
+                w = tl.exp2(lse_s - m)
+                denom = tl.sum(w, 0)
+                parts = tl.load(part_out + (head * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                                mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                o = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+                tl.store(attn_ptr + head * HEAD_DIM + offs_d, o.to(dtype), mask=d_mask)
+            tl.atomic_xchg(count_ptr + kv_head, 0)             # ready for the next layer
+
+
+@triton.jit(do_not_specialize=["step_lo", "step_hi", "num_splits", "layer_stride_kv"])
+def _persistent_decode_kernel(
+    base_ptr, table_ptr, embed_ptr, final_norm_ptr, ids_ptr, out_ptr,
+    k_cache_ptr, v_cache_ptr, layer_stride_kv,
+    positions_ptr, slot_ptr, block_table_ptr, context_lens_ptr, cos_sin_ptr, stride_cs,
+    resid_ptr, qkv_ptr, q_scratch, part_out, part_lse, count_ptr, attn_ptr, o_part, act_ptr, d_part,
+    bar_ptr, exit_ptr, err_ptr, eps, qk_scale, num_splits, step_lo, step_hi,
+    NUM_LAYERS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
+    BN_QKV: tl.constexpr, BN_O: tl.constexpr, KC_O: tl.constexpr, BN_GU: tl.constexpr,
+    BN_DOWN: tl.constexpr, KC_DOWN: tl.constexpr,
+    PHASES: tl.constexpr, QK_NORM: tl.constexpr, STEPWISE: tl.constexpr, CAST_FP32: tl.constexpr, EMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    dtype = out_ptr.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    Q_SIZE: tl.constexpr = NUM_HEADS * HEAD_DIM
+    NQKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    KS_O: tl.constexpr = (Q_SIZE + KC_O - 1) // KC_O
+    KS_DOWN: tl.constexpr = (INTER + KC_DOWN - 1) // KC_DOWN
+    for step in range(step_lo, step_hi):
+        if not STEPWISE:
+            if step > step_lo:
+                _grid_sync(bar_ptr, err_ptr, nprog * (step - step_lo))
+        layer = step // PHASES
+        phase = step % PHASES
+        weights = table_ptr + layer * 8       # columns: PersistentDecode.WEIGHTS
+        if layer == NUM_LAYERS:                                # the final norm
+            if pid == 0:
+                offs = tl.arange(0, BLOCK_H)
+                mask = offs < HIDDEN
+                x = _sum_parts(d_part, KS_DOWN, HIDDEN, offs, mask, dtype, EMULATE)
+                h = round_to(x + _load_row(resid_ptr + HIDDEN, offs, mask, True), dtype, EMULATE)
+                y = _rms_norm_row(h, final_norm_ptr, offs, mask, HIDDEN, eps, dtype, EMULATE)
+                tl.store(out_ptr + offs, y.to(dtype), mask=mask)
+        elif phase == 0:
+            normed = _add_norm_phase(d_part, KS_DOWN, resid_ptr + HIDDEN, resid_ptr,
+                                     base_ptr + tl.load(weights + 4), ids_ptr, embed_ptr, pid, eps, layer == 0,
+                                     HIDDEN, BLOCK_H, dtype, EMULATE)
+            _qkv_phase(normed, base_ptr + tl.load(weights + 0), qkv_ptr, pid, nprog,
+                       HIDDEN, NQKV, BLOCK_H, BN_QKV, dtype, EMULATE)
+        elif phase == 1:
+            kv = layer.to(tl.int64) * layer_stride_kv
+            _attention_phase(qkv_ptr, base_ptr + tl.load(weights + 6), base_ptr + tl.load(weights + 7),
+                             k_cache_ptr + kv, v_cache_ptr + kv, positions_ptr, slot_ptr, block_table_ptr,
+                             context_lens_ptr, cos_sin_ptr, stride_cs, q_scratch, part_out, part_lse, count_ptr,
+                             attn_ptr, pid, nprog, eps, qk_scale, num_splits,
+                             NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_HALF, BLOCK_D, BLOCK_G, BLOCK_N,
+                             BLOCK_S, BLOCK_SIZE, TILE_IN_BLOCK, QK_NORM, CAST_FP32, DOT_PRECISION, dtype, EMULATE)
+        elif phase == 2:
+            _split_k_phase(attn_ptr, base_ptr + tl.load(weights + 1), o_part, pid, nprog, HIDDEN, Q_SIZE,
+                           BN_O, KC_O)
+        elif phase == 3:
+            normed = _add_norm_phase(o_part, KS_O, resid_ptr, resid_ptr + HIDDEN, base_ptr + tl.load(weights + 5),
+                                     ids_ptr, embed_ptr, pid, eps, False, HIDDEN, BLOCK_H, dtype, EMULATE)
+            _gate_up_phase(normed, base_ptr + tl.load(weights + 2), act_ptr, pid, nprog,
+                           HIDDEN, INTER, BLOCK_H, BN_GU, dtype, EMULATE)
+        else:
+            _split_k_phase(act_ptr, base_ptr + tl.load(weights + 3), d_part, pid, nprog, HIDDEN, INTER,
+                           BN_DOWN, KC_DOWN)
+    if not STEPWISE:
+        # The last program out resets the counters for the next launch (every program has passed its last
+        # barrier once it gets here, so no one polls `bar` any more).
+        if tl.atomic_add(exit_ptr, 1, sem="acq_rel") == nprog - 1:
+            tl.atomic_xchg(bar_ptr, 0)
+            tl.atomic_xchg(exit_ptr, 0)
+
+
+def _tile_rows(n: int, k: int, programs: int, max_elems: int) -> int:
+    """Rows a GEMV tile takes: the power of two (>= 1) whose tiles spread n rows most evenly over `programs`
+    (fewest rows in the busiest program), the largest such while a tile holds <= max_elems weights."""
+    best = None
+    bn = 1
+    while bn <= max(1, triton.next_power_of_2(n)) and bn * k <= max(max_elems, k):
+        busiest = triton.cdiv(triton.cdiv(n, bn), programs) * bn
+        if best is None or busiest <= best[0]:
+            best = (busiest, bn)
+        bn *= 2
+    return best[1]
+
+
+def _split_k_tiles(n: int, k: int, programs: int, max_elems: int) -> tuple[int, int]:
+    """(rows, K chunk) of a split-K GEMV's items: the fewest bytes the busiest program reads, counting its
+    bf16 weights and the fp32 partials every program of the next phase reads back (n per K chunk)."""
+    best = None
+    kc = triton.next_power_of_2(k)
+    while kc >= 16:
+        bn = 1
+        while bn <= triton.next_power_of_2(n) and bn * kc <= max(max_elems, kc):
+            items = triton.cdiv(n, bn) * triton.cdiv(k, kc)
+            cost = triton.cdiv(items, programs) * bn * min(kc, k) * 2 + triton.cdiv(k, kc) * n * 4
+            if best is None or cost <= best[0]:          # ties: the larger tile
+                best = (cost, bn, kc)
+            bn *= 2
+        kc //= 2
+    return best[1], best[2]
+
+
+@dataclass(frozen=True)
+class PersistentConfig:
+    """Launch shape: programs (one per SM on a GPU), KV splits per head, and the tile of each projection."""
+    programs: int
+    num_splits: int
+    bn_qkv: int
+    bn_o: int
+    kc_o: int
+    bn_gate_up: int
+    bn_down: int
+    kc_down: int
+    block_n: int
+    num_warps: int
+
+
+def choose_config(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  programs: int, gpu: bool) -> PersistentConfig:
+    """Tiles so that every projection's rows spread evenly over `programs`, <= 16 K weights a tile (8 K for
+    gate_up, which loads a gate and an up tile); KV splits so that kv_heads x splits ~ programs."""
+    bh = triton.next_power_of_2(hidden)
+    nqkv = (num_heads + 2 * num_kv_heads) * head_dim
+    bn_o, kc_o = _split_k_tiles(hidden, num_heads * head_dim, programs, 16384)
+    bn_down, kc_down = _split_k_tiles(hidden, inter, programs, 16384)
+    return PersistentConfig(
+        programs=programs, num_splits=max(1, programs // num_kv_heads),
+        bn_qkv=_tile_rows(nqkv, bh, programs, 16384), bn_o=bn_o, kc_o=kc_o,
+        bn_gate_up=_tile_rows(inter, bh, programs, 8192), bn_down=bn_down, kc_down=kc_down,
+        block_n=64 if gpu else 16, num_warps=8 if gpu else 1)
+
+
+class PersistentDecode:
+    """One model's persistent batch-1 decode step: its weight table, scratch and launch shape, made once.
+
+    weights: per layer a dict with "qkv" [Nqkv, hidden], "o" [hidden, H * d], "gate_up" [2I, hidden],
+        "down" [hidden, I], "input_norm", "post_norm" [hidden], and "q_norm", "k_norm" [d] (Qwen3) or None;
+        every tensor contiguous, one dtype and device (the model's own parameters: nothing is copied).
+    embed: [vocab, hidden]; final_norm: [hidden]; eps: the RMSNorm epsilon (one for every norm).
+    k_caches, v_caches: per layer [num_blocks, block_size, Hkv, d] views into one cache tensor at a fixed
+        stride (engine/kv_cache.allocate_kv_cache); cos_sin_cache [max_position, d] fp32.
+    programs: None = one per SM (a GPU) or 3 (the interpreter); stepwise: None = only under the interpreter.
+    Raises ValueError if the tensors do not fit these layouts.
+    """
+    WEIGHTS = ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm", "k_norm")   # the table's columns
+
+    def __init__(self, weights: list[dict], embed: torch.Tensor, final_norm: torch.Tensor, eps: float,
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], cos_sin_cache: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 programs: int | None = None, stepwise: bool | None = None):
+        self.num_layers = len(weights)
+        if self.num_layers == 0 or len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
+            raise ValueError("weights, k_caches and v_caches need one entry per layer (at least one)")
+        for i, layer in enumerate(weights):
+            missing = [name for name in self.WEIGHTS if name not in layer]
+            if missing:
+                raise ValueError(f"weights[{i}] lacks {', '.join(missing)} (each layer needs {', '.join(self.WEIGHTS)})")
+            if layer["gate_up"] is None or layer["gate_up"].dim() != 2:
+                raise ValueError(f"layer {i} gate_up: expected a [2I, hidden] tensor")
+        self.dtype, self.device = embed.dtype, embed.device
+        self.hidden = embed.shape[1]
+        self.inter = weights[0]["gate_up"].shape[0] // 2
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        if num_heads % num_kv_heads or head_dim % 2:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) and "
+                             f"head_dim ({head_dim}) even")
+        self.qk_norm = weights[0]["q_norm"] is not None
+        shapes = {"qkv": ((num_heads + 2 * num_kv_heads) * head_dim, self.hidden),
+                  "o": (self.hidden, num_heads * head_dim), "gate_up": (2 * self.inter, self.hidden),
+                  "down": (self.hidden, self.inter), "input_norm": (self.hidden,), "post_norm": (self.hidden,),
+                  "q_norm": (head_dim,), "k_norm": (head_dim,)}
+        base = embed
+        rows = []
+        for i, layer in enumerate(weights):
+            row = []
+            for name in self.WEIGHTS:
+                t = layer[name]
+                if t is None and name in ("q_norm", "k_norm") and not self.qk_norm:
+                    row.append(0)                               # never read (QK_NORM off)
+                    continue
+                if t is None or tuple(t.shape) != shapes[name] or not t.is_contiguous() or \
+                        t.dtype != self.dtype or t.device != self.device:
+                    raise ValueError(f"layer {i} {name}: expected a contiguous {shapes[name]} {self.dtype} tensor on "
+                                     f"{self.device}, got {None if t is None else (tuple(t.shape), t.dtype)}")
+                offset, rem = divmod(t.data_ptr() - base.data_ptr(), t.element_size())
+                if rem:
+                    raise ValueError(f"layer {i} {name} is not aligned to its element size")
+                row.append(offset)
+            rows.append(row)
+        self.table = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self.embed, self.final_norm, self.eps, self.cos_sin = embed, final_norm, float(eps), cos_sin_cache
+        self.k_cache, self.v_cache = k_caches[0], v_caches[0]
+        stride = k_caches[1].data_ptr() - k_caches[0].data_ptr() if self.num_layers > 1 else 0
+        for i in range(self.num_layers):
+            for caches in (k_caches, v_caches):
+                if caches[i].data_ptr() - caches[0].data_ptr() != i * stride or not caches[i].is_contiguous():
+                    raise ValueError("the per-layer KV caches must be contiguous views at one fixed stride")
+        if v_caches[0].shape != k_caches[0].shape or tuple(k_caches[0].shape[2:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"k/v caches must be [num_blocks, block_size, {num_kv_heads}, {head_dim}]")
+        self.layer_stride_kv = stride // k_caches[0].element_size()
+        self.block_size = k_caches[0].shape[1]
+        self.qk_scale = scale * LOG2E
+        gpu = self.device.type == "cuda" and not interpreting()
+        if programs is None:
+            programs = torch.cuda.get_device_properties(self.device).multi_processor_count if gpu else 3
+        self.stepwise = (not gpu) if stepwise is None else bool(stepwise)
+        if not gpu and not self.stepwise:
+            raise ValueError("stepwise=False needs a GPU: the interpreter runs programs one after another")
+        self.config = choose_config(self.hidden, self.inter, num_heads, num_kv_heads, head_dim, programs, gpu)
+        c, dev, f32 = self.config, self.device, torch.float32
+        block_g = max(16, triton.next_power_of_2(num_heads // num_kv_heads)) if gpu else \
+            triton.next_power_of_2(num_heads // num_kv_heads)
+        self.block_g = block_g
+        self.resid = torch.empty(2, self.hidden, dtype=self.dtype, device=dev)
+        self.qkv = torch.empty(shapes["qkv"][0], dtype=self.dtype, device=dev)
+        self.q_scratch = torch.zeros(c.programs, block_g, triton.next_power_of_2(head_dim), dtype=self.dtype,
+                                     device=dev)
+        self.part_out = torch.empty(num_heads, c.num_splits, head_dim, dtype=f32, device=dev)
+        self.part_lse = torch.empty(num_heads, c.num_splits, dtype=f32, device=dev)
+        self.attn = torch.empty(num_heads * head_dim, dtype=self.dtype, device=dev)
+        self.o_part = torch.empty(triton.cdiv(num_heads * head_dim, c.kc_o), self.hidden, dtype=f32, device=dev)
+        self.act = torch.empty(self.inter, dtype=self.dtype, device=dev)
+        self.d_part = torch.empty(triton.cdiv(self.inter, c.kc_down), self.hidden, dtype=f32, device=dev)
+        # counters: [0] barrier, [1] exit, [2] barrier give-ups, [3:] merge counts per KV head
+        self.counters = torch.zeros(3 + num_kv_heads, dtype=torch.int32, device=dev)
+
+    @property
+    def errors(self) -> torch.Tensor:
+        """int32 [1]: barriers that gave up waiting (0 unless programs could not all be resident)."""
+        return self.counters[2:3]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """One decode step of one sequence: input_ids, positions [1] int64, slot_mapping [1] int32,
+        block_tables [1, max_blocks] int32, context_lens [1] int32 (this token included) -> the final
+        normed hidden state [1, hidden] in the model dtype; writes the token's k, v into every layer's cache.
+        No host synchronisation (safe in a CUDA graph). Raises ValueError for a batch of more than one."""
+        if input_ids.shape != (1,) or block_tables.dim() != 2 or block_tables.shape[0] != 1:
+            raise ValueError(f"the persistent decode step takes one sequence, got input_ids {tuple(input_ids.shape)}")
+        out = torch.empty(1, self.hidden, dtype=self.dtype, device=self.device)
+        c = self.config
+        steps = self.num_layers * PHASES + 1
+        spans = [(s, s + 1) for s in range(steps)] if self.stepwise else [(0, steps)]
+        emulate = interpreting()
+        for lo, hi in spans:
+            _persistent_decode_kernel[(c.programs,)](
+                self.embed, self.table, self.embed, self.final_norm, input_ids, out,
+                self.k_cache, self.v_cache, self.layer_stride_kv,
+                positions, slot_mapping, block_tables, context_lens, self.cos_sin, self.cos_sin.stride(0),
+                self.resid, self.qkv, self.q_scratch, self.part_out, self.part_lse, self.counters[3:], self.attn,
+                self.o_part, self.act, self.d_part, self.counters[0:1], self.counters[1:2], self.counters[2:3],
+                self.eps, self.qk_scale, c.num_splits, lo, hi,
+                NUM_LAYERS=self.num_layers, HIDDEN=self.hidden, INTER=self.inter, NUM_HEADS=self.num_heads,
+                NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
+                BLOCK_H=triton.next_power_of_2(self.hidden), BLOCK_HALF=triton.next_power_of_2(self.head_dim // 2),
+                BLOCK_D=triton.next_power_of_2(self.head_dim), BLOCK_G=self.block_g, BLOCK_N=c.block_n,
+                BLOCK_S=triton.next_power_of_2(c.num_splits), BLOCK_SIZE=self.block_size,
+                TILE_IN_BLOCK=self.block_size % c.block_n == 0,
+                BN_QKV=c.bn_qkv, BN_O=c.bn_o, KC_O=c.kc_o, BN_GU=c.bn_gate_up, BN_DOWN=c.bn_down,
+                KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=self.stepwise, CAST_FP32=emulate,
+                EMULATE=emulate, DOT_PRECISION="ieee" if (self.dtype == torch.float32 or emulate) else "tf32",
+                num_warps=c.num_warps,
+            )
+        return out
