@@ -23,6 +23,9 @@
 #   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh round5    # ~5 min: bench/kernels_round5.py
 #                             (decode layers at M = 1-256, the decode attention's launch options and splits, GEMMs
 #                             against cuBLAS; SECTIONS picks), then ab4
+#   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh round6    # ~6 min: bench/persistent_probe.py (grid
+#                             barrier cost, persistent GEMV chain), bench/persistent_step.py (the persistent batch-1
+#                             step against the layers at 4 contexts), then ab4
 #   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
@@ -124,7 +127,7 @@ if [ "$mode" = triton-check ]; then   # issue 29, item 5: bf16 equivalence on th
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0
 fi
-if [ "$mode" = ab4 ] || [ "$mode" = round5 ]; then   # issue 29: baseline engine vs this tree's (carry .carry/ab)
+if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ]; then   # issue 29: baseline vs this tree's (carry .carry/ab)
   {
     step "versions"
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
@@ -132,6 +135,16 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ]; then   # issue 29: baseline engine
       step "decode layers, attention and GEMMs (bench/kernels_round5.py, sections ${SECTIONS:-layer,attention,gemm})"
       timeout ${KERNELS_S:-260} python3 bench/kernels_round5.py --out "$OUT/kernels_round5.json" --budget ${KERNELS_BUDGET:-200} \
         --sections ${SECTIONS:-layer,attention,gemm} 2>&1 | tail -${KERNELS_TAIL:-140}
+      [ -e .carry/ab/base.tgz ] || { step "done (no .carry/ab: no A/B)"; exit 0; }
+    fi
+    if [ "$mode" = round6 ]; then   # round 6 first: the persistent batch-1 decode step (kernels/persistent_decode.py)
+      step "grid barrier and persistent GEMV chain (bench/persistent_probe.py)"
+      timeout ${PROBE_S:-120} python3 bench/persistent_probe.py --out "$OUT/persistent_probe.json" 2>&1 | grep -v '^ \|^[{}]' | tail -8
+      step "the persistent step against the layers, Qwen3-0.6B shape, bf16 (bench/persistent_step.py)"
+      timeout ${STEP_S:-200} python3 bench/persistent_step.py --out "$OUT/persistent_step.json" 2>&1 | tail -12
+      # No A/B when the step was wrong or its barriers gave up (the engine would run the same kernel).
+      python3 -c "import json, sys; c = json.load(open(sys.argv[1]))['cases']; sys.exit(0 if c and all(r.get('layers_us') for r in c) else 1)" \
+        "$OUT/persistent_step.json" || { step "done (the persistent step failed its checks: no A/B)"; exit 0; }
       [ -e .carry/ab/base.tgz ] || { step "done (no .carry/ab: no A/B)"; exit 0; }
     fi
     rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar xzf .carry/ab/base.tgz -C /tmp/ab_base || exit 1

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-MAX_SPIN = tl.constexpr(1 << 22)  # a barrier gives up after this many polls (then err counts it)
+MAX_SPIN = tl.constexpr(1 << 18)  # a barrier gives up after this many polls (then err counts it)
 
 
 @triton.jit

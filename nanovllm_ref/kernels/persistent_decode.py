@@ -48,7 +48,7 @@ import triton.language as tl
 from nanovllm_ref.kernels.attention import LOG2E, _key_rows, _load_kv_tile, _online_softmax_step
 from nanovllm_ref.kernels.numerics import DEFINED_INTERPRETED, interpreting, round_to  # noqa: F401
 
-MAX_SPIN = tl.constexpr(1 << 22)  # polls before a barrier gives up (about a second): a fault is counted, never a hang
+MAX_SPIN = tl.constexpr(1 << 18)  # polls before a barrier gives up (~0.2 s; a phase takes microseconds): counted, never a hang
 PHASES = 5                  # per layer, above; step = layer * PHASES + phase, then one final step
 
 
