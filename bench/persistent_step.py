@@ -27,7 +27,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--contexts", default="128,612,1124,2048")
-    p.add_argument("--warps", default="8,4,16")
+    p.add_argument("--warps", default="8,4")
     p.add_argument("--compile-check", action="store_true",
                    help="CPU or GPU: only compile the kernel for sm_90 (bf16, Qwen3-0.6B) and print its registers")
     return p.parse_args(argv)
@@ -64,7 +64,7 @@ def compile_check() -> int:
                   BLOCK_HALF=s["head_dim"] // 2, BLOCK_D=s["head_dim"], BLOCK_G=16, BLOCK_N=cfg.block_n,
                   BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_SIZE=256, TILE_IN_BLOCK=True,
                   BN_QKV=cfg.bn_qkv, BN_O=cfg.bn_o, KC_O=cfg.kc_o, BN_GU=cfg.bn_gate_up, BN_DOWN=cfg.bn_down,
-                  KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, CAST_FP32=False,
+                  KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, PREFETCH=True, CAST_FP32=False,
                   EMULATE=False, DOT_PRECISION="tf32")
     full = {**sig, **{k: "constexpr" for k in consts}}
     for warps in (4, 8):
@@ -137,13 +137,16 @@ def main(args) -> int:
             row["barrier_give_ups_first_call"] = int(step_obj.errors.item())
         if not dry and row["barrier_give_ups_first_call"] == 0 and row["hidden_rel_norm_diff"] < 0.05:
             row["layers_us"] = round(r3.time_us([lambda: run(False)], device, reps=10, iters=9)[0], 2)
+            base = step_obj.config
             for warps in [int(w) for w in args.warps.split(",")]:
-                step_obj.config = dataclasses.replace(step_obj.config, num_warps=warps)
-                try:
-                    row[f"persistent_w{warps}_us"] = round(r3.time_us([lambda: run(True)], device, reps=10, iters=9)[0], 2)
-                except Exception as exc:                     # a launch shape that does not fit: recorded
-                    row[f"persistent_w{warps}_us"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            step_obj.config = dataclasses.replace(step_obj.config, num_warps=8)
+                for prefetch in (False, True):
+                    step_obj.config = dataclasses.replace(base, num_warps=warps, prefetch=prefetch)
+                    key = f"persistent_w{warps}{'_prefetch' if prefetch else ''}_us"
+                    try:
+                        row[key] = round(r3.time_us([lambda: run(True)], device, reps=10, iters=9)[0], 2)
+                    except Exception as exc:                     # a launch shape that does not fit: recorded
+                        row[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            step_obj.config = base
             row["barrier_give_ups"] = int(step_obj.errors.item())
         rec["cases"].append(row)
         print(row, flush=True)

@@ -68,6 +68,29 @@ def _grid_sync(bar_ptr, err_ptr, target):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at `ptrs` into L2 (PTX prefetch.global.L2): no value, no wait, no effect on
+    any result. GPU only (the interpreter cannot run inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_items(w_ptr, pid, nprog, N, K, BN: tl.constexpr, KC: tl.constexpr, UP_ROWS):
+    """L2 prefetch of the W lines this program's GEMV items (row tile, K chunk) will read; UP_ROWS > 0 also asks
+    for the rows UP_ROWS below (gate_up's up half). Issued before a barrier, so the wait hides the fetch."""
+    LINES: tl.constexpr = (KC + 63) // 64                       # 64 bf16 = one 128-byte line
+    row_tiles = tl.cdiv(N, BN)
+    for item in range(pid, row_tiles * tl.cdiv(K, KC), nprog):
+        rows = tl.minimum((item % row_tiles) * BN + tl.arange(0, BN), N - 1).to(tl.int64)
+        cols = tl.minimum((item // row_tiles) * KC + tl.arange(0, LINES) * 64, K - 1)
+        ptrs = w_ptr + rows[:, None] * K + cols[None, :]
+        _prefetch_l2(ptrs)
+        if UP_ROWS > 0:
+            _prefetch_l2(ptrs + UP_ROWS * K)
+
+
+@triton.jit
 def _load_row(ptr, offs, mask, CG: tl.constexpr):
     """fp32 values at ptr + offs; CG: written by another program in this launch (read from L2)."""
     if CG:
@@ -297,7 +320,7 @@ def _persistent_decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, KC_O: tl.constexpr, BN_GU: tl.constexpr,
     BN_DOWN: tl.constexpr, KC_DOWN: tl.constexpr,
-    PHASES: tl.constexpr, QK_NORM: tl.constexpr, STEPWISE: tl.constexpr, CAST_FP32: tl.constexpr, EMULATE: tl.constexpr,
+    PHASES: tl.constexpr, QK_NORM: tl.constexpr, STEPWISE: tl.constexpr, PREFETCH: tl.constexpr, CAST_FP32: tl.constexpr, EMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -309,12 +332,23 @@ def _persistent_decode_kernel(
     KS_O: tl.constexpr = (Q_SIZE + KC_O - 1) // KC_O
     KS_DOWN: tl.constexpr = (INTER + KC_DOWN - 1) // KC_DOWN
     for step in range(step_lo, step_hi):
-        if not STEPWISE:
-            if step > step_lo:
-                _grid_sync(bar_ptr, err_ptr, nprog * (step - step_lo))
         layer = step // PHASES
         phase = step % PHASES
         weights = table_ptr + layer * 8       # columns: PersistentDecode.WEIGHTS
+        if PREFETCH:                          # this step's weights into L2 while the barrier waits
+            if layer < NUM_LAYERS:
+                if phase == 0:
+                    _prefetch_items(base_ptr + tl.load(weights + 0), pid, nprog, NQKV, HIDDEN, BN_QKV, BLOCK_H, 0)
+                elif phase == 2:
+                    _prefetch_items(base_ptr + tl.load(weights + 1), pid, nprog, HIDDEN, Q_SIZE, BN_O, KC_O, 0)
+                elif phase == 3:
+                    _prefetch_items(base_ptr + tl.load(weights + 2), pid, nprog, INTER, HIDDEN, BN_GU, BLOCK_H,
+                                    INTER)
+                elif phase == 4:
+                    _prefetch_items(base_ptr + tl.load(weights + 3), pid, nprog, HIDDEN, INTER, BN_DOWN, KC_DOWN, 0)
+        if not STEPWISE:
+            if step > step_lo:
+                _grid_sync(bar_ptr, err_ptr, nprog * (step - step_lo))
         if layer == NUM_LAYERS:                                # the final norm
             if pid == 0:
                 offs = tl.arange(0, BLOCK_H)
@@ -399,6 +433,7 @@ class PersistentConfig:
     kc_down: int
     block_n: int
     num_warps: int
+    prefetch: bool = False          # ask for each phase's weights into L2 before its barrier (GPU only)
 
 
 def choose_config(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -543,7 +578,8 @@ class PersistentDecode:
                 BLOCK_S=triton.next_power_of_2(c.num_splits), BLOCK_SIZE=self.block_size,
                 TILE_IN_BLOCK=self.block_size % c.block_n == 0,
                 BN_QKV=c.bn_qkv, BN_O=c.bn_o, KC_O=c.kc_o, BN_GU=c.bn_gate_up, BN_DOWN=c.bn_down,
-                KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=self.stepwise, CAST_FP32=emulate,
+                KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=self.stepwise,
+                PREFETCH=c.prefetch and not emulate, CAST_FP32=emulate,
                 EMULATE=emulate, DOT_PRECISION="ieee" if (self.dtype == torch.float32 or emulate) else "tf32",
                 num_warps=c.num_warps,
             )
