@@ -28,6 +28,9 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--contexts", default="128,612,1124,2048")
     p.add_argument("--warps", default="8,4")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each phase alone: its 28 launches as separate kernels (no barriers)")
     p.add_argument("--compile-check", action="store_true",
                    help="CPU or GPU: only compile the kernel for sm_90 (bf16, Qwen3-0.6B) and print its registers")
     return p.parse_args(argv)
@@ -78,12 +81,13 @@ def compile_check() -> int:
 def main(args) -> int:
     if args.compile_check:
         return compile_check()
+    from nanovllm_ref.kernels import persistent_decode
     from nanovllm_ref.layers.attention import Attention
     from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
     from nanovllm_ref.utils.fusion import FusedKernels
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")
-    dtype = torch.float32 if dry else torch.bfloat16
+    dtype = torch.float32 if dry or args.dtype == "fp32" else torch.bfloat16
     s, layers = (r3.TINY, 2) if dry else (r3.QWEN3, 28)
     pdl = False
     if not dry:
@@ -147,6 +151,22 @@ def main(args) -> int:
                     except Exception as exc:                     # a launch shape that does not fit: recorded
                         row[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
             step_obj.config = base
+        if not dry and args.breakdown and row.get("layers_us"):
+            inputs = (ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
+            steps = layers * persistent_decode.PHASES + 1
+            names = ["norm+qkv", "attention", "o_proj", "norm+gate_up", "down"]
+            with torch.inference_mode():
+                for phase, name in enumerate(names):
+                    first = [layer * persistent_decode.PHASES + phase for layer in range(layers)]
+                    spans = [(f, f + 1) for f in first]
+                    row[f"alone_{name}_us_per_layer"] = round(r3.time_us(
+                        [lambda: step_obj.run_steps(spans, True, *inputs)], device, reps=5, iters=7)[0] / layers, 2)
+                row["stepwise_all_us"] = round(r3.time_us(
+                    [lambda: step_obj.run_steps([(s_, s_ + 1) for s_ in range(steps)], True, *inputs)],
+                    device, reps=5, iters=7)[0], 2)
+                row["fused_us"] = round(r3.time_us([lambda: step_obj.run_steps([(0, steps)], False, *inputs)],
+                                                   device, reps=5, iters=7)[0], 2)
+        if not dry:
             row["barrier_give_ups"] = int(step_obj.errors.item())
         rec["cases"].append(row)
         print(row, flush=True)

@@ -558,10 +558,16 @@ class PersistentDecode:
         No host synchronisation (safe in a CUDA graph). Raises ValueError for a batch of more than one."""
         if input_ids.shape != (1,) or block_tables.dim() != 2 or block_tables.shape[0] != 1:
             raise ValueError(f"the persistent decode step takes one sequence, got input_ids {tuple(input_ids.shape)}")
-        out = torch.empty(1, self.hidden, dtype=self.dtype, device=self.device)
-        c = self.config
         steps = self.num_layers * PHASES + 1
         spans = [(s, s + 1) for s in range(steps)] if self.stepwise else [(0, steps)]
+        return self.run_steps(spans, self.stepwise, input_ids, positions, slot_mapping, block_tables, context_lens)
+
+    def run_steps(self, spans, stepwise: bool, input_ids, positions, slot_mapping, block_tables, context_lens):
+        """Launch the kernel once per (first, last + 1) step range in `spans` (step = layer * PHASES + phase),
+        with barriers inside a range unless `stepwise`. __call__ runs every step; a benchmark may time one
+        phase's launches alone (bench/persistent_step.py --breakdown). Returns the output row [1, hidden]."""
+        out = torch.empty(1, self.hidden, dtype=self.dtype, device=self.device)
+        c = self.config
         emulate = interpreting()
         for lo, hi in spans:
             _persistent_decode_kernel[(c.programs,)](
@@ -578,7 +584,7 @@ class PersistentDecode:
                 BLOCK_S=triton.next_power_of_2(c.num_splits), BLOCK_SIZE=self.block_size,
                 TILE_IN_BLOCK=self.block_size % c.block_n == 0,
                 BN_QKV=c.bn_qkv, BN_O=c.bn_o, KC_O=c.kc_o, BN_GU=c.bn_gate_up, BN_DOWN=c.bn_down,
-                KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=self.stepwise,
+                KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=stepwise,
                 PREFETCH=c.prefetch and not emulate, CAST_FP32=emulate,
                 EMULATE=emulate, DOT_PRECISION="ieee" if (self.dtype == torch.float32 or emulate) else "tf32",
                 num_warps=c.num_warps,
