@@ -29,6 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="128,612,1124,2048")
     p.add_argument("--warps", default="8,4")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--variants", default="",
+                   help='JSON list of PersistentConfig overrides to time (fused and, with --breakdown, by phase), '
+                        'e.g. \'[{"bn_qkv": 32}, {"num_splits": 8}]\'')
     p.add_argument("--breakdown", action="store_true",
                    help="also time each phase alone: its 28 launches as separate kernels (no barriers)")
     p.add_argument("--compile-check", action="store_true",
@@ -151,21 +154,30 @@ def main(args) -> int:
                     except Exception as exc:                     # a launch shape that does not fit: recorded
                         row[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
             step_obj.config = base
-        if not dry and args.breakdown and row.get("layers_us"):
+        variants = [{}] + (json.loads(args.variants) if args.variants else [])
+        if not dry and (args.breakdown or args.variants) and row.get("layers_us"):
             inputs = (ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
             steps = layers * persistent_decode.PHASES + 1
             names = ["norm+qkv", "attention", "o_proj", "norm+gate_up", "down"]
-            with torch.inference_mode():
-                for phase, name in enumerate(names):
-                    first = [layer * persistent_decode.PHASES + phase for layer in range(layers)]
-                    spans = [(f, f + 1) for f in first]
-                    row[f"alone_{name}_us_per_layer"] = round(r3.time_us(
-                        [lambda: step_obj.run_steps(spans, True, *inputs)], device, reps=5, iters=7)[0] / layers, 2)
-                row["stepwise_all_us"] = round(r3.time_us(
-                    [lambda: step_obj.run_steps([(s_, s_ + 1) for s_ in range(steps)], True, *inputs)],
-                    device, reps=5, iters=7)[0], 2)
-                row["fused_us"] = round(r3.time_us([lambda: step_obj.run_steps([(0, steps)], False, *inputs)],
-                                                   device, reps=5, iters=7)[0], 2)
+            base = step_obj.config
+            for overrides in variants:
+                step_obj.config = dataclasses.replace(base, **overrides)
+                tag = "".join(f"_{k}{v}" for k, v in overrides.items())
+                try:
+                    with torch.inference_mode():
+                        got_v = step_obj(*inputs).float()
+                        row[f"rel_diff{tag}"] = float((got_v - ref).norm() / ref.norm())
+                        row[f"fused{tag}_us"] = round(r3.time_us(
+                            [lambda: step_obj.run_steps([(0, steps)], False, *inputs)], device, reps=5, iters=7)[0], 2)
+                        for phase, name in enumerate(names if args.breakdown else []):
+                            first = [layer * persistent_decode.PHASES + phase for layer in range(layers)]
+                            spans = [(f, f + 1) for f in first]
+                            row[f"alone_{name}{tag}_us_per_layer"] = round(r3.time_us(
+                                [lambda: step_obj.run_steps(spans, True, *inputs)], device, reps=5, iters=7)[0] / layers, 2)
+                except Exception as exc:
+                    row[f"fused{tag}_us"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                print({k: v for k, v in row.items() if tag and tag in k}, flush=True)
+            step_obj.config = base
         if not dry:
             row["barrier_give_ups"] = int(step_obj.errors.item())
         rec["cases"].append(row)
