@@ -195,9 +195,9 @@ class Parts:
         if config.decode_kernels == "auto" and fuse and triton:
             from nanovllm_ref.kernels.numerics import pdl_available
             pdl = pdl_available(torch.device("cuda", torch.cuda.current_device()))
-            # persistent: a decode step of one sequence as one kernel (kernels/persistent_decode.py); on only when
-            # every kernel above is (restricted_to drops it otherwise).
-            kernels = FusedKernels.all(pdl=pdl, persistent=world_size == 1).restricted_to(self.kernels_allowed(qk_norm))
+            # Not FusedKernels.persistent: that batch-1 step measured slower than these kernels on the H200
+            # (1.07-1.27 ms against 0.82-0.90; kernels/persistent_decode.py).
+            kernels = FusedKernels.all(pdl=pdl).restricted_to(self.kernels_allowed(qk_norm))
         if name == "triton" and kernels.pdl:
             # The decode attention's two kernels launched like the decode kernels around them (PDL, Hopper).
             from nanovllm_ref.attn import FunctionBackend
@@ -373,8 +373,7 @@ class EnginePlan:
             f"  element-wise ops: {'compiled: ' + ', '.join(compiled) if compiled else 'eager'}"
             + ("; q/k norm + RoPE compiled as one" if self.ops.qk_norm_rope is not None else ""),
             f"  decode kernels: {', '.join(k.enabled()) or 'none'}"
-            + (f" (up to {k.max_m} rows for the GEMMs, PDL {'on' if k.pdl else 'off'})" if k.any() else "")
-            + ("; one sequence's decode step: one persistent kernel" if k.persistent else ""),
+            + (f" (up to {k.max_m} rows for the GEMMs, PDL {'on' if k.pdl else 'off'})" if k.any() else ""),
             f"  sampler: {'reference' if 'sampler' not in self.replaced else 'Parts.sampler'}, row draw "
             f"{self.sample_rows_name}; {'inside the decode CUDA graph' if self.graph_sample_rows else 'after the forward'}",
             f"  CUDA graphs: {'sizes ' + _sizes(sizes) if self.use_graphs else 'off'}; async scheduling "

@@ -86,3 +86,25 @@ def test_round5_dry_run_records_layers_attention_and_gemms_with_real_errors(tmp_
     assert all(r["max_abs_err_vs_default"] < 2e-2 for r in rec["attention"])
     assert {r["op"] for r in rec["gemm"]} == {"qkv", "o_proj", "gate_up", "down"}
     assert all(r["max_abs_err"] < 2e-2 for r in rec["gemm"] if "max_abs_err" in r)
+
+
+def _dry(tmp_path, script, *args):
+    out = tmp_path / f"{script}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--dry-run", "--out", str(out), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_round6_dry_runs_check_the_persistent_step_against_the_layers(tmp_path):
+    """bench/persistent_step.py and persistent_probe.py (round 6's scripts) in the interpreter: the persistent step's
+    hidden state and KV rows equal the layers' (fp32), and the probe's barrier counts one arrival per program."""
+    rec = _dry(tmp_path, "persistent_step.py")
+    assert [r["context"] for r in rec["cases"]] == [6, 38]
+    for row in rec["cases"]:
+        assert row["hidden_rel_norm_diff"] < 1e-5 and row["k_rows_max_abs_diff"] < 1e-5, row
+    probe = _dry(tmp_path, "persistent_probe.py")
+    assert probe["barrier_count_check"]["counter"] == probe["barrier_count_check"]["expected"]
+    assert max(probe["chain_check"].values()) < 1e-5

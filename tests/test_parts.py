@@ -318,11 +318,8 @@ def test_the_plan_on_a_gpu_runs_every_kernel_the_reference_parts_allow(monkeypat
     config = Config(tiny_dir("qwen3"), kvcache_block_size=16, max_model_len=64, max_num_seqs=8)
     plan = Parts().resolve(config, "cuda", torch.bfloat16)
     assert plan.attention == "triton" and plan.use_graphs and plan.async_scheduling and plan.fuse
-    assert plan.ops.kernels == FusedKernels.all(pdl=True, persistent=True)
-    assert "one sequence's decode step: one persistent kernel" in plan.describe()
-    # The persistent step does every kernel's work: off with a part of yours any kernel stands in for, or TP.
-    assert Parts().resolve(config, "cuda", torch.bfloat16, world_size=2).ops.kernels == FusedKernels.all(pdl=True)
-    assert not Parts(silu_and_mul=parts_spies.silu_and_mul).resolve(config, "cuda", torch.bfloat16).ops.kernels.persistent
+    # Not the persistent batch-1 step: slower than these kernels on the H200 (kernels/persistent_decode.py).
+    assert plan.ops.kernels == FusedKernels.all(pdl=True) and not plan.ops.kernels.persistent
     assert plan.ops.attention_backend.paged_decode is triton_backend.paged_decode_pdl
     assert plan.graph_sample_rows is sampler_kernel.sample_rows and plan.graph_batch_sizes == (1, 2, 4, 8)
     assert "row draw Triton kernel" in plan.describe() and "PDL on" in plan.describe()

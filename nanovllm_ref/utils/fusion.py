@@ -65,7 +65,7 @@ class FusedKernels:
     made whole layers faster on the H200, kernels/small_gemm.py; larger batches use cuBLAS). pdl: launch
     them with programmatic dependent launch (Hopper; kernels/numerics.py). persistent: a decode step of one
     sequence runs as one persistent kernel (kernels/persistent_decode.py) in place of every layer's kernels;
-    it needs every kernel field on. Raises TypeError or ValueError
+    it needs every kernel field on, and the engine's plan leaves it off (slower on the H200). Raises TypeError or ValueError
     for a field of the wrong type or a combination that cannot run (split_k without add_rms_norm: nothing
     would sum the partials)."""
     rms_norm: bool = False

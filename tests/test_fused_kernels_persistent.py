@@ -119,3 +119,17 @@ def test_the_step_refuses_a_batch_and_mismatched_tensors(monkeypatch):
     with pytest.raises(ValueError, match="layer 0 qkv: expected a contiguous"):
         make({**good, "qkv": good["qkv"].t()})
     llm.exit()
+
+
+def test_a_model_with_biases_refuses_the_persistent_step_by_name():
+    import types
+    from nanovllm_ref.models.ops import ModelOps
+    from nanovllm_ref.models.qwen3 import Qwen3ForCausalLM
+    config = types.SimpleNamespace(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e4,
+                                   tie_word_embeddings=False, attention_bias=True, mlp_bias=False, hidden_act="silu")
+    with pytest.raises(ValueError, match="FusedKernels.persistent needs tensor parallel size 1 and a model without"):
+        Qwen3ForCausalLM(config, ops=ModelOps(kernels=PERSISTENT))
+    config.attention_bias = False
+    assert Qwen3ForCausalLM(config, ops=ModelOps(kernels=PERSISTENT)).model.persistent
