@@ -29,6 +29,8 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="128,612,1124,2048")
     p.add_argument("--warps", default="8,4")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--programs", type=int, default=None, help="programs of the persistent grid (default one an SM)")
+    p.add_argument("--first-warps", type=int, default=None, help="warps of the step's first (checked) call")
     p.add_argument("--variants", default="",
                    help='JSON list of PersistentConfig overrides to time (fused and, with --breakdown, by phase), '
                         'e.g. \'[{"bn_qkv": 32}, {"num_splits": 8}]\'')
@@ -114,7 +116,9 @@ def main(args) -> int:
     table[0, :per_seq] = torch.arange(per_seq, 0, -1, dtype=torch.int32, device=device)
     rec = {"device": "cpu" if dry else torch.cuda.get_device_name(0), "torch": torch.__version__,
            "triton": r3.triton.__version__, "layers": layers, "dtype": str(dtype), "pdl": pdl, "cases": []}
-    step_obj = model.model.persistent_step()
+    step_obj = model.model.persistent_step(programs=args.programs)
+    if args.first_warps:
+        step_obj.config = dataclasses.replace(step_obj.config, num_warps=args.first_warps)
     rec["config"] = dataclasses.asdict(step_obj.config)
     print("config", rec["config"], flush=True)
     for ctx in contexts:
