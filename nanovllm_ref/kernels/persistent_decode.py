@@ -55,7 +55,7 @@ the engine's plan leaves it off (a model built with FusedKernels(..., persistent
 - fp32 on the H200: hidden state within 2.6e-6 (relative) of the layers'; bf16: 1.6-5 % (rounding that 28
   random layers amplify; the same kernels in fp32 agree).
 """
-import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +63,10 @@ import triton
 import triton.language as tl
 
 from nanovllm_ref.kernels.attention import LOG2E, _key_rows, _load_kv_tile, _online_softmax_step
-from nanovllm_ref.kernels.numerics import DEFINED_INTERPRETED, interpreting, round_to  # noqa: F401
+from nanovllm_ref.kernels.numerics import interpreting, round_to
+
+# Triton picks interpreter or compiler when each @triton.jit below runs (see nanovllm_ref/kernels/__init__.py).
+DEFINED_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 MAX_SPIN = tl.constexpr(1 << 18)  # polls before a barrier gives up (~0.2 s; a phase takes microseconds): counted, never a hang
 PHASES = 5                  # per layer, above; step = layer * PHASES + phase, then one final step
