@@ -41,31 +41,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-MAX_SPIN = tl.constexpr(1 << 18)  # a barrier gives up after this many polls (then err counts it)
-
-
-@triton.jit
-def _grid_sync(bar_ptr, err_ptr, target):
-    """Wait until the counter at bar_ptr reaches `target` (one arrival per program per barrier)."""
-    tl.debug_barrier()                                   # every thread's writes are in before the release
-    tl.atomic_add(bar_ptr, 1, sem="release")
-    seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
-    spins = 0
-    while (seen < target) & (spins < MAX_SPIN):
-        seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
-        spins += 1
-    if spins >= MAX_SPIN:
-        tl.atomic_add(err_ptr, 1)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _exit(bar_ptr, exit_ptr, nprog):
-    """The last program out resets both counters, so the next launch (a graph replay) starts from 0."""
-    last = tl.atomic_add(exit_ptr, 1, sem="acq_rel")
-    if last == nprog - 1:
-        tl.atomic_xchg(bar_ptr, 0)
-        tl.atomic_xchg(exit_ptr, 0)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernels_round3 as r3  # noqa: E402  (time_us; it bypasses nanovllm_ref/__init__, which imports the engine)
+from nanovllm_ref.kernels.persistent_decode import _grid_sync, _reset_at_exit  # noqa: E402  (the engine's barrier)
 
 
 @triton.jit
@@ -74,7 +52,7 @@ def _barrier_kernel(bar_ptr, exit_ptr, err_ptr, n_barriers, RESET: tl.constexpr)
     for b in range(n_barriers):
         _grid_sync(bar_ptr, err_ptr, nprog * (b + 1))
     if RESET:
-        _exit(bar_ptr, exit_ptr, nprog)
+        _reset_at_exit(bar_ptr, exit_ptr, nprog)
 
 
 @triton.jit
@@ -107,6 +85,22 @@ def _gemv_phase(x_ptr, w_ptr, y_ptr, N, K, pid, nprog, w_first,
 
 
 @triton.jit
+def _chain_step(src, w, y, N, K, pid, nprog, bar_ptr, err_ptr, n_sync, sync,
+                BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr):
+    """One projection of the chain: (the first W tile loaded before the barrier, with PREFETCH), the barrier
+    (when `sync`), then the GEMV. Returns the barriers passed so far."""
+    if PREFETCH:
+        first = _gemv_tile(w, pid, N, K, BN, BK)
+    else:
+        first = pid
+    if sync:
+        n_sync += 1
+        _grid_sync(bar_ptr, err_ptr, nprog * n_sync)
+    _gemv_phase(src, w, y, N, K, pid, nprog, first, BN, BK, PREFETCH)
+    return n_sync
+
+
+@triton.jit
 def _chain_kernel(x_ptr, wq, wo, wg, wd, yq, yo, yg, yd, bar_ptr, exit_ptr, err_ptr, n_layers,
                   NQ, KQ, NO, KO, NG, KG, ND, KD,
                   BNQ: tl.constexpr, BKQ: tl.constexpr, BNO: tl.constexpr, BKO: tl.constexpr,
@@ -119,62 +113,16 @@ def _chain_kernel(x_ptr, wq, wo, wg, wd, yq, yo, yg, yd, bar_ptr, exit_ptr, err_
     n_sync = 0
     src = x_ptr
     for layer in range(n_layers):
-        wq_l = wq + layer * NQ * KQ
-        wo_l = wo + layer * NO * KO
-        wg_l = wg + layer * NG * KG
-        wd_l = wd + layer * ND * KD
-        if PREFETCH:
-            w1 = _gemv_tile(wq_l, pid, NQ, KQ, BNQ, BKQ)
-        else:
-            w1 = pid
-        if layer > 0:
-            n_sync += 1
-            _grid_sync(bar_ptr, err_ptr, nprog * n_sync)
-        _gemv_phase(src, wq_l, yq, NQ, KQ, pid, nprog, w1, BNQ, BKQ, PREFETCH)
-        if PREFETCH:
-            w2 = _gemv_tile(wo_l, pid, NO, KO, BNO, BKO)
-        else:
-            w2 = pid
-        n_sync += 1
-        _grid_sync(bar_ptr, err_ptr, nprog * n_sync)
-        _gemv_phase(yq, wo_l, yo, NO, KO, pid, nprog, w2, BNO, BKO, PREFETCH)
-        if PREFETCH:
-            w3 = _gemv_tile(wg_l, pid, NG, KG, BNG, BKG)
-        else:
-            w3 = pid
-        n_sync += 1
-        _grid_sync(bar_ptr, err_ptr, nprog * n_sync)
-        _gemv_phase(yo, wg_l, yg, NG, KG, pid, nprog, w3, BNG, BKG, PREFETCH)
-        if PREFETCH:
-            w4 = _gemv_tile(wd_l, pid, ND, KD, BND, BKD)
-        else:
-            w4 = pid
-        n_sync += 1
-        _grid_sync(bar_ptr, err_ptr, nprog * n_sync)
-        _gemv_phase(yg, wd_l, yd, ND, KD, pid, nprog, w4, BND, BKD, PREFETCH)
+        n_sync = _chain_step(src, wq + layer * NQ * KQ, yq, NQ, KQ, pid, nprog, bar_ptr, err_ptr, n_sync, layer > 0,
+                             BNQ, BKQ, PREFETCH)
+        n_sync = _chain_step(yq, wo + layer * NO * KO, yo, NO, KO, pid, nprog, bar_ptr, err_ptr, n_sync, True,
+                             BNO, BKO, PREFETCH)
+        n_sync = _chain_step(yo, wg + layer * NG * KG, yg, NG, KG, pid, nprog, bar_ptr, err_ptr, n_sync, True,
+                             BNG, BKG, PREFETCH)
+        n_sync = _chain_step(yg, wd + layer * ND * KD, yd, ND, KD, pid, nprog, bar_ptr, err_ptr, n_sync, True,
+                             BND, BKD, PREFETCH)
         src = yd
-    _exit(bar_ptr, exit_ptr, nprog)
-
-
-def time_graph(fn, reps=10, iters=7):
-    """Median µs of one call of fn, from CUDA-graph replays of `reps` calls."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / reps)
-    return sorted(times)[len(times) // 2]
+    _reset_at_exit(bar_ptr, exit_ptr, nprog)
 
 
 def main(args):
@@ -195,8 +143,8 @@ def main(args):
     rec["barrier_count_check"] = {"counter": int(bar.item()), "expected": nprog * n}
     bar.zero_()
     if not dry:
-        t0 = time_graph(lambda: _barrier_kernel[(nprog,)](bar, ext, err, 0, RESET=True, num_warps=4))
-        t1 = time_graph(lambda: _barrier_kernel[(nprog,)](bar, ext, err, n, RESET=True, num_warps=4))
+        t0 = r3.time_us([lambda: _barrier_kernel[(nprog,)](bar, ext, err, 0, RESET=True, num_warps=4)], device, reps=10)[0]
+        t1 = r3.time_us([lambda: _barrier_kernel[(nprog,)](bar, ext, err, n, RESET=True, num_warps=4)], device, reps=10)[0]
         rec["barrier"] = {"launch_us": round(t0, 2), f"with_{n}_us": round(t1, 2),
                           "per_barrier_us": round((t1 - t0) / n, 3), "errors": int(err.item())}
         print("barrier", rec["barrier"], flush=True)
@@ -241,12 +189,12 @@ def main(args):
         rec.setdefault("chain_check", {})[f"prefetch={prefetch}"] = round(rel, 6)
     if not dry:
         copy = torch.empty(512 << 20, dtype=torch.uint8, device=device)
-        t = time_graph(lambda: copy[: 256 << 20].copy_(copy[256 << 20:]), reps=5)
+        t = r3.time_us([lambda: copy[: 256 << 20].copy_(copy[256 << 20:])], device, reps=5)[0]
         tbps = (512 << 20) / (t * 1e-6) / 1e12
         nbytes = sum(t_.numel() * t_.element_size() for t_ in (wq, wo, wg, wd))
         res = {"copy_tbps": round(tbps, 3), "weights_floor_us_per_layer": round(nbytes / layers / (tbps * 1e6), 2)}
         for prefetch in (False, True):
-            res[f"persistent_prefetch={prefetch}_us_per_layer"] = round(time_graph(lambda: chain(prefetch), reps=3) / layers, 2)
+            res[f"persistent_prefetch={prefetch}_us_per_layer"] = round(r3.time_us([lambda: chain(prefetch)], device, reps=3)[0] / layers, 2)
         from nanovllm_ref.kernels import small_gemm
         xb = torch.randn(1, shp["KD"], generator=g, device=device).to(dtype)
 
@@ -258,7 +206,7 @@ def main(args):
                 yg = small_gemm.linear(yo[:, :shp["KG"]].contiguous(), wg[i])
                 src = small_gemm.linear(yg[:, :shp["KD"]].contiguous(), wd[i])
             return src
-        res["engine_gemv_kernels_us_per_layer"] = round(time_graph(kernels, reps=3) / layers, 2)
+        res["engine_gemv_kernels_us_per_layer"] = round(r3.time_us([kernels], device, reps=3)[0] / layers, 2)
         res["errors"] = int(err.item())
         rec["gemv_chain"] = res
         print("gemv_chain", res, flush=True)

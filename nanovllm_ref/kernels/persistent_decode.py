@@ -88,6 +88,15 @@ def _grid_sync(bar_ptr, err_ptr, target):
 
 
 @triton.jit
+def _reset_at_exit(bar_ptr, exit_ptr, nprog):
+    """The last program out resets the barrier counters, so the next launch (a graph replay) starts from 0:
+    every program has passed its last barrier once it gets here, so no one polls `bar` any more."""
+    if tl.atomic_add(exit_ptr, 1, sem="acq_rel") == nprog - 1:
+        tl.atomic_xchg(bar_ptr, 0)
+        tl.atomic_xchg(exit_ptr, 0)
+
+
+@triton.jit
 def _prefetch_l2(ptrs):
     """Ask for the 128-byte lines at `ptrs` into L2 (PTX prefetch.global.L2): no value, no wait, no effect on
     any result. GPU only (the interpreter cannot run inline PTX)."""
@@ -163,32 +172,20 @@ def _add_norm_phase(x_parts, num_parts, res_in, res_out, w_norm, ids_ptr, embed_
 
 
 @triton.jit
-def _qkv_phase(normed, w_qkv, qkv_ptr, pid, nprog,
-               HIDDEN: tl.constexpr, NQKV: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr,
-               dtype: tl.constexpr, EMULATE: tl.constexpr):
+def _gemv_phase(normed, w_ptr, out_ptr, pid, nprog, HIDDEN: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr,
+                BN: tl.constexpr, SILU_MUL: tl.constexpr, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """out[N] = W @ normed rounded to the model dtype (the QKV projection), or with SILU_MUL, W = [W_gate; W_up]
+    ([2N, hidden]) and out = silu(gate) * up with the rounding of small_gemm.linear_silu_mul; row tiles of BN."""
     offs_k = tl.arange(0, BLOCK_H)
     k_mask = offs_k < HIDDEN
-    for t in range(pid, tl.cdiv(NQKV, BN), nprog):
+    for t in range(pid, tl.cdiv(N, BN), nprog):
         rows = t * BN + tl.arange(0, BN)
-        row_mask = rows < NQKV
-        y = _gemv(normed, w_qkv, rows, row_mask, offs_k, k_mask, HIDDEN)
-        tl.store(qkv_ptr + rows, round_to(y, dtype, EMULATE).to(dtype), mask=row_mask)
-
-
-@triton.jit
-def _gate_up_phase(normed, w_gu, act_ptr, pid, nprog,
-                   HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr,
-                   dtype: tl.constexpr, EMULATE: tl.constexpr):
-    """act = silu(gate) * up with the rounding of small_gemm.linear_silu_mul (gate rows, then the up rows)."""
-    offs_k = tl.arange(0, BLOCK_H)
-    k_mask = offs_k < HIDDEN
-    for t in range(pid, tl.cdiv(INTER, BN), nprog):
-        rows = t * BN + tl.arange(0, BN)
-        row_mask = rows < INTER
-        g = round_to(_gemv(normed, w_gu, rows, row_mask, offs_k, k_mask, HIDDEN), dtype, EMULATE)
-        u = round_to(_gemv(normed, w_gu, rows + INTER, row_mask, offs_k, k_mask, HIDDEN), dtype, EMULATE)
-        g = round_to(g * tl.sigmoid(g), dtype, EMULATE)
-        tl.store(act_ptr + rows, round_to(g * u, dtype, EMULATE).to(dtype), mask=row_mask)
+        row_mask = rows < N
+        y = round_to(_gemv(normed, w_ptr, rows, row_mask, offs_k, k_mask, HIDDEN), dtype, EMULATE)
+        if SILU_MUL:
+            u = round_to(_gemv(normed, w_ptr, rows + N, row_mask, offs_k, k_mask, HIDDEN), dtype, EMULATE)
+            y = round_to(round_to(y * tl.sigmoid(y), dtype, EMULATE) * u, dtype, EMULATE)
+        tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
 
 
 @triton.jit
@@ -381,8 +378,8 @@ def _persistent_decode_kernel(
             normed = _add_norm_phase(d_part, KS_DOWN, resid_ptr + HIDDEN, resid_ptr,
                                      base_ptr + tl.load(weights + 4), ids_ptr, embed_ptr, pid, eps, layer == 0,
                                      HIDDEN, BLOCK_H, dtype, EMULATE)
-            _qkv_phase(normed, base_ptr + tl.load(weights + 0), qkv_ptr, pid, nprog,
-                       HIDDEN, NQKV, BLOCK_H, BN_QKV, dtype, EMULATE)
+            _gemv_phase(normed, base_ptr + tl.load(weights + 0), qkv_ptr, pid, nprog,
+                        HIDDEN, NQKV, BLOCK_H, BN_QKV, False, dtype, EMULATE)
         elif phase == 1:
             kv = layer.to(tl.int64) * layer_stride_kv
             _attention_phase(qkv_ptr, base_ptr + tl.load(weights + 6), base_ptr + tl.load(weights + 7),
@@ -397,17 +394,13 @@ def _persistent_decode_kernel(
         elif phase == 3:
             normed = _add_norm_phase(o_part, KS_O, resid_ptr, resid_ptr + HIDDEN, base_ptr + tl.load(weights + 5),
                                      ids_ptr, embed_ptr, pid, eps, False, HIDDEN, BLOCK_H, dtype, EMULATE)
-            _gate_up_phase(normed, base_ptr + tl.load(weights + 2), act_ptr, pid, nprog,
-                           HIDDEN, INTER, BLOCK_H, BN_GU, dtype, EMULATE)
+            _gemv_phase(normed, base_ptr + tl.load(weights + 2), act_ptr, pid, nprog,
+                        HIDDEN, INTER, BLOCK_H, BN_GU, True, dtype, EMULATE)
         else:
             _split_k_phase(act_ptr, base_ptr + tl.load(weights + 3), d_part, pid, nprog, HIDDEN, INTER,
                            BN_DOWN, KC_DOWN)
     if not STEPWISE:
-        # The last program out resets the counters for the next launch (every program has passed its last
-        # barrier once it gets here, so no one polls `bar` any more).
-        if tl.atomic_add(exit_ptr, 1, sem="acq_rel") == nprog - 1:
-            tl.atomic_xchg(bar_ptr, 0)
-            tl.atomic_xchg(exit_ptr, 0)
+        _reset_at_exit(bar_ptr, exit_ptr, nprog)
 
 
 def _tile_rows(n: int, k: int, programs: int, max_elems: int) -> int:
