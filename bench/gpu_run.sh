@@ -25,7 +25,8 @@
 #                             against cuBLAS; SECTIONS picks), then ab4
 #   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh round6    # ~6 min: bench/persistent_probe.py (grid
 #                             barrier cost, persistent GEMV chain), bench/persistent_step.py (the persistent batch-1
-#                             step against the layers at 4 contexts), then ab4
+#                             step against the layers at 4 contexts), then ab4 with the new side's run
+#                             triton:graph:persistent (NEW_RUN overrides; decode_kernels="persistent")
 #   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
@@ -147,6 +148,8 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ]; then   # i
         "$OUT/persistent_step.json" || { step "done (the persistent step failed its checks: no A/B)"; exit 0; }
       [ -e .carry/ab/base.tgz ] || { step "done (no .carry/ab: no A/B)"; exit 0; }
     fi
+    # The new side's run: NEW_RUN, else RUN; round 6 asks for the persistent batch-1 step (decode_kernels).
+    new_run=${NEW_RUN:-$([ "$mode" = round6 ] && echo triton:graph:persistent || echo "${RUN:-triton:graph}")}
     rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar xzf .carry/ab/base.tgz -C /tmp/ab_base || exit 1
     cat /tmp/ab_base/BASE_COMMIT 2>/dev/null
     for side in ${AB_SIDES:-base new}; do
@@ -156,7 +159,7 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ]; then   # i
       commit=$([ $side = base ] && cat /tmp/ab_base/BASE_COMMIT 2>/dev/null || echo "${NANOVLLM_REF_COMMIT:-}")
       step "A/B: the $side engine, whole-workload profile (plain generate, batch-1, probes)"
       (cd /tmp && NANOVLLM_REF_COMMIT="$commit" PYTHONPATH="$root:/tmp/site" timeout ${AB_S:-170} python3 -m nanovllm_bench.workload_profile \
-        --out "$OUT" --run ${RUN:-triton:graph} --tag ab_$side --no-kernel-profile --probes ${AB_PROBES:-1:512,256:512} \
+        --out "$OUT" --run $([ $side = new ] && echo "$new_run" || echo "${RUN:-triton:graph}") --tag ab_$side --no-kernel-profile --probes ${AB_PROBES:-1:512,256:512} \
         --batch1 ${AB_BATCH1:-2} 2>&1 | grep -v DEBUG | grep -v USDT | tail -${AB_TAIL:-24})
     done
     step "A/B table"

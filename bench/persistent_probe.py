@@ -52,7 +52,7 @@ def _barrier_kernel(bar_ptr, exit_ptr, err_ptr, n_barriers, RESET: tl.constexpr)
     for b in range(n_barriers):
         _grid_sync(bar_ptr, err_ptr, nprog * (b + 1))
     if RESET:
-        _reset_at_exit(bar_ptr, exit_ptr, nprog)
+        _reset_at_exit(bar_ptr, exit_ptr, nprog, bar_ptr, 0)
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def _chain_kernel(x_ptr, wq, wo, wg, wd, yq, yo, yg, yd, bar_ptr, exit_ptr, err_
         n_sync = _chain_step(yg, wd + layer * ND * KD, yd, ND, KD, pid, nprog, bar_ptr, err_ptr, n_sync, True,
                              BND, BKD, PREFETCH)
         src = yd
-    _reset_at_exit(bar_ptr, exit_ptr, nprog)
+    _reset_at_exit(bar_ptr, exit_ptr, nprog, bar_ptr, 0)
 
 
 def main(args):

@@ -37,7 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--breakdown", action="store_true",
                    help="also time each phase alone: its 28 launches as separate kernels (no barriers)")
     p.add_argument("--compile-check", action="store_true",
-                   help="CPU or GPU: only compile the kernel for sm_90 (bf16, Qwen3-0.6B) and print its registers")
+                   help="CPU or GPU: only compile the kernel for sm_90 (bf16, Qwen3-0.6B); record its registers, "
+                        "spills, shared memory and global loads by width")
     return p.parse_args(argv)
 
 
@@ -51,7 +52,7 @@ import kernels_round3 as r3  # noqa: E402  (bypasses nanovllm_ref/__init__, whic
 import torch  # noqa: E402
 
 
-def compile_check() -> int:
+def compile_check(out: str) -> int:
     """Compile the persistent kernel for sm_90 as the engine launches it for Qwen3-0.6B in bf16 on 132 SMs
     (no GPU needed: Triton's own ptxas), and print its registers, spills and shared memory."""
     import triton
@@ -75,17 +76,38 @@ def compile_check() -> int:
                   KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, PREFETCH=True, CAST_FP32=False,
                   EMULATE=False, DOT_PRECISION="tf32")
     full = {**sig, **{k: "constexpr" for k in consts}}
+    # As a launch specialises them: every pointer (torch allocations are 16-byte aligned) and stride_cs (a
+    # multiple of 16) divisible by 16; layer_stride_kv and the step bounds are do_not_specialize.
+    names = pd._persistent_decode_kernel.arg_names
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*") or k == "stride_cs"}
+    rec = {"config": dataclasses.asdict(cfg), "triton": triton.__version__, "builds": []}
     for warps in (4, 8):
-        compiled = triton.compile(ASTSource(pd._persistent_decode_kernel, full, consts),
+        compiled = triton.compile(ASTSource(pd._persistent_decode_kernel, full, consts, attrs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-        print("compiled", dataclasses.asdict(cfg), f"num_warps={warps}",
-              r3.resource_usage(compiled.asm.get("cubin", b"")), "shared", compiled.metadata.shared, flush=True)
+        row = {"num_warps": warps, **r3.resource_usage(compiled.asm.get("cubin", b"")),
+               "dynamic_shared": compiled.metadata.shared,
+               "global_loads_by_bits": load_widths(compiled.asm["ptx"])}
+        rec["builds"].append(row)
+        print("compiled", rec["config"], row, flush=True)
+    with open(out, "w") as f:
+        json.dump(rec, f, indent=1)
     return 0
+
+
+def load_widths(ptx: str) -> dict:
+    """Global load instructions in `ptx` by bits a thread loads per instruction (e.g. {16: 40, 128: 12}): 16-bit
+    loads of bf16 weights mean the compiler could not prove their alignment (one element a load, not eight)."""
+    import re
+    counts = {}
+    for vec, bits in re.findall(r"ld\.global(?:\.[a-z0-9:]+)*?(?:\.v(\d))?\.[bu](\d+)\b", ptx):
+        width = int(vec or 1) * int(bits)
+        counts[width] = counts.get(width, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def main(args) -> int:
     if args.compile_check:
-        return compile_check()
+        return compile_check(args.out)
     from nanovllm_ref.kernels import persistent_decode
     from nanovllm_ref.layers.attention import Attention
     from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata

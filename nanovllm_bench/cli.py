@@ -77,7 +77,7 @@ def _runs(text: str) -> list[tuple[str, bool, tuple[str, ...]]]:
             raise argparse.ArgumentTypeError(f"{item!r}: each run is BACKEND:MODE[:OPTION...] with BACKEND one of "
                                              f"{', '.join(RUN_BACKENDS)}, MODE graph or eager, OPTION one of "
                                              f"{', '.join(RUN_OPTIONS)} (sync: async_scheduling off; nokernels: "
-                                             "decode_kernels off)")
+                                             "decode_kernels off; persistent: decode_kernels persistent)")
         out.append((backend, mode == "eager", tuple(options)))
     return out
 
@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of peers: nanovllm_ref, vllm, nano-vllm, hf (default: all)")
     ap.add_argument("--runs", type=_runs, default=None,
                     help="nanovllm_ref's rows, e.g. triton:graph,flash_attn:graph,triton:eager,triton:graph:sync "
-                         "(options: sync = async_scheduling off, nokernels = decode_kernels off; overrides "
-                         "--backends/--no-eager)")
+                         "(options: sync = async_scheduling off, nokernels = decode_kernels off, persistent = "
+                         "decode_kernels persistent; overrides --backends/--no-eager)")
     ap.add_argument("--backends", default="auto",
                     help="comma list of nanovllm_ref back-ends, or 'auto' (GPU: triton, and flash_attn where a "
                          "FlashAttention is on the path; CPU: cpu)")

@@ -48,7 +48,8 @@ class PeerSpec:
 
 
 # Options of a nanovllm_ref run (`--runs triton:graph:sync`) -> the engine arguments they set.
-RUN_OPTIONS = {"sync": dict(async_scheduling=False), "nokernels": dict(decode_kernels="off")}
+RUN_OPTIONS = {"sync": dict(async_scheduling=False), "nokernels": dict(decode_kernels="off"),
+               "persistent": dict(decode_kernels="persistent")}
 
 
 def ref_row_name(backend: str, eager: bool, tp: int = 1, options: tuple[str, ...] = ()) -> str:

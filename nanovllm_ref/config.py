@@ -46,8 +46,11 @@ class Config:
     decode_kernels: "auto" (default): on CUDA the model uses the hand-written Triton kernels (fused add +
         RMSNorm, q/k-norm + RoPE + KV store, small-batch GEMMs with split-K and SiLU epilogues;
         utils/fusion.FusedKernels, chosen by nanovllm_ref.Parts.resolve) wherever the parts are the reference
-        ones; "off": the same model with cuBLAS GEMMs and the compiled element-wise ops only (for comparisons).
-        CPU engines use neither.
+        ones; "off": the same model with cuBLAS GEMMs and the compiled element-wise ops only (for comparisons);
+        "persistent": "auto" plus a decode step of one sequence as one persistent kernel
+        (kernels/persistent_decode.py; opt-in because the H200 measured it slower than the layers' kernels),
+        refused by name without CUDA and Triton, with tensor_parallel_size > 1 or replaced parts.
+        CPU engines use none.
     async_scheduling: schedule and launch step n+1 while the device still runs step n, the sampled ids staying
         on the device (engine/llm_engine.py). None (default): on with CUDA when the engine can (one process,
         the reference scheduler), else off; True: on (refused by name where it cannot run); False: off.
@@ -132,8 +135,8 @@ class Config:
             if not math.isfinite(v) or not ok(v):
                 raise ValueError(f"{name} must be a number {rng}, got {v!r}")
             _set(name, float(v))
-        if self.decode_kernels not in ("auto", "off"):
-            raise ValueError(f"decode_kernels must be 'auto' or 'off', got {self.decode_kernels!r}")
+        if self.decode_kernels not in ("auto", "off", "persistent"):
+            raise ValueError(f"decode_kernels must be 'auto', 'off' or 'persistent', got {self.decode_kernels!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in DEVICES:

@@ -192,12 +192,19 @@ class Parts:
         triton = cuda and _triton_importable()
         qk_norm = _qk_norm(config.hf_config)
         kernels = FusedKernels()
-        if config.decode_kernels == "auto" and fuse and triton:
+        persistent = config.decode_kernels == "persistent"
+        if persistent and not (fuse and triton and world_size == 1):
+            raise ValueError("decode_kernels='persistent' needs CUDA with Triton and tensor_parallel_size 1 (the "
+                             "persistent decode step is one Triton kernel over the whole model)")
+        if config.decode_kernels in ("auto", "persistent") and fuse and triton:
             from nanovllm_ref.kernels.numerics import pdl_available
             pdl = pdl_available(torch.device("cuda", torch.cuda.current_device()))
-            # Not FusedKernels.persistent: that batch-1 step measured slower than these kernels on the H200
-            # (1.07-1.27 ms against 0.82-0.90; kernels/persistent_decode.py).
-            kernels = FusedKernels.all(pdl=pdl).restricted_to(self.kernels_allowed(qk_norm))
+            # FusedKernels.persistent only when asked ("persistent"): that batch-1 step measured slower than
+            # these kernels on the H200 (kernels/persistent_decode.py says by how much).
+            kernels = FusedKernels.all(pdl=pdl, persistent=persistent).restricted_to(self.kernels_allowed(qk_norm))
+            if persistent and not kernels.persistent:
+                raise ValueError("decode_kernels='persistent' needs every decode kernel, and a replaced part rules "
+                                 "some out: the persistent step does what those parts do")
         if name == "triton" and kernels.pdl:
             # The decode attention's two kernels launched like the decode kernels around them (PDL, Hopper).
             from nanovllm_ref.attn import FunctionBackend

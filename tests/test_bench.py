@@ -244,7 +244,8 @@ def test_run_options_set_engine_arguments_and_name_the_row():
     assert [s.name for s in specs] == ["nanovllm_ref[triton:graph]", "nanovllm_ref[triton:graph:sync:nokernels]"]
     assert specs[1].options["engine_args"] == {"max_num_seqs": 8, "async_scheduling": False, "decode_kernels": "off"}
     assert specs[0].options["engine_args"] == {"max_num_seqs": 8}
-    with pytest.raises(argparse.ArgumentTypeError, match="OPTION one of sync, nokernels"):
+    assert _runs("triton:graph:persistent") == [("triton", False, ("persistent",))]
+    with pytest.raises(argparse.ArgumentTypeError, match="OPTION one of sync, nokernels, persistent"):
         _runs("triton:graph:fast")
 
 

@@ -4,9 +4,11 @@ as one kernel, under the Triton interpreter phase by phase (stepwise), against t
 - The engine with persistent=True gives HF transformers' greedy ids one sequence at a time (qwen3 with q/k norm,
   llama without; fp32; block size 4 so the decode slots cross block boundaries), and its decode steps really run
   the persistent kernel (counted), batches of several sequences the layers.
-- The step's hidden state equals the layer-by-layer forward's (fp32, max error 1e-5 relative) at several
-  positions, and the KV cache rows it writes equal those the layers write.
-- Its tile choices spread every projection over the programs; bad configurations are refused by name.
+- The step's hidden state equals the layer-by-layer forward's (fp32, within 1e-5 relative) at several
+  positions of a scattered block table, and the KV cache rows it writes equal those the layers write (1e-5 of the largest entry: fp32, another summation order);
+  so does the fused path (one program: barriers, the merge count and the exit reset), which also clears a
+  merge count a step left behind, so the next step is right again.
+- Its tile choices spread every projection over the programs; bad configurations and inputs are refused by name.
 """
 import dataclasses
 
@@ -17,6 +19,7 @@ from engine_helpers import LLM, hf_greedy, tiny_dir
 from nanovllm_ref import SamplingParams
 from nanovllm_ref.engine import model_runner
 from nanovllm_ref.kernels import persistent_decode
+from nanovllm_ref.utils.context import AttentionMetadata, attention_metadata
 from nanovllm_ref.utils.fusion import FusedKernels
 
 PERSISTENT = FusedKernels.all(persistent=True)
@@ -100,7 +103,7 @@ def test_the_step_refuses_a_batch_and_mismatched_tensors(monkeypatch):
     model = llm.model_runner.model.model
     step = model.persistent_step()
     one = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="takes one sequence"):
+    with pytest.raises(ValueError, match="input_ids: the persistent decode step takes one sequence"):
         step(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), one, torch.zeros(2, 4, dtype=torch.int32),
              one)
     a = model.layers[0].self_attn
@@ -133,3 +136,143 @@ def test_a_model_with_biases_refuses_the_persistent_step_by_name():
         Qwen3ForCausalLM(config, ops=ModelOps(kernels=PERSISTENT))
     config.attention_bias = False
     assert Qwen3ForCausalLM(config, ops=ModelOps(kernels=PERSISTENT)).model.persistent
+
+
+def _decode_inputs(model, ctx, block_size, table):
+    """One decode step's inputs for the token at position ctx - 1 of a sequence whose blocks are `table`."""
+    pos = ctx - 1
+    slot = int(table[0, pos // block_size]) * block_size + pos % block_size
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([slot], dtype=torch.int32),
+                             context_lens=torch.tensor([ctx], dtype=torch.int32), block_tables=table)
+    return torch.tensor([11]), torch.tensor([pos]), meta, slot
+
+
+def _step_against_layers(model, caches, ctx, block_size, table, step=None):
+    """(hidden error, k/v row error) of the persistent step against the layers at context ctx: the norm of the
+    difference over the layers' norm, and the largest k/v difference over the layers' largest k/v entry."""
+    ids, positions, meta, slot = _decode_inputs(model, ctx, block_size, table)
+    rows = (slice(None), slice(None), slot // block_size, slot % block_size)
+
+    def run(persistent):
+        model.persistent = persistent
+        with attention_metadata(meta), torch.inference_mode():
+            if step is not None and persistent:
+                return step(ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
+            return model(ids, positions)
+    ref = run(False)
+    ref_kv = caches[rows].clone()
+    caches[rows] = 0
+    got = run(True)
+    model.persistent = True
+    return float((got - ref).norm() / ref.norm()), float((caches[rows] - ref_kv).abs().max() / ref_kv.abs().max())
+
+
+def _cached_model(monkeypatch):
+    """The tiny qwen3 engine's model (fp32, block size 4) with a random KV cache and a scattered block table."""
+    llm = _llm(monkeypatch, tiny_dir("qwen3"), PERSISTENT)
+    model = llm.model_runner.model.model
+    whole = llm.model_runner.kv_cache                    # [2, L, blocks, block_size, Hkv, d]: every layer's view
+    one = model.layers[1].self_attn.attn.k_cache
+    assert one.data_ptr() == whole[0, 1].data_ptr() and tuple(one.shape) == tuple(whole.shape[2:])
+    whole.copy_(torch.randn(whole.shape, generator=torch.Generator().manual_seed(0)))
+    block_size = one.shape[1]
+    table = torch.arange(10, 0, -1, dtype=torch.int32)[None]     # blocks 10, 9, ... 1: out of order
+    return llm, model, whole, block_size, table
+
+
+@pytest.mark.parametrize("ctx", [1, 6, 13, 37])
+def test_the_step_equals_the_layers_hidden_state_and_kv_rows(monkeypatch, ctx):
+    llm, model, caches, block_size, table = _cached_model(monkeypatch)
+    hidden, kv = _step_against_layers(model, caches, ctx, block_size, table)
+    llm.exit()
+    assert hidden < 1e-5, f"hidden state {hidden:.2e} (relative) from the layers' at context {ctx}"
+    assert kv < 1e-5, f"the k/v rows the step wrote differ by {kv:.2e} from the layers' at context {ctx}"
+
+
+def test_the_fused_path_clears_a_left_over_merge_count(monkeypatch):
+    """One program, no stepwise launches: the barriers, the merge count and the exit reset run as on a GPU. A
+    count left behind (a step whose barriers gave up) spoils that step's merge; the exit reset clears it."""
+    llm, model, caches, block_size, table = _cached_model(monkeypatch)
+    a = model.layers[0].self_attn
+    step = model.persistent_step()
+    fused = persistent_decode.PersistentDecode(
+        [{"qkv": x.self_attn.qkv_proj.weight, "o": x.self_attn.o_proj.weight, "gate_up": x.mlp.gate_up_proj.weight,
+          "down": x.mlp.down_proj.weight, "input_norm": x.input_layernorm.weight,
+          "post_norm": x.post_attention_layernorm.weight, "q_norm": x.self_attn.q_norm.weight,
+          "k_norm": x.self_attn.k_norm.weight} for x in model.layers],
+        model.embed_tokens.weight, model.norm.weight, model.norm.eps,
+        [x.self_attn.attn.k_cache for x in model.layers], [x.self_attn.attn.v_cache for x in model.layers],
+        a.rotary_emb.cos_sin_cache, a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale,
+        programs=1, stepwise=False)
+    assert not fused.stepwise and step.stepwise
+    hidden, kv = _step_against_layers(model, caches, 13, block_size, table, step=fused)
+    assert hidden < 1e-5 and kv < 1e-5, (hidden, kv)
+    fused.counters[3] = 1                                  # KV head 0's count, left behind
+    spoiled, _ = _step_against_layers(model, caches, 13, block_size, table, step=fused)
+    assert spoiled > 1e-3, "a left-over merge count skips that KV head's merge (the test's premise)"
+    assert int(fused.counters.abs().sum()) == 0, "the last program out resets every counter"
+    hidden, kv = _step_against_layers(model, caches, 13, block_size, table, step=fused)
+    llm.exit()
+    assert hidden < 1e-5 and kv < 1e-5, "the step after it is right again"
+
+
+def test_bad_inputs_are_refused_by_name(monkeypatch):
+    llm, model, caches, block_size, table = _cached_model(monkeypatch)
+    step = model.persistent_step()
+    ids, positions, meta, _ = _decode_inputs(model, 6, block_size, table)
+    good = dict(input_ids=ids, positions=positions, slot_mapping=meta.slot_mapping, block_tables=table,
+                context_lens=meta.context_lens)
+    i32 = torch.int32
+    cases = {
+        "input_ids": [torch.tensor([1.0]), [1], torch.tensor([1, 2]), torch.tensor([10 ** 6])],
+        "positions": [torch.tensor([], dtype=torch.long), torch.tensor([4])],
+        "slot_mapping": [torch.tensor([], dtype=i32), torch.tensor([10 ** 6], dtype=i32)],
+        "block_tables": [table[0], torch.zeros(1, 0, dtype=i32), table.float()],
+        "context_lens": [torch.tensor([], dtype=i32), torch.tensor([0], dtype=i32),
+                         torch.tensor([table.shape[1] * block_size + 1], dtype=i32)],
+    }
+    for name, bads in cases.items():
+        for bad in bads:
+            with pytest.raises(ValueError, match=f"^{name}"):
+                step(**{**good, name: bad})
+    llm.exit()
+
+
+def test_bad_constructor_arguments_are_refused_by_name(monkeypatch):
+    llm = _llm(monkeypatch, tiny_dir("qwen3"), PERSISTENT)
+    model = llm.model_runner.model.model
+    a, layer = model.layers[0].self_attn, model.layers[0]
+    good_layer = {"qkv": a.qkv_proj.weight, "o": a.o_proj.weight, "gate_up": layer.mlp.gate_up_proj.weight,
+                  "down": layer.mlp.down_proj.weight, "input_norm": layer.input_layernorm.weight,
+                  "post_norm": layer.post_attention_layernorm.weight, "q_norm": a.q_norm.weight,
+                  "k_norm": a.k_norm.weight}
+    k, v = a.attn.k_cache, a.attn.v_cache
+    good = dict(weights=[good_layer], embed=model.embed_tokens.weight, final_norm=model.norm.weight, eps=1e-6,
+                k_caches=[k], v_caches=[v], cos_sin_cache=a.rotary_emb.cos_sin_cache, num_heads=a.num_heads,
+                num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, scale=a.attn.scale)
+    unaligned = torch.empty(good_layer["input_norm"].numel() + 1)[1:]
+    cases = [("programs", dict(programs=0)), ("programs", dict(programs=-2)), ("num_kv_heads", dict(num_kv_heads=0)),
+             ("num_heads", dict(num_heads=2.0)), ("embed", dict(embed=model.embed_tokens.weight[0])),
+             ("weights.0.", dict(weights=[list(good_layer.values())])),
+             ("final_norm", dict(final_norm=model.norm.weight[:-1])),
+             ("cos_sin_cache", dict(cos_sin_cache=a.rotary_emb.cos_sin_cache[:, :-2])),
+             ("k_caches", dict(k_caches=[k[..., :-1]])), ("v_caches", dict(v_caches=[v.double()])),
+             ("k_caches", dict(k_caches=[k, k], v_caches=[v, v], weights=[good_layer, good_layer])),
+             ("layer 0 input_norm", dict(weights=[{**good_layer, "input_norm": unaligned.copy_(layer.input_layernorm.weight)}])),
+             ("stepwise", dict(stepwise=False, programs=2))]
+    for name, change in cases:
+        with pytest.raises(ValueError, match=name):
+            persistent_decode.PersistentDecode(**{**good, **change})
+    assert persistent_decode.PersistentDecode(**good).num_layers == 1
+    llm.exit()
+
+
+def test_max_resident_counts_registers_threads_and_shared_memory():
+    """An H200's figures (132 SMs, 64 K registers, 2,048 threads, 228 KB of shared memory an SM)."""
+    import types
+    h200 = types.SimpleNamespace(multi_processor_count=132, regs_per_multiprocessor=65536,
+                                 max_threads_per_multi_processor=2048, shared_memory_per_multiprocessor=233472)
+    assert persistent_decode.max_resident(254, 8, 22528, h200) == 132          # registers: one program an SM
+    assert persistent_decode.max_resident(249, 4, 38916, h200) == 264          # 256 a thread, allocated: two
+    assert persistent_decode.max_resident(64, 4, 0, h200) == 132 * 8           # registers: 8 an SM (threads: 16)
+    assert persistent_decode.max_resident(32, 1, 120000, h200) == 132          # shared memory: one

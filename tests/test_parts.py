@@ -328,3 +328,11 @@ def test_the_plan_on_a_gpu_runs_every_kernel_the_reference_parts_allow(monkeypat
     assert not off.ops.kernels.any() and off.ops.attention_backend is triton_backend
     mine = Parts(sampler=parts_spies.sample).resolve(config, "cuda", torch.bfloat16)
     assert mine.graph_sample_rows is None and mine.sampler is parts_spies.sample
+    # decode_kernels="persistent": every kernel and the persistent batch-1 step; refused by name where it can't run.
+    ask = Config(tiny_dir("qwen3"), kvcache_block_size=16, max_model_len=64, max_num_seqs=8, decode_kernels="persistent")
+    assert Parts().resolve(ask, "cuda", torch.bfloat16).ops.kernels == FusedKernels.all(pdl=True, persistent=True)
+    for device, world, parts in (("cpu", 1, Parts()), ("cuda", 2, Parts())):
+        with pytest.raises(ValueError, match="decode_kernels='persistent' needs CUDA with Triton and tensor_parallel"):
+            parts.resolve(ask, device, torch.bfloat16, world_size=world)
+    with pytest.raises(ValueError, match="decode_kernels='persistent' needs every decode kernel"):
+        Parts(add_rms_norm=parts_spies.add_rms_norm).resolve(ask, "cuda", torch.bfloat16)

@@ -30,11 +30,17 @@ Barriers and the interpreter
     loaded with cache_modifier=".cg" (L2, never a stale L1 line). A barrier gives up after MAX_SPIN polls and
     counts that in `err` (a result then is wrong, but nothing hangs). The last program out resets the
     counters, so a CUDA-graph replay starts from zero. Triton's interpreter runs programs one after another,
-    where a barrier would wait forever: `stepwise=True` (forced under the interpreter) launches each phase
-    of each layer as its own kernel instead, with the same code and no barriers.
+    where a barrier of several programs would wait forever: `stepwise=True` (the interpreter's default)
+    launches each phase of each layer as its own kernel instead, with the same code and no barriers; one
+    program (programs=1) runs the fused path there, barriers, exit reset and merge count included. On a GPU the
+    first launch with barriers checks that every program can be resident at once (max_resident) and raises
+    ValueError naming `programs` if not.
 
 Weights are read where the model keeps them: `table` [L, 8] int64 holds each layer's tensor as an element
-offset from one base tensor (all share the model dtype), so no copy or re-layout is made.
+offset from one base tensor (all share the model dtype), so no copy or re-layout is made. The offsets are
+multiples of 16 elements (checked on the host; `_weight` tells the compiler): without that hint Triton cannot
+prove the loads' alignment and issues one 2-byte load per element, not 16-byte vectors (677 of the sm_90
+kernel's global loads were 16-bit before the hint, 5 after: bench/persistent_step.py --compile-check).
 Limits: one sequence, tensor parallel size 1, no linear biases, head_dim even; the model (models/qwen3.py)
 uses it only when FusedKernels.persistent is on and those hold, else its layers run.
 
@@ -82,17 +88,20 @@ def _grid_sync(bar_ptr, err_ptr, target):
     while (seen < target) & (spins < MAX_SPIN):
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
         spins += 1
-    if spins >= MAX_SPIN:
+    if seen < target:                           # gave up (a target reached on the last poll is no give-up)
         tl.atomic_add(err_ptr, 1)
     tl.debug_barrier()
 
 
 @triton.jit
-def _reset_at_exit(bar_ptr, exit_ptr, nprog):
-    """The last program out resets the barrier counters, so the next launch (a graph replay) starts from 0:
-    every program has passed its last barrier once it gets here, so no one polls `bar` any more."""
+def _reset_at_exit(bar_ptr, exit_ptr, nprog, count_ptr, NUM_COUNTS: tl.constexpr):
+    """The last program out resets the barrier counters and the NUM_COUNTS counters at count_ptr, so the next
+    launch (a graph replay) starts from 0 even after one whose barriers gave up: every program has passed its
+    last barrier once it gets here, so no one polls them any more."""
     if tl.atomic_add(exit_ptr, 1, sem="acq_rel") == nprog - 1:
         tl.atomic_xchg(bar_ptr, 0)
+        for i in tl.static_range(NUM_COUNTS):
+            tl.atomic_xchg(count_ptr + i, 0)
         tl.atomic_xchg(exit_ptr, 0)
 
 
@@ -117,6 +126,13 @@ def _prefetch_items(w_ptr, pid, nprog, N, K, BN: tl.constexpr, KC: tl.constexpr,
         _prefetch_l2(ptrs)
         if UP_ROWS > 0:
             _prefetch_l2(ptrs + UP_ROWS * K)
+
+
+@triton.jit
+def _weight(base_ptr, weights, column):
+    """The tensor of `column` in this layer's table row: an element offset from base_ptr that the host checked
+    is a multiple of 16, said here so that the compiler can prove 16-byte alignment and load 8 bf16 at once."""
+    return base_ptr + tl.multiple_of(tl.load(weights + column), 16)
 
 
 @triton.jit
@@ -355,14 +371,14 @@ def _persistent_decode_kernel(
         if PREFETCH:                          # this step's weights into L2 while the barrier waits
             if layer < NUM_LAYERS:
                 if phase == 0:
-                    _prefetch_items(base_ptr + tl.load(weights + 0), pid, nprog, NQKV, HIDDEN, BN_QKV, BLOCK_H, 0)
+                    _prefetch_items(_weight(base_ptr, weights, 0), pid, nprog, NQKV, HIDDEN, BN_QKV, BLOCK_H, 0)
                 elif phase == 2:
-                    _prefetch_items(base_ptr + tl.load(weights + 1), pid, nprog, HIDDEN, Q_SIZE, BN_O, KC_O, 0)
+                    _prefetch_items(_weight(base_ptr, weights, 1), pid, nprog, HIDDEN, Q_SIZE, BN_O, KC_O, 0)
                 elif phase == 3:
-                    _prefetch_items(base_ptr + tl.load(weights + 2), pid, nprog, INTER, HIDDEN, BN_GU, BLOCK_H,
+                    _prefetch_items(_weight(base_ptr, weights, 2), pid, nprog, INTER, HIDDEN, BN_GU, BLOCK_H,
                                     INTER)
                 elif phase == 4:
-                    _prefetch_items(base_ptr + tl.load(weights + 3), pid, nprog, HIDDEN, INTER, BN_DOWN, KC_DOWN, 0)
+                    _prefetch_items(_weight(base_ptr, weights, 3), pid, nprog, HIDDEN, INTER, BN_DOWN, KC_DOWN, 0)
         if not STEPWISE:
             if step > step_lo:
                 _grid_sync(bar_ptr, err_ptr, nprog * (step - step_lo))
@@ -376,31 +392,31 @@ def _persistent_decode_kernel(
                 tl.store(out_ptr + offs, y.to(dtype), mask=mask)
         elif phase == 0:
             normed = _add_norm_phase(d_part, KS_DOWN, resid_ptr + HIDDEN, resid_ptr,
-                                     base_ptr + tl.load(weights + 4), ids_ptr, embed_ptr, pid, eps, layer == 0,
+                                     _weight(base_ptr, weights, 4), ids_ptr, embed_ptr, pid, eps, layer == 0,
                                      HIDDEN, BLOCK_H, dtype, EMULATE)
-            _gemv_phase(normed, base_ptr + tl.load(weights + 0), qkv_ptr, pid, nprog,
+            _gemv_phase(normed, _weight(base_ptr, weights, 0), qkv_ptr, pid, nprog,
                         HIDDEN, NQKV, BLOCK_H, BN_QKV, False, dtype, EMULATE)
         elif phase == 1:
-            kv = layer.to(tl.int64) * layer_stride_kv
-            _attention_phase(qkv_ptr, base_ptr + tl.load(weights + 6), base_ptr + tl.load(weights + 7),
+            kv = tl.multiple_of(layer.to(tl.int64) * layer_stride_kv, 16)   # the host checked the stride
+            _attention_phase(qkv_ptr, _weight(base_ptr, weights, 6), _weight(base_ptr, weights, 7),
                              k_cache_ptr + kv, v_cache_ptr + kv, positions_ptr, slot_ptr, block_table_ptr,
                              context_lens_ptr, cos_sin_ptr, stride_cs, q_scratch, part_out, part_lse, count_ptr,
                              attn_ptr, pid, nprog, eps, qk_scale, num_splits,
                              NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_HALF, BLOCK_D, BLOCK_G, BLOCK_N,
                              BLOCK_S, BLOCK_SIZE, TILE_IN_BLOCK, QK_NORM, CAST_FP32, DOT_PRECISION, dtype, EMULATE)
         elif phase == 2:
-            _split_k_phase(attn_ptr, base_ptr + tl.load(weights + 1), o_part, pid, nprog, HIDDEN, Q_SIZE,
+            _split_k_phase(attn_ptr, _weight(base_ptr, weights, 1), o_part, pid, nprog, HIDDEN, Q_SIZE,
                            BN_O, KC_O)
         elif phase == 3:
-            normed = _add_norm_phase(o_part, KS_O, resid_ptr, resid_ptr + HIDDEN, base_ptr + tl.load(weights + 5),
+            normed = _add_norm_phase(o_part, KS_O, resid_ptr, resid_ptr + HIDDEN, _weight(base_ptr, weights, 5),
                                      ids_ptr, embed_ptr, pid, eps, False, HIDDEN, BLOCK_H, dtype, EMULATE)
-            _gemv_phase(normed, base_ptr + tl.load(weights + 2), act_ptr, pid, nprog,
+            _gemv_phase(normed, _weight(base_ptr, weights, 2), act_ptr, pid, nprog,
                         HIDDEN, INTER, BLOCK_H, BN_GU, True, dtype, EMULATE)
         else:
-            _split_k_phase(act_ptr, base_ptr + tl.load(weights + 3), d_part, pid, nprog, HIDDEN, INTER,
+            _split_k_phase(act_ptr, _weight(base_ptr, weights, 3), d_part, pid, nprog, HIDDEN, INTER,
                            BN_DOWN, KC_DOWN)
     if not STEPWISE:
-        _reset_at_exit(bar_ptr, exit_ptr, nprog)
+        _reset_at_exit(bar_ptr, exit_ptr, nprog, count_ptr, NUM_KV_HEADS)   # with the merge counts
 
 
 def _tile_rows(n: int, k: int, programs: int, max_elems: int) -> int:
@@ -473,8 +489,10 @@ class PersistentDecode:
     embed: [vocab, hidden]; final_norm: [hidden]; eps: the RMSNorm epsilon (one for every norm).
     k_caches, v_caches: per layer [num_blocks, block_size, Hkv, d] views into one cache tensor at a fixed
         stride (engine/kv_cache.allocate_kv_cache); cos_sin_cache [max_position, d] fp32.
-    programs: None = one per SM (a GPU) or 3 (the interpreter); stepwise: None = only under the interpreter.
-    Raises ValueError if the tensors do not fit these layouts.
+    programs: None = one per SM (a GPU) or 3 (the interpreter); stepwise: None = only under the interpreter,
+        where stepwise=False needs programs=1 (its barriers then pass at once: the fused path, testable on a CPU).
+    Raises ValueError naming the argument whose type, shape, dtype, device or alignment does not fit these
+    layouts (weight offsets and the KV stride between layers must be multiples of 16 elements: _weight).
     """
     WEIGHTS = ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm", "k_norm")   # the table's columns
 
@@ -482,27 +500,48 @@ class PersistentDecode:
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], cos_sin_cache: torch.Tensor,
                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  programs: int | None = None, stepwise: bool | None = None):
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_heads % num_kv_heads or head_dim % 2:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) and "
+                             f"head_dim ({head_dim}) even")
+        if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs <= 0):
+            raise ValueError(f"programs must be None or a positive int, got {programs!r}")
+        if not isinstance(embed, torch.Tensor) or embed.dim() != 2 or not embed.is_contiguous():
+            raise ValueError(f"embed: expected a contiguous [vocab, hidden] tensor, got "
+                             f"{tuple(embed.shape) if isinstance(embed, torch.Tensor) else type(embed).__name__}")
         self.num_layers = len(weights)
         if self.num_layers == 0 or len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
             raise ValueError("weights, k_caches and v_caches need one entry per layer (at least one)")
         for i, layer in enumerate(weights):
+            if not isinstance(layer, dict):
+                raise ValueError(f"weights[{i}]: expected a dict of {', '.join(self.WEIGHTS)}, got {type(layer).__name__}")
             missing = [name for name in self.WEIGHTS if name not in layer]
             if missing:
                 raise ValueError(f"weights[{i}] lacks {', '.join(missing)} (each layer needs {', '.join(self.WEIGHTS)})")
-            if layer["gate_up"] is None or layer["gate_up"].dim() != 2:
+            if not isinstance(layer["gate_up"], torch.Tensor) or layer["gate_up"].dim() != 2:
                 raise ValueError(f"layer {i} gate_up: expected a [2I, hidden] tensor")
         self.dtype, self.device = embed.dtype, embed.device
         self.hidden = embed.shape[1]
         self.inter = weights[0]["gate_up"].shape[0] // 2
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        if num_heads % num_kv_heads or head_dim % 2:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) and "
-                             f"head_dim ({head_dim}) even")
         self.qk_norm = weights[0]["q_norm"] is not None
         shapes = {"qkv": ((num_heads + 2 * num_kv_heads) * head_dim, self.hidden),
                   "o": (self.hidden, num_heads * head_dim), "gate_up": (2 * self.inter, self.hidden),
                   "down": (self.hidden, self.inter), "input_norm": (self.hidden,), "post_norm": (self.hidden,),
                   "q_norm": (head_dim,), "k_norm": (head_dim,)}
+
+        def check(what, t, shape, dtype):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_contiguous() or \
+                    t.dtype != dtype or t.device != self.device:
+                got = (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else t
+                raise ValueError(f"{what}: expected a contiguous {shape} {dtype} tensor on {self.device}, got {got}")
+
+        check("final_norm", final_norm, (self.hidden,), self.dtype)
+        if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2:
+            raise ValueError("cos_sin_cache: expected a [max_position, head_dim] float32 tensor")
+        check("cos_sin_cache", cos_sin_cache, (cos_sin_cache.shape[0], head_dim), torch.float32)
         base = embed
         rows = []
         for i, layer in enumerate(weights):
@@ -512,34 +551,45 @@ class PersistentDecode:
                 if t is None and name in ("q_norm", "k_norm") and not self.qk_norm:
                     row.append(0)                               # never read (QK_NORM off)
                     continue
-                if t is None or tuple(t.shape) != shapes[name] or not t.is_contiguous() or \
-                        t.dtype != self.dtype or t.device != self.device:
-                    raise ValueError(f"layer {i} {name}: expected a contiguous {shapes[name]} {self.dtype} tensor on "
-                                     f"{self.device}, got {None if t is None else (tuple(t.shape), t.dtype)}")
+                check(f"layer {i} {name}", t, shapes[name], self.dtype)
                 offset, rem = divmod(t.data_ptr() - base.data_ptr(), t.element_size())
-                if rem:
-                    raise ValueError(f"layer {i} {name} is not aligned to its element size")
+                # The kernel tells the compiler each offset is a multiple of 16 elements (_weight): then its
+                # loads are 16-byte vectors. Separate allocations (as the model's parameters are) always are.
+                if rem or offset % 16:
+                    raise ValueError(f"layer {i} {name}: its address is not a multiple of 16 elements from embed's")
                 row.append(offset)
             rows.append(row)
         self.table = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self.embed, self.final_norm, self.eps, self.cos_sin = embed, final_norm, float(eps), cos_sin_cache
+        cache_shape = k_caches[0].shape if isinstance(k_caches[0], torch.Tensor) else None
+        if cache_shape is None or len(cache_shape) != 4 or tuple(cache_shape[2:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"k_caches, v_caches: expected [num_blocks, block_size, {num_kv_heads}, {head_dim}] "
+                             f"tensors, got {None if cache_shape is None else tuple(cache_shape)}")
+        for caches, which in ((k_caches, "k_caches"), (v_caches, "v_caches")):
+            for i, c in enumerate(caches):
+                check(f"{which}[{i}]", c, tuple(cache_shape), self.dtype)
         self.k_cache, self.v_cache = k_caches[0], v_caches[0]
         stride = k_caches[1].data_ptr() - k_caches[0].data_ptr() if self.num_layers > 1 else 0
+        layer_bytes = k_caches[0].numel() * k_caches[0].element_size()
+        if self.num_layers > 1 and abs(stride) < layer_bytes:
+            raise ValueError("k_caches: the layers' caches overlap (one tensor for several layers?)")
         for i in range(self.num_layers):
             for caches in (k_caches, v_caches):
-                if caches[i].data_ptr() - caches[0].data_ptr() != i * stride or not caches[i].is_contiguous():
-                    raise ValueError("the per-layer KV caches must be contiguous views at one fixed stride")
-        if v_caches[0].shape != k_caches[0].shape or tuple(k_caches[0].shape[2:]) != (num_kv_heads, head_dim):
-            raise ValueError(f"k/v caches must be [num_blocks, block_size, {num_kv_heads}, {head_dim}]")
-        self.layer_stride_kv = stride // k_caches[0].element_size()
+                if caches[i].data_ptr() - caches[0].data_ptr() != i * stride:
+                    raise ValueError("k_caches, v_caches: the per-layer caches must be views at one fixed stride "
+                                     "(engine/kv_cache.allocate_kv_cache)")
+        self.layer_stride_kv, rem = divmod(stride, k_caches[0].element_size())
+        if rem or self.layer_stride_kv % 16:
+            raise ValueError("k_caches: the stride between layers' caches must be a multiple of 16 elements")
         self.block_size = k_caches[0].shape[1]
         self.qk_scale = scale * LOG2E
         gpu = self.device.type == "cuda" and not interpreting()
         if programs is None:
             programs = torch.cuda.get_device_properties(self.device).multi_processor_count if gpu else 3
         self.stepwise = (not gpu) if stepwise is None else bool(stepwise)
-        if not gpu and not self.stepwise:
-            raise ValueError("stepwise=False needs a GPU: the interpreter runs programs one after another")
+        if not gpu and not self.stepwise and programs != 1:
+            raise ValueError("stepwise=False needs a GPU or programs=1: the interpreter runs programs one after "
+                             "another, so a barrier of several would wait forever")
         self.config = choose_config(self.hidden, self.inter, num_heads, num_kv_heads, head_dim, programs, gpu)
         c, dev, f32 = self.config, self.device, torch.float32
         block_g = max(16, triton.next_power_of_2(num_heads // num_kv_heads)) if gpu else \
@@ -557,6 +607,7 @@ class PersistentDecode:
         self.d_part = torch.empty(triton.cdiv(self.inter, c.kc_down), self.hidden, dtype=f32, device=dev)
         # counters: [0] barrier, [1] exit, [2] barrier give-ups, [3:] merge counts per KV head
         self.counters = torch.zeros(3 + num_kv_heads, dtype=torch.int32, device=dev)
+        self._resident_checked = None           # the config whose programs were checked to fit (GPU, first launch)
 
     @property
     def errors(self) -> torch.Tensor:
@@ -568,12 +619,43 @@ class PersistentDecode:
         """One decode step of one sequence: input_ids, positions [1] int64, slot_mapping [1] int32,
         block_tables [1, max_blocks] int32, context_lens [1] int32 (this token included) -> the final
         normed hidden state [1, hidden] in the model dtype; writes the token's k, v into every layer's cache.
-        No host synchronisation (safe in a CUDA graph). Raises ValueError for a batch of more than one."""
-        if input_ids.shape != (1,) or block_tables.dim() != 2 or block_tables.shape[0] != 1:
-            raise ValueError(f"the persistent decode step takes one sequence, got input_ids {tuple(input_ids.shape)}")
+        No host synchronisation (safe in a CUDA graph), so on a GPU the values are the caller's contract, as
+        for the layers' kernels (the scheduler makes them); on the CPU they are checked too.
+        Raises ValueError naming the argument whose shape, dtype, device or (CPU) value does not fit, and
+        for `programs` more than the GPU keeps resident at once (the grid barriers would give up)."""
+        self.check_inputs(input_ids, positions, slot_mapping, block_tables, context_lens)
         steps = self.num_layers * PHASES + 1
         spans = [(s, s + 1) for s in range(steps)] if self.stepwise else [(0, steps)]
         return self.run_steps(spans, self.stepwise, input_ids, positions, slot_mapping, block_tables, context_lens)
+
+    def check_inputs(self, input_ids, positions, slot_mapping, block_tables, context_lens) -> None:
+        """The checks of __call__ (above): ValueError naming the first argument that does not fit."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.shape != (1,):
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids: the persistent decode step takes one sequence's token, shape (1,), got {shape}")
+        for name, t, shape in (("input_ids", input_ids, (1,)), ("positions", positions, (1,)),
+                               ("slot_mapping", slot_mapping, (1,)), ("context_lens", context_lens, (1,)),
+                               ("block_tables", block_tables, None)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or \
+                    t.device != self.device or (shape is not None and tuple(t.shape) != shape) or \
+                    (shape is None and (t.dim() != 2 or t.shape[0] != 1 or t.shape[1] == 0)):
+                got = (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
+                want = "[1, max_blocks]" if shape is None else "[1]"
+                raise ValueError(f"{name}: expected an int32 or int64 {want} tensor on {self.device} (one sequence), "
+                                 f"got {got}")
+        if self.device.type == "cpu":                          # free to read here (no device to wait on)
+            ctx, pos = int(context_lens[0]), int(positions[0])
+            capacity = block_tables.shape[1] * self.block_size
+            if not 1 <= ctx <= min(capacity, self.cos_sin.shape[0]):
+                raise ValueError(f"context_lens: {ctx} is outside 1..{min(capacity, self.cos_sin.shape[0])} (the "
+                                 f"block table holds {capacity} tokens, the RoPE cache {self.cos_sin.shape[0]})")
+            if pos != ctx - 1:
+                raise ValueError(f"positions: a decode step's token is at context_lens - 1 = {ctx - 1}, got {pos}")
+            slots = self.k_cache.shape[0] * self.block_size
+            if not 0 <= int(slot_mapping[0]) < slots:
+                raise ValueError(f"slot_mapping: {int(slot_mapping[0])} is outside the cache's 0..{slots - 1}")
+            if not 0 <= int(input_ids[0]) < self.embed.shape[0]:
+                raise ValueError(f"input_ids: token {int(input_ids[0])} is outside the vocabulary 0..{self.embed.shape[0] - 1}")
 
     def run_steps(self, spans, stepwise: bool, input_ids, positions, slot_mapping, block_tables, context_lens):
         """Launch the kernel once per (first, last + 1) step range in `spans` (step = layer * PHASES + phase),
@@ -583,13 +665,13 @@ class PersistentDecode:
         c = self.config
         emulate = interpreting()
         for lo, hi in spans:
-            _persistent_decode_kernel[(c.programs,)](
-                self.embed, self.table, self.embed, self.final_norm, input_ids, out,
-                self.k_cache, self.v_cache, self.layer_stride_kv,
-                positions, slot_mapping, block_tables, context_lens, self.cos_sin, self.cos_sin.stride(0),
-                self.resid, self.qkv, self.q_scratch, self.part_out, self.part_lse, self.counters[3:], self.attn,
-                self.o_part, self.act, self.d_part, self.counters[0:1], self.counters[1:2], self.counters[2:3],
-                self.eps, self.qk_scale, c.num_splits, lo, hi,
+            args = (self.embed, self.table, self.embed, self.final_norm, input_ids, out,
+                    self.k_cache, self.v_cache, self.layer_stride_kv,
+                    positions, slot_mapping, block_tables, context_lens, self.cos_sin, self.cos_sin.stride(0),
+                    self.resid, self.qkv, self.q_scratch, self.part_out, self.part_lse, self.counters[3:], self.attn,
+                    self.o_part, self.act, self.d_part, self.counters[0:1], self.counters[1:2], self.counters[2:3],
+                    self.eps, self.qk_scale, c.num_splits, lo, hi)
+            meta = dict(
                 NUM_LAYERS=self.num_layers, HIDDEN=self.hidden, INTER=self.inter, NUM_HEADS=self.num_heads,
                 NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
                 BLOCK_H=triton.next_power_of_2(self.hidden), BLOCK_HALF=triton.next_power_of_2(self.head_dim // 2),
@@ -600,6 +682,31 @@ class PersistentDecode:
                 KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=stepwise,
                 PREFETCH=c.prefetch and not emulate, CAST_FP32=emulate,
                 EMULATE=emulate, DOT_PRECISION="ieee" if (self.dtype == torch.float32 or emulate) else "tf32",
-                num_warps=c.num_warps,
-            )
+                num_warps=c.num_warps)
+            if not stepwise and not emulate and self._resident_checked != c:
+                # Before the first launch with barriers: every program must fit on the GPU at once.
+                compiled = _persistent_decode_kernel.warmup(*args, grid=(c.programs,), **meta)
+                compiled._init_handles()
+                props = torch.cuda.get_device_properties(self.device)
+                fits = max_resident(compiled.n_regs, c.num_warps, compiled.metadata.shared, props)
+                if c.programs > fits:
+                    raise ValueError(f"programs: {c.programs} programs of {c.num_warps} warps, {compiled.n_regs} "
+                                     f"registers and {compiled.metadata.shared} bytes of shared memory each; this "
+                                     f"GPU keeps at most {fits} resident at once, and the grid barriers need all")
+                self._resident_checked = c
+            _persistent_decode_kernel[(c.programs,)](*args, **meta)
         return out
+
+
+def max_resident(regs_per_thread: int, num_warps: int, shared_bytes: int, props) -> int:
+    """Programs of one kernel an NVIDIA GPU keeps resident at once: per SM the least of what its registers
+    (allocated per warp in units of 256), threads, shared memory and block slots allow, times its SMs.
+    props: torch.cuda.get_device_properties (the sm_90 figures stand in for any it lacks)."""
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    shared_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    blocks_sm = getattr(props, "max_blocks_per_multi_processor", 32)
+    regs_warp = -(-max(regs_per_thread, 1) * 32 // 256) * 256
+    per_sm = min(regs_sm // (regs_warp * num_warps), threads_sm // (32 * num_warps), blocks_sm,
+                 shared_sm // shared_bytes if shared_bytes else blocks_sm)
+    return per_sm * props.multi_processor_count

@@ -189,7 +189,7 @@ class DecoderModel(nn.Module):
                                 or getattr(config, "mlp_bias", False)):
             raise ValueError("FusedKernels.persistent needs tensor parallel size 1 and a model without attention_bias "
                              "or mlp_bias (the persistent step has neither)")
-        self._persistent_step, self._persistent_key = None, None
+        self._persistent_step, self._persistent_key, self._retired_steps = None, None, []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.persistent and input_ids.shape[0] == 1:
@@ -217,6 +217,9 @@ class DecoderModel(nn.Module):
                         "q_norm": a.q_norm.weight if a.qk_norm else None,
                         "k_norm": a.k_norm.weight if a.qk_norm else None} for a, layer in zip(attns, self.layers)]
             a = attns[0]
+            if self._persistent_step is not None:
+                # A CUDA graph captured with the old step still points at its scratch: keep that alive.
+                self._retired_steps.append(self._persistent_step)
             self._persistent_step = PersistentDecode(
                 weights, self.embed_tokens.weight, self.norm.weight, self.norm.eps,
                 [x.attn.k_cache for x in attns], [x.attn.v_cache for x in attns], a.rotary_emb.cos_sin_cache,
