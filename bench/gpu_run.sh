@@ -142,7 +142,14 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ]; then   # i
       step "grid barrier and persistent GEMV chain (bench/persistent_probe.py)"
       timeout ${PROBE_S:-120} python3 bench/persistent_probe.py --out "$OUT/persistent_probe.json" 2>&1 | grep -v '^ \|^[{}]' | tail -8
       step "the persistent step against the layers, Qwen3-0.6B shape, bf16 (bench/persistent_step.py)"
-      timeout ${STEP_S:-200} python3 bench/persistent_step.py --out "$OUT/persistent_step.json" 2>&1 | tail -12
+      # STEP_ARGS: more options (e.g. --breakdown --variants '[...]'); STEP2_ARGS: a second run (persistent_step2.json)
+      eval "timeout ${STEP_S:-200} python3 bench/persistent_step.py --out $OUT/persistent_step.json ${STEP_ARGS:-}" 2>&1 \
+        | tail -${STEP_TAIL:-12}
+      if [ -n "${STEP2_ARGS:-}" ]; then
+        step "the persistent step, second run: ${STEP2_ARGS}"
+        eval "timeout ${STEP2_S:-120} python3 bench/persistent_step.py --out $OUT/persistent_step2.json ${STEP2_ARGS}" 2>&1 \
+          | tail -${STEP_TAIL:-12}
+      fi
       # No A/B when the step was wrong or its barriers gave up (the engine would run the same kernel).
       python3 -c "import json, sys; c = json.load(open(sys.argv[1]))['cases']; sys.exit(0 if c and all(r.get('layers_us') for r in c) else 1)" \
         "$OUT/persistent_step.json" || { step "done (the persistent step failed its checks: no A/B)"; exit 0; }

@@ -65,15 +65,15 @@ def compile_check(out: str) -> int:
     sig = dict(base_ptr=bf, table_ptr=i64, embed_ptr=bf, final_norm_ptr=bf, ids_ptr=i64, out_ptr=bf,
                k_cache_ptr=bf, v_cache_ptr=bf, layer_stride_kv="i64", positions_ptr=i64, slot_ptr=i32,
                block_table_ptr=i32, context_lens_ptr=i32, cos_sin_ptr=f32, stride_cs="i32", resid_ptr=bf,
-               qkv_ptr=bf, q_scratch=bf, part_out=f32, part_lse=f32, count_ptr=i32, attn_ptr=bf, o_part=f32,
+               qkv_ptr=bf, part_out=f32, part_lse=f32, count_ptr=i32, attn_ptr=bf, o_part=f32,
                act_ptr=bf, d_part=f32, bar_ptr=i32, exit_ptr=i32, err_ptr=i32, eps="fp32", qk_scale="fp32",
                num_splits="i32", step_lo="i32", step_hi="i32")
     consts = dict(NUM_LAYERS=28, HIDDEN=s["hidden"], INTER=s["inter"], NUM_HEADS=s["heads"],
                   NUM_KV_HEADS=s["kv_heads"], HEAD_DIM=s["head_dim"], BLOCK_H=triton.next_power_of_2(s["hidden"]),
-                  BLOCK_HALF=s["head_dim"] // 2, BLOCK_D=s["head_dim"], BLOCK_G=16, BLOCK_N=cfg.block_n,
+                  BLOCK_D=s["head_dim"], BLOCK_G=16, BLOCK_N=cfg.block_n,
                   BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_SIZE=256, TILE_IN_BLOCK=True,
                   BN_QKV=cfg.bn_qkv, BN_O=cfg.bn_o, KC_O=cfg.kc_o, BN_GU=cfg.bn_gate_up, BN_DOWN=cfg.bn_down,
-                  KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, PREFETCH=True, CAST_FP32=False,
+                  KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, PREFETCH=True, PREFETCH_AHEAD=1, PREFETCH_KV=True, CAST_FP32=False,
                   EMULATE=False, DOT_PRECISION="tf32")
     full = {**sig, **{k: "constexpr" for k in consts}}
     # As a launch specialises them: every pointer (torch allocations are 16-byte aligned) and stride_cs (a

@@ -136,6 +136,29 @@ def _weight(base_ptr, weights, column):
 
 
 @triton.jit
+def _prefetch_kv(k_cache, v_cache, table_ptr, context_lens_ptr, pid, nprog, num_splits,
+                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """L2 prefetch of the cached key and value rows this program's attention items (KV head, split) will read,
+    split as _attention_phase splits them (positions clamped into the context: no -1 block-table entry)."""
+    LINES: tl.constexpr = triton.next_power_of_2((HEAD_DIM + 63) // 64)   # 128-byte lines of a bf16 head row
+    KV_ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    context_len = tl.load(context_lens_ptr)
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tl.minimum(tl.arange(0, LINES) * 64, HEAD_DIM - 1)
+    for item in range(pid, NUM_KV_HEADS * num_splits, nprog):
+        kv_head = item // num_splits
+        start = (item % num_splits) * tiles_per_split * BLOCK_N
+        end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
+        for tile_start in range(start, end, BLOCK_N):
+            pos = tl.minimum(tile_start + offs_n, end - 1)
+            block_id = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
+            ptrs = (block_id * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * KV_ROW + kv_head * HEAD_DIM + cols[None, :]
+            _prefetch_l2(k_cache + ptrs)
+            _prefetch_l2(v_cache + ptrs)
+
+
+@triton.jit
 def _load_row(ptr, offs, mask, CG: tl.constexpr):
     """fp32 values at ptr + offs; CG: written by another program in this launch (read from L2)."""
     if CG:
@@ -222,28 +245,27 @@ def _split_k_phase(x_ptr, w_ptr, part_ptr, pid, nprog, N: tl.constexpr, K: tl.co
 
 
 @triton.jit
-def _norm_rope_halves(x1, x2, w_ptr, cos, sin, offs_h, h_mask, eps,
-                      HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
-                      dtype: tl.constexpr, EMULATE: tl.constexpr):
-    """Rows of heads as halves [R, BLOCK_HALF]: per-head RMSNorm (Qwen3) then rotate-half RoPE, rounded as
-    kernels/qk_norm_rope_store.py rounds. Returns the two rotated halves (fp32)."""
+def _norm_rope_rows(x, x_rot, w_ptr, cos, sin_signed, offs_d, rot_d, d_mask, eps,
+                    HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """Rows of heads [R, BLOCK_D] (fp32) and the same rows rotated by half a head (x_rot[:, d] = x[:, rot_d]):
+    per-head RMSNorm (Qwen3) then rotate-half RoPE, x * cos + x_rot * sin_signed (sin_signed = -sin in the
+    first half), rounded as kernels/qk_norm_rope_store.py rounds. Whole rows, so the result is already the
+    [heads, d] operand tl.dot takes (no staging through memory). Returns fp32 [R, BLOCK_D]."""
     if QK_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
-        w1 = tl.load(w_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-        x1 = round_to(w1[None, :] * round_to(x1 * rstd[:, None], dtype, EMULATE), dtype, EMULATE)
-        x2 = round_to(w2[None, :] * round_to(x2 * rstd[:, None], dtype, EMULATE), dtype, EMULATE)
-    r1 = round_to(x1 * cos[None, :] - x2 * sin[None, :], dtype, EMULATE)
-    r2 = round_to(x2 * cos[None, :] + x1 * sin[None, :], dtype, EMULATE)
-    return r1, r2
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+        w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        w_rot = tl.load(w_ptr + rot_d, mask=d_mask, other=0.0).to(tl.float32)
+        x = round_to(w[None, :] * round_to(x * rstd[:, None], dtype, EMULATE), dtype, EMULATE)
+        x_rot = round_to(w_rot[None, :] * round_to(x_rot * rstd[:, None], dtype, EMULATE), dtype, EMULATE)
+    return round_to(x * cos[None, :] + x_rot * sin_signed[None, :], dtype, EMULATE)
 
 
 @triton.jit
 def _attention_phase(qkv_ptr, q_norm_w, k_norm_w, k_cache, v_cache, positions_ptr, slot_ptr, table_ptr,
-                     context_lens_ptr, cos_sin_ptr, stride_cs, q_scratch, part_out, part_lse, count_ptr,
+                     context_lens_ptr, cos_sin_ptr, stride_cs, part_out, part_lse, count_ptr,
                      attn_ptr, pid, nprog, eps, qk_scale, num_splits,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      TILE_IN_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, CAST_FP32: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, dtype: tl.constexpr, EMULATE: tl.constexpr):
@@ -251,57 +273,47 @@ def _attention_phase(qkv_ptr, q_norm_w, k_norm_w, k_cache, v_cache, positions_pt
     KV_ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM            # a cache slot holds [Hkv, d]
     context_len = tl.load(context_lens_ptr)
     pos = tl.load(positions_ptr).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_HALF)
-    h_mask = offs_h < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_h, mask=h_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_h, mask=h_mask, other=0.0)
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    rot_d = (offs_d + HALF) % HEAD_DIM                         # the partner of d in rotate-half RoPE
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d % HALF, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d % HALF, mask=d_mask, other=0.0)
+    sin_signed = tl.where(offs_d < HALF, -sin, sin)
     offs_n = tl.arange(0, BLOCK_N)
     num_tiles = tl.cdiv(context_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     last = context_len - 1                                     # the newest position: this step's token
-    scratch = q_scratch + pid * (BLOCK_G * BLOCK_D)
     for item in range(pid, NUM_KV_HEADS * num_splits, nprog):
         kv_head = item // num_splits
         split = item % num_splits
         start = split * tiles_per_split * BLOCK_N
         end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
-        # q of the group's heads: normed and rotated, staged in this program's scratch as whole rows for tl.dot
+        # q of the group's heads, normed and rotated in registers (rows [BLOCK_G, BLOCK_D] for tl.dot)
         heads = kv_head * GROUP + offs_g
-        hm = g_mask[:, None] & h_mask[None, :]
-        q1 = tl.load(qkv_ptr + heads[:, None] * HEAD_DIM + offs_h[None, :], mask=hm, other=0.0,
-                     cache_modifier=".cg").to(tl.float32)
-        q2 = tl.load(qkv_ptr + heads[:, None] * HEAD_DIM + HALF + offs_h[None, :], mask=hm, other=0.0,
-                     cache_modifier=".cg").to(tl.float32)
-        q1, q2 = _norm_rope_halves(q1, q2, q_norm_w, cos, sin, offs_h, h_mask, eps, HEAD_DIM, HALF, QK_NORM,
-                                   dtype, EMULATE)
-        tl.debug_barrier()                                     # the last item's reads of scratch are done
-        tl.store(scratch + offs_g[:, None] * BLOCK_D + offs_h[None, :], q1.to(dtype), mask=hm)
-        tl.store(scratch + offs_g[:, None] * BLOCK_D + HALF + offs_h[None, :], q2.to(dtype), mask=hm)
-        if (start <= last) & (last < end):
-            # This split holds the token's own position: store its k (normed, rotated) and v first.
-            k_col = (NUM_HEADS + kv_head) * HEAD_DIM
-            k1 = tl.load(qkv_ptr + k_col + offs_h[None, :], mask=h_mask[None, :], other=0.0,
-                         cache_modifier=".cg").to(tl.float32)
-            k2 = tl.load(qkv_ptr + k_col + HALF + offs_h[None, :], mask=h_mask[None, :], other=0.0,
-                         cache_modifier=".cg").to(tl.float32)
-            k1, k2 = _norm_rope_halves(k1, k2, k_norm_w, cos, sin, offs_h, h_mask, eps, HEAD_DIM, HALF,
-                                       QK_NORM, dtype, EMULATE)
-            slot = tl.load(slot_ptr).to(tl.int64)
-            dst = slot * KV_ROW + kv_head * HEAD_DIM
-            tl.store(k_cache + dst + offs_h[None, :], k1.to(dtype), mask=h_mask[None, :])
-            tl.store(k_cache + dst + HALF + offs_h[None, :], k2.to(dtype), mask=h_mask[None, :])
-            v_col = k_col + KV_ROW
-            v = tl.load(qkv_ptr + v_col + offs_d, mask=d_mask, other=0.0, cache_modifier=".cg")
-            tl.store(v_cache + dst + offs_d, v, mask=d_mask)
-        tl.debug_barrier()                                     # scratch and the new k, v seen by every thread
-        q = tl.load(scratch + offs_g[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        qm = g_mask[:, None] & d_mask[None, :]
+        q_rows = qkv_ptr + heads[:, None] * HEAD_DIM
+        q = tl.load(q_rows + offs_d[None, :], mask=qm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        q_rot = tl.load(q_rows + rot_d[None, :], mask=qm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        q = _norm_rope_rows(q, q_rot, q_norm_w, cos, sin_signed, offs_d, rot_d, d_mask, eps, HEAD_DIM, QK_NORM,
+                            dtype, EMULATE).to(dtype)
         if CAST_FP32:
             q = q.to(tl.float32)
+        if (start <= last) & (last < end):
+            # This split holds the token's own position: store its k (normed, rotated) and v first.
+            k_row = qkv_ptr + (NUM_HEADS + kv_head) * HEAD_DIM
+            k = tl.load(k_row + offs_d[None, :], mask=d_mask[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+            k_rot = tl.load(k_row + rot_d[None, :], mask=d_mask[None, :], other=0.0,
+                            cache_modifier=".cg").to(tl.float32)
+            k = _norm_rope_rows(k, k_rot, k_norm_w, cos, sin_signed, offs_d, rot_d, d_mask, eps, HEAD_DIM, QK_NORM,
+                                dtype, EMULATE)
+            slot = tl.load(slot_ptr).to(tl.int64)
+            dst = slot * KV_ROW + kv_head * HEAD_DIM
+            tl.store(k_cache + dst + offs_d[None, :], k.to(dtype), mask=d_mask[None, :])
+            v = tl.load(k_row + KV_ROW + offs_d, mask=d_mask, other=0.0, cache_modifier=".cg")
+            tl.store(v_cache + dst + offs_d, v, mask=d_mask)
+            tl.debug_barrier()                                 # the new k, v seen by every thread of the program
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -345,15 +357,16 @@ def _persistent_decode_kernel(
     base_ptr, table_ptr, embed_ptr, final_norm_ptr, ids_ptr, out_ptr,
     k_cache_ptr, v_cache_ptr, layer_stride_kv,
     positions_ptr, slot_ptr, block_table_ptr, context_lens_ptr, cos_sin_ptr, stride_cs,
-    resid_ptr, qkv_ptr, q_scratch, part_out, part_lse, count_ptr, attn_ptr, o_part, act_ptr, d_part,
+    resid_ptr, qkv_ptr, part_out, part_lse, count_ptr, attn_ptr, o_part, act_ptr, d_part,
     bar_ptr, exit_ptr, err_ptr, eps, qk_scale, num_splits, step_lo, step_hi,
     NUM_LAYERS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, KC_O: tl.constexpr, BN_GU: tl.constexpr,
     BN_DOWN: tl.constexpr, KC_DOWN: tl.constexpr,
-    PHASES: tl.constexpr, QK_NORM: tl.constexpr, STEPWISE: tl.constexpr, PREFETCH: tl.constexpr, CAST_FP32: tl.constexpr, EMULATE: tl.constexpr,
+    PHASES: tl.constexpr, QK_NORM: tl.constexpr, STEPWISE: tl.constexpr, PREFETCH: tl.constexpr,
+    PREFETCH_AHEAD: tl.constexpr, PREFETCH_KV: tl.constexpr, CAST_FP32: tl.constexpr, EMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -368,17 +381,28 @@ def _persistent_decode_kernel(
         layer = step // PHASES
         phase = step % PHASES
         weights = table_ptr + layer * 8       # columns: PersistentDecode.WEIGHTS
-        if PREFETCH:                          # this step's weights into L2 while the barrier waits
-            if layer < NUM_LAYERS:
-                if phase == 0:
-                    _prefetch_items(_weight(base_ptr, weights, 0), pid, nprog, NQKV, HIDDEN, BN_QKV, BLOCK_H, 0)
-                elif phase == 2:
-                    _prefetch_items(_weight(base_ptr, weights, 1), pid, nprog, HIDDEN, Q_SIZE, BN_O, KC_O, 0)
-                elif phase == 3:
-                    _prefetch_items(_weight(base_ptr, weights, 2), pid, nprog, INTER, HIDDEN, BN_GU, BLOCK_H,
+        if PREFETCH:
+            # Into L2 while the barrier waits: what step + PREFETCH_AHEAD reads from HBM that no earlier step
+            # writes (its weights; with PREFETCH_KV the attention's cached keys and values). 0 = this step.
+            ahead = step + PREFETCH_AHEAD
+            p_layer = ahead // PHASES
+            p_phase = ahead % PHASES
+            if (p_layer < NUM_LAYERS) & (ahead < step_hi):
+                p_weights = table_ptr + p_layer * 8
+                if p_phase == 0:
+                    _prefetch_items(_weight(base_ptr, p_weights, 0), pid, nprog, NQKV, HIDDEN, BN_QKV, BLOCK_H, 0)
+                elif p_phase == 1:
+                    if PREFETCH_KV:
+                        p_kv = tl.multiple_of(p_layer.to(tl.int64) * layer_stride_kv, 16)
+                        _prefetch_kv(k_cache_ptr + p_kv, v_cache_ptr + p_kv, block_table_ptr, context_lens_ptr,
+                                     pid, nprog, num_splits, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, BLOCK_SIZE)
+                elif p_phase == 2:
+                    _prefetch_items(_weight(base_ptr, p_weights, 1), pid, nprog, HIDDEN, Q_SIZE, BN_O, KC_O, 0)
+                elif p_phase == 3:
+                    _prefetch_items(_weight(base_ptr, p_weights, 2), pid, nprog, INTER, HIDDEN, BN_GU, BLOCK_H,
                                     INTER)
-                elif phase == 4:
-                    _prefetch_items(_weight(base_ptr, weights, 3), pid, nprog, HIDDEN, INTER, BN_DOWN, KC_DOWN, 0)
+                else:
+                    _prefetch_items(_weight(base_ptr, p_weights, 3), pid, nprog, HIDDEN, INTER, BN_DOWN, KC_DOWN, 0)
         if not STEPWISE:
             if step > step_lo:
                 _grid_sync(bar_ptr, err_ptr, nprog * (step - step_lo))
@@ -400,9 +424,9 @@ def _persistent_decode_kernel(
             kv = tl.multiple_of(layer.to(tl.int64) * layer_stride_kv, 16)   # the host checked the stride
             _attention_phase(qkv_ptr, _weight(base_ptr, weights, 6), _weight(base_ptr, weights, 7),
                              k_cache_ptr + kv, v_cache_ptr + kv, positions_ptr, slot_ptr, block_table_ptr,
-                             context_lens_ptr, cos_sin_ptr, stride_cs, q_scratch, part_out, part_lse, count_ptr,
+                             context_lens_ptr, cos_sin_ptr, stride_cs, part_out, part_lse, count_ptr,
                              attn_ptr, pid, nprog, eps, qk_scale, num_splits,
-                             NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_HALF, BLOCK_D, BLOCK_G, BLOCK_N,
+                             NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_D, BLOCK_G, BLOCK_N,
                              BLOCK_S, BLOCK_SIZE, TILE_IN_BLOCK, QK_NORM, CAST_FP32, DOT_PRECISION, dtype, EMULATE)
         elif phase == 2:
             _split_k_phase(attn_ptr, _weight(base_ptr, weights, 1), o_part, pid, nprog, HIDDEN, Q_SIZE,
@@ -462,7 +486,9 @@ class PersistentConfig:
     kc_down: int
     block_n: int
     num_warps: int
-    prefetch: bool = False          # ask for each phase's weights into L2 before its barrier (GPU only)
+    prefetch: bool = False          # ask for each phase's weights into L2 before a barrier (GPU only)
+    prefetch_ahead: int = 0         # ... of the step this many steps on (0: the step after this barrier)
+    prefetch_kv: bool = False       # ... and the attention phase's cached keys and values
 
 
 def choose_config(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -477,11 +503,11 @@ def choose_config(hidden: int, inter: int, num_heads: int, num_kv_heads: int, he
         programs=programs, num_splits=max(1, programs // num_kv_heads),
         bn_qkv=_tile_rows(nqkv, bh, programs, 16384), bn_o=bn_o, kc_o=kc_o,
         bn_gate_up=_tile_rows(inter, bh, programs, 8192), bn_down=bn_down, kc_down=kc_down,
-        block_n=64 if gpu else 16, num_warps=8 if gpu else 1)
+        block_n=64 if gpu else 16, num_warps=8 if gpu else 1, prefetch=gpu, prefetch_ahead=1, prefetch_kv=True)
 
 
 class PersistentDecode:
-    """One model's persistent batch-1 decode step: its weight table, scratch and launch shape, made once.
+    """One model's persistent batch-1 decode step: its weight table, work buffers and launch shape, made once.
 
     weights: per layer a dict with "qkv" [Nqkv, hidden], "o" [hidden, H * d], "gate_up" [2I, hidden],
         "down" [hidden, I], "input_norm", "post_norm" [hidden], and "q_norm", "k_norm" [d] (Qwen3) or None;
@@ -597,8 +623,6 @@ class PersistentDecode:
         self.block_g = block_g
         self.resid = torch.empty(2, self.hidden, dtype=self.dtype, device=dev)
         self.qkv = torch.empty(shapes["qkv"][0], dtype=self.dtype, device=dev)
-        self.q_scratch = torch.zeros(c.programs, block_g, triton.next_power_of_2(head_dim), dtype=self.dtype,
-                                     device=dev)
         self.part_out = torch.empty(num_heads, c.num_splits, head_dim, dtype=f32, device=dev)
         self.part_lse = torch.empty(num_heads, c.num_splits, dtype=f32, device=dev)
         self.attn = torch.empty(num_heads * head_dim, dtype=self.dtype, device=dev)
@@ -668,19 +692,20 @@ class PersistentDecode:
             args = (self.embed, self.table, self.embed, self.final_norm, input_ids, out,
                     self.k_cache, self.v_cache, self.layer_stride_kv,
                     positions, slot_mapping, block_tables, context_lens, self.cos_sin, self.cos_sin.stride(0),
-                    self.resid, self.qkv, self.q_scratch, self.part_out, self.part_lse, self.counters[3:], self.attn,
+                    self.resid, self.qkv, self.part_out, self.part_lse, self.counters[3:], self.attn,
                     self.o_part, self.act, self.d_part, self.counters[0:1], self.counters[1:2], self.counters[2:3],
                     self.eps, self.qk_scale, c.num_splits, lo, hi)
             meta = dict(
                 NUM_LAYERS=self.num_layers, HIDDEN=self.hidden, INTER=self.inter, NUM_HEADS=self.num_heads,
                 NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
-                BLOCK_H=triton.next_power_of_2(self.hidden), BLOCK_HALF=triton.next_power_of_2(self.head_dim // 2),
+                BLOCK_H=triton.next_power_of_2(self.hidden),
                 BLOCK_D=triton.next_power_of_2(self.head_dim), BLOCK_G=self.block_g, BLOCK_N=c.block_n,
                 BLOCK_S=triton.next_power_of_2(c.num_splits), BLOCK_SIZE=self.block_size,
                 TILE_IN_BLOCK=self.block_size % c.block_n == 0,
                 BN_QKV=c.bn_qkv, BN_O=c.bn_o, KC_O=c.kc_o, BN_GU=c.bn_gate_up, BN_DOWN=c.bn_down,
                 KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=stepwise,
-                PREFETCH=c.prefetch and not emulate, CAST_FP32=emulate,
+                PREFETCH=c.prefetch and not emulate, PREFETCH_AHEAD=c.prefetch_ahead, PREFETCH_KV=c.prefetch_kv,
+                CAST_FP32=emulate,
                 EMULATE=emulate, DOT_PRECISION="ieee" if (self.dtype == torch.float32 or emulate) else "tf32",
                 num_warps=c.num_warps)
             if not stepwise and not emulate and self._resident_checked != c:
