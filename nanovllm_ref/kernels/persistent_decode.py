@@ -137,10 +137,11 @@ def _weight(base_ptr, weights, column):
 
 @triton.jit
 def _prefetch_kv(k_cache, v_cache, table_ptr, context_lens_ptr, pid, nprog, num_splits,
-                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
     """L2 prefetch of the cached key and value rows this program's attention items (KV head, split) will read,
     split as _attention_phase splits them (positions clamped into the context: no -1 block-table entry)."""
-    LINES: tl.constexpr = triton.next_power_of_2((HEAD_DIM + 63) // 64)   # 128-byte lines of a bf16 head row
+    LINES: tl.constexpr = (BLOCK_D + 63) // 64               # 128-byte lines of a bf16 head row (a power of 2)
     KV_ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     context_len = tl.load(context_lens_ptr)
     tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
@@ -395,7 +396,7 @@ def _persistent_decode_kernel(
                     if PREFETCH_KV:
                         p_kv = tl.multiple_of(p_layer.to(tl.int64) * layer_stride_kv, 16)
                         _prefetch_kv(k_cache_ptr + p_kv, v_cache_ptr + p_kv, block_table_ptr, context_lens_ptr,
-                                     pid, nprog, num_splits, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, BLOCK_SIZE)
+                                     pid, nprog, num_splits, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
                 elif p_phase == 2:
                     _prefetch_items(_weight(base_ptr, p_weights, 1), pid, nprog, HIDDEN, Q_SIZE, BN_O, KC_O, 0)
                 elif p_phase == 3:
