@@ -106,6 +106,14 @@ def _reset_at_exit(bar_ptr, exit_ptr, nprog, count_ptr, NUM_COUNTS: tl.constexpr
 
 
 @triton.jit
+def _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE: tl.constexpr):
+    """The grid barrier before `step` (none before a launch's first step, none when STEPWISE)."""
+    if not STEPWISE:
+        if step > step_lo:
+            _grid_sync(bar_ptr, err_ptr, nprog * (step - step_lo))
+
+
+@triton.jit
 def _prefetch_l2(ptrs):
     """Ask for the 128-byte lines at `ptrs` into L2 (PTX prefetch.global.L2): no value, no wait, no effect on
     any result. GPU only (the interpreter cannot run inline PTX)."""
@@ -186,11 +194,13 @@ def _rms_norm_row(h, w_ptr, offs, mask, n, eps, dtype: tl.constexpr, EMULATE: tl
 
 
 @triton.jit
-def _gemv(x, w_ptr, rows, row_mask, offs_k, k_mask, K):
-    """fp32 [BLOCK_N] = W[rows, offs_k] @ x (x fp32 [BLOCK_K], W row-major with K columns)."""
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :],
-                mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+def _w_tile(w_ptr, t, k0, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """W[t*BN : (t+1)*BN, k0 : k0+BK] of a row-major [N, K] weight as a [BN, BK] tile (zeros outside: a tile
+    past the last loads nothing)."""
+    rows = t * BN + tl.arange(0, BN)
+    cols = k0 + tl.arange(0, BK)
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
+                   mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -212,37 +222,88 @@ def _add_norm_phase(x_parts, num_parts, res_in, res_out, w_norm, ids_ptr, embed_
 
 
 @triton.jit
-def _gemv_phase(normed, w_ptr, out_ptr, pid, nprog, HIDDEN: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr,
-                BN: tl.constexpr, SILU_MUL: tl.constexpr, dtype: tl.constexpr, EMULATE: tl.constexpr):
-    """out[N] = W @ normed rounded to the model dtype (the QKV projection), or with SILU_MUL, W = [W_gate; W_up]
-    ([2N, hidden]) and out = silu(gate) * up with the rounding of small_gemm.linear_silu_mul; row tiles of BN."""
-    offs_k = tl.arange(0, BLOCK_H)
-    k_mask = offs_k < HIDDEN
-    for t in range(pid, tl.cdiv(N, BN), nprog):
-        rows = t * BN + tl.arange(0, BN)
-        row_mask = rows < N
-        y = round_to(_gemv(normed, w_ptr, rows, row_mask, offs_k, k_mask, HIDDEN), dtype, EMULATE)
-        if SILU_MUL:
-            u = round_to(_gemv(normed, w_ptr, rows + N, row_mask, offs_k, k_mask, HIDDEN), dtype, EMULATE)
-            y = round_to(round_to(y * tl.sigmoid(y), dtype, EMULATE) * u, dtype, EMULATE)
-        tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
+def _gemv_first(w_ptr, pid, N: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr,
+                SILU_MUL: tl.constexpr):
+    """The W tile(s) of this program's first item of _gemv_phase (gate and up with SILU_MUL, else W twice):
+    loaded before the phase's barrier, so the wait hides their latency (HOIST)."""
+    w = _w_tile(w_ptr, pid, 0, N, HIDDEN, BN, BLOCK_H)
+    if SILU_MUL:
+        u = _w_tile(w_ptr + N * HIDDEN, pid, 0, N, HIDDEN, BN, BLOCK_H)
+    else:
+        u = w
+    return w, u
 
 
 @triton.jit
-def _split_k_phase(x_ptr, w_ptr, part_ptr, pid, nprog, N: tl.constexpr, K: tl.constexpr,
-                   BN: tl.constexpr, KC: tl.constexpr):
-    """part[c, n] = W[n, c*KC:(c+1)*KC] @ x[c*KC:(c+1)*KC] (fp32) for items (row tile, K chunk c)."""
+def _gemv_tile_out(x, w, u, out_ptr, t, N: tl.constexpr, BN: tl.constexpr, SILU_MUL: tl.constexpr,
+                   dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """out[t*BN : (t+1)*BN] = W_tile @ x rounded to the model dtype, or silu(gate) * up (SILU_MUL) with the
+    rounding of small_gemm.linear_silu_mul."""
+    rows = t * BN + tl.arange(0, BN)
+    y = round_to(tl.sum(w.to(tl.float32) * x[None, :], axis=1), dtype, EMULATE)
+    if SILU_MUL:
+        up = round_to(tl.sum(u.to(tl.float32) * x[None, :], axis=1), dtype, EMULATE)
+        y = round_to(round_to(y * tl.sigmoid(y), dtype, EMULATE) * up, dtype, EMULATE)
+    tl.store(out_ptr + rows, y.to(dtype), mask=rows < N)
+
+
+@triton.jit
+def _gemv_phase(normed, w_ptr, out_ptr, pid, nprog, w_first, u_first, HIDDEN: tl.constexpr, N: tl.constexpr,
+                BLOCK_H: tl.constexpr, BN: tl.constexpr, SILU_MUL: tl.constexpr, HOIST: tl.constexpr,
+                dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """out[N] = W @ normed (the QKV projection), or with SILU_MUL, W = [W_gate; W_up] ([2N, hidden]) and
+    out = silu(gate) * up; row tiles of BN, tile pid first (w_first, u_first when HOIST), then every nprog-th."""
+    n_tiles = tl.cdiv(N, BN)
+    if HOIST:
+        if pid < n_tiles:
+            _gemv_tile_out(normed, w_first, u_first, out_ptr, pid, N, BN, SILU_MUL, dtype, EMULATE)
+        first = pid + nprog
+    else:
+        first = pid
+    for t in range(first, n_tiles, nprog):
+        w = _w_tile(w_ptr, t, 0, N, HIDDEN, BN, BLOCK_H)
+        if SILU_MUL:
+            u = _w_tile(w_ptr + N * HIDDEN, t, 0, N, HIDDEN, BN, BLOCK_H)
+        else:
+            u = w
+        _gemv_tile_out(normed, w, u, out_ptr, t, N, BN, SILU_MUL, dtype, EMULATE)
+
+
+@triton.jit
+def _split_k_first(w_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr):
+    """The W tile of this program's first _split_k_phase item (loaded before the barrier: HOIST)."""
     row_tiles = tl.cdiv(N, BN)
-    chunks = tl.cdiv(K, KC)
-    for item in range(pid, row_tiles * chunks, nprog):
-        t = item % row_tiles
-        c = item // row_tiles
-        rows = t * BN + tl.arange(0, BN)
-        row_mask = rows < N
-        offs_k = c * KC + tl.arange(0, KC)
-        k_mask = offs_k < K
-        x = _load_row(x_ptr, offs_k, k_mask, True)
-        tl.store(part_ptr + c * N + rows, _gemv(x, w_ptr, rows, row_mask, offs_k, k_mask, K), mask=row_mask)
+    return _w_tile(w_ptr, pid % row_tiles, (pid // row_tiles) * KC, N, K, BN, KC)
+
+
+@triton.jit
+def _split_k_item(x_ptr, w, part_ptr, item, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                  KC: tl.constexpr):
+    """part[c, rows] = W_tile @ x[c*KC:(c+1)*KC] (fp32) for item = (row tile t, K chunk c)."""
+    row_tiles = tl.cdiv(N, BN)
+    rows = (item % row_tiles) * BN + tl.arange(0, BN)
+    c = item // row_tiles
+    offs_k = c * KC + tl.arange(0, KC)
+    x = _load_row(x_ptr, offs_k, offs_k < K, True)
+    tl.store(part_ptr + c * N + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=rows < N)
+
+
+@triton.jit
+def _split_k_phase(x_ptr, w_ptr, part_ptr, pid, nprog, w_first, N: tl.constexpr, K: tl.constexpr,
+                   BN: tl.constexpr, KC: tl.constexpr, HOIST: tl.constexpr):
+    """part[c, n] = W[n, c*KC:(c+1)*KC] @ x[c*KC:(c+1)*KC] (fp32) for items (row tile, K chunk c): item pid
+    first (its tile w_first when HOIST), then every nprog-th."""
+    row_tiles = tl.cdiv(N, BN)
+    items = row_tiles * tl.cdiv(K, KC)
+    if HOIST:
+        if pid < items:
+            _split_k_item(x_ptr, w_first, part_ptr, pid, N, K, BN, KC)
+        first = pid + nprog
+    else:
+        first = pid
+    for item in range(first, items, nprog):
+        w = _w_tile(w_ptr, item % row_tiles, (item // row_tiles) * KC, N, K, BN, KC)
+        _split_k_item(x_ptr, w, part_ptr, item, N, K, BN, KC)
 
 
 @triton.jit
@@ -367,7 +428,8 @@ def _persistent_decode_kernel(
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, KC_O: tl.constexpr, BN_GU: tl.constexpr,
     BN_DOWN: tl.constexpr, KC_DOWN: tl.constexpr,
     PHASES: tl.constexpr, QK_NORM: tl.constexpr, STEPWISE: tl.constexpr, PREFETCH: tl.constexpr,
-    PREFETCH_AHEAD: tl.constexpr, PREFETCH_KV: tl.constexpr, CAST_FP32: tl.constexpr, EMULATE: tl.constexpr,
+    PREFETCH_AHEAD: tl.constexpr, PREFETCH_KV: tl.constexpr, HOIST: tl.constexpr, CAST_FP32: tl.constexpr,
+    EMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -404,10 +466,10 @@ def _persistent_decode_kernel(
                                     INTER)
                 else:
                     _prefetch_items(_weight(base_ptr, p_weights, 3), pid, nprog, HIDDEN, INTER, BN_DOWN, KC_DOWN, 0)
-        if not STEPWISE:
-            if step > step_lo:
-                _grid_sync(bar_ptr, err_ptr, nprog * (step - step_lo))
+        # Each phase: what it reads that no earlier step writes (its first W tile: HOIST) is loaded before the
+        # barrier, then the barrier (every program wrote its part of what this phase reads), then the work.
         if layer == NUM_LAYERS:                                # the final norm
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
             if pid == 0:
                 offs = tl.arange(0, BLOCK_H)
                 mask = offs < HIDDEN
@@ -416,12 +478,16 @@ def _persistent_decode_kernel(
                 y = _rms_norm_row(h, final_norm_ptr, offs, mask, HIDDEN, eps, dtype, EMULATE)
                 tl.store(out_ptr + offs, y.to(dtype), mask=mask)
         elif phase == 0:
+            qkv_w = _weight(base_ptr, weights, 0)
+            w_qkv, u_qkv = _gemv_first(qkv_w, pid, NQKV, HIDDEN, BLOCK_H, BN_QKV, False)
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
             normed = _add_norm_phase(d_part, KS_DOWN, resid_ptr + HIDDEN, resid_ptr,
                                      _weight(base_ptr, weights, 4), ids_ptr, embed_ptr, pid, eps, layer == 0,
                                      HIDDEN, BLOCK_H, dtype, EMULATE)
-            _gemv_phase(normed, _weight(base_ptr, weights, 0), qkv_ptr, pid, nprog,
-                        HIDDEN, NQKV, BLOCK_H, BN_QKV, False, dtype, EMULATE)
+            _gemv_phase(normed, qkv_w, qkv_ptr, pid, nprog, w_qkv, u_qkv,
+                        HIDDEN, NQKV, BLOCK_H, BN_QKV, False, HOIST, dtype, EMULATE)
         elif phase == 1:
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
             kv = tl.multiple_of(layer.to(tl.int64) * layer_stride_kv, 16)   # the host checked the stride
             _attention_phase(qkv_ptr, _weight(base_ptr, weights, 6), _weight(base_ptr, weights, 7),
                              k_cache_ptr + kv, v_cache_ptr + kv, positions_ptr, slot_ptr, block_table_ptr,
@@ -430,16 +496,23 @@ def _persistent_decode_kernel(
                              NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_D, BLOCK_G, BLOCK_N,
                              BLOCK_S, BLOCK_SIZE, TILE_IN_BLOCK, QK_NORM, CAST_FP32, DOT_PRECISION, dtype, EMULATE)
         elif phase == 2:
-            _split_k_phase(attn_ptr, _weight(base_ptr, weights, 1), o_part, pid, nprog, HIDDEN, Q_SIZE,
-                           BN_O, KC_O)
+            o_w = _weight(base_ptr, weights, 1)
+            w_o = _split_k_first(o_w, pid, HIDDEN, Q_SIZE, BN_O, KC_O)
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
+            _split_k_phase(attn_ptr, o_w, o_part, pid, nprog, w_o, HIDDEN, Q_SIZE, BN_O, KC_O, HOIST)
         elif phase == 3:
+            gu_w = _weight(base_ptr, weights, 2)
+            w_gu, u_gu = _gemv_first(gu_w, pid, INTER, HIDDEN, BLOCK_H, BN_GU, True)
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
             normed = _add_norm_phase(o_part, KS_O, resid_ptr, resid_ptr + HIDDEN, _weight(base_ptr, weights, 5),
                                      ids_ptr, embed_ptr, pid, eps, False, HIDDEN, BLOCK_H, dtype, EMULATE)
-            _gemv_phase(normed, _weight(base_ptr, weights, 2), act_ptr, pid, nprog,
-                        HIDDEN, INTER, BLOCK_H, BN_GU, True, dtype, EMULATE)
+            _gemv_phase(normed, gu_w, act_ptr, pid, nprog, w_gu, u_gu,
+                        HIDDEN, INTER, BLOCK_H, BN_GU, True, HOIST, dtype, EMULATE)
         else:
-            _split_k_phase(act_ptr, _weight(base_ptr, weights, 3), d_part, pid, nprog, HIDDEN, INTER,
-                           BN_DOWN, KC_DOWN)
+            down_w = _weight(base_ptr, weights, 3)
+            w_down = _split_k_first(down_w, pid, HIDDEN, INTER, BN_DOWN, KC_DOWN)
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
+            _split_k_phase(act_ptr, down_w, d_part, pid, nprog, w_down, HIDDEN, INTER, BN_DOWN, KC_DOWN, HOIST)
     if not STEPWISE:
         _reset_at_exit(bar_ptr, exit_ptr, nprog, count_ptr, NUM_KV_HEADS)   # with the merge counts
 
@@ -490,6 +563,7 @@ class PersistentConfig:
     prefetch: bool = False          # ask for each phase's weights into L2 before a barrier (GPU only)
     prefetch_ahead: int = 0         # ... of the step this many steps on (0: the step after this barrier)
     prefetch_kv: bool = False       # ... and the attention phase's cached keys and values
+    hoist: bool = True              # load each GEMV phase's first W tile before its barrier (into registers)
 
 
 def choose_config(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -504,7 +578,7 @@ def choose_config(hidden: int, inter: int, num_heads: int, num_kv_heads: int, he
         programs=programs, num_splits=max(1, programs // num_kv_heads),
         bn_qkv=_tile_rows(nqkv, bh, programs, 16384), bn_o=bn_o, kc_o=kc_o,
         bn_gate_up=_tile_rows(inter, bh, programs, 8192), bn_down=bn_down, kc_down=kc_down,
-        block_n=64 if gpu else 16, num_warps=8 if gpu else 1, prefetch=gpu, prefetch_ahead=1, prefetch_kv=True)
+        block_n=64 if gpu else 16, num_warps=4 if gpu else 1, prefetch=gpu, prefetch_ahead=1, prefetch_kv=True)
 
 
 class PersistentDecode:
@@ -706,6 +780,7 @@ class PersistentDecode:
                 BN_QKV=c.bn_qkv, BN_O=c.bn_o, KC_O=c.kc_o, BN_GU=c.bn_gate_up, BN_DOWN=c.bn_down,
                 KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=stepwise,
                 PREFETCH=c.prefetch and not emulate, PREFETCH_AHEAD=c.prefetch_ahead, PREFETCH_KV=c.prefetch_kv,
+                HOIST=c.hoist,
                 CAST_FP32=emulate,
                 EMULATE=emulate, DOT_PRECISION="ieee" if (self.dtype == torch.float32 or emulate) else "tf32",
                 num_warps=c.num_warps)
