@@ -110,11 +110,12 @@ if [ "$mode" = round3 ]; then
   { round3; step "done"; } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0
 fi
-equiv() {   # equivalence tests vs HF: $1 dtype, $2 back-end, $3 graphs|eager, $4 junit name; PYTHONPATH as set
+equiv() {   # equivalence tests vs HF: $1 dtype, $2 back-end, $3 graphs|eager, $4 junit name; PYTHONPATH as set;
+            # EQUIV_EXTRA: more engine arguments as JSON members, e.g. '"decode_kernels": "persistent"' 
   eager=$([ $3 = eager ] && echo true || echo false)
   step "greedy equivalence, $2, $1 vs HF $1, CUDA graphs: $3 (fp32 exact; half dtypes: logprob-closeness)"
   PYTHONPATH="${EQUIV_PYTHONPATH:-$PYTHONPATH}" \
-  NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"$1\", \"attention_backend\": \"$2\", \"enforce_eager\": $eager, \"max_num_seqs\": 16}" \
+  NANOVLLM_TEST_ENGINE_ARGS="{\"dtype\": \"$1\", \"attention_backend\": \"$2\", \"enforce_eager\": $eager, \"max_num_seqs\": 16${EQUIV_EXTRA:+, $EQUIV_EXTRA}}" \
     timeout ${EQUIV_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py \
       ${EQUIV_TESTS:-} -k "not tensor_parallel and not tp_engine" -rs --junitxml="$OUT/$4.xml" 2>&1 | grep -v DEBUG | tail -25
 }

@@ -36,6 +36,8 @@ def parse_args(argv=None):
                         'e.g. \'[{"bn_qkv": 32}, {"num_splits": 8}]\'')
     p.add_argument("--breakdown", action="store_true",
                    help="also time each phase alone: its 28 launches as separate kernels (no barriers)")
+    p.add_argument("--timestamps", action="store_true",
+                   help="GPU: also each phase's time inside the fused launch (the clock at each step's start)")
     p.add_argument("--compile-check", action="store_true",
                    help="CPU or GPU: only compile the kernel for sm_90 (bf16, Qwen3-0.6B); record its registers, "
                         "spills, shared memory and global loads by width")
@@ -66,14 +68,14 @@ def compile_check(out: str) -> int:
                k_cache_ptr=bf, v_cache_ptr=bf, layer_stride_kv="i64", positions_ptr=i64, slot_ptr=i32,
                block_table_ptr=i32, context_lens_ptr=i32, cos_sin_ptr=f32, stride_cs="i32", resid_ptr=bf,
                qkv_ptr=bf, part_out=f32, part_lse=f32, count_ptr=i32, attn_ptr=bf, o_part=f32,
-               act_ptr=bf, d_part=f32, bar_ptr=i32, exit_ptr=i32, err_ptr=i32, eps="fp32", qk_scale="fp32",
+               act_ptr=bf, d_part=f32, bar_ptr=i32, exit_ptr=i32, err_ptr=i32, ts_ptr=i64, eps="fp32", qk_scale="fp32",
                num_splits="i32", step_lo="i32", step_hi="i32")
     consts = dict(NUM_LAYERS=28, HIDDEN=s["hidden"], INTER=s["inter"], NUM_HEADS=s["heads"],
                   NUM_KV_HEADS=s["kv_heads"], HEAD_DIM=s["head_dim"], BLOCK_H=triton.next_power_of_2(s["hidden"]),
                   BLOCK_D=s["head_dim"], BLOCK_G=16, BLOCK_N=cfg.block_n,
                   BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_SIZE=256, TILE_IN_BLOCK=True,
                   BN_QKV=cfg.bn_qkv, BN_O=cfg.bn_o, KC_O=cfg.kc_o, BN_GU=cfg.bn_gate_up, BN_DOWN=cfg.bn_down,
-                  KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, PREFETCH=True, PREFETCH_AHEAD=1, PREFETCH_KV=True, HOIST=True, CAST_FP32=False,
+                  KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, PREFETCH=True, PREFETCH_AHEAD=1, PREFETCH_KV=True, HOIST=True, TIMESTAMPS=True, CAST_FP32=False,
                   EMULATE=False, DOT_PRECISION="tf32")
     full = {**sig, **{k: "constexpr" for k in consts}}
     # As a launch specialises them: every pointer (torch allocations are 16-byte aligned) and stride_cs (a
@@ -103,6 +105,32 @@ def load_widths(ptx: str) -> dict:
         width = int(vec or 1) * int(bits)
         counts[width] = counts.get(width, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def phase_times(step_obj, inputs, layers: int, runs: int = 5) -> dict:
+    """Inside one fused launch, from the clock program 0 writes as each step starts (PersistentConfig.timestamps):
+    the mean time of each phase over layers 1.. (a phase = its work and the barrier after it), the median over
+    `runs` launches, and the whole launch from its first step to program 0's end."""
+    import statistics
+    from nanovllm_ref.kernels import persistent_decode
+    base = step_obj.config
+    step_obj.config = dataclasses.replace(base, timestamps=True)
+    names = ["norm+qkv", "attention", "o_proj", "norm+gate_up", "down"]
+    per_run = []
+    try:
+        for _ in range(runs):
+            with torch.inference_mode():
+                step_obj(*inputs)
+            ts = step_obj.timestamps.cpu().tolist()
+            steps = layers * persistent_decode.PHASES + 1
+            d = [(ts[s + 1] - ts[s]) / 1000 for s in range(steps)]
+            rec = {f"stamped_{n}_us": statistics.mean(d[layer * 5 + i] for layer in range(1, layers))
+                   for i, n in enumerate(names)}
+            rec["stamped_total_us"] = (ts[steps] - ts[0]) / 1000
+            per_run.append(rec)
+    finally:
+        step_obj.config = base
+    return {k: round(statistics.median(r[k] for r in per_run), 2) for k in per_run[0]}
 
 
 def main(args) -> int:
@@ -204,6 +232,10 @@ def main(args) -> int:
                     row[f"fused{tag}_us"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 print({k: v for k, v in row.items() if tag and tag in k}, flush=True)
             step_obj.config = base
+        if not dry and args.timestamps and row.get("layers_us"):
+            row.update(phase_times(step_obj, (ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens),
+                                   layers))
+            print({k: v for k, v in row.items() if k.startswith("stamped")}, flush=True)
         if not dry:
             row["barrier_give_ups"] = int(step_obj.errors.item())
         rec["cases"].append(row)

@@ -106,11 +106,22 @@ def _reset_at_exit(bar_ptr, exit_ptr, nprog, count_ptr, NUM_COUNTS: tl.constexpr
 
 
 @triton.jit
-def _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE: tl.constexpr):
-    """The grid barrier before `step` (none before a launch's first step, none when STEPWISE)."""
+def _globaltimer():
+    """The GPU's global nanosecond clock (PTX %globaltimer). GPU only."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE: tl.constexpr,
+                   TIMESTAMPS: tl.constexpr):
+    """The grid barrier before `step` (none before a launch's first step, none when STEPWISE); TIMESTAMPS:
+    program 0 then writes the clock at ts_ptr[step] (when the step's work starts: bench/persistent_step.py)."""
     if not STEPWISE:
         if step > step_lo:
             _grid_sync(bar_ptr, err_ptr, nprog * (step - step_lo))
+    if TIMESTAMPS:
+        if pid == 0:
+            tl.store(ts_ptr + step, _globaltimer())
 
 
 @triton.jit
@@ -420,7 +431,7 @@ def _persistent_decode_kernel(
     k_cache_ptr, v_cache_ptr, layer_stride_kv,
     positions_ptr, slot_ptr, block_table_ptr, context_lens_ptr, cos_sin_ptr, stride_cs,
     resid_ptr, qkv_ptr, part_out, part_lse, count_ptr, attn_ptr, o_part, act_ptr, d_part,
-    bar_ptr, exit_ptr, err_ptr, eps, qk_scale, num_splits, step_lo, step_hi,
+    bar_ptr, exit_ptr, err_ptr, ts_ptr, eps, qk_scale, num_splits, step_lo, step_hi,
     NUM_LAYERS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -428,7 +439,8 @@ def _persistent_decode_kernel(
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, KC_O: tl.constexpr, BN_GU: tl.constexpr,
     BN_DOWN: tl.constexpr, KC_DOWN: tl.constexpr,
     PHASES: tl.constexpr, QK_NORM: tl.constexpr, STEPWISE: tl.constexpr, PREFETCH: tl.constexpr,
-    PREFETCH_AHEAD: tl.constexpr, PREFETCH_KV: tl.constexpr, HOIST: tl.constexpr, CAST_FP32: tl.constexpr,
+    PREFETCH_AHEAD: tl.constexpr, PREFETCH_KV: tl.constexpr, HOIST: tl.constexpr, TIMESTAMPS: tl.constexpr,
+    CAST_FP32: tl.constexpr,
     EMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -469,7 +481,7 @@ def _persistent_decode_kernel(
         # Each phase: what it reads that no earlier step writes (its first W tile: HOIST) is loaded before the
         # barrier, then the barrier (every program wrote its part of what this phase reads), then the work.
         if layer == NUM_LAYERS:                                # the final norm
-            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
             if pid == 0:
                 offs = tl.arange(0, BLOCK_H)
                 mask = offs < HIDDEN
@@ -480,14 +492,14 @@ def _persistent_decode_kernel(
         elif phase == 0:
             qkv_w = _weight(base_ptr, weights, 0)
             w_qkv, u_qkv = _gemv_first(qkv_w, pid, NQKV, HIDDEN, BLOCK_H, BN_QKV, False)
-            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
             normed = _add_norm_phase(d_part, KS_DOWN, resid_ptr + HIDDEN, resid_ptr,
                                      _weight(base_ptr, weights, 4), ids_ptr, embed_ptr, pid, eps, layer == 0,
                                      HIDDEN, BLOCK_H, dtype, EMULATE)
             _gemv_phase(normed, qkv_w, qkv_ptr, pid, nprog, w_qkv, u_qkv,
                         HIDDEN, NQKV, BLOCK_H, BN_QKV, False, HOIST, dtype, EMULATE)
         elif phase == 1:
-            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
             kv = tl.multiple_of(layer.to(tl.int64) * layer_stride_kv, 16)   # the host checked the stride
             _attention_phase(qkv_ptr, _weight(base_ptr, weights, 6), _weight(base_ptr, weights, 7),
                              k_cache_ptr + kv, v_cache_ptr + kv, positions_ptr, slot_ptr, block_table_ptr,
@@ -498,12 +510,12 @@ def _persistent_decode_kernel(
         elif phase == 2:
             o_w = _weight(base_ptr, weights, 1)
             w_o = _split_k_first(o_w, pid, HIDDEN, Q_SIZE, BN_O, KC_O)
-            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
             _split_k_phase(attn_ptr, o_w, o_part, pid, nprog, w_o, HIDDEN, Q_SIZE, BN_O, KC_O, HOIST)
         elif phase == 3:
             gu_w = _weight(base_ptr, weights, 2)
             w_gu, u_gu = _gemv_first(gu_w, pid, INTER, HIDDEN, BLOCK_H, BN_GU, True)
-            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
             normed = _add_norm_phase(o_part, KS_O, resid_ptr, resid_ptr + HIDDEN, _weight(base_ptr, weights, 5),
                                      ids_ptr, embed_ptr, pid, eps, False, HIDDEN, BLOCK_H, dtype, EMULATE)
             _gemv_phase(normed, gu_w, act_ptr, pid, nprog, w_gu, u_gu,
@@ -511,8 +523,11 @@ def _persistent_decode_kernel(
         else:
             down_w = _weight(base_ptr, weights, 3)
             w_down = _split_k_first(down_w, pid, HIDDEN, INTER, BN_DOWN, KC_DOWN)
-            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, STEPWISE)
+            _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
             _split_k_phase(act_ptr, down_w, d_part, pid, nprog, w_down, HIDDEN, INTER, BN_DOWN, KC_DOWN, HOIST)
+    if TIMESTAMPS:
+        if pid == 0:
+            tl.store(ts_ptr + step_hi, _globaltimer())          # program 0 is the one that ends the step
     if not STEPWISE:
         _reset_at_exit(bar_ptr, exit_ptr, nprog, count_ptr, NUM_KV_HEADS)   # with the merge counts
 
@@ -564,6 +579,7 @@ class PersistentConfig:
     prefetch_ahead: int = 0         # ... of the step this many steps on (0: the step after this barrier)
     prefetch_kv: bool = False       # ... and the attention phase's cached keys and values
     hoist: bool = True              # load each GEMV phase's first W tile before its barrier (into registers)
+    timestamps: bool = False        # program 0 writes the clock at each step's start into .timestamps (GPU only)
 
 
 def choose_config(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -706,6 +722,7 @@ class PersistentDecode:
         self.d_part = torch.empty(triton.cdiv(self.inter, c.kc_down), self.hidden, dtype=f32, device=dev)
         # counters: [0] barrier, [1] exit, [2] barrier give-ups, [3:] merge counts per KV head
         self.counters = torch.zeros(3 + num_kv_heads, dtype=torch.int32, device=dev)
+        self.timestamps = torch.zeros(self.num_layers * PHASES + 2, dtype=torch.int64, device=dev)   # ns
         self._resident_checked = None           # the config whose programs were checked to fit (GPU, first launch)
 
     @property
@@ -769,7 +786,7 @@ class PersistentDecode:
                     positions, slot_mapping, block_tables, context_lens, self.cos_sin, self.cos_sin.stride(0),
                     self.resid, self.qkv, self.part_out, self.part_lse, self.counters[3:], self.attn,
                     self.o_part, self.act, self.d_part, self.counters[0:1], self.counters[1:2], self.counters[2:3],
-                    self.eps, self.qk_scale, c.num_splits, lo, hi)
+                    self.timestamps, self.eps, self.qk_scale, c.num_splits, lo, hi)
             meta = dict(
                 NUM_LAYERS=self.num_layers, HIDDEN=self.hidden, INTER=self.inter, NUM_HEADS=self.num_heads,
                 NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
@@ -780,7 +797,7 @@ class PersistentDecode:
                 BN_QKV=c.bn_qkv, BN_O=c.bn_o, KC_O=c.kc_o, BN_GU=c.bn_gate_up, BN_DOWN=c.bn_down,
                 KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=stepwise,
                 PREFETCH=c.prefetch and not emulate, PREFETCH_AHEAD=c.prefetch_ahead, PREFETCH_KV=c.prefetch_kv,
-                HOIST=c.hoist,
+                HOIST=c.hoist, TIMESTAMPS=c.timestamps and not emulate,
                 CAST_FP32=emulate,
                 EMULATE=emulate, DOT_PRECISION="ieee" if (self.dtype == torch.float32 or emulate) else "tf32",
                 num_warps=c.num_warps)
