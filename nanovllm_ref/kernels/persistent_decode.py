@@ -334,56 +334,29 @@ def _norm_rope_rows(x, x_rot, w_ptr, cos, sin_signed, offs_d, rot_d, d_mask, eps
 
 
 @triton.jit
-def _attention_inputs(k_cache, v_cache, positions_ptr, table_ptr, context_lens_ptr, cos_sin_ptr, stride_cs, pid,
-                      num_splits, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      TILE_IN_BLOCK: tl.constexpr, CAST_FP32: tl.constexpr):
-    """What the attention phase reads that no earlier step of the launch writes, so that it can be loaded before
-    the phase's barrier (HOIST): the context length, RoPE's cos and signed sin for the token's position
-    ([BLOCK_D] fp32, whole-row layout: _norm_rope_rows), and the first key/value tile of this program's first
-    item ([BLOCK_N, BLOCK_D]; its row of the newest position is stale and replaced in registers)."""
-    KV_ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM            # a cache slot holds [Hkv, d]
-    context_len = tl.load(context_lens_ptr)
-    pos = tl.load(positions_ptr).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d % HALF, mask=d_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d % HALF, mask=d_mask, other=0.0)
-    sin_signed = tl.where(offs_d < HALF, -sin, sin)
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
-    start = (pid % num_splits) * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
-    end = tl.where(pid < NUM_KV_HEADS * num_splits, end, start)   # a program without an item: an empty one
-    offs_n = tl.arange(0, BLOCK_N)
-    valid = start + offs_n < end
-    # An empty item's addresses stay inside the context (no -1 block-table entry is read); its loads are masked.
-    tile_start = tl.minimum(start, context_len - 1)
-    rows = _key_rows(table_ptr, 0, tile_start, offs_n, valid, BLOCK_SIZE, True, TILE_IN_BLOCK)
-    k0, v0 = _load_kv_tile(k_cache, v_cache, rows, (pid // num_splits) % NUM_KV_HEADS, KV_ROW, HEAD_DIM, KV_ROW,
-                           HEAD_DIM, offs_d, valid, d_mask, CAST_FP32)
-    return context_len, cos, sin_signed, k0, v0
-
-
-@triton.jit
-def _attention_phase(qkv_ptr, q_norm_w, k_norm_w, k_cache, v_cache, slot_ptr, table_ptr,
-                     context_len, cos, sin_signed, k0, v0, part_out, part_lse, count_ptr,
+def _attention_phase(qkv_ptr, q_norm_w, k_norm_w, k_cache, v_cache, positions_ptr, slot_ptr, table_ptr,
+                     context_lens_ptr, cos_sin_ptr, stride_cs, part_out, part_lse, count_ptr,
                      attn_ptr, pid, nprog, eps, qk_scale, num_splits,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      TILE_IN_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, CAST_FP32: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, dtype: tl.constexpr, EMULATE: tl.constexpr):
-    """Items (KV head, split) pid, pid + nprog, ...: with the inputs of _attention_inputs (k0, v0: the first
-    tile of item pid), see the module docstring (P1)."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     KV_ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM            # a cache slot holds [Hkv, d]
+    context_len = tl.load(context_lens_ptr)
+    pos = tl.load(positions_ptr).to(tl.int64)
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     rot_d = (offs_d + HALF) % HEAD_DIM                         # the partner of d in rotate-half RoPE
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d % HALF, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d % HALF, mask=d_mask, other=0.0)
+    sin_signed = tl.where(offs_d < HALF, -sin, sin)
     offs_n = tl.arange(0, BLOCK_N)
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     last = context_len - 1                                     # the newest position: this step's token
     for item in range(pid, NUM_KV_HEADS * num_splits, nprog):
         kv_head = item // num_splits
@@ -398,38 +371,30 @@ def _attention_phase(qkv_ptr, q_norm_w, k_norm_w, k_cache, v_cache, slot_ptr, ta
         q_rot = tl.load(q_rows + rot_d[None, :], mask=qm, other=0.0, cache_modifier=".cg").to(tl.float32)
         q = _norm_rope_rows(q, q_rot, q_norm_w, cos, sin_signed, offs_d, rot_d, d_mask, eps, HEAD_DIM, QK_NORM,
                             dtype, EMULATE).to(dtype)
-        # The token's own k (normed, rotated) and v: stored into the cache by the split that holds its
-        # position, and used from registers in place of that cache row (which the tiles may have read stale).
-        k_row = qkv_ptr + (NUM_HEADS + kv_head) * HEAD_DIM
-        k_new = tl.load(k_row + offs_d[None, :], mask=d_mask[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
-        k_rot = tl.load(k_row + rot_d[None, :], mask=d_mask[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
-        k_new = _norm_rope_rows(k_new, k_rot, k_norm_w, cos, sin_signed, offs_d, rot_d, d_mask, eps, HEAD_DIM,
-                                QK_NORM, dtype, EMULATE).to(dtype)
-        v_new = tl.load(k_row + KV_ROW + offs_d[None, :], mask=d_mask[None, :], other=0.0, cache_modifier=".cg")
-        if (start <= last) & (last < end):
-            slot = tl.load(slot_ptr).to(tl.int64)
-            dst = slot * KV_ROW + kv_head * HEAD_DIM
-            tl.store(k_cache + dst + offs_d[None, :], k_new, mask=d_mask[None, :])
-            tl.store(v_cache + dst + offs_d[None, :], v_new, mask=d_mask[None, :])
         if CAST_FP32:
             q = q.to(tl.float32)
-            k_new = k_new.to(tl.float32)
-            v_new = v_new.to(tl.float32)
+        if (start <= last) & (last < end):
+            # This split holds the token's own position: store its k (normed, rotated) and v first.
+            k_row = qkv_ptr + (NUM_HEADS + kv_head) * HEAD_DIM
+            k = tl.load(k_row + offs_d[None, :], mask=d_mask[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+            k_rot = tl.load(k_row + rot_d[None, :], mask=d_mask[None, :], other=0.0,
+                            cache_modifier=".cg").to(tl.float32)
+            k = _norm_rope_rows(k, k_rot, k_norm_w, cos, sin_signed, offs_d, rot_d, d_mask, eps, HEAD_DIM, QK_NORM,
+                                dtype, EMULATE)
+            slot = tl.load(slot_ptr).to(tl.int64)
+            dst = slot * KV_ROW + kv_head * HEAD_DIM
+            tl.store(k_cache + dst + offs_d[None, :], k.to(dtype), mask=d_mask[None, :])
+            v = tl.load(k_row + KV_ROW + offs_d, mask=d_mask, other=0.0, cache_modifier=".cg")
+            tl.store(v_cache + dst + offs_d, v, mask=d_mask)
+            tl.debug_barrier()                                 # the new k, v seen by every thread of the program
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         for tile_start in range(start, end, BLOCK_N):
             valid = tile_start + offs_n < end
-            if (item == pid) & (tile_start == start):
-                k = k0
-                v = v0
-            else:
-                rows = _key_rows(table_ptr, 0, tile_start, offs_n, valid, BLOCK_SIZE, True, TILE_IN_BLOCK)
-                k, v = _load_kv_tile(k_cache, v_cache, rows, kv_head, KV_ROW, HEAD_DIM, KV_ROW, HEAD_DIM, offs_d,
-                                     valid, d_mask, CAST_FP32)
-            newest = (tile_start + offs_n == last)[:, None]
-            k = tl.where(newest, k_new, k)
-            v = tl.where(newest, v_new, v)
+            rows = _key_rows(table_ptr, 0, tile_start, offs_n, valid, BLOCK_SIZE, True, TILE_IN_BLOCK)
+            k, v = _load_kv_tile(k_cache, v_cache, rows, kv_head, KV_ROW, HEAD_DIM, KV_ROW, HEAD_DIM, offs_d,
+                                 valid, d_mask, CAST_FP32)
             acc, m_i, l_i = _online_softmax_step(q, k, v, acc, m_i, l_i, qk_scale, valid[None, :], True,
                                                  DOT_PRECISION)
         has_keys = l_i > 0
@@ -534,21 +499,12 @@ def _persistent_decode_kernel(
             _gemv_phase(normed, qkv_w, qkv_ptr, pid, nprog, w_qkv, u_qkv,
                         HIDDEN, NQKV, BLOCK_H, BN_QKV, False, HOIST, dtype, EMULATE)
         elif phase == 1:
-            kv = tl.multiple_of(layer.to(tl.int64) * layer_stride_kv, 16)   # the host checked the stride
-            k_layer = k_cache_ptr + kv
-            v_layer = v_cache_ptr + kv
-            if HOIST:
-                ctx, cos, sin_signed, k0, v0 = _attention_inputs(
-                    k_layer, v_layer, positions_ptr, block_table_ptr, context_lens_ptr, cos_sin_ptr, stride_cs, pid,
-                    num_splits, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_D, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, CAST_FP32)
             _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
-            if not HOIST:
-                ctx, cos, sin_signed, k0, v0 = _attention_inputs(
-                    k_layer, v_layer, positions_ptr, block_table_ptr, context_lens_ptr, cos_sin_ptr, stride_cs, pid,
-                    num_splits, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_D, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, CAST_FP32)
+            kv = tl.multiple_of(layer.to(tl.int64) * layer_stride_kv, 16)   # the host checked the stride
             _attention_phase(qkv_ptr, _weight(base_ptr, weights, 6), _weight(base_ptr, weights, 7),
-                             k_layer, v_layer, slot_ptr, block_table_ptr, ctx, cos, sin_signed, k0, v0,
-                             part_out, part_lse, count_ptr, attn_ptr, pid, nprog, eps, qk_scale, num_splits,
+                             k_cache_ptr + kv, v_cache_ptr + kv, positions_ptr, slot_ptr, block_table_ptr,
+                             context_lens_ptr, cos_sin_ptr, stride_cs, part_out, part_lse, count_ptr,
+                             attn_ptr, pid, nprog, eps, qk_scale, num_splits,
                              NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_D, BLOCK_G, BLOCK_N,
                              BLOCK_S, BLOCK_SIZE, TILE_IN_BLOCK, QK_NORM, CAST_FP32, DOT_PRECISION, dtype, EMULATE)
         elif phase == 2:
@@ -622,7 +578,7 @@ class PersistentConfig:
     prefetch: bool = False          # ask for each phase's weights into L2 before a barrier (GPU only)
     prefetch_ahead: int = 0         # ... of the step this many steps on (0: the step after this barrier)
     prefetch_kv: bool = False       # ... and the attention phase's cached keys and values
-    hoist: bool = True              # load each phase's first W or KV tile before its barrier (into registers)
+    hoist: bool = True              # load each GEMV phase's first W tile before its barrier (into registers)
     timestamps: bool = False        # program 0 writes the clock at each step's start into .timestamps (GPU only)
 
 
@@ -638,7 +594,7 @@ def choose_config(hidden: int, inter: int, num_heads: int, num_kv_heads: int, he
         programs=programs, num_splits=max(1, programs // num_kv_heads),
         bn_qkv=_tile_rows(nqkv, bh, programs, 16384), bn_o=bn_o, kc_o=kc_o,
         bn_gate_up=_tile_rows(inter, bh, programs, 8192), bn_down=bn_down, kc_down=kc_down,
-        block_n=64 if gpu else 16, num_warps=8 if gpu else 1, prefetch=False, prefetch_ahead=1, prefetch_kv=True)
+        block_n=64 if gpu else 16, num_warps=4 if gpu else 1, prefetch=gpu, prefetch_ahead=1, prefetch_kv=True)
 
 
 class PersistentDecode:
