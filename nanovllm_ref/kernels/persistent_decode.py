@@ -594,7 +594,7 @@ def choose_config(hidden: int, inter: int, num_heads: int, num_kv_heads: int, he
         programs=programs, num_splits=max(1, programs // num_kv_heads),
         bn_qkv=_tile_rows(nqkv, bh, programs, 16384), bn_o=bn_o, kc_o=kc_o,
         bn_gate_up=_tile_rows(inter, bh, programs, 8192), bn_down=bn_down, kc_down=kc_down,
-        block_n=64 if gpu else 16, num_warps=4 if gpu else 1, prefetch=gpu, prefetch_ahead=1, prefetch_kv=True)
+        block_n=64 if gpu else 16, num_warps=4 if gpu else 1, prefetch=False, prefetch_ahead=1, prefetch_kv=True)
 
 
 class PersistentDecode:
