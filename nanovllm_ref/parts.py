@@ -196,11 +196,16 @@ class Parts:
         if persistent and not (fuse and triton and world_size == 1):
             raise ValueError("decode_kernels='persistent' needs CUDA with Triton and tensor_parallel_size 1 (the "
                              "persistent decode step is one Triton kernel over the whole model)")
+        if persistent and name != "triton":
+            raise ValueError(f"decode_kernels='persistent' attends with its own Triton kernel, so it needs "
+                             f"attention_backend 'triton' (or 'auto'), not {name!r}")
         if config.decode_kernels in ("auto", "persistent") and fuse and triton:
             from nanovllm_ref.kernels.numerics import pdl_available
             pdl = pdl_available(torch.device("cuda", torch.cuda.current_device()))
-            # FusedKernels.persistent only when asked ("persistent"): that batch-1 step measured slower than
-            # these kernels on the H200 (kernels/persistent_decode.py says by how much).
+            # FusedKernels.persistent only when asked ("persistent"): on the H200 it is level with these kernels
+            # (batch-1 +4 % in the engine, a step 0-5 % slower alone), and its grid barriers need all of its
+            # programs resident at once, which a GPU shared with other work does not promise
+            # (kernels/persistent_decode.py).
             kernels = FusedKernels.all(pdl=pdl, persistent=persistent).restricted_to(self.kernels_allowed(qk_norm))
             if persistent and not kernels.persistent:
                 raise ValueError("decode_kernels='persistent' needs every decode kernel, and a replaced part rules "

@@ -334,5 +334,7 @@ def test_the_plan_on_a_gpu_runs_every_kernel_the_reference_parts_allow(monkeypat
     for device, world, parts in (("cpu", 1, Parts()), ("cuda", 2, Parts())):
         with pytest.raises(ValueError, match="decode_kernels='persistent' needs CUDA with Triton and tensor_parallel"):
             parts.resolve(ask, device, torch.bfloat16, world_size=world)
+    with pytest.raises(ValueError, match="decode_kernels='persistent' attends with its own Triton kernel"):
+        Parts().resolve(dataclasses.replace(ask, attention_backend="torch"), "cuda", torch.bfloat16)
     with pytest.raises(ValueError, match="decode_kernels='persistent' needs every decode kernel"):
         Parts(add_rms_norm=parts_spies.add_rms_norm).resolve(ask, "cuda", torch.bfloat16)

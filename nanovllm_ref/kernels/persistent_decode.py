@@ -1,4 +1,4 @@
-"""The whole decode step of one sequence in one persistent Triton kernel (chapter 10; issue 29, round 6).
+"""The whole decode step of one sequence in one persistent Triton kernel (chapter 10; issue 29, rounds 6-7).
 
 Why
     A batch-1 decode step of Qwen3-0.6B is ~270 dependent kernels (9 a layer, round 5's profile). Its weights
@@ -42,24 +42,31 @@ multiples of 16 elements (checked on the host; `_weight` tells the compiler): wi
 prove the loads' alignment and issues one 2-byte load per element, not 16-byte vectors (677 of the sm_90
 kernel's global loads were 16-bit before the hint, 5 after: bench/persistent_step.py --compile-check).
 Limits: one sequence, tensor parallel size 1, no linear biases, head_dim even; the model (models/qwen3.py)
-uses it only when FusedKernels.persistent is on and those hold, else its layers run.
+uses it only when FusedKernels.persistent is on (decode_kernels="persistent") and those hold, else its layers
+run.
 
-Measured on an H200 (2026-12-02, bench/results/persistent_h200_2026-12-02_*.json): slower than the layers, so
-the engine's plan leaves it off (a model built with FusedKernels(..., persistent=True) uses it).
-- A grid barrier of 132 programs costs 0.94 us (280 barriers in 265 us).
-- Qwen3-0.6B shape, bf16, one decode step without the LM head, in CUDA-graph replays: 1.07-1.27 ms against the
-  layers' 0.82-0.90 ms (contexts 129-2,049); the whole-workload A/B put batch-1 at 815 against 951 tok/s.
-- Each phase launched alone, per layer (context 614): norm + QKV 8.1 us, attention 12.7, o_proj 4.6,
-  norm + gate_up 11.8, down 6.0 (43 us, against 29 for the layers' 9 kernels); fused, the barriers saved only
-  ~4 us a layer over those separate launches. The GEMV phases stream W at ~1.0 TB/s (the small GEMM kernels
-  reach ~1.7 with 2+ programs per SM), and the attention phase is a chain of dependent round trips (q staged,
-  the KV tile, the partials, the count, the merge). Larger tiles, fewer splits, 16 warps and an L2 prefetch of
-  each phase's weights before its barrier moved the step by -3 to +13 %; two programs an SM (programs=264,
-  num_warps=4) by -9 % (995 us against the layers' 820), with attention still 12.6 us a layer. What would have to change: more
-  memory requests in flight per SM (several programs an SM, or each program's loads issued before the
-  values they need), and an attention phase that is not a serial chain.
-- fp32 on the H200: hidden state within 2.6e-6 (relative) of the layers'; bf16: 1.6-5 % (rounding that 28
-  random layers amplify; the same kernels in fp32 agree).
+Measured on an H200 (bench/results/README.md, rounds 6 and 7; persistent_h200_2026-12-0{2,3}_*.json). The
+engine's plan leaves it off unless asked (decode_kernels="persistent"): it is level with the layers, and its
+barriers need every program resident, which a GPU shared with other processes does not promise.
+- A grid barrier of 132 programs costs 0.92-0.94 us (280 barriers in 260-265 us).
+- Qwen3-0.6B shape, bf16, one decode step without the LM head, in CUDA-graph replays, at contexts 129 / 613 /
+  2,049: this version 828 / 852 / 943 us against the layers' 828 / 841 / 898 (2026-12-03, call 5). The first
+  version (2026-12-02) took 1,069 / 1,084 / 1,268: its weight loads were 2-byte scalars (the alignment hint
+  above took it to 885 / 889 / 1,003), q went through global scratch, and each GEMV phase loaded its first
+  W tile after its barrier (`hoist` loads it before; 4 warps instead of 8).
+- The engine, ab4 against 1d52cd7 in one call: batch-1 952 -> 987 tok/s, the 1:512 graph replay 1.025 -> 0.988
+  ms; throughput unchanged (batch-1 steps are 7 of the workload's 1,023).
+- Inside the fused launch (program 0's clock at each phase start, context 613): norm + QKV 4.7 us, attention
+  9.7, o_proj 3.0, norm + gate_up 7.9, down 4.4 a layer, each with its barrier (~0.9). Reading each phase's
+  weights at the copy bandwidth would take 2.0 / - / 1.0 / 3.0 / 1.5 us. What costs is latency: a phase is a
+  chain of dependent round trips (the barrier, x, the norm's block reduction, W, the store and the release),
+  and one program an SM keeps about one W tile in flight.
+- Tried and not kept: L2 prefetch of the next steps' weights and KV (prefetch, prefetch_ahead, prefetch_kv:
+  within +-3 %, worse with the hoist), the attention phase's first KV tile before its barrier (4 warps then
+  spill 312 bytes: 953-1,159 us; 8 warps 864-1,019), two programs an SM (264 programs: 873 against 852).
+- fp32 on the H200: hidden state within 2.6e-6 (relative) of the layers'; bf16: 1.9-4 % (rounding that 28
+  random layers amplify; the same kernels in fp32 agree). The engine's bf16 and fp32 equivalence tests against
+  HF pass with it (tests/gpu_runs/2026-12-03e_triton_persistent_*.xml: 23 and 23).
 """
 import os
 from dataclasses import dataclass

@@ -25,8 +25,9 @@ one forward (vLLM's CustomOp dispatch); what a step's size or kind changes is de
 | attention              | qk_norm_rope_store: q/k norm + RoPE + KV    | decode steps once the cache exists; prefill   |
 |                        | store in one kernel                         | runs the modules (or their compiled kernel)   |
 A decode step of up to max_m rows then runs 9 kernels a layer (8 with one attention split); a larger one
-keeps the norm and q/k kernels with cuBLAS GEMMs. With FusedKernels.persistent (off in the engine's plan: slower
-on the H200) a decode step of one sequence is one persistent kernel instead (kernels/persistent_decode.py).
+keeps the norm and q/k kernels with cuBLAS GEMMs. With FusedKernels.persistent (decode_kernels="persistent"; off
+in the engine's plan: level with these kernels on the H200) a decode step of one sequence is one persistent
+kernel instead (kernels/persistent_decode.py).
 """
 import torch
 from torch import nn
@@ -182,8 +183,8 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, norm=ops.rms_norm, add_norm=ops.add_rms_norm,
                             kernel=_norm_kernel(ops), pdl=ops.kernels.pdl)
         # A decode step of one sequence as one persistent kernel (kernels/persistent_decode.py; the engine's plan
-        # leaves it off: slower on the H200). Made at its first step, once the KV cache exists, and made again if
-        # the cache is re-allocated. The kernel has no linear biases and no tensor parallelism.
+        # leaves it off unless decode_kernels="persistent"). Made at its first step, once the KV cache exists,
+        # and made again if the cache is re-allocated. The kernel has no linear biases and no tensor parallelism.
         self.persistent = ops.kernels.persistent
         if self.persistent and (get_tp_size() > 1 or getattr(config, "attention_bias", False)
                                 or getattr(config, "mlp_bias", False)):
