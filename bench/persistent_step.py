@@ -75,7 +75,8 @@ def compile_check(out: str) -> int:
                   BLOCK_D=s["head_dim"], BLOCK_G=16, BLOCK_N=cfg.block_n,
                   BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_SIZE=256, TILE_IN_BLOCK=True,
                   BN_QKV=cfg.bn_qkv, BN_O=cfg.bn_o, KC_O=cfg.kc_o, BN_GU=cfg.bn_gate_up, BN_DOWN=cfg.bn_down,
-                  KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, PREFETCH=True, PREFETCH_AHEAD=1, PREFETCH_KV=True, HOIST=True, TIMESTAMPS=True, CAST_FP32=False,
+                  KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, PREFETCH=cfg.prefetch, PREFETCH_AHEAD=cfg.prefetch_ahead, PREFETCH_KV=cfg.prefetch_kv, HOIST=cfg.hoist,
+                  TIMESTAMPS=False, ALIGNED=True, KV_ALIGNED=True, CAST_FP32=False,
                   EMULATE=False, DOT_PRECISION="tf32")
     full = {**sig, **{k: "constexpr" for k in consts}}
     # As a launch specialises them: every pointer (torch allocations are 16-byte aligned) and stride_cs (a

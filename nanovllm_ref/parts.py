@@ -197,8 +197,13 @@ class Parts:
             raise ValueError("decode_kernels='persistent' needs CUDA with Triton and tensor_parallel_size 1 (the "
                              "persistent decode step is one Triton kernel over the whole model)")
         if persistent and name != "triton":
-            raise ValueError(f"decode_kernels='persistent' attends with its own Triton kernel, so it needs "
-                             f"attention_backend 'triton' (or 'auto'), not {name!r}")
+            asked = "Parts.attention_backend" if name == "parts" else f"attention_backend={config.attention_backend!r}"
+            raise ValueError(f"decode_kernels='persistent' attends with its own Triton kernel, so it needs the triton "
+                             f"back-end (attention_backend 'triton' or 'auto', no Parts.attention_backend), not {asked}")
+        hf = config.hf_config
+        if persistent and (getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False)):
+            raise ValueError("decode_kernels='persistent' needs a model without attention_bias or mlp_bias (the "
+                             "persistent step has no linear biases)")
         if config.decode_kernels in ("auto", "persistent") and fuse and triton:
             from nanovllm_ref.kernels.numerics import pdl_available
             pdl = pdl_available(torch.device("cuda", torch.cuda.current_device()))
@@ -208,8 +213,10 @@ class Parts:
             # (kernels/persistent_decode.py).
             kernels = FusedKernels.all(pdl=pdl, persistent=persistent).restricted_to(self.kernels_allowed(qk_norm))
             if persistent and not kernels.persistent:
-                raise ValueError("decode_kernels='persistent' needs every decode kernel, and a replaced part rules "
-                                 "some out: the persistent step does what those parts do")
+                mine = [f for f in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "store_kvcache")
+                        if not self.is_reference(f)]
+                raise ValueError(f"decode_kernels='persistent' needs every decode kernel, and replaced parts "
+                                 f"({', '.join(mine)}) rule some out: the persistent step does what those parts do")
         if name == "triton" and kernels.pdl:
             # The decode attention's two kernels launched like the decode kernels around them (PDL, Hopper).
             from nanovllm_ref.attn import FunctionBackend
@@ -237,6 +244,9 @@ class Parts:
         else:
             async_ = bool(config.async_scheduling)
         sizes = tuple(self.graph_batch_sizes(config.max_num_seqs)) if use_graphs else ()
+        if persistent and sizes and 1 not in sizes:
+            raise ValueError(f"decode_kernels='persistent' runs in the batch-1 decode graph, and "
+                             f"Parts.graph_batch_sizes gives {sizes} (no 1: a batch of one is padded, the step never runs)")
         prefill_sizes, prefill_off = self._prefill_graphs(config, use_graphs, name, world_size)
         return EnginePlan(device_type=device_type, dtype=dtype, world_size=world_size, attention=name,
                           backend=backend, store_kvcache=store, fuse=fuse, ops=ops,
@@ -274,7 +284,10 @@ class Parts:
                                  "Parts.attention_backend; leave attention_backend='auto' when parts bring one")
             name, backend = "parts", self.attention_backend
         else:
-            name = resolve_backend(config.attention_backend, device_type, config.kvcache_block_size, dtype=dtype)
+            asked = config.attention_backend
+            if asked == "auto" and config.decode_kernels == "persistent" and device_type == "cuda":
+                asked = "triton"                 # the persistent step attends with the triton back-end's algorithm
+            name = resolve_backend(asked, device_type, config.kvcache_block_size, dtype=dtype)
             backend = get_backend(name)
         store = self.store_kvcache
         if store is None and (device_type == "cuda" or name == "triton"):
@@ -385,7 +398,8 @@ class EnginePlan:
             f"  element-wise ops: {'compiled: ' + ', '.join(compiled) if compiled else 'eager'}"
             + ("; q/k norm + RoPE compiled as one" if self.ops.qk_norm_rope is not None else ""),
             f"  decode kernels: {', '.join(k.enabled()) or 'none'}"
-            + (f" (up to {k.max_m} rows for the GEMMs, PDL {'on' if k.pdl else 'off'})" if k.any() else ""),
+            + (f" (up to {k.max_m} rows for the GEMMs, PDL {'on' if k.pdl else 'off'})" if k.any() else "")
+            + ("; a batch of one: one persistent kernel (kernels/persistent_decode.py)" if k.persistent else ""),
             f"  sampler: {'reference' if 'sampler' not in self.replaced else 'Parts.sampler'}, row draw "
             f"{self.sample_rows_name}; {'inside the decode CUDA graph' if self.graph_sample_rows else 'after the forward'}",
             f"  CUDA graphs: {'sizes ' + _sizes(sizes) if self.use_graphs else 'off'}; async scheduling "

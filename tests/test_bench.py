@@ -245,6 +245,8 @@ def test_run_options_set_engine_arguments_and_name_the_row():
     assert specs[1].options["engine_args"] == {"max_num_seqs": 8, "async_scheduling": False, "decode_kernels": "off"}
     assert specs[0].options["engine_args"] == {"max_num_seqs": 8}
     assert _runs("triton:graph:persistent") == [("triton", False, ("persistent",))]
+    from nanovllm_bench.harness import RUN_OPTIONS
+    assert RUN_OPTIONS["persistent"] == {"decode_kernels": "persistent"}
     with pytest.raises(argparse.ArgumentTypeError, match="OPTION one of sync, nokernels, persistent"):
         _runs("triton:graph:fast")
 

@@ -8,7 +8,11 @@ as one kernel, under the Triton interpreter phase by phase (stepwise), against t
   positions of a scattered block table, and the KV cache rows it writes equal those the layers write (1e-5 of the largest entry: fp32, another summation order);
   so does the fused path (one program: barriers, the merge count and the exit reset), which also clears a
   merge count a step left behind, so the next step is right again.
-- Its tile choices spread every projection over the programs; bad configurations and inputs are refused by name.
+- So it does for a head_dim that is no power of two, K below 16 in the split-K projections, and more programs
+  than any phase has items; the norm weights are random there (the checkpoint's are all 1).
+- A batch of two sequences runs the layers and matches HF.
+- Its tile choices spread every projection over the programs; bad configurations and inputs are refused by name;
+  a weight off the 16-element alignment is taken without the alignment hint.
 """
 import dataclasses
 
@@ -58,6 +62,16 @@ def test_engine_with_the_persistent_step_matches_hf_greedy(arch, monkeypatch, st
     llm.exit()
     assert got == [hf_greedy(path, p, tokens) for p in prompts]
     assert step_calls == [1] * (2 * (tokens - 1)), "every decode step of one sequence runs the persistent kernel"
+
+
+def test_a_batch_of_two_runs_the_layers_and_matches_hf(monkeypatch, step_calls):
+    path = tiny_dir("qwen3")
+    llm = _llm(monkeypatch, path, PERSISTENT)
+    prompts, tokens = [[5, 6, 7, 8, 9, 10, 11], [20, 21]], 4
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    llm.exit()
+    assert [o["token_ids"] for o in out] == [hf_greedy(path, p, tokens) for p in prompts]
+    assert step_calls == [], "decode steps of two sequences run the layers, not the persistent kernel"
 
 
 def test_several_kv_splits_merged_by_the_last_split_match_hf(monkeypatch, step_calls):
@@ -167,10 +181,18 @@ def _step_against_layers(model, caches, ctx, block_size, table, step=None):
     return float((got - ref).norm() / ref.norm()), float((caches[rows] - ref_kv).abs().max() / ref_kv.abs().max())
 
 
-def _cached_model(monkeypatch):
-    """The tiny qwen3 engine's model (fp32, block size 4) with a random KV cache and a scattered block table."""
-    llm = _llm(monkeypatch, tiny_dir("qwen3"), PERSISTENT)
+def _cached_model(monkeypatch, **overrides):
+    """The tiny qwen3 engine's model (fp32, block size 4; config `overrides`) with a random KV cache, random norm
+    weights (the checkpoint's are all 1, under which a norm's weight could be swapped unseen) and a scattered
+    block table."""
+    llm = _llm(monkeypatch, tiny_dir("qwen3", **overrides), PERSISTENT)
     model = llm.model_runner.model.model
+    g = torch.Generator().manual_seed(1)
+    norms = [model.norm] + [m for layer in model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                                   layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
     whole = llm.model_runner.kv_cache                    # [2, L, blocks, block_size, Hkv, d]: every layer's view
     one = model.layers[1].self_attn.attn.k_cache
     assert one.data_ptr() == whole[0, 1].data_ptr() and tuple(one.shape) == tuple(whole.shape[2:])
@@ -185,6 +207,22 @@ def test_the_step_equals_the_layers_hidden_state_and_kv_rows(monkeypatch, ctx):
     llm, model, caches, block_size, table = _cached_model(monkeypatch)
     hidden, kv = _step_against_layers(model, caches, ctx, block_size, table)
     llm.exit()
+    assert hidden < 1e-5, f"hidden state {hidden:.2e} (relative) from the layers' at context {ctx}"
+    assert kv < 1e-5, f"the k/v rows the step wrote differ by {kv:.2e} from the layers' at context {ctx}"
+
+
+@pytest.mark.parametrize("overrides, programs", [
+    (dict(head_dim=12), None),                     # rotate-half RoPE over a head that is no power of two
+    (dict(intermediate_size=8, head_dim=4), None),  # K below 16 in both split-K projections
+    ({}, 300),                                     # more programs than any phase has items: some have none
+])
+def test_the_step_equals_the_layers_for_other_shapes_and_grids(monkeypatch, overrides, programs):
+    llm, model, caches, block_size, table = _cached_model(monkeypatch, **overrides)
+    ctx = 13
+    step = model.persistent_step(programs=programs)
+    hidden, kv = _step_against_layers(model, caches, ctx, block_size, table)
+    llm.exit()
+    assert programs is None or step.config.programs == programs
     assert hidden < 1e-5, f"hidden state {hidden:.2e} (relative) from the layers' at context {ctx}"
     assert kv < 1e-5, f"the k/v rows the step wrote differ by {kv:.2e} from the layers' at context {ctx}"
 
@@ -227,7 +265,8 @@ def test_bad_inputs_are_refused_by_name(monkeypatch):
         "input_ids": [torch.tensor([1.0]), [1], torch.tensor([1, 2]), torch.tensor([10 ** 6])],
         "positions": [torch.tensor([], dtype=torch.long), torch.tensor([4])],
         "slot_mapping": [torch.tensor([], dtype=i32), torch.tensor([10 ** 6], dtype=i32)],
-        "block_tables": [table[0], torch.zeros(1, 0, dtype=i32), table.float()],
+        "block_tables": [table[0], torch.zeros(1, 0, dtype=i32), table.float(), torch.full_like(table, 10 ** 6),
+                         torch.full_like(table, -1), torch.cat([table, table]).t()[:1]],
         "context_lens": [torch.tensor([], dtype=i32), torch.tensor([0], dtype=i32),
                          torch.tensor([table.shape[1] * block_size + 1], dtype=i32)],
     }
@@ -258,12 +297,19 @@ def test_bad_constructor_arguments_are_refused_by_name(monkeypatch):
              ("cos_sin_cache", dict(cos_sin_cache=a.rotary_emb.cos_sin_cache[:, :-2])),
              ("k_caches", dict(k_caches=[k[..., :-1]])), ("v_caches", dict(v_caches=[v.double()])),
              ("k_caches", dict(k_caches=[k, k], v_caches=[v, v], weights=[good_layer, good_layer])),
-             ("layer 0 input_norm", dict(weights=[{**good_layer, "input_norm": unaligned.copy_(layer.input_layernorm.weight)}])),
-             ("stepwise", dict(stepwise=False, programs=2))]
+             ("stepwise", dict(stepwise=False, programs=2)), ("eps", dict(eps="x")), ("eps", dict(eps=-1.0)),
+             ("eps", dict(eps=float("nan"))), ("scale", dict(scale="x")), ("weights must be a list", dict(weights=None)),
+             ("k_caches must be a list", dict(k_caches=None)), ("embed", dict(embed=model.embed_tokens.weight.long())),
+             ("q_norm and k_norm", dict(weights=[{**good_layer, "q_norm": None}])),
+             ("k_caches", dict(k_caches=[k[:, :0]], v_caches=[v[:, :0]]))]
     for name, change in cases:
         with pytest.raises(ValueError, match=name):
             persistent_decode.PersistentDecode(**{**good, **change})
-    assert persistent_decode.PersistentDecode(**good).num_layers == 1
+    assert persistent_decode.PersistentDecode(**good).aligned
+    # A weight 1 element off 16: taken, without the alignment hint (its loads then are not 16-byte vectors).
+    odd = persistent_decode.PersistentDecode(**{**good, "weights": [{**good_layer, "input_norm": unaligned.copy_(
+        layer.input_layernorm.weight)}]})
+    assert odd.num_layers == 1 and not odd.aligned
     llm.exit()
 
 
@@ -276,3 +322,10 @@ def test_max_resident_counts_registers_threads_and_shared_memory():
     assert persistent_decode.max_resident(249, 4, 38916, h200) == 264          # 256 a thread, allocated: two
     assert persistent_decode.max_resident(64, 4, 0, h200) == 132 * 8           # registers: 8 an SM (threads: 16)
     assert persistent_decode.max_resident(32, 1, 120000, h200) == 132          # shared memory: one
+    assert persistent_decode.max_resident(16, 8, 0, h200) == 132 * 8           # threads: 2,048 / 256
+    assert persistent_decode.max_resident(16, 1, 0, h200) == 132 * 32          # block slots: 32 an SM
+
+
+def test_split_k_tiles_take_a_k_below_16_as_one_chunk():
+    assert persistent_decode._split_k_tiles(64, 8, 3, 16384)[1] == 8
+    assert persistent_decode._split_k_tiles(1024, 3072, 132, 16384)[1] == 4096       # Qwen3-0.6B down: one chunk

@@ -330,7 +330,23 @@ def test_the_plan_on_a_gpu_runs_every_kernel_the_reference_parts_allow(monkeypat
     assert mine.graph_sample_rows is None and mine.sampler is parts_spies.sample
     # decode_kernels="persistent": every kernel and the persistent batch-1 step; refused by name where it can't run.
     ask = Config(tiny_dir("qwen3"), kvcache_block_size=16, max_model_len=64, max_num_seqs=8, decode_kernels="persistent")
-    assert Parts().resolve(ask, "cuda", torch.bfloat16).ops.kernels == FusedKernels.all(pdl=True, persistent=True)
+    on = Parts().resolve(ask, "cuda", torch.bfloat16)
+    assert on.ops.kernels == FusedKernels.all(pdl=True, persistent=True) and on.attention == "triton"
+    assert "a batch of one: one persistent kernel" in on.describe() and "persistent" not in plan.describe()
+    # 'auto' picks the triton back-end for it even where flash-attn would be picked (installed, half dtype).
+    from nanovllm_ref import attn as attn_mod
+    monkeypatch.setattr(attn_mod, "resolve_backend", lambda name, *a, **k: "flash_attn" if name == "auto" else name)
+    assert Parts().resolve(ask, "cuda", torch.bfloat16).attention == "triton"
+    with pytest.raises(ValueError, match="not attention_backend='flash_attn'"):
+        Parts().resolve(dataclasses.replace(ask, attention_backend="flash_attn"), "cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match="not Parts.attention_backend"):
+        Parts(attention_backend=FunctionBackend(*(lambda *a: None,) * 3)).resolve(ask, "cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match="persistent' runs in the batch-1 decode graph"):
+        Parts(graph_batch_sizes=lambda n: [2, 4]).resolve(ask, "cuda", torch.bfloat16)
+    biased = Config(tiny_dir("qwen3", attention_bias=True), kvcache_block_size=16, max_model_len=64, max_num_seqs=8,
+                    decode_kernels="persistent")
+    with pytest.raises(ValueError, match="persistent' needs a model without attention_bias"):
+        Parts().resolve(biased, "cuda", torch.bfloat16)
     for device, world, parts in (("cpu", 1, Parts()), ("cuda", 2, Parts())):
         with pytest.raises(ValueError, match="decode_kernels='persistent' needs CUDA with Triton and tensor_parallel"):
             parts.resolve(ask, device, torch.bfloat16, world_size=world)

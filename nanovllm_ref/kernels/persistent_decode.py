@@ -37,8 +37,8 @@ Barriers and the interpreter
     ValueError naming `programs` if not.
 
 Weights are read where the model keeps them: `table` [L, 8] int64 holds each layer's tensor as an element
-offset from one base tensor (all share the model dtype), so no copy or re-layout is made. The offsets are
-multiples of 16 elements (checked on the host; `_weight` tells the compiler): without that hint Triton cannot
+offset from one base tensor (all share the model dtype), so no copy or re-layout is made. Where the offsets are
+multiples of 16 elements (checked on the host; `_weight` then tells the compiler): without that hint Triton cannot
 prove the loads' alignment and issues one 2-byte load per element, not 16-byte vectors (677 of the sm_90
 kernel's global loads were 16-bit before the hint, 5 after: bench/persistent_step.py --compile-check).
 Limits: one sequence, tensor parallel size 1, no linear biases, head_dim even; the model (models/qwen3.py)
@@ -68,6 +68,7 @@ barriers need every program resident, which a GPU shared with other processes do
   random layers amplify; the same kernels in fp32 agree). The engine's bf16 and fp32 equivalence tests against
   HF pass with it (tests/gpu_runs/2026-12-03e_triton_persistent_*.xml: 23 and 23).
 """
+import math
 import os
 from dataclasses import dataclass
 
@@ -155,10 +156,23 @@ def _prefetch_items(w_ptr, pid, nprog, N, K, BN: tl.constexpr, KC: tl.constexpr,
 
 
 @triton.jit
-def _weight(base_ptr, weights, column):
-    """The tensor of `column` in this layer's table row: an element offset from base_ptr that the host checked
-    is a multiple of 16, said here so that the compiler can prove 16-byte alignment and load 8 bf16 at once."""
-    return base_ptr + tl.multiple_of(tl.load(weights + column), 16)
+def _weight(base_ptr, weights, column, ALIGNED: tl.constexpr):
+    """The tensor of `column` in this layer's table row, an element offset from base_ptr. ALIGNED: the host found
+    every offset a multiple of 16 and says so here, so that the compiler can prove 16-byte alignment and load 8
+    bf16 at once (separate allocations, as a model's parameters are, always are)."""
+    offset = tl.load(weights + column)
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 16)
+    return base_ptr + offset
+
+
+@triton.jit
+def _kv_offset(layer, layer_stride_kv, ALIGNED: tl.constexpr):
+    """Element offset of `layer`'s KV cache from layer 0's (ALIGNED: the stride is a multiple of 16)."""
+    offset = layer.to(tl.int64) * layer_stride_kv
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 16)
+    return offset
 
 
 @triton.jit
@@ -447,6 +461,7 @@ def _persistent_decode_kernel(
     BN_DOWN: tl.constexpr, KC_DOWN: tl.constexpr,
     PHASES: tl.constexpr, QK_NORM: tl.constexpr, STEPWISE: tl.constexpr, PREFETCH: tl.constexpr,
     PREFETCH_AHEAD: tl.constexpr, PREFETCH_KV: tl.constexpr, HOIST: tl.constexpr, TIMESTAMPS: tl.constexpr,
+    ALIGNED: tl.constexpr, KV_ALIGNED: tl.constexpr,
     CAST_FP32: tl.constexpr,
     EMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -472,19 +487,19 @@ def _persistent_decode_kernel(
             if (p_layer < NUM_LAYERS) & (ahead < step_hi):
                 p_weights = table_ptr + p_layer * 8
                 if p_phase == 0:
-                    _prefetch_items(_weight(base_ptr, p_weights, 0), pid, nprog, NQKV, HIDDEN, BN_QKV, BLOCK_H, 0)
+                    _prefetch_items(_weight(base_ptr, p_weights, 0, ALIGNED), pid, nprog, NQKV, HIDDEN, BN_QKV, BLOCK_H, 0)
                 elif p_phase == 1:
                     if PREFETCH_KV:
-                        p_kv = tl.multiple_of(p_layer.to(tl.int64) * layer_stride_kv, 16)
+                        p_kv = _kv_offset(p_layer, layer_stride_kv, KV_ALIGNED)
                         _prefetch_kv(k_cache_ptr + p_kv, v_cache_ptr + p_kv, block_table_ptr, context_lens_ptr,
                                      pid, nprog, num_splits, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
                 elif p_phase == 2:
-                    _prefetch_items(_weight(base_ptr, p_weights, 1), pid, nprog, HIDDEN, Q_SIZE, BN_O, KC_O, 0)
+                    _prefetch_items(_weight(base_ptr, p_weights, 1, ALIGNED), pid, nprog, HIDDEN, Q_SIZE, BN_O, KC_O, 0)
                 elif p_phase == 3:
-                    _prefetch_items(_weight(base_ptr, p_weights, 2), pid, nprog, INTER, HIDDEN, BN_GU, BLOCK_H,
+                    _prefetch_items(_weight(base_ptr, p_weights, 2, ALIGNED), pid, nprog, INTER, HIDDEN, BN_GU, BLOCK_H,
                                     INTER)
                 else:
-                    _prefetch_items(_weight(base_ptr, p_weights, 3), pid, nprog, HIDDEN, INTER, BN_DOWN, KC_DOWN, 0)
+                    _prefetch_items(_weight(base_ptr, p_weights, 3, ALIGNED), pid, nprog, HIDDEN, INTER, BN_DOWN, KC_DOWN, 0)
         # Each phase: what it reads that no earlier step writes (its first W tile: HOIST) is loaded before the
         # barrier, then the barrier (every program wrote its part of what this phase reads), then the work.
         if layer == NUM_LAYERS:                                # the final norm
@@ -497,38 +512,38 @@ def _persistent_decode_kernel(
                 y = _rms_norm_row(h, final_norm_ptr, offs, mask, HIDDEN, eps, dtype, EMULATE)
                 tl.store(out_ptr + offs, y.to(dtype), mask=mask)
         elif phase == 0:
-            qkv_w = _weight(base_ptr, weights, 0)
+            qkv_w = _weight(base_ptr, weights, 0, ALIGNED)
             w_qkv, u_qkv = _gemv_first(qkv_w, pid, NQKV, HIDDEN, BLOCK_H, BN_QKV, False)
             _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
             normed = _add_norm_phase(d_part, KS_DOWN, resid_ptr + HIDDEN, resid_ptr,
-                                     _weight(base_ptr, weights, 4), ids_ptr, embed_ptr, pid, eps, layer == 0,
+                                     _weight(base_ptr, weights, 4, ALIGNED), ids_ptr, embed_ptr, pid, eps, layer == 0,
                                      HIDDEN, BLOCK_H, dtype, EMULATE)
             _gemv_phase(normed, qkv_w, qkv_ptr, pid, nprog, w_qkv, u_qkv,
                         HIDDEN, NQKV, BLOCK_H, BN_QKV, False, HOIST, dtype, EMULATE)
         elif phase == 1:
             _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
-            kv = tl.multiple_of(layer.to(tl.int64) * layer_stride_kv, 16)   # the host checked the stride
-            _attention_phase(qkv_ptr, _weight(base_ptr, weights, 6), _weight(base_ptr, weights, 7),
+            kv = _kv_offset(layer, layer_stride_kv, KV_ALIGNED)
+            _attention_phase(qkv_ptr, _weight(base_ptr, weights, 6, ALIGNED), _weight(base_ptr, weights, 7, ALIGNED),
                              k_cache_ptr + kv, v_cache_ptr + kv, positions_ptr, slot_ptr, block_table_ptr,
                              context_lens_ptr, cos_sin_ptr, stride_cs, part_out, part_lse, count_ptr,
                              attn_ptr, pid, nprog, eps, qk_scale, num_splits,
                              NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_D, BLOCK_G, BLOCK_N,
                              BLOCK_S, BLOCK_SIZE, TILE_IN_BLOCK, QK_NORM, CAST_FP32, DOT_PRECISION, dtype, EMULATE)
         elif phase == 2:
-            o_w = _weight(base_ptr, weights, 1)
+            o_w = _weight(base_ptr, weights, 1, ALIGNED)
             w_o = _split_k_first(o_w, pid, HIDDEN, Q_SIZE, BN_O, KC_O)
             _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
             _split_k_phase(attn_ptr, o_w, o_part, pid, nprog, w_o, HIDDEN, Q_SIZE, BN_O, KC_O, HOIST)
         elif phase == 3:
-            gu_w = _weight(base_ptr, weights, 2)
+            gu_w = _weight(base_ptr, weights, 2, ALIGNED)
             w_gu, u_gu = _gemv_first(gu_w, pid, INTER, HIDDEN, BLOCK_H, BN_GU, True)
             _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
-            normed = _add_norm_phase(o_part, KS_O, resid_ptr, resid_ptr + HIDDEN, _weight(base_ptr, weights, 5),
+            normed = _add_norm_phase(o_part, KS_O, resid_ptr, resid_ptr + HIDDEN, _weight(base_ptr, weights, 5, ALIGNED),
                                      ids_ptr, embed_ptr, pid, eps, False, HIDDEN, BLOCK_H, dtype, EMULATE)
             _gemv_phase(normed, gu_w, act_ptr, pid, nprog, w_gu, u_gu,
                         HIDDEN, INTER, BLOCK_H, BN_GU, True, HOIST, dtype, EMULATE)
         else:
-            down_w = _weight(base_ptr, weights, 3)
+            down_w = _weight(base_ptr, weights, 3, ALIGNED)
             w_down = _split_k_first(down_w, pid, HIDDEN, INTER, BN_DOWN, KC_DOWN)
             _phase_barrier(bar_ptr, err_ptr, nprog, step, step_lo, ts_ptr, pid, STEPWISE, TIMESTAMPS)
             _split_k_phase(act_ptr, down_w, d_part, pid, nprog, w_down, HIDDEN, INTER, BN_DOWN, KC_DOWN, HOIST)
@@ -557,7 +572,8 @@ def _split_k_tiles(n: int, k: int, programs: int, max_elems: int) -> tuple[int, 
     bf16 weights and the fp32 partials every program of the next phase reads back (n per K chunk)."""
     best = None
     kc = triton.next_power_of_2(k)
-    while kc >= 16:
+    smallest = min(16, kc)                                   # K below 16: one chunk of all of it
+    while kc >= smallest:
         bn = 1
         while bn <= triton.next_power_of_2(n) and bn * kc <= max(max_elems, kc):
             items = triton.cdiv(n, bn) * triton.cdiv(k, kc)
@@ -615,8 +631,7 @@ class PersistentDecode:
         stride (engine/kv_cache.allocate_kv_cache); cos_sin_cache [max_position, d] fp32.
     programs: None = one per SM (a GPU) or 3 (the interpreter); stepwise: None = only under the interpreter,
         where stepwise=False needs programs=1 (its barriers then pass at once: the fused path, testable on a CPU).
-    Raises ValueError naming the argument whose type, shape, dtype, device or alignment does not fit these
-    layouts (weight offsets and the KV stride between layers must be multiples of 16 elements: _weight).
+    Raises ValueError naming the argument whose type, shape, dtype, device or value does not fit these layouts.
     """
     WEIGHTS = ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm", "k_norm")   # the table's columns
 
@@ -632,8 +647,15 @@ class PersistentDecode:
                              f"head_dim ({head_dim}) even")
         if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs <= 0):
             raise ValueError(f"programs must be None or a positive int, got {programs!r}")
-        if not isinstance(embed, torch.Tensor) or embed.dim() != 2 or not embed.is_contiguous():
-            raise ValueError(f"embed: expected a contiguous [vocab, hidden] tensor, got "
+        for name, value in (("eps", eps), ("scale", scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        for name, value in (("weights", weights), ("k_caches", k_caches), ("v_caches", v_caches)):
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list with one entry per layer, got {type(value).__name__}")
+        if not isinstance(embed, torch.Tensor) or embed.dim() != 2 or not embed.is_contiguous() or \
+                not embed.dtype.is_floating_point:
+            raise ValueError(f"embed: expected a contiguous floating-point [vocab, hidden] tensor, got "
                              f"{tuple(embed.shape) if isinstance(embed, torch.Tensor) else type(embed).__name__}")
         self.num_layers = len(weights)
         if self.num_layers == 0 or len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
@@ -651,6 +673,10 @@ class PersistentDecode:
         self.inter = weights[0]["gate_up"].shape[0] // 2
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_norm = weights[0]["q_norm"] is not None
+        for i, layer in enumerate(weights):
+            if (layer["q_norm"] is None) != (layer["k_norm"] is None) or (layer["q_norm"] is None) == self.qk_norm:
+                raise ValueError(f"weights[{i}]: q_norm and k_norm must both be tensors (Qwen3) or both None (Llama), "
+                                 "the same in every layer")
         shapes = {"qkv": ((num_heads + 2 * num_kv_heads) * head_dim, self.hidden),
                   "o": (self.hidden, num_heads * head_dim), "gate_up": (2 * self.inter, self.hidden),
                   "down": (self.hidden, self.inter), "input_norm": (self.hidden,), "post_norm": (self.hidden,),
@@ -677,16 +703,17 @@ class PersistentDecode:
                     continue
                 check(f"layer {i} {name}", t, shapes[name], self.dtype)
                 offset, rem = divmod(t.data_ptr() - base.data_ptr(), t.element_size())
-                # The kernel tells the compiler each offset is a multiple of 16 elements (_weight): then its
-                # loads are 16-byte vectors. Separate allocations (as the model's parameters are) always are.
-                if rem or offset % 16:
-                    raise ValueError(f"layer {i} {name}: its address is not a multiple of 16 elements from embed's")
+                if rem:
+                    raise ValueError(f"layer {i} {name}: its address is not a whole number of elements from embed's")
                 row.append(offset)
             rows.append(row)
+        # Every offset a multiple of 16 elements: the kernel may say so (_weight), and its loads are 16-byte vectors.
+        self.aligned = all(offset % 16 == 0 for row in rows for offset in row)
         self.table = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self.embed, self.final_norm, self.eps, self.cos_sin = embed, final_norm, float(eps), cos_sin_cache
         cache_shape = k_caches[0].shape if isinstance(k_caches[0], torch.Tensor) else None
-        if cache_shape is None or len(cache_shape) != 4 or tuple(cache_shape[2:]) != (num_kv_heads, head_dim):
+        if cache_shape is None or len(cache_shape) != 4 or tuple(cache_shape[2:]) != (num_kv_heads, head_dim) or \
+                min(cache_shape[:2]) < 1:
             raise ValueError(f"k_caches, v_caches: expected [num_blocks, block_size, {num_kv_heads}, {head_dim}] "
                              f"tensors, got {None if cache_shape is None else tuple(cache_shape)}")
         for caches, which in ((k_caches, "k_caches"), (v_caches, "v_caches")):
@@ -703,8 +730,8 @@ class PersistentDecode:
                     raise ValueError("k_caches, v_caches: the per-layer caches must be views at one fixed stride "
                                      "(engine/kv_cache.allocate_kv_cache)")
         self.layer_stride_kv, rem = divmod(stride, k_caches[0].element_size())
-        if rem or self.layer_stride_kv % 16:
-            raise ValueError("k_caches: the stride between layers' caches must be a multiple of 16 elements")
+        if rem:
+            raise ValueError("k_caches: the stride between layers' caches must be a whole number of elements")
         self.block_size = k_caches[0].shape[1]
         self.qk_scale = scale * LOG2E
         gpu = self.device.type == "cuda" and not interpreting()
@@ -730,7 +757,8 @@ class PersistentDecode:
         # counters: [0] barrier, [1] exit, [2] barrier give-ups, [3:] merge counts per KV head
         self.counters = torch.zeros(3 + num_kv_heads, dtype=torch.int32, device=dev)
         self.timestamps = torch.zeros(self.num_layers * PHASES + 2, dtype=torch.int64, device=dev)   # ns
-        self._resident_checked = None           # the config whose programs were checked to fit (GPU, first launch)
+        self._resident_checked = None
+        self._errors_checked = False           # the config whose programs were checked to fit (GPU, first launch)
 
     @property
     def errors(self) -> torch.Tensor:
@@ -766,6 +794,8 @@ class PersistentDecode:
                 want = "[1, max_blocks]" if shape is None else "[1]"
                 raise ValueError(f"{name}: expected an int32 or int64 {want} tensor on {self.device} (one sequence), "
                                  f"got {got}")
+        if block_tables.stride(1) != 1:
+            raise ValueError("block_tables: its rows must be contiguous (stride 1 along max_blocks)")
         if self.device.type == "cpu":                          # free to read here (no device to wait on)
             ctx, pos = int(context_lens[0]), int(positions[0])
             capacity = block_tables.shape[1] * self.block_size
@@ -774,6 +804,10 @@ class PersistentDecode:
                                  f"block table holds {capacity} tokens, the RoPE cache {self.cos_sin.shape[0]})")
             if pos != ctx - 1:
                 raise ValueError(f"positions: a decode step's token is at context_lens - 1 = {ctx - 1}, got {pos}")
+            used = block_tables[0, :-(-ctx // self.block_size)]
+            if bool(((used < 0) | (used >= self.k_cache.shape[0])).any()):
+                raise ValueError(f"block_tables: the blocks of the context's {ctx} tokens must lie in "
+                                 f"0..{self.k_cache.shape[0] - 1}, got {used.tolist()}")
             slots = self.k_cache.shape[0] * self.block_size
             if not 0 <= int(slot_mapping[0]) < slots:
                 raise ValueError(f"slot_mapping: {int(slot_mapping[0])} is outside the cache's 0..{slots - 1}")
@@ -804,7 +838,8 @@ class PersistentDecode:
                 BN_QKV=c.bn_qkv, BN_O=c.bn_o, KC_O=c.kc_o, BN_GU=c.bn_gate_up, BN_DOWN=c.bn_down,
                 KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=stepwise,
                 PREFETCH=c.prefetch and not emulate, PREFETCH_AHEAD=c.prefetch_ahead, PREFETCH_KV=c.prefetch_kv,
-                HOIST=c.hoist, TIMESTAMPS=c.timestamps and not emulate,
+                HOIST=c.hoist, TIMESTAMPS=c.timestamps and not emulate, ALIGNED=self.aligned,
+                KV_ALIGNED=self.layer_stride_kv % 16 == 0,
                 CAST_FP32=emulate,
                 EMULATE=emulate, DOT_PRECISION="ieee" if (self.dtype == torch.float32 or emulate) else "tf32",
                 num_warps=c.num_warps)
@@ -820,7 +855,21 @@ class PersistentDecode:
                                      f"GPU keeps at most {fits} resident at once, and the grid barriers need all")
                 self._resident_checked = c
             _persistent_decode_kernel[(c.programs,)](*args, **meta)
+            if not stepwise and not emulate and not self._errors_checked and \
+                    not torch.cuda.is_current_stream_capturing():
+                self.check_errors()                    # once, at the first launch outside a graph capture (a sync)
+                self._errors_checked = True
         return out
+
+    def check_errors(self) -> None:
+        """Raise RuntimeError if any grid barrier has given up waiting since this step was made (its results are
+        then wrong: some program was not resident, e.g. another process held SMs). Waits for the device. The
+        step runs this itself once, after its first launch outside a CUDA-graph capture."""
+        gave_up = int(self.errors.item())
+        if gave_up:
+            raise RuntimeError(f"the persistent decode step's grid barriers gave up {gave_up} times: its "
+                               f"{self.config.programs} programs were not all resident at once (a GPU shared with "
+                               "other work?), so its results are wrong; use decode_kernels='auto'")
 
 
 def max_resident(regs_per_thread: int, num_warps: int, shared_bytes: int, props) -> int:
