@@ -34,7 +34,9 @@ Barriers and the interpreter
     launches each phase of each layer as its own kernel instead, with the same code and no barriers; one
     program (programs=1) runs the fused path there, barriers, exit reset and merge count included. On a GPU the
     first launch with barriers checks that every program can be resident at once (max_resident) and raises
-    ValueError naming `programs` if not.
+    ValueError naming `programs` if not; after the first launch outside a CUDA-graph capture it reads the
+    give-up count once (check_errors: RuntimeError if any). Later give-ups (another process taking SMs) are
+    only counted in `errors`: reading it every step would cost a host sync.
 
 Weights are read where the model keeps them: `table` [L, 8] int64 holds each layer's tensor as an element
 offset from one base tensor (all share the model dtype), so no copy or re-layout is made. Where the offsets are
