@@ -48,8 +48,10 @@ class Config:
         utils/fusion.FusedKernels, chosen by nanovllm_ref.Parts.resolve) wherever the parts are the reference
         ones; "off": the same model with cuBLAS GEMMs and the compiled element-wise ops only (for comparisons);
         "persistent": "auto" plus a decode step of one sequence as one persistent kernel
-        (kernels/persistent_decode.py; opt-in because the H200 measured it slower than the layers' kernels),
-        refused by name without CUDA and Triton, with tensor_parallel_size > 1 or replaced parts.
+        (kernels/persistent_decode.py; opt-in: on the H200 it is level with the layers' kernels, and its grid
+        barriers need the whole GPU); attention_backend "auto" then picks triton. Refused by name without CUDA
+        and Triton, with tensor_parallel_size > 1, another attention back-end, linear biases, replaced parts
+        or graph sizes without 1.
         CPU engines use none.
     async_scheduling: schedule and launch step n+1 while the device still runs step n, the sampled ids staying
         on the device (engine/llm_engine.py). None (default): on with CUDA when the engine can (one process,
