@@ -75,7 +75,7 @@ def compile_check(out: str) -> int:
                   BLOCK_D=s["head_dim"], BLOCK_G=16, BLOCK_N=cfg.block_n,
                   BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_SIZE=256, TILE_IN_BLOCK=True,
                   BN_QKV=cfg.bn_qkv, BN_O=cfg.bn_o, KC_O=cfg.kc_o, BN_GU=cfg.bn_gate_up, BN_DOWN=cfg.bn_down,
-                  KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, PREFETCH=cfg.prefetch, PREFETCH_AHEAD=cfg.prefetch_ahead, PREFETCH_KV=cfg.prefetch_kv, HOIST=cfg.hoist,
+                  KC_DOWN=cfg.kc_down, PHASES=pd.PHASES, QK_NORM=True, STEPWISE=False, PREFETCH=cfg.prefetch, HOIST=cfg.hoist,
                   TIMESTAMPS=False, ALIGNED=True, KV_ALIGNED=True, CAST_FP32=False,
                   EMULATE=False, DOT_PRECISION="tf32")
     full = {**sig, **{k: "constexpr" for k in consts}}
@@ -108,6 +108,9 @@ def load_widths(ptx: str) -> dict:
     return dict(sorted(counts.items()))
 
 
+PHASE_NAMES = ["norm+qkv", "attention", "o_proj", "norm+gate_up", "down"]   # persistent_decode's P0-P4
+
+
 def phase_times(step_obj, inputs, layers: int, runs: int = 5) -> dict:
     """Inside one fused launch, from the clock program 0 writes as each step starts (PersistentConfig.timestamps):
     the mean time of each phase over layers 1.. (a phase = its work and the barrier after it), the median over
@@ -116,7 +119,7 @@ def phase_times(step_obj, inputs, layers: int, runs: int = 5) -> dict:
     from nanovllm_ref.kernels import persistent_decode
     base = step_obj.config
     step_obj.config = dataclasses.replace(base, timestamps=True)
-    names = ["norm+qkv", "attention", "o_proj", "norm+gate_up", "down"]
+    names = PHASE_NAMES
     per_run = []
     try:
         for _ in range(runs):
@@ -213,7 +216,7 @@ def main(args) -> int:
         if not dry and (args.breakdown or args.variants) and row.get("layers_us"):
             inputs = (ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
             steps = layers * persistent_decode.PHASES + 1
-            names = ["norm+qkv", "attention", "o_proj", "norm+gate_up", "down"]
+            names = PHASE_NAMES
             base = step_obj.config
             for overrides in variants:
                 step_obj.config = dataclasses.replace(base, **overrides)

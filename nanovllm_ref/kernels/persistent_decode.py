@@ -63,8 +63,8 @@ barriers need every program resident, which a GPU shared with other processes do
   weights at the copy bandwidth would take 2.0 / - / 1.0 / 3.0 / 1.5 us. What costs is latency: a phase is a
   chain of dependent round trips (the barrier, x, the norm's block reduction, W, the store and the release),
   and one program an SM keeps about one W tile in flight.
-- Tried and not kept: L2 prefetch of the next steps' weights and KV (prefetch, prefetch_ahead, prefetch_kv:
-  within +-3 %, worse with the hoist), the attention phase's first KV tile before its barrier (4 warps then
+- Tried and not kept: L2 prefetch of the weights (`prefetch`, this step's, stays as an option, off) and of
+  the next steps' weights and KV (taken out): within +-3 %, worse with the hoist; the attention phase's first KV tile before its barrier (4 warps then
   spill 312 bytes: 953-1,159 us; 8 warps 864-1,019), two programs an SM (264 programs: 873 against 852).
 - fp32 on the H200: hidden state within 2.6e-6 (relative) of the layers'; bf16: 1.9-4 % (rounding that 28
   random layers amplify; the same kernels in fp32 agree). The engine's bf16 and fp32 equivalence tests against
@@ -175,30 +175,6 @@ def _kv_offset(layer, layer_stride_kv, ALIGNED: tl.constexpr):
     if ALIGNED:
         offset = tl.multiple_of(offset, 16)
     return offset
-
-
-@triton.jit
-def _prefetch_kv(k_cache, v_cache, table_ptr, context_lens_ptr, pid, nprog, num_splits,
-                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr):
-    """L2 prefetch of the cached key and value rows this program's attention items (KV head, split) will read,
-    split as _attention_phase splits them (positions clamped into the context: no -1 block-table entry)."""
-    LINES: tl.constexpr = (BLOCK_D + 63) // 64               # 128-byte lines of a bf16 head row (a power of 2)
-    KV_ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
-    context_len = tl.load(context_lens_ptr)
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
-    offs_n = tl.arange(0, BLOCK_N)
-    cols = tl.minimum(tl.arange(0, LINES) * 64, HEAD_DIM - 1)
-    for item in range(pid, NUM_KV_HEADS * num_splits, nprog):
-        kv_head = item // num_splits
-        start = (item % num_splits) * tiles_per_split * BLOCK_N
-        end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
-        for tile_start in range(start, end, BLOCK_N):
-            pos = tl.minimum(tile_start + offs_n, end - 1)
-            block_id = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
-            ptrs = (block_id * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * KV_ROW + kv_head * HEAD_DIM + cols[None, :]
-            _prefetch_l2(k_cache + ptrs)
-            _prefetch_l2(v_cache + ptrs)
 
 
 @triton.jit
@@ -462,7 +438,7 @@ def _persistent_decode_kernel(
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, KC_O: tl.constexpr, BN_GU: tl.constexpr,
     BN_DOWN: tl.constexpr, KC_DOWN: tl.constexpr,
     PHASES: tl.constexpr, QK_NORM: tl.constexpr, STEPWISE: tl.constexpr, PREFETCH: tl.constexpr,
-    PREFETCH_AHEAD: tl.constexpr, PREFETCH_KV: tl.constexpr, HOIST: tl.constexpr, TIMESTAMPS: tl.constexpr,
+    HOIST: tl.constexpr, TIMESTAMPS: tl.constexpr,
     ALIGNED: tl.constexpr, KV_ALIGNED: tl.constexpr,
     CAST_FP32: tl.constexpr,
     EMULATE: tl.constexpr,
@@ -480,28 +456,19 @@ def _persistent_decode_kernel(
         layer = step // PHASES
         phase = step % PHASES
         weights = table_ptr + layer * 8       # columns: PersistentDecode.WEIGHTS
-        if PREFETCH:
-            # Into L2 while the barrier waits: what step + PREFETCH_AHEAD reads from HBM that no earlier step
-            # writes (its weights; with PREFETCH_KV the attention's cached keys and values). 0 = this step.
-            ahead = step + PREFETCH_AHEAD
-            p_layer = ahead // PHASES
-            p_phase = ahead % PHASES
-            if (p_layer < NUM_LAYERS) & (ahead < step_hi):
-                p_weights = table_ptr + p_layer * 8
-                if p_phase == 0:
-                    _prefetch_items(_weight(base_ptr, p_weights, 0, ALIGNED), pid, nprog, NQKV, HIDDEN, BN_QKV, BLOCK_H, 0)
-                elif p_phase == 1:
-                    if PREFETCH_KV:
-                        p_kv = _kv_offset(p_layer, layer_stride_kv, KV_ALIGNED)
-                        _prefetch_kv(k_cache_ptr + p_kv, v_cache_ptr + p_kv, block_table_ptr, context_lens_ptr,
-                                     pid, nprog, num_splits, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
-                elif p_phase == 2:
-                    _prefetch_items(_weight(base_ptr, p_weights, 1, ALIGNED), pid, nprog, HIDDEN, Q_SIZE, BN_O, KC_O, 0)
-                elif p_phase == 3:
-                    _prefetch_items(_weight(base_ptr, p_weights, 2, ALIGNED), pid, nprog, INTER, HIDDEN, BN_GU, BLOCK_H,
+        if PREFETCH:                          # this step's weights into L2 while its barrier waits
+            if layer < NUM_LAYERS:
+                if phase == 0:
+                    _prefetch_items(_weight(base_ptr, weights, 0, ALIGNED), pid, nprog, NQKV, HIDDEN, BN_QKV, BLOCK_H,
+                                    0)
+                elif phase == 2:
+                    _prefetch_items(_weight(base_ptr, weights, 1, ALIGNED), pid, nprog, HIDDEN, Q_SIZE, BN_O, KC_O, 0)
+                elif phase == 3:
+                    _prefetch_items(_weight(base_ptr, weights, 2, ALIGNED), pid, nprog, INTER, HIDDEN, BN_GU, BLOCK_H,
                                     INTER)
-                else:
-                    _prefetch_items(_weight(base_ptr, p_weights, 3, ALIGNED), pid, nprog, HIDDEN, INTER, BN_DOWN, KC_DOWN, 0)
+                elif phase == 4:
+                    _prefetch_items(_weight(base_ptr, weights, 3, ALIGNED), pid, nprog, HIDDEN, INTER, BN_DOWN,
+                                    KC_DOWN, 0)
         # Each phase: what it reads that no earlier step writes (its first W tile: HOIST) is loaded before the
         # barrier, then the barrier (every program wrote its part of what this phase reads), then the work.
         if layer == NUM_LAYERS:                                # the final norm
@@ -600,9 +567,7 @@ class PersistentConfig:
     kc_down: int
     block_n: int
     num_warps: int
-    prefetch: bool = False          # ask for each phase's weights into L2 before a barrier (GPU only)
-    prefetch_ahead: int = 0         # ... of the step this many steps on (0: the step after this barrier)
-    prefetch_kv: bool = False       # ... and the attention phase's cached keys and values
+    prefetch: bool = False          # ask for each phase's weights into L2 before its barrier (GPU only)
     hoist: bool = True              # load each GEMV phase's first W tile before its barrier (into registers)
     timestamps: bool = False        # program 0 writes the clock at each step's start into .timestamps (GPU only)
 
@@ -619,7 +584,7 @@ def choose_config(hidden: int, inter: int, num_heads: int, num_kv_heads: int, he
         programs=programs, num_splits=max(1, programs // num_kv_heads),
         bn_qkv=_tile_rows(nqkv, bh, programs, 16384), bn_o=bn_o, kc_o=kc_o,
         bn_gate_up=_tile_rows(inter, bh, programs, 8192), bn_down=bn_down, kc_down=kc_down,
-        block_n=64 if gpu else 16, num_warps=4 if gpu else 1, prefetch=False, prefetch_ahead=1, prefetch_kv=True)
+        block_n=64 if gpu else 16, num_warps=4 if gpu else 1)
 
 
 class PersistentDecode:
@@ -759,8 +724,8 @@ class PersistentDecode:
         # counters: [0] barrier, [1] exit, [2] barrier give-ups, [3:] merge counts per KV head
         self.counters = torch.zeros(3 + num_kv_heads, dtype=torch.int32, device=dev)
         self.timestamps = torch.zeros(self.num_layers * PHASES + 2, dtype=torch.int64, device=dev)   # ns
-        self._resident_checked = None
-        self._errors_checked = False           # the config whose programs were checked to fit (GPU, first launch)
+        self._resident_checked = None          # the config whose programs were checked to fit (GPU, first launch)
+        self._errors_checked = False           # the give-up count read once (check_errors)
 
     @property
     def errors(self) -> torch.Tensor:
@@ -839,7 +804,7 @@ class PersistentDecode:
                 TILE_IN_BLOCK=self.block_size % c.block_n == 0,
                 BN_QKV=c.bn_qkv, BN_O=c.bn_o, KC_O=c.kc_o, BN_GU=c.bn_gate_up, BN_DOWN=c.bn_down,
                 KC_DOWN=c.kc_down, PHASES=PHASES, QK_NORM=self.qk_norm, STEPWISE=stepwise,
-                PREFETCH=c.prefetch and not emulate, PREFETCH_AHEAD=c.prefetch_ahead, PREFETCH_KV=c.prefetch_kv,
+                PREFETCH=c.prefetch and not emulate,
                 HOIST=c.hoist, TIMESTAMPS=c.timestamps and not emulate, ALIGNED=self.aligned,
                 KV_ALIGNED=self.layer_stride_kv % 16 == 0,
                 CAST_FP32=emulate,
