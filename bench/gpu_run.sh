@@ -27,6 +27,10 @@
 #                             barrier cost, persistent GEMV chain), bench/persistent_step.py (the persistent batch-1
 #                             step against the layers at 4 contexts), then ab4 with the new side's run
 #                             triton:graph:persistent (NEW_RUN overrides; decode_kernels="persistent")
+#   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh round8    # ~6 min: bench/kernels_round8.py (the
+#                             decode attention's launch order, the q/k kernel's head rows a program, against the base
+#                             tree's kernel), then ab4 with the new side's probes profiled by kernel family
+#                             (AB_NEW_PROFILE=1, its default here; AB_PROBES picks the probes)
 #   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
@@ -129,7 +133,7 @@ if [ "$mode" = triton-check ]; then   # issue 29, item 5: bf16 equivalence on th
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0
 fi
-if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ]; then   # issue 29: baseline vs this tree's (carry .carry/ab)
+if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode" = round8 ]; then   # issue 29: baseline vs this tree's (carry .carry/ab)
   {
     step "versions"
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
@@ -156,6 +160,13 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ]; then   # i
         "$OUT/persistent_step.json" || { step "done (the persistent step failed its checks: no A/B)"; exit 0; }
       [ -e .carry/ab/base.tgz ] || { step "done (no .carry/ab: no A/B)"; exit 0; }
     fi
+    if [ "$mode" = round8 ]; then   # round 8 first: the large-batch attention launch order and q/k kernel
+      mkdir -p /tmp/ab_base && tar xzf .carry/ab/base.tgz -C /tmp/ab_base || exit 1
+      step "decode attention launch order, q/k norm + RoPE + store (bench/kernels_round8.py)"
+      timeout ${KERNELS_S:-150} python3 bench/kernels_round8.py --out "$OUT/kernels_round8.json" --base /tmp/ab_base \
+        --budget ${KERNELS_BUDGET:-100} 2>&1 | tail -${KERNELS_TAIL:-80}
+      AB_NEW_PROFILE=${AB_NEW_PROFILE:-1}
+    fi
     # The new side's run: NEW_RUN, else RUN; round 6 asks for the persistent batch-1 step (decode_kernels).
     new_run=${NEW_RUN:-$([ "$mode" = round6 ] && echo triton:graph:persistent || echo "${RUN:-triton:graph}")}
     rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar xzf .carry/ab/base.tgz -C /tmp/ab_base || exit 1
@@ -166,8 +177,10 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ]; then   # i
       root=$([ $side = base ] && echo "/tmp/ab_base:$PWD" || echo "$PWD")
       commit=$([ $side = base ] && cat /tmp/ab_base/BASE_COMMIT 2>/dev/null || echo "${NANOVLLM_REF_COMMIT:-}")
       step "A/B: the $side engine, whole-workload profile (plain generate, batch-1, probes)"
-      (cd /tmp && NANOVLLM_REF_COMMIT="$commit" PYTHONPATH="$root:/tmp/site" timeout ${AB_S:-170} python3 -m nanovllm_bench.workload_profile \
-        --out "$OUT" --run $([ $side = new ] && echo "$new_run" || echo "${RUN:-triton:graph}") --tag ab_$side --no-kernel-profile --probes ${AB_PROBES:-1:512,256:512} \
+      # AB_NEW_PROFILE=1: the new side's probes (and a prefill probe) also get torch.profiler's kernel families.
+      profiled=$([ $side = new ] && [ "${AB_NEW_PROFILE:-0}" = 1 ] && echo 1 || echo 0)
+      (cd /tmp && NANOVLLM_REF_COMMIT="$commit" PYTHONPATH="$root:/tmp/site" timeout $([ $profiled = 1 ] && echo ${AB_PROFILED_S:-240} || echo ${AB_S:-170}) python3 -m nanovllm_bench.workload_profile \
+        --out "$OUT" --run $([ $side = new ] && echo "$new_run" || echo "${RUN:-triton:graph}") --tag ab_$side $([ $profiled = 1 ] || echo --no-kernel-profile) --probes ${AB_PROBES:-1:512,256:512} \
         --batch1 ${AB_BATCH1:-2} 2>&1 | grep -v DEBUG | grep -v USDT | tail -${AB_TAIL:-24})
     done
     step "A/B table"

@@ -131,9 +131,13 @@ def _reference_qk_norm_rope_store(qkv, positions, rope, q_w, k_w, eps, k_cache, 
 QK_SHAPES = [(4, 2, 16, True, None), (3, 1, 24, False, None), (2, 2, 16, True, {"rope_type": "linear", "factor": 2.0})]
 
 
+# Head rows a program owns: the default for few tokens (8), one row, and a tile that straddles the q | k | v
+# boundaries (2 rows with 3 q heads). 32 (all rows of every shape here) is the default from 32 tokens on.
+@pytest.mark.parametrize("block_rows", [None, 1, 2, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim, qk_norm, scaling", QK_SHAPES)
-def test_qk_norm_rope_store_matches_norm_rope_and_store(dtype, heads, kv_heads, head_dim, qk_norm, scaling):
+def test_qk_norm_rope_store_matches_norm_rope_and_store(dtype, heads, kv_heads, head_dim, qk_norm, scaling,
+                                                        block_rows):
     g = gen(heads * head_dim)
     block_size, num_blocks, max_pos = 4, 3, 64
     rope = RotaryEmbedding(head_dim, max_pos, 10000.0, scaling).to(DEVICE)
@@ -149,7 +153,7 @@ def test_qk_norm_rope_store_matches_norm_rope_and_store(dtype, heads, kv_heads, 
     v_cache = randn(g, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     q = k2.qk_norm_rope_store(qkv, positions, rope.cos_sin_cache, *weights, 1e-6, k_cache, v_cache, slots,
-                              heads, kv_heads, head_dim)
+                              heads, kv_heads, head_dim, block_rows=block_rows)
     ref_q = _reference_qk_norm_rope_store(qkv, positions, rope, *weights, 1e-6, ref_k, ref_v, slots,
                                           heads, kv_heads, head_dim)
     assert_matches(q, ref_q, dtype)
@@ -193,6 +197,8 @@ def _qk_args(**changes):
     (dict(slot_mapping=torch.zeros(3, dtype=torch.int32)), "slot_mapping"),
     (dict(cos_sin_cache=torch.zeros(8, 8, dtype=torch.float64)), "cos_sin_cache"),
     (dict(qkv=torch.zeros(2, 64, dtype=torch.bfloat16)), "dtype"),
+    (dict(block_rows=3), "block_rows"),
+    (dict(block_rows=0), "block_rows"),
 ])
 def test_qk_norm_rope_store_refuses_bad_arguments_by_name(changes, match):
     with pytest.raises(ValueError, match=match):

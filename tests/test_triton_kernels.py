@@ -151,9 +151,11 @@ DECODE_CASES = [  # (block_size, group, head_dim, dtype, num_splits)
 ]
 
 
+# head_major: the default launch order (grid (Hkv, B, splits)) and the one kept for batches past 65,535.
+@pytest.mark.parametrize("head_major", [None, False])
 @pytest.mark.parametrize("block_size,group,head_dim,dtype,num_splits", DECODE_CASES)
 def test_paged_decode_matches_reference_with_padded_block_tables(block_size, group, head_dim, dtype,
-                                                                 num_splits):
+                                                                 num_splits, head_major):
     g = _gen(100 + block_size * 10 + group)
     num_kv_heads = 2
     context_lens = [1, 5, 17, 33]
@@ -163,7 +165,7 @@ def test_paged_decode_matches_reference_with_padded_block_tables(block_size, gro
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
     expected = ref.paged_decode(q, k_cache, v_cache, table, lens, scale)
-    got = kattn.paged_decode(q, k_cache, v_cache, table, lens, scale, num_splits=num_splits)
+    got = kattn.paged_decode(q, k_cache, v_cache, table, lens, scale, num_splits=num_splits, head_major=head_major)
     assert got.dtype == dtype and got.shape == q.shape
     assert_attention_close(got, expected, dtype)
 

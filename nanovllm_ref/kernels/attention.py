@@ -32,7 +32,8 @@ here is checked against the pure-PyTorch reference `nanovllm_ref/attn/torch_back
 4. Decode (`paged_decode`): split-KV, "Flash-Decoding" (Dao, Haziza, Massa, Sizov, 2023). One query per
    sequence gives only num_seqs x num_kv_heads independent programs, far too few for 132 SMs when the
    batch is small and the context long. So the context is also cut into `num_splits` ranges; grid
-   (num_seqs, num_kv_heads, num_splits). Each program streams its range with online softmax and writes a
+   (num_kv_heads, num_seqs, num_splits): the KV heads of a sequence are launched side by side, and read the
+   cache rows that hold all of a token's heads together. Each program streams its range with online softmax and writes a
    partial output plus its log-sum-exp (lse) to a workspace; a second small kernel merges the splits:
        out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse).
    GQA: a program handles all G = H / Hkv query heads that share its KV head, so each K/V tile is read
@@ -282,14 +283,22 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, CAST_FP32: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = True,
 ):
     if USE_PDL:           # launched before the kernel in front of it ended: wait until its writes are visible
         tl.extra.cuda.gdc_wait()
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # HEAD_MAJOR: grid (Hkv, B, splits), so the programs launched one after another are the KV heads of one
+    # sequence. They read neighbouring 256-byte pieces of the same cache rows (a row holds all Hkv heads of a
+    # token) at about the same time, where the (B, Hkv, splits) order spreads them a whole wave apart.
+    if HEAD_MAJOR:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_heads = tl.num_programs(0) * GROUP
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_heads = tl.num_programs(1) * GROUP
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
     context_len = tl.load(context_lens_ptr + seq)
 
     # This split's key range, in whole tiles (so a fast-path tile never straddles a block). Splits are
@@ -392,11 +401,13 @@ def _decode_block_n() -> int:
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, block_n=None,
-                 use_pdl: bool = False, num_warps: int | None = None, num_stages: int | None = None):
+                 use_pdl: bool = False, num_warps: int | None = None, num_stages: int | None = None,
+                 head_major: bool | None = None):
     """One query per sequence against its paged context. q: [B, H, D] -> [B, H, D].
 
-    num_splits / block_n / num_warps / num_stages override the heuristics (`decode_num_splits`; tests and
-    benchmarks: bench/kernels_round5.py); the engine passes none of them.
+    num_splits / block_n / num_warps / num_stages / head_major override the heuristics (`decode_num_splits`;
+    head_major: the launch order, KV heads of a sequence side by side, default unless the batch passes 65,535;
+    tests and benchmarks: bench/kernels_round5.py, bench/kernels_round8.py); the engine passes none of them.
     use_pdl: launch both kernels with programmatic dependent launch (Hopper, kernels/numerics.py), each waiting
     on the device for the kernel before it: the decode step's other kernels are launched so, and a launch that
     overlaps the previous kernel's tail saves about a microsecond (the engine's plan sets it with its decode
@@ -430,14 +441,19 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out                      # unused: the kernel writes `out` directly
-    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+    # The KV heads of a sequence launched side by side (HEAD_MAJOR), unless the batch passes CUDA's 65,535 limit
+    # on a grid's second axis.
+    head_major = (batch <= 65535) if head_major is None else head_major
+    grid = (num_kv_heads, batch, num_splits) if head_major else (batch, num_kv_heads, num_splits)
+    _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), num_splits,
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_IN_BLOCK=block_size % block_n == 0, CAST_FP32=_interpreting(),
-        ONE_SPLIT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype), USE_PDL=use_pdl, num_warps=num_warps,
+        ONE_SPLIT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype), USE_PDL=use_pdl, HEAD_MAJOR=head_major,
+        num_warps=num_warps,
         num_stages=num_stages, **pdl_launch_kwargs(use_pdl),
     )
     if num_splits > 1:

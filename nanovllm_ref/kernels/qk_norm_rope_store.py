@@ -17,9 +17,12 @@ sin; scaled RoPE variants only change that table). The store is the one of kerne
 (PagedAttention's reshape_and_cache, Kwon et al. 2023, §4.1). vLLM fused the same three steps for small
 batches (PR 38621: 5.0 -> 2.3 us).
 
-Tiling: grid (T, H + Hkv). Program (t, h) with h < H owns query head h of token t; with h >= H it owns KV
-head j = h - H: it normalises and rotates k, stores it, and copies v. A head is read as its two halves
-(BLOCK_HALF = next power of two of d/2, masked), so the rotation pairs line up without a shuffle.
+Tiling: grid (T, cdiv(H + 2 * Hkv, BLOCK_R)). The heads of a token are rows of one tile: q heads, then k heads,
+then v heads, as they sit in the qkv row. A program owns BLOCK_R of them, each read as its two halves
+(BLOCK_HALF = next power of two of d/2, masked), so the rotation pairs line up without a shuffle; q and k rows
+are normed and rotated, k and v rows are stored in the cache, q rows returned. From 32 tokens on a program
+owns all of a token's rows: the earlier grid of one 1-warp program per head row (6,144 programs at 256
+tokens) took 5.4 us a layer on the H200 at 256 rows, for about 3 MB moved (profile4, 2026-12-01).
 
 The input may also be split-K partial sums [S, T, C] fp32 of the QKV GEMM (kernels/small_gemm.py): they
 are added and rounded to the model dtype as they are loaded, so that GEMM needs no reduction kernel.
@@ -45,23 +48,10 @@ def _load_half(qkv_ptr, num_parts, stride_ps, row_offset, offs, mask, dtype: tl.
 
 
 @triton.jit
-def _norm_halves(x1, x2, w_ptr, offs, mask, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                 dtype: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
-    """RMSNorm of one head given as its two halves (reference rounding: normed value, then times weight)."""
-    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
-    w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    x1 = round_to(w1 * round_to(x1 * rstd, dtype, EMULATE_ROUNDING), dtype, EMULATE_ROUNDING)
-    x2 = round_to(w2 * round_to(x2 * rstd, dtype, EMULATE_ROUNDING), dtype, EMULATE_ROUNDING)
-    return x1, x2
-
-
-@triton.jit
-def _store_rotated(dst, x1, x2, cos, sin, offs, mask, HALF: tl.constexpr, dtype: tl.constexpr,
-                   EMULATE_ROUNDING: tl.constexpr):
-    """Rotate the pair of halves (x1, x2) by (cos, sin) in fp32 and store them at dst, rounded once."""
-    tl.store(dst + offs, round_to(x1 * cos - x2 * sin, dtype, EMULATE_ROUNDING).to(dtype), mask=mask)
-    tl.store(dst + HALF + offs, round_to(x2 * cos + x1 * sin, dtype, EMULATE_ROUNDING).to(dtype), mask=mask)
+def _rotate(x1, x2, cos, sin, dtype: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
+    """RoPE of the halves (x1, x2) by (cos, sin) in fp32, each result rounded once to the model dtype."""
+    return (round_to(x1 * cos - x2 * sin, dtype, EMULATE_ROUNDING),
+            round_to(x2 * cos + x1 * sin, dtype, EMULATE_ROUNDING))
 
 
 @triton.jit(do_not_specialize=["num_parts"])
@@ -70,50 +60,71 @@ def _qk_norm_rope_store_kernel(
     k_cache_ptr, v_cache_ptr, q_out_ptr,
     num_parts, stride_ps, stride_t, stride_cs, stride_qt, stride_qh, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr, PARTIALS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, QK_NORM: tl.constexpr, PARTIALS: tl.constexpr,
     EMULATE_ROUNDING: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # The head rows of one token: q heads 0..H-1, k heads H..H+Hkv-1, v heads after them, as they sit in a qkv
+    # row (head r starts at column r * HEAD_DIM). This program owns rows r0 .. r0 + BLOCK_R - 1, each as its
+    # two halves, so the rotation pairs (i, i + d/2) line up without a shuffle.
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < HALF
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]           # [BLOCK_R, 1]
+    offs = tl.arange(0, BLOCK_HALF)[None, :]                                    # [1, BLOCK_HALF]
+    is_q = rows < NUM_HEADS
+    is_k = (rows >= NUM_HEADS) & (rows < NUM_HEADS + NUM_KV_HEADS)
+    is_v = (rows >= NUM_HEADS + NUM_KV_HEADS) & (rows < NUM_HEADS + 2 * NUM_KV_HEADS)
+    cols = offs < HALF
+    mask = (is_q | is_k | is_v) & cols
     dtype = q_out_ptr.dtype.element_ty
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=mask, other=0.0)
-    # Query heads and key heads sit side by side in a qkv row, so head h starts at column h * HEAD_DIM.
-    row = token * stride_t + head * HEAD_DIM
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=cols, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=cols, other=0.0)
+    row = token * stride_t + rows * HEAD_DIM
     x1 = _load_half(qkv_ptr, num_parts, stride_ps, row, offs, mask, dtype, PARTIALS, EMULATE_ROUNDING)
     x2 = _load_half(qkv_ptr, num_parts, stride_ps, row + HALF, offs, mask, dtype, PARTIALS, EMULATE_ROUNDING)
-    if head < NUM_HEADS:
-        if QK_NORM:
-            x1, x2 = _norm_halves(x1, x2, q_weight_ptr, offs, mask, eps, HEAD_DIM, HALF, dtype, EMULATE_ROUNDING)
-        dst = q_out_ptr + token * stride_qt + head * stride_qh
-        _store_rotated(dst, x1, x2, cos, sin, offs, mask, HALF, dtype, EMULATE_ROUNDING)
-    else:
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-        if slot >= 0:                        # -1: a padding row of a CUDA-graph batch stores nothing
-            kv_head = head - NUM_HEADS
-            if QK_NORM:
-                x1, x2 = _norm_halves(x1, x2, k_weight_ptr, offs, mask, eps, HEAD_DIM, HALF, dtype,
-                                      EMULATE_ROUNDING)
-            # A cache slot holds [Hkv, d] contiguously ([num_blocks, block_size, Hkv, d] cache).
-            dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-            _store_rotated(k_cache_ptr + dst, x1, x2, cos, sin, offs, mask, HALF, dtype, EMULATE_ROUNDING)
-            v_row = row + NUM_KV_HEADS * HEAD_DIM        # v of KV head j sits Hkv heads after its k
-            v1 = _load_half(qkv_ptr, num_parts, stride_ps, v_row, offs, mask, dtype, PARTIALS, EMULATE_ROUNDING)
-            v2 = _load_half(qkv_ptr, num_parts, stride_ps, v_row + HALF, offs, mask, dtype, PARTIALS,
-                            EMULATE_ROUNDING)
-            tl.store(v_cache_ptr + dst + offs, v1.to(dtype), mask=mask)
-            tl.store(v_cache_ptr + dst + HALF + offs, v2.to(dtype), mask=mask)
+    # v rows are stored as loaded; q and k rows are normed (Qwen3) and rotated.
+    y1, y2 = x1, x2
+    if QK_NORM:
+        # The reference's rounding: the normed value, then the weight multiply, each rounded to the model dtype.
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.where(is_q, tl.load(q_weight_ptr + offs, mask=cols, other=0.0).to(tl.float32),
+                      tl.load(k_weight_ptr + offs, mask=cols, other=0.0).to(tl.float32))
+        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + offs, mask=cols, other=0.0).to(tl.float32),
+                      tl.load(k_weight_ptr + HALF + offs, mask=cols, other=0.0).to(tl.float32))
+        y1 = round_to(w1 * round_to(x1 * rstd, dtype, EMULATE_ROUNDING), dtype, EMULATE_ROUNDING)
+        y2 = round_to(w2 * round_to(x2 * rstd, dtype, EMULATE_ROUNDING), dtype, EMULATE_ROUNDING)
+    y1, y2 = _rotate(y1, y2, cos, sin, dtype, EMULATE_ROUNDING)
+    y1 = tl.where(is_v, x1, y1).to(dtype)
+    y2 = tl.where(is_v, x2, y2).to(dtype)
+    q_dst = q_out_ptr + token * stride_qt + rows * stride_qh + offs
+    tl.store(q_dst, y1, mask=mask & is_q)
+    tl.store(q_dst + HALF, y2, mask=mask & is_q)
+    # A cache slot holds [Hkv, d] contiguously ([num_blocks, block_size, Hkv, d] cache). Slot -1 is a padding
+    # row of a batch replayed through a CUDA graph: it stores nothing (q is still computed for it).
+    if slot >= 0:
+        kv_head = tl.where(is_k, rows - NUM_HEADS, rows - NUM_HEADS - NUM_KV_HEADS)
+        kv_dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs
+        tl.store(k_cache_ptr + kv_dst, y1, mask=mask & is_k)
+        tl.store(k_cache_ptr + kv_dst + HALF, y2, mask=mask & is_k)
+        tl.store(v_cache_ptr + kv_dst, y1, mask=mask & is_v)
+        tl.store(v_cache_ptr + kv_dst + HALF, y2, mask=mask & is_v)
+
+
+def _block_rows(num_tokens: int, num_rows: int) -> int:
+    """Head rows a program owns. Many tokens: all of a token's rows in one program (fewer, fuller programs:
+    at 256 tokens the grid of one program per head row was launch-bound). Few tokens: 8 rows a program, so
+    a batch of one still spreads over several SMs."""
+    all_rows = triton.next_power_of_2(num_rows)
+    return all_rows if num_tokens >= 32 else min(8, all_rows)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, head_dim: int, use_pdl: bool = False) -> torch.Tensor:
+                       num_heads: int, num_kv_heads: int, head_dim: int, use_pdl: bool = False,
+                       block_rows: int | None = None) -> torch.Tensor:
     """Normalise and rotate q and k of one step, write k and v into the paged cache, return q.
 
     qkv: [T, (H + 2 * Hkv) * d] in the model dtype (the QKV projection output; rows may be strided, columns
@@ -123,6 +134,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     q_weight, k_weight: [d] in the model dtype (Qwen3's q_norm/k_norm), or both None (no q/k norm: Llama).
     k_cache, v_cache: [num_blocks, block_size, Hkv, d] contiguous, the model dtype.
     slot_mapping: [T] int32; slot = block_id * block_size + offset, -1 = store nothing.
+    block_rows: head rows a program owns (a power of two; default `_block_rows`: all of them from 32 tokens on,
+        else 8); benchmarks set it.
     Returns q: [T, H, d], a new contiguous tensor in the model dtype (the cache dtype).
     Raises ValueError on shapes, dtypes or devices that disagree (the slot values are not checked: no host
     synchronisation, so it can run inside a CUDA graph).
@@ -164,19 +177,25 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
         ([q_weight, k_weight] if q_weight is not None else [])
     if any(t.device != qkv.device for t in tensors):
         raise ValueError("all tensors must be on one device")
+    if block_rows is not None and (not isinstance(block_rows, int) or block_rows < 1
+                                   or block_rows & (block_rows - 1)):
+        raise ValueError(f"block_rows must be a power of two >= 1, got {block_rows!r}")
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=dtype, device=qkv.device)
     if num_tokens == 0:
         return q
     half = head_dim // 2
     qk_norm = q_weight is not None
-    _qk_norm_rope_store_kernel[(num_tokens, num_heads + num_kv_heads)](
+    num_rows = num_heads + 2 * num_kv_heads
+    block_r = block_rows or _block_rows(num_tokens, num_rows)
+    block_half = triton.next_power_of_2(half)
+    _qk_norm_rope_store_kernel[(num_tokens, triton.cdiv(num_rows, block_r))](
         qkv, positions, cos_sin_cache, q_weight if qk_norm else q, k_weight if qk_norm else q, slot_mapping,
         k_cache, v_cache, q,
         qkv.shape[0] if partials else 1, qkv.stride(0) if partials else 0, qkv.stride(-2),
         cos_sin_cache.stride(0), q.stride(0), q.stride(1), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half), QK_NORM=qk_norm, PARTIALS=partials,
-        EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl, num_warps=1 if head_dim <= 128 else 2,
-        **pdl_launch_kwargs(use_pdl),
+        BLOCK_HALF=block_half, BLOCK_R=block_r, QK_NORM=qk_norm, PARTIALS=partials,
+        EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl,
+        num_warps=max(1, min(4, block_r * block_half // 256)), **pdl_launch_kwargs(use_pdl),
     )
     return q

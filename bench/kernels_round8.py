@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""GPU speed round 8 (issue 29): the large-batch decode step's attention launch order and q/k kernel.
+
+    python3 bench/kernels_round8.py --out results.json [--base /tmp/ab_base]   # the GPU run, ~1 min
+    python3 bench/kernels_round8.py --dry-run --out /tmp/dry.json              # CPU: interpreter, tiny shapes
+
+Why: at 65-256 rows a decode step spends 1.7-2.0 ms outside the KV read at bandwidth (ab6 of 2026-12-03, base
+side, by batch bucket), and those steps are three quarters of the bench workload's decode time. Two of its
+kernels are measured here against what they replace:
+1. attention: `kernels/attention.paged_decode` with the KV heads of a sequence launched side by side
+   (head_major, grid (Hkv, B, splits)) against the earlier order (B, Hkv, splits), at the workload's batch and
+   context mix (lengths uniform in [100, context], blocks shuffled), in % of the copy bandwidth.
+2. qk: `kernels/qk_norm_rope_store` with several head rows a program (block_rows) against the earlier kernel
+   of one program per head (the --base tree's module, when given: `bash bench/make_ab_base.sh` unpacked).
+The JSON (--out) is rewritten after every case.
+"""
+import argparse
+import importlib.util
+import os
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--dry-run", action="store_true", help="CPU: Triton interpreter, tiny shapes, no timings")
+    p.add_argument("--budget", type=float, default=90.0, help="seconds before no new case starts")
+    p.add_argument("--base", default=None, help="an unpacked base tree (its nanovllm_ref/kernels/qk_norm_rope_store.py "
+                   "is the old kernel)")
+    p.add_argument("--sections", default="attention,qk")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args()
+if ARGS.dry_run:
+    os.environ["TRITON_INTERPRET"] = "1"
+else:
+    os.environ.pop("TRITON_INTERPRET", None)
+import kernels_round3 as r3  # noqa: E402  (its helpers; it bypasses nanovllm_ref/__init__, which imports the engine)
+import torch  # noqa: E402
+
+
+def _module_from(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def attention_case(rec, batch, context, head_major, shapes, device, dtype, mixed: bool):
+    """One decode attention call of `batch` sequences (lengths `context`, or uniform in [100, context] when
+    mixed), blocks shuffled; head_major True (this tree's default) or False (the earlier launch order)."""
+    import random
+    from nanovllm_ref.kernels import attention as attn
+    hkv, h, d = shapes["kv_heads"], shapes["heads"], shapes["head_dim"]
+    block = 256 if device.type == "cuda" else 16
+    g = torch.Generator(device=device).manual_seed(batch * 131 + context)
+    rnd = random.Random(batch)
+    lengths = [rnd.randint(min(100, context), context) if mixed else context for _ in range(batch)]
+    per_seq = -(-context // block)
+    k_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
+    v_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
+    table = torch.randperm(batch * per_seq, device=device, generator=g).to(torch.int32).view(batch, per_seq)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    q = torch.randn(batch, h, d, device=device, generator=g).to(dtype)
+    scale = d ** -0.5
+    ref = attn.paged_decode(q, k_cache, v_cache, table, lens, scale, head_major=False)
+    out = attn.paged_decode(q, k_cache, v_cache, table, lens, scale, head_major=head_major)
+    us = r3.time_us([lambda: attn.paged_decode(q, k_cache, v_cache, table, lens, scale, head_major=head_major)],
+                    device, reps=10, iters=7)
+    nbytes = 2 * sum(lengths) * hkv * d * dtype.itemsize
+    row = {"batch": batch, "context": context, "lengths": "random" if mixed else "equal",
+           "mean_length": sum(lengths) / batch, "head_major": head_major,
+           "splits": attn.decode_num_splits(batch, hkv, per_seq * block, device),
+           "us": round(us[0], 2), "us_min": round(us[1], 2), "us_max": round(us[2], 2),
+           "max_abs_err_vs_batch_major": r3.max_err(out, ref), **r3.bandwidth(nbytes, us[0])}
+    rec.add("attention", row)
+    r3.log(f"  attention B={batch:<3d} ctx={context:<5d} {row['lengths']:6s} head_major={head_major!s:5s} "
+           f"{row['us']:8.1f} us {row['pct_of_peak']:5.1f} % of peak")
+    return row
+
+
+def qk_case(rec, m, shapes, device, dtype, block_rows, old_module=None):
+    """q/k norm + RoPE + KV store of m tokens: this tree's kernel at `block_rows` (None = its default), or
+    (block_rows "old") the base tree's kernel; errors against this tree's default."""
+    from nanovllm_ref.kernels import qk_norm_rope_store as k2
+    from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding
+    g = torch.Generator(device=device).manual_seed(m + 1)
+    h, hkv, d = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
+    rope = RotaryEmbedding(d, 4096, shapes["theta"]).to(device)
+    qkv = torch.randn(m, (h + 2 * hkv) * d, device=device, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (m,), device=device, generator=g)
+    block_size = 256
+    num_blocks = -(-m // block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, device=device, generator=g)[:m].to(torch.int32)
+    qw, kw = [(1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype) for _ in range(2)]
+    caches = [torch.zeros(num_blocks, block_size, hkv, d, device=device, dtype=dtype) for _ in range(4)]
+    args = (positions, rope.cos_sin_cache, qw, kw, shapes["eps"])
+    tail = (slots, h, hkv, d)
+
+    def run():
+        if block_rows == "old":
+            return old_module.qk_norm_rope_store(qkv, *args, caches[2], caches[3], *tail)
+        return k2.qk_norm_rope_store(qkv, *args, caches[2], caches[3], *tail, block_rows=block_rows)
+    q_ref = k2.qk_norm_rope_store(qkv, *args, caches[0], caches[1], *tail)
+    q = run()
+    errs = {"max_abs_err_q": r3.max_err(q, q_ref), "max_abs_err_k_cache": r3.max_err(caches[2], caches[0]),
+            "max_abs_err_v_cache": r3.max_err(caches[3], caches[1])}
+    us = r3.time_us([run], device)
+    row = {"m": m, "block_rows": block_rows if block_rows is not None else "default", "us": round(us[0], 2),
+           "us_min": round(us[1], 2), **errs}
+    rec.add("qk", row)
+    r3.log(f"  qk_norm_rope_store M={m:<3d} block_rows={row['block_rows']!s:8s} {row['us']:7.2f} us  "
+           f"err q {errs['max_abs_err_q']:.1e} k {errs['max_abs_err_k_cache']:.1e} v {errs['max_abs_err_v_cache']:.1e}")
+    return row
+
+
+def main(args) -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    if not args.dry_run and device.type != "cuda":
+        print("no CUDA device: use --dry-run", file=sys.stderr)
+        return 2
+    shapes = r3.TINY if args.dry_run else r3.QWEN3
+    dtype = torch.bfloat16
+    r3_args = r3.parse_args(["--out", args.out] + (["--dry-run"] if args.dry_run else []))
+    rec = r3.Record(args.out, {**r3.meta_of(r3_args, device), "script": "bench/kernels_round8.py",
+                               "budget_s": args.budget, "base": args.base})
+    budget = r3.Budget(args.budget)
+    sections = args.sections.split(",")
+    timer = threading.Timer(args.budget + 20, lambda: (rec.data["meta"].update(watchdog="fired"), rec.save(),
+                                                       os._exit(3)))
+    timer.daemon = True
+    timer.start()
+    r3.log(f"kernels_round8: {rec.data['meta']['device']}, torch {torch.__version__}")
+    rec.data["meta"]["copy_tbps_measured"] = r3.guarded(rec, budget, "copy bandwidth",
+                                                        lambda: r3.measure_copy_tbps(device))
+    rec.data.setdefault("attention", [])
+    rec.data.setdefault("qk", [])
+    if "attention" in sections:
+        r3.log("1. decode attention: KV heads of a sequence side by side (head_major) or not")
+        cases = [(2, 64, True), (3, 40, False)] if args.dry_run else \
+            [(256, 1024, True), (256, 512, False), (128, 2048, True), (128, 1024, False), (64, 2048, True),
+             (32, 2048, True), (8, 2048, True), (1, 2048, False)]
+        for batch, context, mixed in cases:
+            for head_major in (False, True):
+                r3.guarded(rec, budget, f"attention B={batch} ctx={context} head_major={head_major}",
+                           lambda: attention_case(rec, batch, context, head_major, shapes, device, dtype, mixed),
+                           min_left=2.0)
+    if "qk" in sections:
+        r3.log("2. q/k norm + RoPE + KV store: head rows a program")
+        old = None
+        if args.base:
+            old = _module_from(Path(args.base) / "nanovllm_ref/kernels/qk_norm_rope_store.py", "base_qk_norm_rope_store")
+        rows = ["old"] if old is not None else []
+        rows += [None, 2, 8, 32]
+        for m in ([1, 5, 40] if args.dry_run else [1, 8, 16, 64, 128, 256]):
+            for block_rows in rows:
+                r3.guarded(rec, budget, f"qk M={m} block_rows={block_rows}",
+                           lambda: qk_case(rec, m, shapes, device, dtype, block_rows, old), min_left=2.0)
+    timer.cancel()
+    rec.save()
+    r3.log(f"done in {rec.data['meta']['elapsed_s']} s: {len(rec.data['errors'])} errors, "
+           f"{len(rec.data['skipped'])} skipped -> {args.out}")
+    return 1 if rec.data["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGS))
