@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU speed round 8 (issue 29): the large-batch decode step's attention launch order and q/k kernel.
+"""GPU speed round 8 (issue 29): kernels of the large-batch decode step and of prefill, new against old.
 
     python3 bench/kernels_round8.py --out results.json [--base /tmp/ab_base]   # the GPU run, ~1 min
     python3 bench/kernels_round8.py --dry-run --out /tmp/dry.json              # CPU: interpreter, tiny shapes
@@ -12,6 +12,9 @@ kernels are measured here against what they replace:
    context mix (lengths uniform in [100, context], blocks shuffled), in % of the copy bandwidth.
 2. qk: `kernels/qk_norm_rope_store` with several head rows a program (block_rows) against the earlier kernel
    of one program per head (the --base tree's module, when given: `bash bench/make_ab_base.sh` unpacked).
+3. prefill: the same kernel without the store (`qk_norm_rope`) against Inductor's compiled q/k norm + RoPE,
+   the earlier prefill route, at 2,048 and 14,336 tokens.
+4. sampler: the row draw with per-lane running bests against the base tree's block reduction per step.
 The JSON (--out) is rewritten after every case.
 """
 import argparse
@@ -31,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=90.0, help="seconds before no new case starts")
     p.add_argument("--base", default=None, help="an unpacked base tree (its nanovllm_ref/kernels/qk_norm_rope_store.py "
                    "is the old kernel)")
-    p.add_argument("--sections", default="attention,qk")
+    p.add_argument("--sections", default="attention,qk,prefill,sampler")
     return p.parse_args(argv)
 
 
@@ -119,6 +122,59 @@ def qk_case(rec, m, shapes, device, dtype, block_rows, old_module=None):
     return row
 
 
+def prefill_qk_case(rec, m, shapes, device, dtype, variant):
+    """q/k norm + RoPE of a prefill step of m tokens: "inductor" (models/qwen3.qk_norm_rope compiled, the earlier
+    prefill route) or this tree's kernel without the store at block_rows `variant` (None = its default)."""
+    from nanovllm_ref.kernels import qk_norm_rope_store as k2
+    from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding
+    from nanovllm_ref.models.qwen3 import qk_norm_rope
+    g = torch.Generator(device=device).manual_seed(m + 3)
+    h, hkv, d = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
+    rope = RotaryEmbedding(d, 4096, shapes["theta"]).to(device)
+    qkv = torch.randn(m, (h + 2 * hkv) * d, device=device, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (m,), device=device, generator=g)
+    qw, kw = [(1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype) for _ in range(2)]
+    compiled = qk_norm_rope.compiled() if device.type == "cuda" else qk_norm_rope
+
+    def inductor():
+        q, k, _ = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+        return compiled(positions, q.reshape(m, h, d), k.reshape(m, hkv, d), qw, kw, shapes["eps"], rope.cos_sin_cache)
+
+    def kernel():
+        return k2.qk_norm_rope(qkv, positions, rope.cos_sin_cache, qw, kw, shapes["eps"], h, hkv, d, block_rows=variant)
+    q_ref, k_ref = inductor()
+    q, k = inductor() if variant == "inductor" else kernel()
+    us = r3.time_us([inductor if variant == "inductor" else kernel], device, reps=10)
+    row = {"m": m, "variant": variant if variant is not None else "default", "us": round(us[0], 2),
+           "max_abs_err_q_vs_inductor": r3.max_err(q, q_ref), "max_abs_err_k_vs_inductor": r3.max_err(k, k_ref)}
+    rec.add("prefill_qk", row)
+    r3.log(f"  prefill q/k norm + RoPE M={m:<6d} {row['variant']!s:9s} {row['us']:8.2f} us  "
+           f"err q {row['max_abs_err_q_vs_inductor']:.1e} k {row['max_abs_err_k_vs_inductor']:.1e}")
+    return row
+
+
+def sampler_case(rec, batch, shapes, device, variant, old_module=None):
+    """The sampler's row draw (kernels/sampler.sample_rows) over `batch` rows of the vocabulary, temperature 0.6:
+    this tree's kernel ("new", per-lane running bests) or the base tree's ("old", a block reduction a step)."""
+    from nanovllm_ref.kernels import sampler
+    g = torch.Generator(device=device).manual_seed(batch)
+    vocab = shapes["vocab"]
+    logits = torch.randn(batch, vocab, device=device, generator=g).to(torch.bfloat16)
+    temps = torch.full((batch,), 0.6, device=device)
+    seeds = torch.randint(0, 2**31, (batch,), device=device, generator=g)
+    counters = torch.arange(batch, device=device)
+    module = old_module if variant == "old" else sampler
+
+    def run():
+        return module.sample_rows(logits, temps, seeds=seeds, counters=counters)
+    same = bool(torch.equal(run(), sampler.sample_rows(logits, temps, seeds=seeds, counters=counters)))
+    us = r3.time_us([run], device, reps=10)
+    row = {"batch": batch, "variant": variant, "us": round(us[0], 2), "same_tokens_as_new": same}
+    rec.add("sampler", row)
+    r3.log(f"  sampler B={batch:<4d} {variant:4s} {row['us']:8.2f} us  same tokens as new: {same}")
+    return row
+
+
 def main(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     if not args.dry_run and device.type != "cuda":
@@ -140,6 +196,8 @@ def main(args) -> int:
                                                         lambda: r3.measure_copy_tbps(device))
     rec.data.setdefault("attention", [])
     rec.data.setdefault("qk", [])
+    rec.data.setdefault("prefill_qk", [])
+    rec.data.setdefault("sampler", [])
     if "attention" in sections:
         r3.log("1. decode attention: KV heads of a sequence side by side (head_major) or not")
         cases = [(2, 64, True), (3, 40, False)] if args.dry_run else \
@@ -161,6 +219,21 @@ def main(args) -> int:
             for block_rows in rows:
                 r3.guarded(rec, budget, f"qk M={m} block_rows={block_rows}",
                            lambda: qk_case(rec, m, shapes, device, dtype, block_rows, old), min_left=2.0)
+    if "prefill" in sections:
+        r3.log("3. prefill: q/k norm + RoPE, Inductor against the kernel without its store")
+        for m in ([40] if args.dry_run else [2048, 14336]):
+            for variant in ("inductor", None, 32):
+                r3.guarded(rec, budget, f"prefill qk M={m} {variant}",
+                           lambda: prefill_qk_case(rec, m, shapes, device, dtype, variant), min_left=2.0)
+    if "sampler" in sections:
+        r3.log("4. the sampler's row draw: per-lane running bests against a block reduction a step")
+        old_sampler = None
+        if args.base and (Path(args.base) / "nanovllm_ref/kernels/sampler.py").exists():
+            old_sampler = _module_from(Path(args.base) / "nanovllm_ref/kernels/sampler.py", "base_sampler")
+        for batch in ([1, 3] if args.dry_run else [1, 64, 256]):
+            for variant in (["old"] if old_sampler is not None else []) + ["new"]:
+                r3.guarded(rec, budget, f"sampler B={batch} {variant}",
+                           lambda: sampler_case(rec, batch, shapes, device, variant, old_sampler), min_left=2.0)
     timer.cancel()
     rec.save()
     r3.log(f"done in {rec.data['meta']['elapsed_s']} s: {len(rec.data['errors'])} errors, "

@@ -131,8 +131,8 @@ def _reference_qk_norm_rope_store(qkv, positions, rope, q_w, k_w, eps, k_cache, 
 QK_SHAPES = [(4, 2, 16, True, None), (3, 1, 24, False, None), (2, 2, 16, True, {"rope_type": "linear", "factor": 2.0})]
 
 
-# Head rows a program owns: the default for few tokens (8), one row, and a tile that straddles the q | k | v
-# boundaries (2 rows with 3 q heads). 32 (all rows of every shape here) is the default from 32 tokens on.
+# Head rows a program owns: the default (8), one row, a tile that straddles the q | k | v boundaries (2 rows
+# with 3 q heads), and all of a token's rows in one program (32).
 @pytest.mark.parametrize("block_rows", [None, 1, 2, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim, qk_norm, scaling", QK_SHAPES)
@@ -159,6 +159,42 @@ def test_qk_norm_rope_store_matches_norm_rope_and_store(dtype, heads, kv_heads, 
     assert_matches(q, ref_q, dtype)
     assert_matches(k_cache, ref_k, dtype)
     assert torch.equal(v_cache, ref_v), "v must be copied unchanged into its slots, and nothing else written"
+
+
+@pytest.mark.parametrize("block_rows", [None, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, qk_norm, scaling", QK_SHAPES)
+def test_qk_norm_rope_without_the_store_matches_norm_and_rope(dtype, heads, kv_heads, head_dim, qk_norm, scaling,
+                                                              block_rows):
+    """The prefill form: q and k returned (k [T, Hkv, d], not into a cache), v left to the caller."""
+    g = gen(7 * heads + head_dim)
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, scaling).to(DEVICE)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = randn(g, 5, width + 8, dtype=dtype)[:, :width]
+    positions = torch.tensor([0, 5, 63, 1, 17], device=DEVICE)
+    weights = (randn(g, head_dim, dtype=dtype) + 1, randn(g, head_dim, dtype=dtype) + 1) if qk_norm else (None, None)
+    q, k = k2.qk_norm_rope(qkv, positions, rope.cos_sin_cache, *weights, 1e-6, heads, kv_heads, head_dim,
+                           block_rows=block_rows)
+    ref_q, ref_k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    ref_q, ref_k = ref_q.reshape(5, heads, head_dim), ref_k.reshape(5, kv_heads, head_dim)
+    if qk_norm:
+        ref_q, ref_k = rms_norm(ref_q, weights[0], 1e-6), rms_norm(ref_k, weights[1], 1e-6)
+    ref_q, ref_k = rope(positions, ref_q, ref_k)
+    assert q.shape == (5, heads, head_dim) and k.shape == (5, kv_heads, head_dim) and k.dtype == dtype
+    assert_matches(q, ref_q, dtype)
+    assert_matches(k, ref_k, dtype)
+
+
+def test_qk_norm_rope_refuses_split_k_partials_and_bad_arguments_by_name():
+    args = _qk_args()
+    common = dict(positions=args["positions"], cos_sin_cache=args["cos_sin_cache"], q_weight=args["q_weight"],
+                  k_weight=args["k_weight"], eps=1e-6, num_heads=4, num_kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="partials"):
+        k2.qk_norm_rope(torch.zeros(2, 2, 64, device=DEVICE), **common)
+    with pytest.raises(ValueError, match="columns"):
+        k2.qk_norm_rope(torch.zeros(2, 60, device=DEVICE), **common)
+    with pytest.raises(ValueError, match="positions"):
+        k2.qk_norm_rope(torch.zeros(2, 64, device=DEVICE), **{**common, "positions": args["positions"][:1]})
 
 
 def test_qk_norm_rope_store_sums_split_k_partials():

@@ -23,7 +23,7 @@ one forward (vLLM's CustomOp dispatch); what a step's size or kind changes is de
 | gate_up_proj           | gemm_silu: SiLU-and-mul in its epilogue     | the same batches (the MLP's act_fn is then    |
 |                        |                                             | Identity: gate_up applies it)                 |
 | attention              | qk_norm_rope_store: q/k norm + RoPE + KV    | decode steps once the cache exists; prefill   |
-|                        | store in one kernel                         | runs the modules (or their compiled kernel)   |
+|                        | store in one kernel                         | runs it without the store (qk_norm_rope)      |
 A decode step of up to max_m rows then runs 9 kernels a layer (8 with one attention split); a larger one
 keeps the norm and q/k kernels with cuBLAS GEMMs. With FusedKernels.persistent (decode_kernels="persistent"; off
 in the engine's plan: level with these kernels on the H200) a decode step of one sequence is one persistent
@@ -62,6 +62,12 @@ def _qk_norm_rope_store(*args, **kwargs):
     interpreter or compiler for the process: nanovllm_ref/kernels/__init__.py)."""
     from nanovllm_ref.kernels.qk_norm_rope_store import qk_norm_rope_store
     return qk_norm_rope_store(*args, **kwargs)
+
+
+def _qk_norm_rope_kernel(*args, **kwargs):
+    """kernels/qk_norm_rope_store.qk_norm_rope (the prefill form: no store), imported at its first call."""
+    from nanovllm_ref.kernels.qk_norm_rope_store import qk_norm_rope as kernel
+    return kernel(*args, **kwargs)
 
 
 @fused
@@ -105,13 +111,19 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor):
         """positions [T] int64, hidden_states [T, hidden] -> o_proj's output [T, hidden] (or its SplitK)."""
         qkv = self.qkv_proj(hidden_states)
-        if self.qk_kernel and not current_metadata().is_prefill and self.attn.has_cache:
-            # One kernel: q/k norm, RoPE, and k, v written into the cache; attention then reads them there.
+        if self.qk_kernel:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-            q = _qk_norm_rope_store(qkv, positions, self.rotary_emb.cos_sin_cache, *norms, self.attn.k_cache,
-                                    self.attn.v_cache, current_metadata().slot_mapping, self.num_heads,
-                                    self.num_kv_heads, self.head_dim, use_pdl=self.pdl)
-            return self.o_proj(self.attn(q))
+            if not current_metadata().is_prefill and self.attn.has_cache:
+                # One kernel: q/k norm, RoPE, and k, v written into the cache; attention then reads them there.
+                q = _qk_norm_rope_store(qkv, positions, self.rotary_emb.cos_sin_cache, *norms, self.attn.k_cache,
+                                        self.attn.v_cache, current_metadata().slot_mapping, self.num_heads,
+                                        self.num_kv_heads, self.head_dim, use_pdl=self.pdl)
+                return self.o_proj(self.attn(q))
+            # Prefill: the same kernel returns q and k (the layer stores k and v, and attends over them).
+            q, k = _qk_norm_rope_kernel(qkv, positions, self.rotary_emb.cos_sin_cache, *norms, self.num_heads,
+                                        self.num_kv_heads, self.head_dim, use_pdl=self.pdl)
+            v = qkv[:, self.q_size + self.kv_size:]
+            return self.o_proj(self.attn(q, k.flatten(1), v))
         return self.o_proj(self.attend(positions, qkv))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:

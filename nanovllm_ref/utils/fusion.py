@@ -34,7 +34,8 @@ small-M GEMM in three forms: full K, split-K partials, and with SiLU-and-mul in 
 On CUDA the engine turns on every kernel the parts allow (decode_kernels="auto"); a model built on a CPU
 uses none unless it is handed a `FusedKernels` (tests do, under the Triton interpreter). The GEMM kernels
 serve 1..max_m rows (larger batches and most prefills run cuBLAS, and then no split-K partials flow); the
-norm kernels serve every step; the q/k kernel serves decode steps once the KV cache exists (it writes into it).
+norm kernels serve every step; the q/k kernel serves decode steps once the KV cache exists (it writes into it)
+and prefill steps without its store (kernels/qk_norm_rope_store.qk_norm_rope: q and k back, the layer stores).
 """
 import dataclasses
 import functools
