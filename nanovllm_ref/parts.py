@@ -151,8 +151,8 @@ class Parts:
         of yours as written); `kernels` (a FusedKernels) checked against `kernels_allowed` (ValueError names a
         kernel that would stand in for a part you replaced; TypeError for a kernels that is no FusedKernels),
         None = none; Qwen3's q/k norm + RoPE compiled into one kernel when fuse and both parts are the
-        reference; attention_backend / store_kvcache: what the layers attend with and store with (None: the
-        torch back-end and store)."""
+        reference and kernels leaves the q/k kernel off (on, prefill runs that kernel); attention_backend /
+        store_kvcache: what the layers attend with and store with (None: the torch back-end and store)."""
         if kernels is None:
             kernels = FusedKernels()
         if not isinstance(kernels, FusedKernels):
@@ -167,7 +167,9 @@ class Parts:
         ops = {name: self._op(name, fuse) for name in MODEL_FIELDS}
         if self.is_reference("rope_cos_sin"):
             ops["rope_cos_sin"] = None                 # the reference: it also builds scaled RoPE tables
-        if fuse and qk_norm and self.is_reference("rms_norm") and self.is_reference("rotary"):
+        # With the q/k kernel on, prefill runs it too (without its store): nothing to compile then.
+        if fuse and qk_norm and self.is_reference("rms_norm") and self.is_reference("rotary") \
+                and not kernels.qk_norm_rope_store:
             from nanovllm_ref.models.qwen3 import qk_norm_rope
             ops["qk_norm_rope"] = qk_norm_rope.compiled()
         return ModelOps(**ops, attention_backend=attention_backend, store_kvcache=store_kvcache, kernels=kernels)
@@ -399,6 +401,7 @@ class EnginePlan:
             + ("; q/k norm + RoPE compiled as one" if self.ops.qk_norm_rope is not None else ""),
             f"  decode kernels: {', '.join(k.enabled()) or 'none'}"
             + (f" (up to {k.max_m} rows for the GEMMs, PDL {'on' if k.pdl else 'off'})" if k.any() else "")
+            + ("; q/k norm + RoPE of prefill steps: qk_norm_rope_store without its store" if k.qk_norm_rope_store else "")
             + ("; a batch of one: one persistent kernel (kernels/persistent_decode.py)" if k.persistent else ""),
             f"  sampler: {'reference' if 'sampler' not in self.replaced else 'Parts.sampler'}, row draw "
             f"{self.sample_rows_name}; {'inside the decode CUDA graph' if self.graph_sample_rows else 'after the forward'}",
