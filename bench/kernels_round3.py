@@ -448,11 +448,16 @@ def compile_variants(s: dict, dtypes=("bf16", "fp32")):
                     k_weight_ptr=f"*{dt}", slot_mapping_ptr="*i32", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}",
                     q_out_ptr=f"*{dt}", num_parts="i32", stride_ps="i32", stride_t="i32", stride_cs="i32",
                     stride_qt="i32", stride_qh="i32", eps="fp32")
-        for qk, pdl in ((True, False), (False, False), (True, True)):
-            out.append((f"qk_norm_rope_store {dt} qk_norm={qk} pdl={pdl}", k2._qk_norm_rope_store_kernel, sig2,
+        block_half = triton.next_power_of_2(s["head_dim"] // 2)
+        block_r = min(k2.BLOCK_ROWS, triton.next_power_of_2(s["heads"] + 2 * s["kv_heads"]))
+        # to_cache False: the prefill form (qk_norm_rope), which writes k to a [T, Hkv, d] output.
+        for qk, pdl, to_cache in ((True, False, True), (False, False, True), (True, True, True), (True, False, False)):
+            out.append((f"qk_norm_rope_store {dt} qk_norm={qk} pdl={pdl} to_cache={to_cache}",
+                        k2._qk_norm_rope_store_kernel, sig2,
                         dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], HEAD_DIM=s["head_dim"],
-                             HALF=s["head_dim"] // 2, BLOCK_HALF=triton.next_power_of_2(s["head_dim"] // 2),
-                             QK_NORM=qk, PARTIALS=False, EMULATE_ROUNDING=False, USE_PDL=pdl), dict(num_warps=1)))
+                             HALF=s["head_dim"] // 2, BLOCK_HALF=block_half, BLOCK_R=block_r,
+                             QK_NORM=qk, PARTIALS=False, EMULATE_ROUNDING=False, USE_PDL=pdl, TO_CACHE=to_cache),
+                        dict(num_warps=max(1, min(4, block_r * block_half // 256)))))
         sig3 = dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", bias_ptr=f"*{dt}", out_ptr=f"*{dt}", M="i32", N="i32", K="i32",
                     stride_xm="i32", stride_wn="i32", stride_os="i32", stride_om="i32", k_per_split="i32",
                     up_offset="i32", up_rows="i32")
