@@ -164,7 +164,7 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode
       mkdir -p /tmp/ab_base && tar xzf .carry/ab/base.tgz -C /tmp/ab_base || exit 1
       step "decode attention launch order, q/k norm + RoPE + store (bench/kernels_round8.py)"
       timeout ${KERNELS_S:-150} python3 bench/kernels_round8.py --out "$OUT/kernels_round8.json" --base /tmp/ab_base \
-        --budget ${KERNELS_BUDGET:-100} --sections ${SECTIONS:-attention,qk,prefill,sampler} 2>&1 | tail -${KERNELS_TAIL:-80}
+        --budget ${KERNELS_BUDGET:-100} --sections ${SECTIONS:-attention,qk,prefill,sampler,silu} 2>&1 | tail -${KERNELS_TAIL:-80}
       AB_NEW_PROFILE=${AB_NEW_PROFILE:-1}
     fi
     # The new side's run: NEW_RUN, else RUN; round 6 asks for the persistent batch-1 step (decode_kernels).

@@ -15,6 +15,7 @@ kernels are measured here against what they replace:
 3. prefill: the same kernel without the store (`qk_norm_rope`) against Inductor's compiled q/k norm + RoPE,
    the earlier prefill route, at 2,048 and 14,336 tokens.
 4. sampler: the row draw with per-lane running bests against the base tree's block reduction per step.
+5. silu: SiLU-and-mul after cuBLAS (prefill, decode above max_m rows), Inductor against kernels/silu_mul.py.
 The JSON (--out) is rewritten after every case.
 """
 import argparse
@@ -34,7 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=90.0, help="seconds before no new case starts")
     p.add_argument("--base", default=None, help="an unpacked base tree (its nanovllm_ref/kernels/qk_norm_rope_store.py "
                    "is the old kernel)")
-    p.add_argument("--sections", default="attention,qk,prefill,sampler")
+    p.add_argument("--sections", default="attention,qk,prefill,sampler,silu")
     return p.parse_args(argv)
 
 
@@ -175,6 +176,28 @@ def sampler_case(rec, batch, shapes, device, variant, old_module=None):
     return row
 
 
+def silu_case(rec, m, shapes, device, dtype, variant):
+    """SiLU-and-mul of m rows of [gate | up] (the MLP's intermediate size): "inductor" (layers/activation's
+    silu_and_mul compiled, the earlier route after cuBLAS) or "kernel" (kernels/silu_mul.py); errors against
+    the eager reference."""
+    from nanovllm_ref.kernels import silu_mul
+    from nanovllm_ref.layers.activation import silu_and_mul
+    g = torch.Generator(device=device).manual_seed(m + 5)
+    x = (3 * torch.randn(m, 2 * shapes["inter"], device=device, generator=g)).to(dtype)
+    fn = (silu_and_mul.compiled() if device.type == "cuda" else silu_and_mul) if variant == "inductor" \
+        else silu_mul.silu_and_mul
+    ref = silu_and_mul(x)
+    out = fn(x)
+    us = r3.time_us([lambda: fn(x)], device, reps=10)
+    row = {"m": m, "variant": variant, "us": round(us[0], 2), "max_abs_err_vs_eager": r3.max_err(out, ref),
+           "bit_identical_fraction": round((out == ref).float().mean().item(), 6),
+           **r3.bandwidth(3 * m * shapes["inter"] * dtype.itemsize, us[0])}
+    rec.add("silu", row)
+    r3.log(f"  silu_and_mul M={m:<6d} {variant:8s} {row['us']:8.2f} us {row['pct_of_peak']:5.1f} % of peak  "
+           f"err {row['max_abs_err_vs_eager']:.1e}, {row['bit_identical_fraction']:.4f} identical")
+    return row
+
+
 def main(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     if not args.dry_run and device.type != "cuda":
@@ -198,6 +221,7 @@ def main(args) -> int:
     rec.data.setdefault("qk", [])
     rec.data.setdefault("prefill_qk", [])
     rec.data.setdefault("sampler", [])
+    rec.data.setdefault("silu", [])
     if "attention" in sections:
         r3.log("1. decode attention: KV heads of a sequence side by side (head_major) or not")
         cases = [(2, 64, True), (3, 40, False)] if args.dry_run else \
@@ -234,6 +258,12 @@ def main(args) -> int:
             for variant in (["old"] if old_sampler is not None else []) + ["new"]:
                 r3.guarded(rec, budget, f"sampler B={batch} {variant}",
                            lambda: sampler_case(rec, batch, shapes, device, variant, old_sampler), min_left=2.0)
+    if "silu" in sections:
+        r3.log("5. SiLU-and-mul after cuBLAS: Inductor against kernels/silu_mul.py")
+        for m in ([3] if args.dry_run else [128, 256, 2048, 14336]):
+            for variant in ("inductor", "kernel"):
+                r3.guarded(rec, budget, f"silu M={m} {variant}",
+                           lambda: silu_case(rec, m, shapes, device, dtype, variant), min_left=2.0)
     timer.cancel()
     rec.save()
     r3.log(f"done in {rec.data['meta']['elapsed_s']} s: {len(rec.data['errors'])} errors, "

@@ -241,6 +241,30 @@ def test_qk_norm_rope_store_refuses_bad_arguments_by_name(changes, match):
         k2.qk_norm_rope_store(**_qk_args(**changes))
 
 
+# -- 2b. SiLU-and-mul after cuBLAS (kernels/silu_mul.py) ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+@pytest.mark.parametrize("tokens, d", [(5, 24), (3, 1100), (1, 8)])
+def test_silu_and_mul_kernel_matches_the_reference(dtype, tokens, d):
+    """d 1,100: two column blocks, the second partial; d 24: one block wider than the row; strided rows."""
+    from nanovllm_ref.kernels import silu_mul
+    from nanovllm_ref.layers.activation import silu_and_mul as reference
+    g = gen(tokens * 1000 + d)
+    x = randn(g, tokens, 2 * d + 8, dtype=dtype, scale=3.0)[:, :2 * d]
+    assert_matches(silu_mul.silu_and_mul(x), reference(x), dtype, tol={**TOL, torch.float16: dict(atol=1e-6, rtol=2 ** -10)})
+
+
+def test_silu_and_mul_kernel_refuses_bad_arguments_by_name():
+    from nanovllm_ref.kernels import silu_mul
+    with pytest.raises(ValueError, match="even"):
+        silu_mul.silu_and_mul(torch.zeros(2, 7, device=DEVICE))
+    with pytest.raises(ValueError, match=r"\[T, 2 \* d\]"):
+        silu_mul.silu_and_mul(torch.zeros(2, 2, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        silu_mul.silu_and_mul(torch.zeros(8, 2, device=DEVICE).t())
+    assert silu_mul.silu_and_mul(torch.zeros(0, 8, device=DEVICE)).shape == (0, 4)
+
+
 # -- 3. small-M GEMM (kernels/small_gemm.py) ----------------------------------------------------------------
 
 def _reference_linear(x, w, b):

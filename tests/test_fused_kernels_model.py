@@ -71,11 +71,13 @@ def kernel_calls(monkeypatch):
     monkeypatch.setattr(small_gemm, "linear_silu_mul", gemm("silu", small_gemm.linear_silu_mul))
     monkeypatch.setattr(rms_norm_kernels, "add_rms_norm", count("norm", rms_norm_kernels.add_rms_norm))
     monkeypatch.setattr(qwen3, "_qk_norm_rope_store", count("qk_store", qwen3._qk_norm_rope_store))
+    monkeypatch.setattr(qwen3, "_qk_norm_rope_kernel", count("qk_prefill", qwen3._qk_norm_rope_kernel))
+    monkeypatch.setattr(qwen3, "_silu_and_mul_kernel", gemm("silu_kernel", qwen3._silu_and_mul_kernel))
     return calls
 
 
 def _reset(calls):
-    calls.update(linear=[], partials=[], silu=[], norm=0, qk_store=0)
+    calls.update(linear=[], partials=[], silu=[], norm=0, qk_store=0, qk_prefill=0, silu_kernel=[])
 
 
 @pytest.fixture
@@ -189,6 +191,11 @@ def test_batches_over_max_m_run_cublas_gemms_with_the_norm_and_qk_kernels(llm_wi
     assert sorted(set(kernel_calls["linear"])) == [1, 2], "more than max_m rows must use cuBLAS, not the small GEMM"
     assert len(kernel_calls["linear"]) == 4 * LAYERS
     assert kernel_calls["qk_store"] == 6 * LAYERS and kernel_calls["norm"] == 7 * (2 * LAYERS + 1)
+    # The prefill's q/k norm + RoPE is the same kernel without its store; SiLU-and-mul after cuBLAS is the
+    # SiLU kernel (the prefill's 26 rows and the two 3-row decode steps), the small GEMM's epilogue below.
+    assert kernel_calls["qk_prefill"] == LAYERS
+    assert sorted(kernel_calls["silu_kernel"]) == [3] * (2 * LAYERS) + [26] * LAYERS
+    assert sorted(set(kernel_calls["silu"])) == [1, 2]
 
 
 def test_a_replaced_part_keeps_its_kernel_off_and_runs_as_written(llm_with_kernels, kernel_calls):

@@ -20,8 +20,9 @@ one forward (vLLM's CustomOp dispatch); what a step's size or kind changes is de
 | qkv / o / gate_up /    | gemm: the small-M Triton GEMM               | batches of 1..max_m rows; larger ones cuBLAS  |
 | down projections       |                                             |                                               |
 | o_proj, down_proj      | split_k: out as layers.linear.SplitK        | the same batches: partials the next norm sums |
-| gate_up_proj           | gemm_silu: SiLU-and-mul in its epilogue     | the same batches (the MLP's act_fn is then    |
-|                        |                                             | Identity: gate_up applies it)                 |
+| gate_up_proj           | gemm_silu: SiLU-and-mul in its epilogue     | the same batches; larger ones and prefill:    |
+|                        | (kernels/silu_mul.py after cuBLAS above)    | cuBLAS, then the SiLU-and-mul kernel (act_fn  |
+|                        |                                             | is Identity: gate_up applies it)              |
 | attention              | qk_norm_rope_store: q/k norm + RoPE + KV    | decode steps once the cache exists; prefill   |
 |                        | store in one kernel                         | runs it without the store (qk_norm_rope)      |
 A decode step of up to max_m rows then runs 9 kernels a layer (8 with one attention split); a larger one
@@ -62,6 +63,12 @@ def _qk_norm_rope_store(*args, **kwargs):
     interpreter or compiler for the process: nanovllm_ref/kernels/__init__.py)."""
     from nanovllm_ref.kernels.qk_norm_rope_store import qk_norm_rope_store
     return qk_norm_rope_store(*args, **kwargs)
+
+
+def _silu_and_mul_kernel(x):
+    """kernels/silu_mul.silu_and_mul (SiLU-and-mul after cuBLAS's gate_up GEMM), imported at its first call."""
+    from nanovllm_ref.kernels.silu_mul import silu_and_mul
+    return silu_and_mul(x)
 
 
 def _qk_norm_rope_kernel(*args, **kwargs):
@@ -146,10 +153,11 @@ class DecoderMLP(nn.Module):
         ops = ops if ops is not None else ModelOps()
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        act = SiluAndMul(ops.silu_and_mul)
-        # With the SiLU epilogue gate_up_proj applies SiLU-and-mul itself (in its GEMM for small batches), so
-        # act_fn is the identity; otherwise gate_up_proj returns [gate | up] and act_fn applies it.
         epilogue = ops.kernels.gemm_silu
+        # With the SiLU epilogue gate_up_proj applies SiLU-and-mul itself (in its GEMM for small batches, with the
+        # SiLU-and-mul kernel after cuBLAS for larger ones), so act_fn is the identity; otherwise gate_up_proj
+        # returns [gate | up] and act_fn applies it.
+        act = SiluAndMul(_silu_and_mul_kernel if epilogue else ops.silu_and_mul)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
                                                        loader=ops.gate_up_weight_loader, act=act if epilogue else None,
                                                        small_gemm=_gemm(ops, silu_epilogue=epilogue))

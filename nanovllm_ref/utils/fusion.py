@@ -28,7 +28,8 @@ small-M GEMM in three forms: full K, split-K partials, and with SiLU-and-mul in 
 | qk_norm_rope_store   | q/k RMSNorm, RoPE and the KV store                      | rotary and store_kvcache (and rms_norm |
 |                      |                                                         | with q/k norm) are the reference      |
 | gemm                 | F.linear of qkv, o, gate_up and down projections        | always                                |
-| gemm_silu            | gate_up GEMM + SiLU-and-mul (one kernel)                | gemm, silu_and_mul is the reference   |
+| gemm_silu            | gate_up GEMM + SiLU-and-mul (one kernel); above max_m   | gemm, silu_and_mul is the reference   |
+|                      | rows and in prefill, kernels/silu_mul.py after cuBLAS   |                                       |
 | split_k              | o_proj / down write fp32 partials that add_rms_norm sums| gemm and add_rms_norm                 |
 
 On CUDA the engine turns on every kernel the parts allow (decode_kernels="auto"); a model built on a CPU
