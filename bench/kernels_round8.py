@@ -154,7 +154,7 @@ def prefill_qk_case(rec, m, shapes, device, dtype, variant):
     return row
 
 
-def sampler_case(rec, batch, shapes, device, variant, old_module=None):
+def sampler_case(rec, batch, shapes, device, variant, old_module=None, launch=None):
     """The sampler's row draw (kernels/sampler.sample_rows) over `batch` rows of the vocabulary, temperature 0.6:
     this tree's kernel ("new", per-lane running bests) or the base tree's ("old", a block reduction a step)."""
     from nanovllm_ref.kernels import sampler
@@ -167,12 +167,14 @@ def sampler_case(rec, batch, shapes, device, variant, old_module=None):
     module = old_module if variant == "old" else sampler
 
     def run():
-        return module.sample_rows(logits, temps, seeds=seeds, counters=counters)
+        return module.sample_rows(logits, temps, seeds=seeds, counters=counters, **(launch or {}))
     same = bool(torch.equal(run(), sampler.sample_rows(logits, temps, seeds=seeds, counters=counters)))
     us = r3.time_us([run], device, reps=10)
-    row = {"batch": batch, "variant": variant, "us": round(us[0], 2), "same_tokens_as_new": same}
+    row = {"batch": batch, "variant": variant, "launch": launch or "default", "us": round(us[0], 2),
+           "same_tokens_as_new": same}
     rec.add("sampler", row)
-    r3.log(f"  sampler B={batch:<4d} {variant:4s} {row['us']:8.2f} us  same tokens as new: {same}")
+    r3.log(f"  sampler B={batch:<4d} {variant:4s} {str(launch or 'default'):38s} {row['us']:8.2f} us  "
+           f"same tokens as new: {same}")
     return row
 
 
@@ -254,10 +256,14 @@ def main(args) -> int:
         old_sampler = None
         if args.base and (Path(args.base) / "nanovllm_ref/kernels/sampler.py").exists():
             old_sampler = _module_from(Path(args.base) / "nanovllm_ref/kernels/sampler.py", "base_sampler")
+        launches = [None] if args.dry_run else [None, dict(block_v=2048), dict(block_v=2048, num_warps=8),
+                                                dict(block_v=512), dict(block_v=4096, num_warps=8)]
         for batch in ([1, 3] if args.dry_run else [1, 64, 256]):
             for variant in (["old"] if old_sampler is not None else []) + ["new"]:
-                r3.guarded(rec, budget, f"sampler B={batch} {variant}",
-                           lambda: sampler_case(rec, batch, shapes, device, variant, old_sampler), min_left=2.0)
+                for launch in (launches if variant == "new" else [None]):
+                    r3.guarded(rec, budget, f"sampler B={batch} {variant} {launch}",
+                               lambda: sampler_case(rec, batch, shapes, device, variant, old_sampler, launch),
+                               min_left=2.0)
     if "silu" in sections:
         r3.log("5. SiLU-and-mul after cuBLAS: Inductor against kernels/silu_mul.py")
         for m in ([3] if args.dry_run else [128, 256, 2048, 14336]):

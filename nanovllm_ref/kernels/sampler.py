@@ -162,10 +162,13 @@ def num_slices(batch: int, vocab: int, device: torch.device) -> int:
 
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k=None, top_p=None, seeds=None,
-                counters=None) -> torch.Tensor:
+                counters=None, block_v: int = BLOCK_V, num_warps: int = 4) -> torch.Tensor:
     """layers.sampler.sample_rows for rows without top-k / top-p and with seeds (module docstring).
     logits [B, V] any float dtype (rows contiguous); temperatures [B] fp32; seeds, counters [B] int64.
+    block_v (logits a loop step, a power of two) and num_warps: the launch (benchmarks set them).
     Returns [B] int64. Raises ValueError for top_k / top_p or missing seeds (the reference handles those)."""
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     if top_k is not None or top_p is not None or seeds is None or counters is None:
         raise ValueError("the sampler kernel draws unfiltered rows with counter-based seeds only; "
                          "layers.sampler.sample_rows takes top_k / top_p and torch's generator")
@@ -176,14 +179,14 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k=None, to
     if batch == 0:
         return out
     slices = num_slices(batch, vocab, logits.device)
-    slice_len = triton.cdiv(triton.cdiv(vocab, slices), BLOCK_V) * BLOCK_V
+    slice_len = triton.cdiv(triton.cdiv(vocab, slices), block_v) * block_v
     slices = triton.cdiv(vocab, slice_len)
     part = torch.empty(batch * slices * 3, dtype=torch.float32, device=logits.device)
     idx = torch.empty(batch * slices * 2, dtype=torch.int32, device=logits.device)
     temps = temperatures.to(torch.float32).contiguous()
     _partial_kernel[(batch, slices)](logits, logits.stride(0), temps, seeds.to(torch.int64).contiguous(),
                                      counters.to(torch.int64).contiguous(), part, idx, vocab, slice_len, slices,
-                                     BLOCK=BLOCK_V, num_warps=4)
+                                     BLOCK=block_v, num_warps=num_warps)
     _merge_kernel[(batch,)](part, idx, temps, out, slices, BLOCK_S=max(2, triton.next_power_of_2(slices)),
                             num_warps=1)
     return out
