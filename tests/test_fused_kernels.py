@@ -128,11 +128,13 @@ def _reference_qk_norm_rope_store(qkv, positions, rope, q_w, k_w, eps, k_cache, 
 
 # (heads, kv heads, head_dim, q/k norm, rope scaling): Qwen3-like GQA; Llama-like without norm, head_dim 24
 # (half 12: not a power of two), one KV head; linear-scaled RoPE tables.
-QK_SHAPES = [(4, 2, 16, True, None), (3, 1, 24, False, None), (2, 2, 16, True, {"rope_type": "linear", "factor": 2.0})]
+QK_SHAPES = [(4, 2, 16, True, None), (3, 1, 24, False, None), (2, 2, 16, True, {"rope_type": "linear", "factor": 2.0}),
+             (16, 8, 8, True, None)]
 
 
-# Head rows a program owns: the default (8), one row, a tile that straddles the q | k | v boundaries (2 rows
-# with 3 q heads), and all of a token's rows in one program (32).
+# Head rows a program owns: the default (8), one row, a tile that straddles the q | k boundary (2 rows with 3 q
+# heads), and all of a token's rows in one program (32). QK_SHAPES' last shape has Qwen3-0.6B's 32 rows (16 q,
+# 8 k, 8 v heads), so the default splits a token over 4 programs there.
 @pytest.mark.parametrize("block_rows", [None, 1, 2, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim, qk_norm, scaling", QK_SHAPES)

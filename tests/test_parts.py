@@ -120,6 +120,13 @@ def test_fusion_is_chosen_per_model_not_per_process():
         Qwen3ForCausalLM(hf, ops=Parts())
 
 
+def test_with_the_qk_kernel_on_nothing_compiles_qk_norm_rope():
+    from nanovllm_ref.utils.fusion import FusedKernels
+    kernels = FusedKernels.all()
+    assert Parts().model_ops(fuse=True, kernels=kernels).qk_norm_rope is None
+    assert Parts().model_ops(fuse=True, kernels=dataclasses.replace(kernels, qk_norm_rope_store=False)).qk_norm_rope
+
+
 def test_is_reference_answers_the_identity_question_for_every_field():
     from nanovllm_ref.attn import cpu_backend, torch_backend
     assert all(Parts().is_reference(f.name) for f in dataclasses.fields(Parts))
@@ -323,6 +330,8 @@ def test_the_plan_on_a_gpu_runs_every_kernel_the_reference_parts_allow(monkeypat
     assert plan.ops.attention_backend.paged_decode is triton_backend.paged_decode_pdl
     assert plan.graph_sample_rows is sampler_kernel.sample_rows and plan.graph_batch_sizes == (1, 2, 4, 8)
     assert "row draw Triton kernel" in plan.describe() and "PDL on" in plan.describe()
+    # The q/k kernel serves prefill too: nothing compiles Qwen3's q/k norm + RoPE, and the plan says so.
+    assert plan.ops.qk_norm_rope is None and "prefill steps: qk_norm_rope_store without its store" in plan.describe()
     off = Parts().resolve(Config(tiny_dir("qwen3"), kvcache_block_size=16, max_model_len=64, max_num_seqs=8,
                                  decode_kernels="off"), "cuda", torch.bfloat16)
     assert not off.ops.kernels.any() and off.ops.attention_backend is triton_backend

@@ -52,6 +52,16 @@ def test_greedy_takes_the_first_of_equal_maxima_and_nan_never_wins():
     assert ks.sample_rows(logits, temps, seeds=seeds, counters=counters).tolist() == [17, 3, 0]
 
 
+def test_greedy_tie_in_one_lane_of_one_slice_takes_the_first():
+    """Equal maxima 1,024 logits apart fall in the same lane of one program's running bests (BLOCK_V = 1,024):
+    the lane must keep the earlier index (a strict >), as argmax does."""
+    logits = torch.zeros(2, 5000)
+    logits[:, [5, 5 + ks.BLOCK_V]] = 5.0
+    logits[1, [7, 7 + 2 * ks.BLOCK_V]] = 6.0                 # and two blocks apart, above the first pair
+    got = ks.sample_rows(logits, torch.zeros(2), seeds=torch.arange(2), counters=torch.arange(2)).tolist()
+    assert got == [5, 7]
+
+
 def test_a_row_holding_inf_draws_among_its_inf_tokens_uniformly():
     vocab, draws = 1000, 300
     logits = torch.randn(draws, vocab)

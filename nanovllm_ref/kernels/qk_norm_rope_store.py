@@ -136,7 +136,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
         second (layers/rotary_embedding.RotaryEmbedding.cos_sin_cache).
     q_weight, k_weight: [d] in the model dtype (Qwen3's q_norm/k_norm), or both None (no q/k norm: Llama).
     k_cache, v_cache: [num_blocks, block_size, Hkv, d] contiguous, the model dtype.
-    slot_mapping: [T] int32; slot = block_id * block_size + offset, -1 = store nothing.
+    slot_mapping: [T] int32 or int64; slot = block_id * block_size + offset, -1 = store nothing.
     block_rows: head rows a program owns (a power of two; default BLOCK_ROWS = 8); benchmarks set it.
     Returns q: [T, H, d], a new contiguous tensor in the model dtype (the cache dtype).
     Raises ValueError on shapes, dtypes or devices that disagree (the slot values are not checked: no host

@@ -84,8 +84,8 @@ def _partial_kernel(logits_ptr, stride_l, temps_ptr, seeds_ptr, counters_ptr, pa
     inv_t = 1.0 / tl.where(temp > 0, temp, 1.0)
     NEG: tl.constexpr = float("-inf")
     BIG: tl.constexpr = 2**31 - 1
-    # Per-lane running bests, reduced across lanes once at the end (a block reduction per loop step and race
-    # cost more than the hashing: 0.20 ms at 256 rows on the H200, kernels_round8_h200_2026-12-03.json).
+    # Per-lane running bests, reduced across lanes once at the end: a block reduction per loop step and race
+    # took 14 % of the kernel's time on the H200 (256 rows: 198 -> 170 us, kernels_round8_h200_2026-12-03_call3.json).
     g_best, g_idx = tl.full([BLOCK], NEG, tl.float32), tl.full([BLOCK], BIG, tl.int32)   # greedy: the largest logit
     s_best, s_idx = tl.full([BLOCK], NEG, tl.float32), tl.full([BLOCK], BIG, tl.int32)   # finite logits' race
     i_best, i_idx = tl.full([BLOCK], NEG, tl.float32), tl.full([BLOCK], BIG, tl.int32)   # +inf logits' race

@@ -22,7 +22,7 @@ small-M GEMM in three forms: full K, split-K partials, and with SiLU-and-mul in 
 (kernels/small_gemm.py). `FusedKernels` names which of them a model uses; the engine decides it once
 (nanovllm_ref.Parts.resolve, by this table) and each layer picks its kernel when it is built (models/qwen3.py):
 
-| FusedKernels field   | replaces, in a decode step of <= max_m tokens           | allowed when (Parts)                  |
+| FusedKernels field   | replaces (GEMMs: steps of <= max_m rows; q/k: any step) | allowed when (Parts)                  |
 | rms_norm             | the plain RMSNorm of layer 0's input (every step)       | rms_norm is the reference             |
 | add_rms_norm         | every residual add + RMSNorm (every step)               | add_rms_norm is the reference         |
 | qk_norm_rope_store   | q/k RMSNorm, RoPE and the KV store                      | rotary and store_kvcache (and rms_norm |
