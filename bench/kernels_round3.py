@@ -519,6 +519,61 @@ def compile_check(rec, budget, s, dtypes=("bf16", "fp32")):
 
 # ------------------------------------------------------------------------------------------- main
 
+def paged_decode_inputs(lengths: list, context: int, shapes: dict, device, dtype, seed: int):
+    """(q [B, H, d], k_cache, v_cache [blocks, block, Hkv, d], block table [B, blocks a sequence] int32, context
+    lengths [B] int32) for a decode attention call over `lengths` tokens a sequence, the table wide enough for
+    `context`; blocks of 256 tokens (16 on the CPU), shuffled, as a cache that has served a while hands them out."""
+    hkv, h, d = shapes["kv_heads"], shapes["heads"], shapes["head_dim"]
+    block = 256 if device.type == "cuda" else 16
+    batch = len(lengths)
+    g = torch.Generator(device=device).manual_seed(seed)
+    per_seq = -(-context // block)
+    k_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
+    v_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
+    table = torch.randperm(batch * per_seq, device=device, generator=g).to(torch.int32).view(batch, per_seq)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    q = torch.randn(batch, h, d, device=device, generator=g).to(dtype)
+    return q, k_cache, v_cache, table, lens
+
+
+@dataclasses.dataclass
+class Run:
+    """What a round script's main sets up (kernels_round5.py, kernels_round8.py): `start_run`, then `finish`."""
+    device: "torch.device"
+    shapes: dict
+    dtype: "torch.dtype"
+    rec: "Record"
+    budget: "Budget"
+    timer: threading.Timer
+
+
+def start_run(args, script: str, **meta) -> "Run | None":
+    """The device (None without CUDA unless args.dry_run: then a message and the caller returns 2), the shapes
+    (TINY for a dry run, else QWEN3), bf16, the record at args.out with its meta (+ `meta`), the budget, and a
+    watchdog that saves the record and exits 3 once args.budget + 20 s have passed."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    if not args.dry_run and device.type != "cuda":
+        print("no CUDA device: use --dry-run", file=sys.stderr)
+        return None
+    r3_args = parse_args(["--out", args.out] + (["--dry-run"] if args.dry_run else []))
+    rec = Record(args.out, {**meta_of(r3_args, device), "script": script, "budget_s": args.budget, **meta})
+    timer = threading.Timer(args.budget + 20, lambda: (rec.data["meta"].update(watchdog="fired"), rec.save(),
+                                                       os._exit(3)))
+    timer.daemon = True
+    timer.start()
+    return Run(device, TINY if args.dry_run else QWEN3, torch.bfloat16, rec, Budget(args.budget), timer)
+
+
+def finish(run: Run, out: str) -> int:
+    """Stop the watchdog, save the record, say how it went; exit status 1 if any case failed."""
+    run.timer.cancel()
+    run.rec.save()
+    rec = run.rec
+    log(f"done in {rec.data['meta']['elapsed_s']} s: {len(rec.data['errors'])} errors, "
+        f"{len(rec.data['skipped'])} skipped -> {out}")
+    return 1 if rec.data["errors"] else 0
+
+
 def meta_of(args, device) -> dict:
     meta = {"script": "bench/kernels_round3.py", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "dry_run": args.dry_run, "compile_check_only": args.compile_check, "budget_s": args.budget,

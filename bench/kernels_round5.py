@@ -16,30 +16,22 @@ and asking for W into L2 before the PDL wait; the small GEMM's row tiles above 6
 3. gemm: each projection at M = 1 .. 256, cuBLAS against the Triton kernel without and with PDL.
 The JSON (--out) is rewritten after every case.
 """
-import argparse
 import os
 import sys
-import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_env  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--dry-run", action="store_true", help="CPU: Triton interpreter, tiny shapes, no timings")
-    p.add_argument("--budget", type=float, default=200.0, help="seconds before no new case starts")
-    p.add_argument("--sections", default="layer,attention,gemm")
+    p = bench_env.parser(__doc__, budget=200.0, sections="layer,attention,gemm")
     p.add_argument("--mixed-only", action="store_true", help="attention: the mixed-length cases only")
     return p.parse_args(argv)
 
 
 ARGS = parse_args()
-if ARGS.dry_run:
-    os.environ["TRITON_INTERPRET"] = "1"
-else:
-    os.environ.pop("TRITON_INTERPRET", None)
+bench_env.choose_triton_mode(ARGS.dry_run)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import kernels_round3 as r3  # noqa: E402  (its helpers; it bypasses nanovllm_ref/__init__, which imports the engine)
 import torch  # noqa: E402
@@ -54,20 +46,15 @@ def attention_case(rec, batch, context, cfg, shapes, device, dtype, mixed: str |
     import random
     from nanovllm_ref.kernels import attention as attn
     hkv, h, d, block = shapes["kv_heads"], shapes["heads"], shapes["head_dim"], 256 if device.type == "cuda" else 16
-    g = torch.Generator(device=device).manual_seed(batch * 131 + context)
     lengths = [context] * batch
     if mixed:
         rnd = random.Random(batch)
         lengths = [rnd.randint(min(100, context), context) for _ in range(batch)]
         if mixed == "longest_first":
             lengths.sort(reverse=True)
-    per_seq = -(-context // block)
-    k_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
-    v_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
-    # Blocks shuffled, as a cache that has served a while hands them out.
-    table = torch.randperm(batch * per_seq, device=device, generator=g).to(torch.int32).view(batch, per_seq)
-    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    q = torch.randn(batch, h, d, device=device, generator=g).to(dtype)
+    q, k_cache, v_cache, table, lens = r3.paged_decode_inputs(lengths, context, shapes, device, dtype,
+                                                              batch * 131 + context)
+    per_seq = table.shape[1]
     scale = d ** -0.5
     ref = attn.paged_decode(q, k_cache, v_cache, table, lens, scale)
     out = attn.paged_decode(q, k_cache, v_cache, table, lens, scale, **cfg)
@@ -97,21 +84,11 @@ def attention_configs(batch: int):
 
 def main(args) -> int:
     from nanovllm_ref.utils.fusion import FusedKernels
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
-    if not args.dry_run and device.type != "cuda":
-        print("no CUDA device: use --dry-run", file=sys.stderr)
+    run = r3.start_run(args, "bench/kernels_round5.py")
+    if run is None:
         return 2
-    shapes = r3.TINY if args.dry_run else r3.QWEN3
-    dtype = torch.bfloat16
-    r3_args = r3.parse_args(["--out", args.out] + (["--dry-run"] if args.dry_run else []))
-    rec = r3.Record(args.out, {**r3.meta_of(r3_args, device), "script": "bench/kernels_round5.py",
-                               "budget_s": args.budget})
-    budget = r3.Budget(args.budget)
+    device, shapes, dtype, rec, budget = run.device, run.shapes, run.dtype, run.rec, run.budget
     sections = args.sections.split(",")
-    timer = threading.Timer(args.budget + 20, lambda: (rec.data["meta"].update(watchdog="fired"), rec.save(),
-                                                       os._exit(3)))
-    timer.daemon = True
-    timer.start()
     pdl = device.type == "cuda" and rec.data["meta"].get("pdl_available", False)
     r3.log(f"kernels_round5: {rec.data['meta']['device']}, torch {torch.__version__}, pdl {pdl}")
     rec.data["meta"]["copy_tbps_measured"] = r3.guarded(rec, budget, "copy bandwidth",
@@ -158,11 +135,7 @@ def main(args) -> int:
                 if pdl:
                     r3.guarded(rec, budget, f"gemm {op} M={m} pdl",
                                lambda: r3.gemm_case(rec, op, m, n, k, kind, device, dtype, use_pdl=True, old=False))
-    timer.cancel()
-    rec.save()
-    r3.log(f"done in {rec.data['meta']['elapsed_s']} s: {len(rec.data['errors'])} errors, "
-           f"{len(rec.data['skipped'])} skipped -> {args.out}")
-    return 1 if rec.data["errors"] else 0
+    return r3.finish(run, args.out)
 
 
 if __name__ == "__main__":

@@ -18,32 +18,23 @@ kernels are measured here against what they replace:
 5. silu: SiLU-and-mul after cuBLAS (prefill, decode above max_m rows), Inductor against kernels/silu_mul.py.
 The JSON (--out) is rewritten after every case.
 """
-import argparse
 import importlib.util
-import os
 import sys
-import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_env  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--dry-run", action="store_true", help="CPU: Triton interpreter, tiny shapes, no timings")
-    p.add_argument("--budget", type=float, default=90.0, help="seconds before no new case starts")
+    p = bench_env.parser(__doc__, budget=90.0, sections="attention,qk,prefill,sampler,silu")
     p.add_argument("--base", default=None, help="an unpacked base tree (its nanovllm_ref/kernels/qk_norm_rope_store.py "
                    "is the old kernel)")
-    p.add_argument("--sections", default="attention,qk,prefill,sampler,silu")
     return p.parse_args(argv)
 
 
 ARGS = parse_args()
-if ARGS.dry_run:
-    os.environ["TRITON_INTERPRET"] = "1"
-else:
-    os.environ.pop("TRITON_INTERPRET", None)
+bench_env.choose_triton_mode(ARGS.dry_run)
 import kernels_round3 as r3  # noqa: E402  (its helpers; it bypasses nanovllm_ref/__init__, which imports the engine)
 import torch  # noqa: E402
 
@@ -62,15 +53,11 @@ def attention_case(rec, batch, context, head_major, shapes, device, dtype, mixed
     from nanovllm_ref.kernels import attention as attn
     hkv, h, d = shapes["kv_heads"], shapes["heads"], shapes["head_dim"]
     block = 256 if device.type == "cuda" else 16
-    g = torch.Generator(device=device).manual_seed(batch * 131 + context)
     rnd = random.Random(batch)
     lengths = [rnd.randint(min(100, context), context) if mixed else context for _ in range(batch)]
-    per_seq = -(-context // block)
-    k_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
-    v_cache = torch.randn(batch * per_seq, block, hkv, d, device=device, generator=g).to(dtype)
-    table = torch.randperm(batch * per_seq, device=device, generator=g).to(torch.int32).view(batch, per_seq)
-    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    q = torch.randn(batch, h, d, device=device, generator=g).to(dtype)
+    q, k_cache, v_cache, table, lens = r3.paged_decode_inputs(lengths, context, shapes, device, dtype,
+                                                              batch * 131 + context)
+    per_seq = table.shape[1]
     scale = d ** -0.5
     ref = attn.paged_decode(q, k_cache, v_cache, table, lens, scale, head_major=False)
     out = attn.paged_decode(q, k_cache, v_cache, table, lens, scale, head_major=head_major)
@@ -201,21 +188,11 @@ def silu_case(rec, m, shapes, device, dtype, variant):
 
 
 def main(args) -> int:
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
-    if not args.dry_run and device.type != "cuda":
-        print("no CUDA device: use --dry-run", file=sys.stderr)
+    run = r3.start_run(args, "bench/kernels_round8.py", base=args.base)
+    if run is None:
         return 2
-    shapes = r3.TINY if args.dry_run else r3.QWEN3
-    dtype = torch.bfloat16
-    r3_args = r3.parse_args(["--out", args.out] + (["--dry-run"] if args.dry_run else []))
-    rec = r3.Record(args.out, {**r3.meta_of(r3_args, device), "script": "bench/kernels_round8.py",
-                               "budget_s": args.budget, "base": args.base})
-    budget = r3.Budget(args.budget)
+    device, shapes, dtype, rec, budget = run.device, run.shapes, run.dtype, run.rec, run.budget
     sections = args.sections.split(",")
-    timer = threading.Timer(args.budget + 20, lambda: (rec.data["meta"].update(watchdog="fired"), rec.save(),
-                                                       os._exit(3)))
-    timer.daemon = True
-    timer.start()
     r3.log(f"kernels_round8: {rec.data['meta']['device']}, torch {torch.__version__}")
     rec.data["meta"]["copy_tbps_measured"] = r3.guarded(rec, budget, "copy bandwidth",
                                                         lambda: r3.measure_copy_tbps(device))
@@ -270,11 +247,7 @@ def main(args) -> int:
             for variant in ("inductor", "kernel"):
                 r3.guarded(rec, budget, f"silu M={m} {variant}",
                            lambda: silu_case(rec, m, shapes, device, dtype, variant), min_left=2.0)
-    timer.cancel()
-    rec.save()
-    r3.log(f"done in {rec.data['meta']['elapsed_s']} s: {len(rec.data['errors'])} errors, "
-           f"{len(rec.data['skipped'])} skipped -> {args.out}")
-    return 1 if rec.data["errors"] else 0
+    return r3.finish(run, args.out)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ KERNEL_SETS = {
 def kernel_calls(monkeypatch):
     """Calls of each Triton kernel the model runs: the small GEMM's three forms (with the M of each call),
     the add + RMSNorm kernel, and the q/k-norm + RoPE + store kernel."""
-    calls = {"linear": [], "partials": [], "silu": [], "norm": 0, "qk_store": 0}
+    calls = {"linear": [], "partials": [], "silu": [], "norm": 0, "qk_store": 0, "qk_prefill": 0, "silu_kernel": []}
 
     def gemm(key, fn):
         def wrapper(x, *args, **kwargs):
