@@ -277,12 +277,11 @@ def add_rms_norm_case(rec, m, s, device, dtype, use_pdl=False):
     log(f"  add_rms_norm M={m:<3d} old {row['old_us']:7.2f} us  new {row['new_us']:7.2f} us  err {row['max_abs_err_out']:.2e}")
 
 
-def qk_case(rec, m, s, device, dtype, use_pdl=False):
-    from nanovllm_ref.kernels import qk_norm_rope_store as k2
-    from nanovllm_ref.kernels.store_kvcache import store_kvcache
+def qk_inputs(m, s, device, dtype, seed):
+    """(rope, qkv [m, (H + 2 Hkv) d], positions [m], slots [m] int32 (shuffled, distinct), q/k norm weights, four
+    zeroed caches [blocks, 256, Hkv, d]) for the q/k norm + RoPE + store benchmarks."""
     from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding
-    from nanovllm_ref.models.qwen3 import qk_norm_rope
-    g = torch.Generator(device=device).manual_seed(m + 1)
+    g = torch.Generator(device=device).manual_seed(seed)
     h, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
     rope = RotaryEmbedding(d, 4096, s["theta"]).to(device)
     qkv = torch.randn(m, (h + 2 * hkv) * d, device=device, generator=g).to(dtype)
@@ -292,6 +291,15 @@ def qk_case(rec, m, s, device, dtype, use_pdl=False):
     slots = torch.randperm(num_blocks * block_size, device=device, generator=g)[:m].to(torch.int32)
     qw, kw = [(1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype) for _ in range(2)]
     caches = [torch.zeros(num_blocks, block_size, hkv, d, device=device, dtype=dtype) for _ in range(4)]
+    return rope, qkv, positions, slots, qw, kw, caches
+
+
+def qk_case(rec, m, s, device, dtype, use_pdl=False):
+    from nanovllm_ref.kernels import qk_norm_rope_store as k2
+    from nanovllm_ref.kernels.store_kvcache import store_kvcache
+    from nanovllm_ref.models.qwen3 import qk_norm_rope
+    h, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
+    rope, qkv, positions, slots, qw, kw, caches = qk_inputs(m, s, device, dtype, m + 1)
     fused_qk = qk_norm_rope.compiled() if device.type == "cuda" else qk_norm_rope
 
     def old():

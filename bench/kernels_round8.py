@@ -79,17 +79,8 @@ def qk_case(rec, m, shapes, device, dtype, block_rows, old_module=None):
     """q/k norm + RoPE + KV store of m tokens: this tree's kernel at `block_rows` (None = its default), or
     (block_rows "old") the base tree's kernel; errors against this tree's default."""
     from nanovllm_ref.kernels import qk_norm_rope_store as k2
-    from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding
-    g = torch.Generator(device=device).manual_seed(m + 1)
     h, hkv, d = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
-    rope = RotaryEmbedding(d, 4096, shapes["theta"]).to(device)
-    qkv = torch.randn(m, (h + 2 * hkv) * d, device=device, generator=g).to(dtype)
-    positions = torch.randint(0, 4096, (m,), device=device, generator=g)
-    block_size = 256
-    num_blocks = -(-m // block_size) + 1
-    slots = torch.randperm(num_blocks * block_size, device=device, generator=g)[:m].to(torch.int32)
-    qw, kw = [(1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype) for _ in range(2)]
-    caches = [torch.zeros(num_blocks, block_size, hkv, d, device=device, dtype=dtype) for _ in range(4)]
+    rope, qkv, positions, slots, qw, kw, caches = r3.qk_inputs(m, shapes, device, dtype, m + 1)
     args = (positions, rope.cos_sin_cache, qw, kw, shapes["eps"])
     tail = (slots, h, hkv, d)
 
@@ -114,14 +105,9 @@ def prefill_qk_case(rec, m, shapes, device, dtype, variant):
     """q/k norm + RoPE of a prefill step of m tokens: "inductor" (models/qwen3.qk_norm_rope compiled, the earlier
     prefill route) or this tree's kernel without the store at block_rows `variant` (None = its default)."""
     from nanovllm_ref.kernels import qk_norm_rope_store as k2
-    from nanovllm_ref.layers.rotary_embedding import RotaryEmbedding
     from nanovllm_ref.models.qwen3 import qk_norm_rope
-    g = torch.Generator(device=device).manual_seed(m + 3)
     h, hkv, d = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
-    rope = RotaryEmbedding(d, 4096, shapes["theta"]).to(device)
-    qkv = torch.randn(m, (h + 2 * hkv) * d, device=device, generator=g).to(dtype)
-    positions = torch.randint(0, 4096, (m,), device=device, generator=g)
-    qw, kw = [(1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype) for _ in range(2)]
+    rope, qkv, positions, _, qw, kw, _ = r3.qk_inputs(m, shapes, device, dtype, m + 3)
     compiled = qk_norm_rope.compiled() if device.type == "cuda" else qk_norm_rope
 
     def inductor():
