@@ -31,6 +31,9 @@
 #                             decode attention's launch order, the q/k kernel's head rows a program, against the base
 #                             tree's kernel), then ab4 with the new side's probes profiled by kernel family
 #                             (AB_NEW_PROFILE=1, its default here; AB_PROBES picks the probes)
+#   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh round9    # ~6 min: bench/kernels_round9.py (the
+#                             decode attention at the workload's own steps in arrival order and longest first; the
+#                             decode GEMMs under cuBLAS and cuBLASLt), then ab4 (AB_NEW_PROFILE=1 profiles the new side)
 #   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
@@ -133,7 +136,7 @@ if [ "$mode" = triton-check ]; then   # issue 29, item 5: bf16 equivalence on th
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0
 fi
-if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode" = round8 ]; then   # issue 29: baseline vs this tree's (carry .carry/ab)
+if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode" = round8 ] || [ "$mode" = round9 ]; then   # issue 29: baseline vs this tree's (carry .carry/ab)
   {
     step "versions"
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
@@ -166,6 +169,11 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode
       timeout ${KERNELS_S:-150} python3 bench/kernels_round8.py --out "$OUT/kernels_round8.json" --base /tmp/ab_base \
         --budget ${KERNELS_BUDGET:-100} --sections ${SECTIONS:-attention,qk,prefill,sampler,silu} 2>&1 | tail -${KERNELS_TAIL:-80}
       AB_NEW_PROFILE=${AB_NEW_PROFILE:-1}
+    fi
+    if [ "$mode" = round9 ]; then   # round 9 first: decode rows longest first at the workload's steps, cuBLAS vs Lt
+      step "decode attention in arrival order and longest first, decode GEMMs' BLAS library (bench/kernels_round9.py)"
+      timeout ${KERNELS_S:-150} python3 bench/kernels_round9.py --out "$OUT/kernels_round9.json" \
+        --budget ${KERNELS_BUDGET:-100} --sections ${SECTIONS:-order,gemm} 2>&1 | tail -${KERNELS_TAIL:-60}
     fi
     # The new side's run: NEW_RUN, else RUN; round 6 asks for the persistent batch-1 step (decode_kernels).
     new_run=${NEW_RUN:-$([ "$mode" = round6 ] && echo triton:graph:persistent || echo "${RUN:-triton:graph}")}

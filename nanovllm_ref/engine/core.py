@@ -45,7 +45,7 @@ from nanovllm_ref.engine.model_runner import ModelRunner
 from nanovllm_ref.engine.request import Request
 from nanovllm_ref.engine.scheduler import Scheduler
 from nanovllm_ref.engine.sequence import SequenceStatus
-from nanovllm_ref.engine.step_batch import StepBuilder
+from nanovllm_ref.engine.step_batch import StepBuilder, longest_first
 from nanovllm_ref.outputs import StepStats
 from nanovllm_ref.parts import Parts
 
@@ -213,6 +213,7 @@ class EngineCore:
             return EngineCoreOutputs(scheduler_stats=self.scheduler_stats())
         else:
             seqs, is_prefill = self.scheduler.schedule()
+            seqs = seqs if is_prefill else longest_first(seqs)
             known = [len(seq) for seq in seqs]
             num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else len(seqs)
             pending = self.model_runner.launch(self.step_builder.build(seqs, is_prefill))   # also to TP workers
@@ -232,6 +233,7 @@ class EngineCore:
         launched, self.last_step = None, None
         if not self.scheduler.is_finished():
             seqs, is_prefill = self.scheduler.schedule()
+            seqs = seqs if is_prefill else longest_first(seqs)
             if seqs:
                 num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else len(seqs)
                 pending = self.model_runner.launch(self.step_builder.build(seqs, is_prefill))

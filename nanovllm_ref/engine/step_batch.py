@@ -3,6 +3,7 @@ mini-sglang's ForwardInput).
 
     builder = StepBuilder(parts.prepare_prefill, parts.prepare_decode, config)   # once, in the engine
     seqs, is_prefill = scheduler.schedule()
+    seqs = seqs if is_prefill else longest_first(seqs)                           # decode: launch order
     pending = model_runner.launch(builder.build(seqs, is_prefill))                # every step
 
 `StepBuilder.build` reads the scheduled sequences once and returns a `StepBatch` of host tensors, numpy arrays
@@ -19,6 +20,18 @@ import torch
 from nanovllm_ref.engine.inputs import StepInputs, block_tables_array
 from nanovllm_ref.engine.sampling_inputs import SamplingRows, prompt_rows, sampling_rows
 from nanovllm_ref.engine.sequence import Sequence
+
+
+def longest_first(seqs: list[Sequence]) -> list[Sequence]:
+    """A decode step's rows in launch order: longest context first, ties in the scheduler's order (a new list).
+
+    Why: the decode attention launches its programs in row order (kernels/attention.py, grid (Hkv, B, splits)), and
+    a row's programs take time in proportion to its context. In the scheduler's order (arrival) a long sequence
+    whose programs start in the last wave runs on alone while the other SMs idle; longest first (Graham's LPT
+    rule for list scheduling) lets the short rows fill in behind it. Nothing else depends on the order: every
+    row carries its own sampling seed and counter, and the engine matches the sampled ids to `seqs` by row
+    (async scheduling through `Sequence.pending_row`), so the tokens are the same in any order."""
+    return sorted(seqs, key=len, reverse=True)
 
 
 @dataclass(frozen=True)
