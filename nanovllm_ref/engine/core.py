@@ -17,12 +17,14 @@ Async scheduling (`async_scheduling`, on by default with CUDA): `step` schedules
 the device still runs step n, then finishes step n. Step n+1's sequences carry a placeholder for the token
 step n samples (engine/sequence.py PENDING); the device reads its value from step n's output, and the host
 learns it one step late (`Scheduler.on_tokens`), where the finish and stop checks run, once per token. A
-sequence that stops at step n was also given a row in step n+1; that token is dropped. Routes:
+sequence that stops at step n was also given a row in step n+1; that token is dropped. In both routes a decode
+step's rows go to the model runner longest context first (engine/step_batch.longest_first: the decode attention
+starts its programs in row order, and that order shortens its tail). Routes:
 
 | route | when | a step |
 |---|---|---|
-| async | async_scheduling True, or None on CUDA; one process, the reference scheduler | schedule n+1, launch it, `on_launch`; wait for step n's ids, `on_tokens`, record its logprobs |
-| sync  | otherwise (CPU by default, TP > 1, a replaced scheduler) | schedule, launch + wait, `postprocess`, record its logprobs |
+| async | async_scheduling True, or None on CUDA; one process, the reference scheduler | schedule n+1 (a decode step's rows longest first), launch it, `on_launch`; wait for step n's ids, `on_tokens`, record its logprobs |
+| sync  | otherwise (CPU by default, TP > 1, a replaced scheduler) | schedule (a decode step's rows longest first), launch + wait, `postprocess`, record its logprobs |
 
 Logprobs arrive with their step's ids and are kept for exactly the tokens the scheduler kept (a token dropped
 after a stop, or of an aborted request, has none): `_record_logprobs`. A step's message carries the rows new
