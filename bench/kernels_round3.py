@@ -572,6 +572,20 @@ def start_run(args, script: str, **meta) -> "Run | None":
     return Run(device, TINY if args.dry_run else QWEN3, torch.bfloat16, rec, Budget(args.budget), timer)
 
 
+def begin(args, script: str, record_keys=(), **meta) -> "Run | None":
+    """`start_run`, then what every round script does first: log the device, measure the copy bandwidth into the
+    record's meta, and give the record an empty list for each of `record_keys`. None as start_run."""
+    run = start_run(args, script, **meta)
+    if run is None:
+        return None
+    log(f"{Path(script).stem}: {run.rec.data['meta']['device']}, torch {torch.__version__}")
+    run.rec.data["meta"]["copy_tbps_measured"] = guarded(run.rec, run.budget, "copy bandwidth",
+                                                         lambda: measure_copy_tbps(run.device))
+    for key in record_keys:
+        run.rec.data.setdefault(key, [])
+    return run
+
+
 def finish(run: Run, out: str) -> int:
     """Stop the watchdog, save the record, say how it went; exit status 1 if any case failed."""
     run.timer.cancel()

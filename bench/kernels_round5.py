@@ -84,15 +84,13 @@ def attention_configs(batch: int):
 
 def main(args) -> int:
     from nanovllm_ref.utils.fusion import FusedKernels
-    run = r3.start_run(args, "bench/kernels_round5.py")
+    run = r3.begin(args, "bench/kernels_round5.py")
     if run is None:
         return 2
     device, shapes, dtype, rec, budget = run.device, run.shapes, run.dtype, run.rec, run.budget
     sections = args.sections.split(",")
     pdl = device.type == "cuda" and rec.data["meta"].get("pdl_available", False)
-    r3.log(f"kernels_round5: {rec.data['meta']['device']}, torch {torch.__version__}, pdl {pdl}")
-    rec.data["meta"]["copy_tbps_measured"] = r3.guarded(rec, budget, "copy bandwidth",
-                                                        lambda: r3.measure_copy_tbps(device))
+    r3.log(f"  pdl {pdl}")
     layer_ms = [1, 5] if args.dry_run else [1, 16, 64, 128, 256]
     gemm_ms = [1, 5] if args.dry_run else [1, 8, 16, 64, 128, 256]
     depths = (1, 2) if args.dry_run else (1, 3)

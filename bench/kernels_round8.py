@@ -174,19 +174,11 @@ def silu_case(rec, m, shapes, device, dtype, variant):
 
 
 def main(args) -> int:
-    run = r3.start_run(args, "bench/kernels_round8.py", base=args.base)
+    run = r3.begin(args, "bench/kernels_round8.py", ("attention", "qk", "prefill_qk", "sampler", "silu"), base=args.base)
     if run is None:
         return 2
     device, shapes, dtype, rec, budget = run.device, run.shapes, run.dtype, run.rec, run.budget
     sections = args.sections.split(",")
-    r3.log(f"kernels_round8: {rec.data['meta']['device']}, torch {torch.__version__}")
-    rec.data["meta"]["copy_tbps_measured"] = r3.guarded(rec, budget, "copy bandwidth",
-                                                        lambda: r3.measure_copy_tbps(device))
-    rec.data.setdefault("attention", [])
-    rec.data.setdefault("qk", [])
-    rec.data.setdefault("prefill_qk", [])
-    rec.data.setdefault("sampler", [])
-    rec.data.setdefault("silu", [])
     if "attention" in sections:
         r3.log("1. decode attention: KV heads of a sequence side by side (head_major) or not")
         cases = [(2, 64, True), (3, 40, False)] if args.dry_run else \

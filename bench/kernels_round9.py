@@ -113,22 +113,18 @@ def blas_case(rec, op, m, n, k, device, dtype):
 
 
 def main(args) -> int:
-    run = r3.start_run(args, "bench/kernels_round9.py")
+    run = r3.begin(args, "bench/kernels_round9.py", ("order", "gemm"))
     if run is None:
         return 2
     device, shapes, dtype, rec, budget = run.device, run.shapes, run.dtype, run.rec, run.budget
     sections = args.sections.split(",")
-    r3.log(f"kernels_round9: {rec.data['meta']['device']}, torch {torch.__version__}")
-    rec.data["meta"]["copy_tbps_measured"] = r3.guarded(rec, budget, "copy bandwidth",
-                                                        lambda: r3.measure_copy_tbps(device))
-    rec.data.setdefault("order", [])
-    rec.data.setdefault("gemm", [])
     if "order" in sections:
         r3.log("1. decode attention at the workload's steps: arrival order, longest first, shortest first")
         prompts, outputs = workload_lengths()
+        rec.data["meta"]["workload_tokens"] = {"prompt": sum(prompts), "output": sum(outputs)}   # 142,827 and 133,966
         if args.dry_run:
             prompts, outputs = prompts[:5], outputs[:5]
-        steps = [0, 300] if args.dry_run else [0, 128, 256, 384, 512, 640, 768, 896]
+        steps = [0, 400] if args.dry_run else [0, 128, 256, 384, 512, 640, 768, 896]
         for step in steps:
             r3.guarded(rec, budget, f"order step={step}",
                        lambda: order_case(rec, step, prompts, outputs, shapes, device, dtype,

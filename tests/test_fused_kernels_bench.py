@@ -128,3 +128,19 @@ def test_the_persistent_kernel_for_sm90_loads_its_weights_as_16_byte_vectors(tmp
         assert loads.get(16, 0) <= 8, f"scalar 16-bit loads are back: {b}"
         # 8 warps: no spill; 4 warps (255 registers a thread at most) spill a few bytes at most.
         assert b["stack"] <= (0 if b["num_warps"] == 8 else 16), f"the kernel spills registers: {b}"
+
+
+def test_round9_dry_run_times_three_row_orders_with_the_same_outputs(tmp_path):
+    """bench/kernels_round9.py (round 9's record) in the interpreter: the decode attention at the workload's steps
+    in arrival order, longest first and shortest first gives the same outputs bit for bit (the rows are only
+    reordered), over the rows the workload has at that step; both BLAS libraries give the same GEMM."""
+    rec = _dry(tmp_path, "kernels_round9.py")
+    assert rec["errors"] == [] and rec["skipped"] == []
+    assert rec["meta"]["workload_tokens"] == {"prompt": 142827, "output": 133966}   # upstream bench.py's totals
+    assert [r["step"] for r in rec["order"]] == [0, 400]
+    for row in rec["order"]:
+        for name in ("arrival", "longest_first", "shortest_first"):
+            assert row[f"{name}_max_abs_err_vs_arrival"] == 0.0, row
+    assert [r["batch"] for r in rec["order"]] == [5, 4]     # the second of the first five asks for 312 tokens
+    assert {r["op"] for r in rec["gemm"]} == {"qkv", "o_proj", "gate_up", "down", "lm_head"}
+    assert all(r["max_abs_diff"] == 0.0 for r in rec["gemm"])
