@@ -34,6 +34,9 @@
 #   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh round9    # ~6 min: bench/kernels_round9.py (the
 #                             decode attention at the workload's own steps in arrival order and longest first; the
 #                             decode GEMMs under cuBLAS and cuBLASLt), then ab4 (AB_NEW_PROFILE=1 profiles the new side)
+#   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh round10   # ~2 min + ab4: bench/kernels_round10.py
+#                             (the decode GEMM chain, 28 layers at 1-256 rows: weights from HBM, L2-hot, and
+#                             prefetched into L2 from a side stream), then ab4 (ROUND10_AB=0: the script alone)
 #   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
@@ -136,7 +139,7 @@ if [ "$mode" = triton-check ]; then   # issue 29, item 5: bf16 equivalence on th
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0
 fi
-if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode" = round8 ] || [ "$mode" = round9 ]; then   # issue 29: baseline vs this tree's (carry .carry/ab)
+if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode" = round8 ] || [ "$mode" = round9 ] || [ "$mode" = round10 ]; then   # issue 29: baseline vs this tree's (carry .carry/ab)
   {
     step "versions"
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
@@ -174,6 +177,12 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode
       step "decode attention in arrival order and longest first, decode GEMMs' BLAS library (bench/kernels_round9.py)"
       timeout ${KERNELS_S:-150} python3 bench/kernels_round9.py --out "$OUT/kernels_round9.json" \
         --budget ${KERNELS_BUDGET:-100} --sections ${SECTIONS:-order,gemm} 2>&1 | tail -${KERNELS_TAIL:-60}
+    fi
+    if [ "$mode" = round10 ]; then   # round 10 first: the decode GEMM chain from HBM, from L2, and L2-prefetched
+      step "decode GEMM chain: weights from HBM, L2-hot, prefetched into L2 from a side stream (bench/kernels_round10.py)"
+      timeout ${KERNELS_S:-150} python3 bench/kernels_round10.py --out "$OUT/kernels_round10.json" \
+        --budget ${KERNELS_BUDGET:-100} --sections ${SECTIONS:-chain} 2>&1 | tail -${KERNELS_TAIL:-40}
+      [ "${ROUND10_AB:-1}" = 1 ] && [ -e .carry/ab/base.tgz ] || { step "done (no A/B asked)"; exit 0; }
     fi
     # The new side's run: NEW_RUN, else RUN; round 6 asks for the persistent batch-1 step (decode_kernels).
     new_run=${NEW_RUN:-$([ "$mode" = round6 ] && echo triton:graph:persistent || echo "${RUN:-triton:graph}")}

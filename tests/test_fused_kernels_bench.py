@@ -144,3 +144,22 @@ def test_round9_dry_run_times_three_row_orders_with_the_same_outputs(tmp_path):
     assert [r["batch"] for r in rec["order"]] == [5, 4]     # the second of the first five asks for 312 tokens
     assert {r["op"] for r in rec["gemm"]} == {"qkv", "o_proj", "gate_up", "down", "lm_head"}
     assert all(r["max_abs_diff"] == 0.0 for r in rec["gemm"])
+
+
+def test_round10_dry_run_runs_the_gemm_chain_on_both_paths_and_agrees_with_fp32_and_halves(tmp_path):
+    """bench/kernels_round10.py (round 10's record) in the interpreter: the decode GEMM chain runs through the small
+    GEMMs (1 row) and cuBLAS's path (3 rows), from 'HBM' and 'L2-hot', and the engine's kernels agree with the
+    same chain in fp32 torch within bf16 rounding (2 layers, outputs of size ~1). The prefetch variants need the
+    GPU (inline PTX): here they are recorded as not run, never as a time."""
+    rec = _dry(tmp_path, "kernels_round10.py")
+    assert rec["errors"] == [] and rec["skipped"] == [] and rec["meta"]["chain_layers"] == 2
+    assert [(r["m"], r["path"]) for r in rec["chain"]] == [(1, "triton small GEMMs"), (3, "cuBLAS")]
+    for row in rec["chain"]:
+        assert 0 < row["dram_max_abs_err_vs_fp32"] < 5e-2, row
+        assert row["dram_us_a_layer"] > 0 and row["l2_hot_us_a_layer"] > 0
+        for name in ("prefetch_bulk", "prefetch_bulk_2", "prefetch_line"):
+            assert row[f"{name}_us_a_layer"] is None and f"{name}_equal_to_dram" not in row
+    # the overlap section: the same step's rows as one batch and as two halves (one stream, two streams) agree
+    [row] = rec["overlap"]
+    assert (row["step"], row["batch"]) == (0, 5)
+    assert row["halves_serial_max_abs_err_vs_full"] < 5e-2 and row["halves_two_streams_max_abs_err_vs_full"] < 5e-2
