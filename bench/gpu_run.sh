@@ -58,6 +58,9 @@
 #     checks every part's sha256, unpacks vLLM's site + nano-vllm's source to /tmp/peers, and runs
 #     `python3 -m nanovllm_bench` with every peer within DEADLINE_S (default 470 s; RUNS, TAG, REPEATS
 #     override). $OUT gets bench_<tag>.json/.csv, its figures, gpu_run.log and peer_logs.tgz (7 files).
+#     WARM_START=vllm gives vLLM an untimed start-up first, in a process of its own, so its timed one finds
+#     its torch.compile cache (cold 94-108 s; vLLM's median fell as its start-up grew over six records: see
+#     bench/results/README.md); it costs ~100 s, so leave HF out then (PEERS=nanovllm_ref,vllm,nano-vllm).
 #   then, within 30 s (no carry: the payload is still unpacked), or after staging again:
 #                                             bash bench/gpu_run.sh flash-check   # greedy equivalence with
 #     attention_backend=flash_attn (vLLM's FA3), bf16, CUDA graphs and eager; junit XML into $OUT
@@ -394,7 +397,7 @@ PYEOF
       --runs ${RUNS:-triton:graph,flash_attn:graph} --peers ${PEERS:-nanovllm_ref,vllm,nano-vllm,hf} \
       --nanovllm-src /tmp/peers/nanovllm_upstream --repeats ${REPEATS:-3} --hf-repeats ${HF_REPEATS:-1} \
       --deadline-s ${DEADLINE_S:-470} --logs /tmp/peer_logs --out "$OUT" --figures "$OUT" \
-      --tag ${TAG:-h200_peers} 2>&1 | grep -v DEBUG
+      ${WARM_START:+--warm-start $WARM_START} --tag ${TAG:-h200_peers} 2>&1 | grep -v DEBUG
     tar czf "$OUT/peer_logs.tgz" -C /tmp peer_logs && ls -la "$OUT"
   fi
   if [ "$mode" = flash-check ]; then

@@ -8,7 +8,7 @@ Why: at batch 1 a Qwen3-0.6B layer's four GEMMs take ~24 us in a CUDA graph wher
 copy bandwidth takes 7.5 (round 6), and removing kernels between them saved almost nothing (round 5: the norm in
 the GEMM's prologue, 9 us a step). So the time is each GEMM's own ramp: too few requests in flight in a kernel of a
 few microseconds. The weights depend on nothing the step computes, so another stream can fetch the next GEMM's
-weights into L2 while the current GEMM runs (nanovllm_ref/kernels/l2_prefetch.py).
+weights into L2 while the current GEMM runs (bench/l2_prefetch.py).
 
 chain: the decode step's GEMM chain without attention, 28 layers in one CUDA graph, the engine's kernels as the
 engine runs them at M rows (<= 64: add + RMSNorm, the small GEMMs with split-K partials and the SiLU epilogue, PDL;
@@ -129,7 +129,7 @@ def chain_case(rec, m, layers, hot, s, device, dtype, small_max_m=64):
                layers[0][k].numel() * layers[0][k].element_size() for k in ("qkv", "o", "gate_up", "down")) / 2 ** 20, 2)}
     prefetchers = {}
     if device.type == "cuda":
-        from nanovllm_ref.kernels.l2_prefetch import L2Prefetcher
+        from l2_prefetch import L2Prefetcher
         prefetchers = {name: (L2Prefetcher(device, bulk=bulk), d) for name, (bulk, d) in PREFETCH.items()}
     runs = {"dram": lambda: chain(x, layers, s, small, pdl),
             "l2_hot": lambda: chain(x, hot, s, small, pdl),

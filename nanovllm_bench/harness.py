@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from nanovllm_bench.floor import pct_of_floor
+from nanovllm_bench.machine import compile_cache_census
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = ("nanovllm_ref", "vllm", "nano-vllm", "hf")
@@ -34,7 +35,9 @@ STDERR_TAIL = 15
 class PeerSpec:
     """One row to measure. module: a nanovllm_bench.peers module (or any with `make`); options: what its
     `make` takes; sys_path: folders put first on the child's PYTHONPATH; needs: a top-level module that must
-    be findable there for the peer to be tried at all (else the row says "missing"); needs_cuda: likewise."""
+    be findable there for the peer to be tried at all (else the row says "missing"); needs_cuda: likewise.
+    warm_start: run the peer's start-up once, untimed, in a process of its own before the measured one
+    (run_peer)."""
     name: str
     peer: str
     module: str
@@ -45,6 +48,7 @@ class PeerSpec:
     repeats: int = 3
     batch1_repeats: int = 3
     gpus: int = 1
+    warm_start: bool = False
 
 
 # Options of a nanovllm_ref run (`--runs triton:graph:sync`) -> the engine arguments they set.
@@ -58,14 +62,19 @@ def ref_row_name(backend: str, eager: bool, tp: int = 1, options: tuple[str, ...
 
 
 def plan_peers(peers, runs, engine_args: dict, *, cuda: bool, repeats: int, hf_repeats: int,
-               batch1_repeats: int, nanovllm_src: str | None = None, hf_batch1_repeats: int = 1) -> list[PeerSpec]:
+               batch1_repeats: int, nanovllm_src: str | None = None, hf_batch1_repeats: int = 1,
+               warm_start=()) -> list[PeerSpec]:
     """The rows of one call, in order: vllm first (the measuring stick, and the slowest to start: on the H200
     on 2026-12-01 it took 100 s to its first request and timed out when it ran after our rows), then
-    nanovllm_ref's runs (backend, eager), nano-vllm, HF (~180 s a run: it goes last)."""
+    nanovllm_ref's runs (backend, eager), nano-vllm, HF (~180 s a run: it goes last). warm_start: the peer
+    families (as in `peers`) whose rows get an untimed start first (PeerSpec.warm_start)."""
     specs, tp = [], engine_args.get("tensor_parallel_size", 1)
+    bad = [p for p in warm_start if p not in PEERS]
+    if bad:
+        raise ValueError(f"warm_start: {', '.join(map(repr, bad))} is not a peer; choose from {', '.join(PEERS)}")
     if "vllm" in peers:
         specs.append(PeerSpec("vllm", "vllm", "nanovllm_bench.peers.vllm", needs="vllm", needs_cuda=True,
-                              repeats=repeats, batch1_repeats=batch1_repeats))
+                              repeats=repeats, batch1_repeats=batch1_repeats, warm_start="vllm" in warm_start))
     if "nanovllm_ref" in peers:
         for backend, eager, *rest in runs:
             options = tuple(rest[0]) if rest else ()
@@ -74,15 +83,16 @@ def plan_peers(peers, runs, engine_args: dict, *, cuda: bool, repeats: int, hf_r
                 args.update(RUN_OPTIONS[o])
             specs.append(PeerSpec(ref_row_name(backend, eager, tp, options), "nanovllm_ref", "nanovllm_bench.peers.ref",
                                   dict(backend=backend, eager=eager, engine_args=args),
-                                  repeats=repeats, batch1_repeats=batch1_repeats, gpus=tp))
+                                  repeats=repeats, batch1_repeats=batch1_repeats, gpus=tp,
+                                  warm_start="nanovllm_ref" in warm_start))
     if "nano-vllm" in peers:
         src = (os.path.abspath(nanovllm_src),) if nanovllm_src else ()
         specs.append(PeerSpec("nano-vllm", "nano-vllm", "nanovllm_bench.peers.upstream",
                               dict(src=src[0] if src else None), sys_path=src, needs="nanovllm", needs_cuda=True,
-                              repeats=repeats, batch1_repeats=batch1_repeats))
+                              repeats=repeats, batch1_repeats=batch1_repeats, warm_start="nano-vllm" in warm_start))
     if "hf" in peers:
         specs.append(PeerSpec(HF_NAME, "hf", "nanovllm_bench.peers.hf", needs_cuda=True, repeats=hf_repeats,
-                              batch1_repeats=hf_batch1_repeats))
+                              batch1_repeats=hf_batch1_repeats, warm_start="hf" in warm_start))
     return specs
 
 
@@ -96,25 +106,17 @@ def _tail(text: str, n: int = STDERR_TAIL) -> str:
     return "\n".join(lines[-n:])
 
 
-def run_peer(spec: PeerSpec, workload, model_dir: str, *, cuda: bool, timeout_s: float, log_dir: str) -> dict:
-    """Measure one peer in a child process; always returns a row (with `status` and, unless ok, `reason`)."""
-    base = dict(name=spec.name, peer=spec.peer, floor_gpus=spec.gpus)
-    if spec.needs_cuda and not cuda:
-        return dict(base, status="missing", reason="needs CUDA")
-    if spec.needs and not _findable(spec.needs, spec.sys_path):
-        return dict(base, status="missing", reason=f"not importable: no module {spec.needs!r} on this Python's path")
-    if timeout_s <= 1:
-        return dict(base, status="timeout", reason="not started: the call's time budget was spent")
-    os.makedirs(log_dir, exist_ok=True)
+def _run_child(spec: PeerSpec, workload, model_dir: str, timeout_s: float, log_path: str,
+               start_only: bool = False) -> tuple[int | None, dict | None, str]:
+    """One `python -m nanovllm_bench.peer` process: (exit code or None past timeout_s, its row or None, the last
+    lines of its output). Its output goes to log_path."""
     tmp = tempfile.mkdtemp(prefix="peer_")
     spec_path, row_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "row.json")
     with open(spec_path, "w") as f:
         json.dump(dict(module=spec.module, options=spec.options, workload=workload.to_dict(), model_dir=model_dir,
-                       repeats=spec.repeats, batch1_repeats=spec.batch1_repeats), f)
+                       repeats=spec.repeats, batch1_repeats=spec.batch1_repeats, start_only=start_only), f)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([*spec.sys_path, ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    log_path = os.path.join(log_dir, "".join(c if c.isalnum() or c in "-_" else "_" for c in spec.name) + ".log")
-    t = time.perf_counter()
     with open(log_path, "w") as log:
         # A session of its own, so that a timeout ends the peer's own children too (TP workers, vLLM's
         # engine core), not the peer alone.
@@ -131,19 +133,55 @@ def run_peer(spec: PeerSpec, workload, model_dir: str, *, cuda: bool, timeout_s:
         except ProcessLookupError:
             pass
         proc.wait()
-    wall = time.perf_counter() - t
     with open(log_path) as f:
         tail = _tail(f.read())
-    row = dict(base, wall_s=wall, log=os.path.basename(log_path))
+    row = None
+    if code is not None and os.path.exists(row_path):
+        with open(row_path) as f:
+            row = json.load(f)
+    return code, row, tail
+
+
+def run_peer(spec: PeerSpec, workload, model_dir: str, *, cuda: bool, timeout_s: float, log_dir: str) -> dict:
+    """Measure one peer in a child process; always returns a row (with `status` and, unless ok, `reason`).
+
+    The row also says what the peer could find cached from earlier processes (`caches_before`:
+    machine.compile_cache_census just before its process started). With `spec.warm_start` an untimed process
+    first runs the peer's start-up alone (its start-up seconds and caches go in the row's `warm_start`), so
+    that the measured process starts as it would on a machine that has run it before; both share timeout_s.
+    """
+    base = dict(name=spec.name, peer=spec.peer, floor_gpus=spec.gpus)
+    if spec.needs_cuda and not cuda:
+        return dict(base, status="missing", reason="needs CUDA")
+    if spec.needs and not _findable(spec.needs, spec.sys_path):
+        return dict(base, status="missing", reason=f"not importable: no module {spec.needs!r} on this Python's path")
+    if timeout_s <= 1:
+        return dict(base, status="timeout", reason="not started: the call's time budget was spent")
+    os.makedirs(log_dir, exist_ok=True)
+    stem = os.path.join(log_dir, "".join(c if c.isalnum() or c in "-_" else "_" for c in spec.name))
+    t = time.perf_counter()
+    warm = None
+    if spec.warm_start:
+        caches = compile_cache_census()
+        code, wrow, tail = _run_child(spec, workload, model_dir, timeout_s, stem + "_warm_start.log", start_only=True)
+        warm = dict(caches_before=caches, wall_s=time.perf_counter() - t, log=os.path.basename(stem) + "_warm_start.log")
+        if code == 0 and wrow and wrow.get("status") == "ok":
+            warm.update(status="ok", startup_s=wrow["startup_s"])
+        else:
+            # The measured process still runs (its own start-up is then a cold one, and the row says so).
+            warm.update(status="timeout" if code is None else "failed", reason=tail[-2000:])
+        base["warm_start"] = warm
+        timeout_s -= time.perf_counter() - t
+        if timeout_s <= 1:
+            return dict(base, status="timeout", reason="not started: the warm start took the peer's time")
+    caches = compile_cache_census()
+    code, row, tail = _run_child(spec, workload, model_dir, timeout_s, stem + ".log")
+    out = dict(base, wall_s=time.perf_counter() - t, log=os.path.basename(stem) + ".log", caches_before=caches)
     if code is None:
-        return dict(row, status="timeout", reason=f"ran past {timeout_s:.0f} s; last lines:\n{tail}")
-    if code == 0 and os.path.exists(row_path):
-        with open(row_path) as f:
-            return dict(row, **json.load(f))
-    if os.path.exists(row_path):                   # the child said why it cannot run (exit 3)
-        with open(row_path) as f:
-            return dict(row, **json.load(f))
-    return dict(row, status="failed", reason=f"exit {code}; last lines of its output:\n{tail}")
+        return dict(out, status="timeout", reason=f"ran past {timeout_s:.0f} s; last lines:\n{tail}")
+    if row is not None:                              # measured (exit 0), or the child said why it cannot run (3)
+        return dict(out, **row)
+    return dict(out, status="failed", reason=f"exit {code}; last lines of its output:\n{tail}")
 
 
 def run_all(specs, workload, model_dir: str, *, cuda: bool, log_dir: str, peer_timeout_s: float = 600,
@@ -166,8 +204,18 @@ def describe_row(row: dict) -> str:
     spread = f" ({row['min_tok_s']:,.0f}-{row['max_tok_s']:,.0f}, median of {row['repeats']})"
     floor = f", {row['pct_of_floor']:.3g}% of floor" if row.get("pct_of_floor") else ""
     b1 = f"; batch-1 {row['batch1_tok_s']:,.0f} tok/s" if row.get("batch1_tok_s") else ""
+    warm = row.get("warm_start")
+    if warm:
+        warm = (f" (after an untimed one of {warm['startup_s']:.1f} s)" if warm.get("status") == "ok" else
+                f" (its untimed start-up {warm.get('status')})")
+    host = ""
+    hb, ha = row.get("host_before"), row.get("host_after")
+    if hb and ha:
+        busy = "" if hb.get("cpu_busy") is None or ha.get("cpu_busy") is None else \
+            f", CPUs busy {100 * hb['cpu_busy']:.0f}-{100 * ha['cpu_busy']:.0f} %"
+        host = f"; host: torch op {hb['torch_op_us']:.2f}-{ha['torch_op_us']:.2f} us{busy}"
     return (f"{row['name']:40s} {row['output_tokens']:>9,} tok {row['seconds']:8.2f} s {row['tok_s']:>10,.0f} tok/s"
-            f"{spread}{floor}{b1}; start-up {row['startup_s']:.1f} s")
+            f"{spread}{floor}{b1}; start-up {row['startup_s']:.1f} s{warm or ''}{host}")
 
 
 def make_record(tag: str, machine: dict, workload, totals: tuple, floor: dict, rows: list[dict],
@@ -181,7 +229,8 @@ def make_record(tag: str, machine: dict, workload, totals: tuple, floor: dict, r
                 floor=floor, runs=rows,
                 protocol=("each peer in its own process; one warm-up generate; median of N timed runs with min and "
                           "max, none finding anything cached from an earlier run; batch-1: one prompt, ignore_eos, "
-                          "median of its runs"),
+                          "median of its runs; the host probed before the timed runs and after batch-1; a row with "
+                          "warm_start had its start-up run once before, untimed, in a process of its own"),
                 **extra)
 
 

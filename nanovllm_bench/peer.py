@@ -6,7 +6,11 @@ Every peer follows the same protocol (`measure`), on the same workload (`nanovll
 2. `repeats` timed runs of the whole workload, each finding nothing cached from an earlier run: a fresh
    engine per run (`fresh_per_run`), or one engine whose prefix cache is off or reset before each run;
 3. batch-1: one prompt (the workload's first prompt cut to `batch1_prompt` tokens), `batch1_tokens` new
-   tokens, ignore_eos, at the workload's temperature; median of `batch1_repeats`.
+   tokens, ignore_eos, at the workload's temperature; median of `batch1_repeats`;
+4. the host: `machine.host_probe` after the start-up and again after batch-1 (`host_before`, `host_after`),
+   since a host-bound peer moves with the host's speed and load.
+A spec with `start_only` runs step 1 alone and closes the engine (the harness's warm start: it fills the
+compile caches that the measured process then finds).
 The row keeps the median of the timed runs with min and max, every run, each start-up, the compiles counted
 inside each timed run (where the peer compiles in this process), versions and the peer's own settings.
 
@@ -21,7 +25,7 @@ import sys
 import time
 from typing import Protocol
 
-from nanovllm_bench.machine import compile_counts, compiles_between, versions
+from nanovllm_bench.machine import compile_counts, compiles_between, host_probe, versions
 from nanovllm_bench.workload import WARMUP_PROMPT, WARMUP_TOKENS, Workload
 
 EXIT_UNAVAILABLE = 3
@@ -68,6 +72,8 @@ def measure(peer: Peer, workload: Workload, repeats: int = 3, batch1_repeats: in
             if i > 0:
                 peer.close()
             startups.append(_start(peer, T))
+        if i == 0:
+            host_before = host_probe()
         peer.reset()
         _sync(peer.device)
         before = compile_counts()
@@ -86,6 +92,7 @@ def measure(peer: Peer, workload: Workload, repeats: int = 3, batch1_repeats: in
         n = peer.generate([b1_prompt], [workload.batch1_tokens], T)
         _sync(peer.device)
         b1.append(n / (time.perf_counter() - t))
+    host_after = host_probe()
     info = peer.info()
     peer.close()
     out = tokens[0]
@@ -97,7 +104,8 @@ def measure(peer: Peer, workload: Workload, repeats: int = 3, batch1_repeats: in
                fresh_engine_per_run=peer.fresh_per_run, compiles_in_timed_run=compiles,
                batch1_tok_s=statistics.median(b1) if b1 else None, batch1_runs=b1,
                batch1=dict(prompt_tokens=len(b1_prompt), new_tokens=workload.batch1_tokens),
-               versions=dict(versions(), **info.pop("versions", {})), info=info)
+               versions=dict(versions(), **info.pop("versions", {})), info=info, host_before=host_before,
+               host_after=host_after)
     if any(r is not None for r in per_run):
         row["per_run"] = per_run
     return row
@@ -112,7 +120,11 @@ def main(argv=None) -> int:
     module = importlib.import_module(spec["module"])
     try:
         peer = module.make(spec.get("options", {}), workload, spec["model_dir"])
-        row = measure(peer, workload, spec.get("repeats", 3), spec.get("batch1_repeats", 3))
+        if spec.get("start_only"):
+            row = dict(status="ok", start_only=True, startup_s=_start(peer, workload.temperature))
+            peer.close()
+        else:
+            row = measure(peer, workload, spec.get("repeats", 3), spec.get("batch1_repeats", 3))
     except Unavailable as exc:
         with open(row_path, "w") as f:
             json.dump(dict(status="missing", reason=str(exc)), f)

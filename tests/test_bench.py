@@ -92,6 +92,7 @@ def test_cpu_tiny_honours_max_num_seqs_and_kvcache_block_size(tmp_path):
     (["--cpu-tiny", "--kvcache-block-size", "x"], "--kvcache-block-size", ["whole number"]),
     (["--cpu-tiny", "--peers", "nanovllm_ref,sglang"], "--peers", ["sglang", "nano-vllm"]),
     (["--runs", "triton:fast"], "--runs", ["graph or eager"]),
+    (["--warm-start", "vllm,sglang"], "--warm-start", ["sglang", "nano-vllm"]),
     (["--cpu", "--cpu-tiny"], "--cpu-tiny", ["not allowed"]),
 ])
 def test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed(capsys, argv, flag, words):
@@ -158,6 +159,56 @@ def test_a_peer_past_its_time_limit_is_a_timeout_row(tmp_path):
     row = run_peer(_fake("fake[hangs]", "hangs"), cpu_tiny_workload(2), str(tmp_path), cuda=False, timeout_s=5,
                    log_dir=str(tmp_path))
     assert row["status"] == "timeout" and "ran past 5 s" in row["reason"] and row["wall_s"] < 30
+
+
+def test_a_warm_start_fills_the_cache_the_measured_process_then_finds(tmp_path, monkeypatch):
+    """`warm_start`: an untimed start-up in a process of its own first, so the measured process finds what it
+    left (vLLM's torch.compile cache); without it the measured process starts cold. Every row says what the
+    compile caches held before its process, and carries the host probes from around its timed runs."""
+    from nanovllm_bench.harness import describe_row, run_peer
+    from nanovllm_bench.workload import cpu_tiny_workload
+    triton_cache = tmp_path / "triton_cache"
+    (triton_cache / "a").mkdir(parents=True)
+    (triton_cache / "b").mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_cache))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "no_vllm_cache_here"))
+    wl = cpu_tiny_workload(2)
+    cold_dir, warm_dir = tmp_path / "cold", tmp_path / "warm"
+    cold_dir.mkdir(), warm_dir.mkdir()
+    cold = run_peer(_fake("fake[cold]", "cache"), wl, str(cold_dir), cuda=False, timeout_s=60, log_dir=str(tmp_path))
+    warm = run_peer(_fake("fake[warm]", "cache", warm_start=True), wl, str(warm_dir), cuda=False, timeout_s=60,
+                    log_dir=str(tmp_path))
+    assert cold["status"] == warm["status"] == "ok"
+    assert cold["info"]["found_cache"] is False and "warm_start" not in cold
+    assert warm["info"]["found_cache"] is True and warm["info"]["starts"] == 1
+    assert warm["warm_start"]["status"] == "ok" and warm["warm_start"]["startup_s"] >= 0
+    assert (tmp_path / warm["warm_start"]["log"]).exists() and warm["warm_start"]["log"] != warm["log"]
+    for row in (cold, warm):
+        assert row["caches_before"] == dict(vllm=0, inductor=row["caches_before"]["inductor"], triton=2)
+        for probe in (row["host_before"], row["host_after"]):
+            assert 0 < probe["python_loop_ns"] < 1e6 and 0 < probe["torch_op_us"] < 1e5
+            assert probe["cpus"] >= 1 and (probe["cpu_busy"] is None or 0 <= probe["cpu_busy"] <= 1)
+    line = describe_row(warm)
+    assert "(after an untimed one of" in line and "host: torch op" in line
+    assert "untimed" not in describe_row(cold)
+
+
+def test_a_failed_warm_start_is_in_the_row_and_the_measured_process_still_runs(tmp_path):
+    from nanovllm_bench.harness import run_peer
+    from nanovllm_bench.workload import cpu_tiny_workload
+    row = run_peer(_fake("fake[raises]", "raises", warm_start=True), cpu_tiny_workload(2), str(tmp_path), cuda=False,
+                   timeout_s=60, log_dir=str(tmp_path))
+    assert row["warm_start"]["status"] == "failed" and "blew up while starting" in row["warm_start"]["reason"]
+    assert row["status"] == "failed" and "blew up while starting" in row["reason"]
+
+
+def test_warm_start_names_a_peer_family():
+    from nanovllm_bench.harness import plan_peers
+    common = dict(cuda=True, repeats=1, hf_repeats=1, batch1_repeats=0)
+    specs = plan_peers(["vllm", "nanovllm_ref"], [("triton", False)], {}, warm_start=["vllm"], **common)
+    assert [(s.name, s.warm_start) for s in specs] == [("vllm", True), ("nanovllm_ref[triton:graph]", False)]
+    with pytest.raises(ValueError, match="warm_start: 'sglang' is not a peer; choose from nanovllm_ref, vllm"):
+        plan_peers(["vllm"], [], {}, warm_start=["sglang"], **common)
 
 
 def test_the_bench_commands_forward_from_the_engine_cli():

@@ -1,4 +1,8 @@
-"""Weights into L2 ahead of the GEMM that reads them, from a second stream (chapter 10, issue 29 round 10).
+"""Weights into L2 ahead of the GEMM that reads them, from a second stream (issue 29 round 10; bench only).
+
+Measured on the H200 and not kept (bench/results/README.md, round 10): at 1 row the side-stream prefetch made
+the 28-layer GEMM chain slower (22.3 -> 25.3-27.1 us a layer), at 4-64 rows 3-5 % faster, at 128-256 rows
+slower. So it lives here, for bench/kernels_round10.py, and the engine does not use it.
 
 Why
     A decode step of a few rows is a chain of dependent kernels, and each GEMM in it streams its weights from
@@ -13,12 +17,12 @@ What it does
     the grid issues one PTX `cp.async.bulk.prefetch.L2.global` of CHUNK bytes (sm_90's bulk copy engine: one
     instruction, no registers, no wait), or with `bulk=False` one `prefetch.global.L2` a 128-byte line. It is a
     hint: no value changes whether it runs, runs late or is evicted before use, so it needs no ordering against
-    the GEMM it serves. GPU only (inline PTX; the interpreter cannot run it): on a CPU the engine never calls it.
+    the GEMM it serves. GPU only (inline PTX; the interpreter cannot run it).
 
-`L2Prefetcher` is what a model's linear layers share: `ahead(weight)` launches the prefetch of `weight` on its
-side stream, after the work queued so far on the current stream, and `join()` makes the current stream wait for
-the side stream (a CUDA graph capture must end with every forked stream joined). Layers call `ahead` with the
-weight of the GEMM after theirs, just before their own GEMM runs (layers/linear.py).
+`L2Prefetcher` is what the chain's GEMMs share: `ahead(weight)` launches the prefetch of `weight` on its side
+stream, after the work queued so far on the current stream, and `join()` makes the current stream wait for the
+side stream (a CUDA graph capture must end with every forked stream joined). The chain calls `ahead` with the
+weight of the GEMM after the current one, just before the current one runs (bench/kernels_round10.py).
 """
 import torch
 import triton
