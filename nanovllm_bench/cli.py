@@ -163,7 +163,8 @@ def main(argv=None) -> int:
 
     from nanovllm_bench import harness
     from nanovllm_bench.floor import model_stats, physical_floor
-    from nanovllm_bench.machine import device_name, host_probe, measure_machine, project_commit, versions
+    from nanovllm_bench.machine import (device_name, host_probe, measure_machine, project_commit, source_digest,
+                                        versions)
     from nanovllm_bench.workload import EXPECTED_TOTALS, cpu_tiny_workload, gpu_workload, make_model_folder
     cuda = torch.cuda.is_available() and not args.cpu_tiny
     device = "cuda" if cuda else "cpu"
@@ -191,8 +192,8 @@ def main(argv=None) -> int:
 
     from transformers import AutoConfig
     machine = measure_machine(device)
-    machine.update(device=device, device_name=device_name(device), commit=project_commit(), **versions(),
-                   host_probe=host_probe())
+    machine.update(device=device, device_name=device_name(device), commit=project_commit(), sources=source_digest(),
+                   **versions(), host_probe=host_probe())
     floor = physical_floor(prompts, max_tokens, model_stats(AutoConfig.from_pretrained(path)),
                            machine["copy_bandwidth_Bps"], machine["matmul_flops"])
     floor["floor_tok_s"] = totals[1] / floor["floor_s"]
@@ -203,9 +204,13 @@ def main(argv=None) -> int:
     runs = args.runs or [(b, e) for b in backends for e in ([False, True] if cuda and not args.no_eager else
                                                             [not cuda])]
     peers = [p for p in args.peers if not (p == "hf" and args.no_hf)]
-    specs = harness.plan_peers(peers, runs, engine_args, cuda=cuda, repeats=args.repeats, hf_repeats=args.hf_repeats,
-                               batch1_repeats=args.batch1_repeats, nanovllm_src=args.nanovllm_src,
-                               warm_start=args.warm_start)
+    try:
+        specs = harness.plan_peers(peers, runs, engine_args, cuda=cuda, repeats=args.repeats,
+                                   hf_repeats=args.hf_repeats, batch1_repeats=args.batch1_repeats,
+                                   nanovllm_src=args.nanovllm_src, warm_start=args.warm_start)
+    except ValueError as exc:                        # --warm-start names a peer this call leaves out
+        print(f"--{exc}".replace("--warm_start", "--warm-start", 1), file=sys.stderr)
+        return 2
     rows = harness.run_all(specs, workload, path, cuda=cuda, log_dir=args.logs or os.path.join(tmp, "logs"),
                            peer_timeout_s=args.peer_timeout_s, deadline_s=args.deadline_s, floor_s=floor["floor_s"])
     tag = args.tag or ("h200" if cuda and "H200" in machine["device_name"] else device)
@@ -223,6 +228,10 @@ def main(argv=None) -> int:
             if r.get("seconds"):
                 r["pct_of_floor"] = 100 * earlier["floor"]["floor_s"] / r.get("floor_gpus", 1) / r["seconds"]
         earlier["runs"] = [r for r in earlier["runs"] if r["name"] not in names] + rows
+        # The merged record keeps the earlier call's machine and protocol; this call's go beside them.
+        earlier.setdefault("merged_calls", []).append(dict(date=record["date"], time_utc=record["time_utc"],
+                                                           machine=record["machine"], protocol=record["protocol"],
+                                                           rows=sorted(names)))
         record = earlier
     harness.save_record(record, args.out)
     ref_backend = next((r[0] for r in runs if not r[1]), runs[0][0] if runs else "triton")

@@ -72,6 +72,10 @@ def plan_peers(peers, runs, engine_args: dict, *, cuda: bool, repeats: int, hf_r
     bad = [p for p in warm_start if p not in PEERS]
     if bad:
         raise ValueError(f"warm_start: {', '.join(map(repr, bad))} is not a peer; choose from {', '.join(PEERS)}")
+    idle = [p for p in warm_start if p not in peers]
+    if idle:
+        raise ValueError(f"warm_start: {', '.join(map(repr, idle))} is not among the peers this call runs "
+                         f"({', '.join(peers) or 'none'})")
     if "vllm" in peers:
         specs.append(PeerSpec("vllm", "vllm", "nanovllm_bench.peers.vllm", needs="vllm", needs_cuda=True,
                               repeats=repeats, batch1_repeats=batch1_repeats, warm_start="vllm" in warm_start))
@@ -148,7 +152,9 @@ def run_peer(spec: PeerSpec, workload, model_dir: str, *, cuda: bool, timeout_s:
     The row also says what the peer could find cached from earlier processes (`caches_before`:
     machine.compile_cache_census just before its process started). With `spec.warm_start` an untimed process
     first runs the peer's start-up alone (its start-up seconds and caches go in the row's `warm_start`), so
-    that the measured process starts as it would on a machine that has run it before; both share timeout_s.
+    that the measured process starts as it would on a machine that has run it before; both share timeout_s
+    (a timeout reason then gives the time that was left). wall_s is the measured process's, the warm start's
+    is its own. A warm start that finds the peer cannot run here ends the row as "missing".
     """
     base = dict(name=spec.name, peer=spec.peer, floor_gpus=spec.gpus)
     if spec.needs_cuda and not cuda:
@@ -159,26 +165,30 @@ def run_peer(spec: PeerSpec, workload, model_dir: str, *, cuda: bool, timeout_s:
         return dict(base, status="timeout", reason="not started: the call's time budget was spent")
     os.makedirs(log_dir, exist_ok=True)
     stem = os.path.join(log_dir, "".join(c if c.isalnum() or c in "-_" else "_" for c in spec.name))
-    t = time.perf_counter()
-    warm = None
+    name = os.path.basename(stem)
     if spec.warm_start:
-        caches = compile_cache_census()
+        caches, t = compile_cache_census(), time.perf_counter()
         code, wrow, tail = _run_child(spec, workload, model_dir, timeout_s, stem + "_warm_start.log", start_only=True)
-        warm = dict(caches_before=caches, wall_s=time.perf_counter() - t, log=os.path.basename(stem) + "_warm_start.log")
-        if code == 0 and wrow and wrow.get("status") == "ok":
+        warm = dict(caches_before=caches, wall_s=time.perf_counter() - t, log=name + "_warm_start.log")
+        if code is None:
+            warm.update(status="timeout", reason=f"ran past {timeout_s:.0f} s; last lines:\n{tail}")
+        elif code == 0 and wrow and wrow.get("status") == "ok":
             warm.update(status="ok", startup_s=wrow["startup_s"])
+        elif wrow and wrow.get("status") == "missing":        # it cannot run here: no measured process either
+            return dict(base, status="missing", reason=wrow.get("reason", ""), warm_start=dict(warm, status="missing"))
         else:
             # The measured process still runs (its own start-up is then a cold one, and the row says so).
-            warm.update(status="timeout" if code is None else "failed", reason=tail[-2000:])
+            warm.update(status="failed", reason=f"exit {code}; last lines of its output:\n{tail}")
         base["warm_start"] = warm
-        timeout_s -= time.perf_counter() - t
+        timeout_s -= warm["wall_s"]
         if timeout_s <= 1:
             return dict(base, status="timeout", reason="not started: the warm start took the peer's time")
-    caches = compile_cache_census()
+    caches, t = compile_cache_census(), time.perf_counter()
     code, row, tail = _run_child(spec, workload, model_dir, timeout_s, stem + ".log")
-    out = dict(base, wall_s=time.perf_counter() - t, log=os.path.basename(stem) + ".log", caches_before=caches)
+    out = dict(base, wall_s=time.perf_counter() - t, log=name + ".log", caches_before=caches)
     if code is None:
-        return dict(out, status="timeout", reason=f"ran past {timeout_s:.0f} s; last lines:\n{tail}")
+        left = " (the time left after the warm start)" if spec.warm_start else ""
+        return dict(out, status="timeout", reason=f"ran past {timeout_s:.0f} s{left}; last lines:\n{tail}")
     if row is not None:                              # measured (exit 0), or the child said why it cannot run (3)
         return dict(out, **row)
     return dict(out, status="failed", reason=f"exit {code}; last lines of its output:\n{tail}")
@@ -207,7 +217,7 @@ def describe_row(row: dict) -> str:
     warm = row.get("warm_start")
     if warm:
         warm = (f" (after an untimed one of {warm['startup_s']:.1f} s)" if warm.get("status") == "ok" else
-                f" (its untimed start-up {warm.get('status')})")
+                f" (its untimed start-up {'timed out' if warm.get('status') == 'timeout' else warm.get('status')})")
     host = ""
     hb, ha = row.get("host_before"), row.get("host_after")
     if hb and ha:

@@ -77,6 +77,33 @@ def project_commit() -> str | None:
     return None
 
 
+SOURCE_PACKAGES = ("nanovllm_ref", "nanovllm_models", "nanovllm_bench")
+
+
+def source_digest(root: str | None = None) -> dict:
+    """sha256 (first 16 hex digits) of every .py file of the engine, its models and this harness, in path order,
+    per package: what a record ran, where `commit` is only what the run was told (a device call copies the
+    working tree, uncommitted edits included; on 2026-12-06 a planted fault in cli.py ran under a clean
+    commit name). `git ls-files` of a checkout gives the same files, so a digest is checked against a commit by
+    running this there. Returns {package: digest}, None for a package absent under root."""
+    import hashlib
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    for pkg in SOURCE_PACKAGES:
+        base = os.path.join(root, pkg)
+        if not os.path.isdir(base):
+            out[pkg] = None
+            continue
+        h = hashlib.sha256()
+        files = sorted(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
+                       for d, dirs, fs in os.walk(base) if "__pycache__" not in d for f in fs if f.endswith(".py"))
+        for rel in files:
+            with open(os.path.join(root, rel), "rb") as f:
+                h.update(rel.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+        out[pkg] = h.hexdigest()[:16]
+    return out
+
+
 def versions() -> dict:
     """torch, triton, transformers and Python of this process."""
     import torch
@@ -127,7 +154,8 @@ def _cpu_times() -> tuple[int, int] | None:
 
 
 def host_probe(window_s: float = 0.25) -> dict:
-    """How fast this host runs host-side engine work just now, and how busy its CPUs are (about 0.4 s).
+    """How fast this host runs host-side engine work just now, and how busy its CPUs are (about 0.3 s; a
+    process's first call also pays torch's import, about 1 s).
 
     A peer whose steps wait on Python and on PyTorch's op dispatch (vLLM and nano-vllm at batch 1) runs slower
     on a slow or busy host, while a GPU-bound one does not; so a record keeps, for every peer, this probe
@@ -181,10 +209,11 @@ def host_probe(window_s: float = 0.25) -> dict:
 
 def compile_cache_census() -> dict:
     """Entries (top-level files and folders) in the compile caches a peer can find from an earlier process of
-    this machine: vLLM's torch.compile cache ($VLLM_CACHE_ROOT or ~/.cache/vllm, torch_compile_cache),
-    Inductor's ($TORCHINDUCTOR_CACHE_DIR or <tmp>/torchinductor_<user>) and Triton's ($TRITON_CACHE_DIR or
-    ~/.triton/cache). 0 where the folder is absent. A peer started with them empty compiles in its start-up
-    (vLLM 0.20 on the H200: start-up 94-108 s cold, 46 s warm)."""
+    this machine: vLLM's torch.compile cache ($VLLM_CACHE_ROOT, else vllm under $XDG_CACHE_HOME or ~/.cache;
+    in it torch_compile_cache), Inductor's ($TORCHINDUCTOR_CACHE_DIR or <tmp>/torchinductor_<user>) and
+    Triton's ($TRITON_CACHE_DIR, else .triton/cache under $TRITON_HOME or ~). 0 where the folder is absent.
+    A peer started with them empty compiles in its start-up (vLLM 0.20 on the H200: start-up 94-108 s cold,
+    46 s warm)."""
     import getpass
     import tempfile
     try:
@@ -192,12 +221,13 @@ def compile_cache_census() -> dict:
     except Exception:
         user = "unknown"
     home = os.path.expanduser("~")
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
     folders = dict(
-        vllm=os.path.join(os.environ.get("VLLM_CACHE_ROOT") or os.path.join(home, ".cache", "vllm"),
-                          "torch_compile_cache"),
+        vllm=os.path.join(os.environ.get("VLLM_CACHE_ROOT") or os.path.join(xdg, "vllm"), "torch_compile_cache"),
         inductor=os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
                                                                            f"torchinductor_{user}"),
-        triton=os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton", "cache"))
+        triton=os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.environ.get("TRITON_HOME") or home,
+                                                                  ".triton", "cache"))
     out = {}
     for name, path in folders.items():
         try:

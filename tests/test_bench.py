@@ -1,5 +1,6 @@
 """The benchmark's workload, floor model and CPU mode."""
 import json
+import os
 
 import pytest
 
@@ -183,8 +184,9 @@ def test_a_warm_start_fills_the_cache_the_measured_process_then_finds(tmp_path, 
     assert warm["info"]["found_cache"] is True and warm["info"]["starts"] == 1
     assert warm["warm_start"]["status"] == "ok" and warm["warm_start"]["startup_s"] >= 0
     assert (tmp_path / warm["warm_start"]["log"]).exists() and warm["warm_start"]["log"] != warm["log"]
-    for row in (cold, warm):
-        assert row["caches_before"] == dict(vllm=0, inductor=row["caches_before"]["inductor"], triton=2)
+    # the fake `cache` peer leaves one Triton entry per process that starts it: cold's, then the warm start's
+    for row, triton in ((cold, 2), (warm, 4)):
+        assert row["caches_before"] == dict(vllm=0, inductor=row["caches_before"]["inductor"], triton=triton)
         for probe in (row["host_before"], row["host_after"]):
             assert 0 < probe["python_loop_ns"] < 1e6 and 0 < probe["torch_op_us"] < 1e5
             assert probe["cpus"] >= 1 and (probe["cpu_busy"] is None or 0 <= probe["cpu_busy"] <= 1)
@@ -209,6 +211,311 @@ def test_warm_start_names_a_peer_family():
     assert [(s.name, s.warm_start) for s in specs] == [("vllm", True), ("nanovllm_ref[triton:graph]", False)]
     with pytest.raises(ValueError, match="warm_start: 'sglang' is not a peer; choose from nanovllm_ref, vllm"):
         plan_peers(["vllm"], [], {}, warm_start=["sglang"], **common)
+
+
+# --- warm start, caches and host probes: what each process did, and what the row says ---------------------
+
+
+def _calls_by_pid(model_dir):
+    """The fake peers' calls log (bench_fake_peers.CALLS_LOG) as [(pid, [what, ...]), ...] in order of first
+    appearance."""
+    from bench_fake_peers import read_calls
+    out = {}
+    for pid, what in read_calls(str(model_dir)):
+        out.setdefault(pid, []).append(what)
+    return list(out.items())
+
+
+def _cache_env(tmp_path, monkeypatch, triton=2, vllm=1, inductor=3):
+    """Compile caches of known sizes, where compile_cache_census (and the fake `cache` peer) look."""
+    for name, n in (("triton", triton), ("vllm/torch_compile_cache", vllm), ("inductor", inductor)):
+        folder = tmp_path / "caches" / name
+        folder.mkdir(parents=True)
+        for i in range(n):
+            (folder / f"entry{i}").mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "caches" / "triton"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "caches" / "vllm"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "caches" / "inductor"))
+    return tmp_path / "caches" / "triton"
+
+
+def test_the_warm_start_is_a_start_only_process_and_the_measured_one_counts_the_caches_it_left(tmp_path,
+                                                                                               monkeypatch):
+    """The warm child builds the engine and runs the one warm-up generate (1 prompt, WARMUP_TOKENS), nothing
+    else; the measured process is another one, with its own start, its timed runs and its batch-1 runs. The
+    warm start's census is taken before it ran (2 Triton entries), the measured row's after (3: the warm
+    child added one)."""
+    from nanovllm_bench.harness import run_peer
+    from nanovllm_bench.workload import WARMUP_TOKENS, cpu_tiny_workload
+    triton = _cache_env(tmp_path, monkeypatch, triton=2, vllm=1, inductor=3)
+    wl = cpu_tiny_workload(2)
+    _, max_tokens = wl.draw()
+    model = tmp_path / "model"
+    model.mkdir()
+    row = run_peer(_fake("fake[warm]", "cache", warm_start=True), wl, str(model), cuda=False, timeout_s=60,
+                   log_dir=str(tmp_path / "logs"))
+    assert row["status"] == "ok" and row["warm_start"]["status"] == "ok", row
+    assert row["warm_start"]["caches_before"] == dict(vllm=1, inductor=3, triton=2)
+    assert row["caches_before"] == dict(vllm=1, inductor=3, triton=3)
+    (warm_pid, warm_calls), (measured_pid, measured_calls) = _calls_by_pid(model)
+    assert warm_pid != measured_pid
+    assert warm_calls == ["make cache", "start", f"generate 1 {WARMUP_TOKENS}", "close"]
+    assert measured_calls == ["make cache", "start", f"generate 1 {WARMUP_TOKENS}",
+                              f"generate 2 {sum(max_tokens)}", f"generate 2 {sum(max_tokens)}",    # repeats=2
+                              f"generate 1 {wl.batch1_tokens}", "close"]                            # batch1=1
+    assert sorted(os.listdir(triton)) == sorted(["entry0", "entry1", f"fake_kernel_{warm_pid}",
+                                                 f"fake_kernel_{measured_pid}"])
+    assert row["info"]["found_cache"] is True and row["info"]["starts"] == 1
+    assert row["warm_start"]["log"] == "fake_warm__warm_start.log" and row["log"] == "fake_warm_.log"
+    assert (tmp_path / "logs" / row["warm_start"]["log"]).exists() and (tmp_path / "logs" / row["log"]).exists()
+    assert 0 <= row["warm_start"]["startup_s"] < row["warm_start"]["wall_s"] < 60
+
+
+def test_without_warm_start_there_is_one_process_and_no_warm_start_in_the_row(tmp_path, monkeypatch):
+    from nanovllm_bench.harness import run_peer
+    from nanovllm_bench.workload import cpu_tiny_workload
+    _cache_env(tmp_path, monkeypatch, triton=2, vllm=1, inductor=0)
+    row = run_peer(_fake("fake[cold]", "cache"), cpu_tiny_workload(2), str(tmp_path), cuda=False, timeout_s=60,
+                   log_dir=str(tmp_path / "logs"))
+    assert row["status"] == "ok" and "warm_start" not in row and row["info"]["found_cache"] is False
+    assert row["caches_before"] == dict(vllm=1, inductor=0, triton=2)
+    assert len(_calls_by_pid(tmp_path)) == 1
+    assert not (tmp_path / "logs" / "fake_cold__warm_start.log").exists()
+
+
+def test_compile_cache_census_follows_each_cache_s_own_variables(tmp_path, monkeypatch):
+    """vLLM: $VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/vllm, else ~/.cache/vllm (torch_compile_cache in it);
+    Inductor: $TORCHINDUCTOR_CACHE_DIR; Triton: $TRITON_CACHE_DIR, else $TRITON_HOME/.triton/cache, else
+    ~/.triton/cache."""
+    from nanovllm_bench.machine import compile_cache_census
+
+    def entries(folder, n):
+        folder.mkdir(parents=True)
+        for i in range(n):
+            (folder / f"e{i}").write_text("")
+    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TRITON_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    entries(tmp_path / "home" / ".cache" / "vllm" / "torch_compile_cache", 1)
+    entries(tmp_path / "home" / ".triton" / "cache", 2)
+    entries(tmp_path / "inductor", 5)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert compile_cache_census() == dict(vllm=1, inductor=5, triton=2)
+    entries(tmp_path / "xdg" / "vllm" / "torch_compile_cache", 3)
+    entries(tmp_path / "th" / ".triton" / "cache", 4)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "th"))
+    assert compile_cache_census() == dict(vllm=3, inductor=5, triton=4)
+    entries(tmp_path / "root" / "torch_compile_cache", 6)
+    entries(tmp_path / "tdir", 7)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "tdir"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "nowhere"))
+    assert compile_cache_census() == dict(vllm=6, inductor=0, triton=7)
+
+
+def test_a_warm_start_that_fails_leaves_the_measured_process_to_run_cold(tmp_path):
+    """`fails_once` dies in the first process that starts it (the warm start) and runs in the next."""
+    from nanovllm_bench.harness import describe_row, run_peer
+    from nanovllm_bench.workload import cpu_tiny_workload
+    row = run_peer(_fake("fake[once]", "fails_once", warm_start=True), cpu_tiny_workload(2), str(tmp_path),
+                   cuda=False, timeout_s=60, log_dir=str(tmp_path / "logs"))
+    warm = row["warm_start"]
+    assert warm["status"] == "failed" and warm["reason"].startswith("exit 1;"), warm
+    assert "fake engine fails the first time it starts" in warm["reason"] and "startup_s" not in warm
+    assert row["status"] == "ok" and row["repeats"] == 2 and row["info"]["starts"] == 1
+    (p1, first), (p2, second) = _calls_by_pid(tmp_path)
+    assert p1 != p2 and first == ["make fails_once", "start"] and second[:2] == ["make fails_once", "start"]
+    assert second[-1] == "close" and len(second) == 7
+    assert "(its untimed start-up failed)" in describe_row(row)
+
+
+def test_a_warm_start_past_the_time_limit_leaves_no_time_for_the_measured_process(tmp_path):
+    import time
+
+    from nanovllm_bench.harness import run_peer
+    from nanovllm_bench.workload import cpu_tiny_workload
+    t = time.perf_counter()
+    row = run_peer(_fake("fake[hangs]", "hangs", warm_start=True), cpu_tiny_workload(2), str(tmp_path), cuda=False,
+                   timeout_s=5, log_dir=str(tmp_path / "logs"))
+    assert time.perf_counter() - t < 30
+    warm = row["warm_start"]
+    assert warm["status"] == "timeout" and warm["reason"].startswith("ran past 5 s"), warm
+    assert 5 <= warm["wall_s"] < 30
+    assert row["status"] == "timeout" and row["reason"] == "not started: the warm start took the peer's time"
+    assert [calls for _, calls in _calls_by_pid(tmp_path)] == [["make hangs"]]     # the measured one never ran
+    assert (tmp_path / "logs" / "fake_hangs__warm_start.log").exists()
+    assert not (tmp_path / "logs" / "fake_hangs_.log").exists()
+
+
+def test_a_warm_start_of_a_peer_that_cannot_run_here_ends_the_row_as_missing(tmp_path):
+    from nanovllm_bench.harness import describe_row, run_peer
+    from nanovllm_bench.workload import cpu_tiny_workload
+    row = run_peer(_fake("fake[absent]", "unavailable", warm_start=True), cpu_tiny_workload(2), str(tmp_path),
+                   cuda=False, timeout_s=60, log_dir=str(tmp_path / "logs"))
+    assert row["status"] == "missing" and row["reason"] == "fake engine is not installed here"
+    assert row["warm_start"]["status"] == "missing" and "caches_before" in row["warm_start"]
+    assert "caches_before" not in row and "log" not in row                # no measured process
+    assert [calls for _, calls in _calls_by_pid(tmp_path)] == [["make unavailable"]]
+    assert not (tmp_path / "logs" / "fake_absent_.log").exists()
+    assert describe_row(row).endswith("missing: fake engine is not installed here")
+
+
+def test_host_probe_sees_other_processes_keep_the_cpus_busy():
+    import subprocess
+    import sys
+    import time
+
+    from nanovllm_bench.machine import host_probe
+    idle = host_probe()
+    assert isinstance(idle["cpu_busy"], float) and 0 <= idle["cpu_busy"] <= 1
+    assert idle["cpus"] == os.cpu_count() and 0 < idle["python_loop_ns"] < 1e6 and 0 < idle["torch_op_us"] < 1e5
+    assert idle["load_1m"] >= 0
+    n = os.cpu_count()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5)
+        busy = host_probe(window_s=0.5)
+    finally:
+        for p in spinners:
+            p.kill()
+        for p in spinners:
+            p.wait()
+    assert busy["cpu_busy"] >= 0.6, busy
+
+
+def test_measure_probes_the_host_after_the_start_up_and_after_batch_1(monkeypatch):
+    """host_before: after the (first) start-up and its warm-up, before the first timed generate; host_after:
+    after the last batch-1 generate, before close."""
+    from nanovllm_bench import peer as peer_mod
+    from nanovllm_bench.workload import WARMUP_TOKENS, cpu_tiny_workload
+    events = []
+
+    def probe(window_s=0.25):
+        events.append(f"probe {sum(e.startswith('probe') for e in events) + 1}")
+        return dict(probe=len([e for e in events if e.startswith("probe")]))
+    monkeypatch.setattr(peer_mod, "host_probe", probe)
+
+    class Recorder:
+        device = "cpu"
+
+        def __init__(self, fresh):
+            self.fresh_per_run = fresh
+
+        def start(self):
+            events.append("start")
+
+        def generate(self, prompts, max_tokens, temperature):
+            events.append(f"generate {len(prompts)} {sum(max_tokens)}")
+            return sum(max_tokens)
+
+        def reset(self):
+            events.append("reset")
+
+        def info(self):
+            return {}
+
+        def close(self):
+            events.append("close")
+    wl = cpu_tiny_workload(3)
+    _, max_tokens = wl.draw()
+    warm, timed, b1 = f"generate 1 {WARMUP_TOKENS}", f"generate 3 {sum(max_tokens)}", f"generate 1 {wl.batch1_tokens}"
+    row = peer_mod.measure(Recorder(False), wl, repeats=2, batch1_repeats=2)
+    assert events == ["start", warm, "probe 1", "reset", timed, "reset", timed, "reset", b1, "reset", b1, "probe 2",
+                      "close"]
+    assert row["host_before"] == dict(probe=1) and row["host_after"] == dict(probe=2)
+    events.clear()
+    row = peer_mod.measure(Recorder(True), wl, repeats=2, batch1_repeats=1)
+    assert events == ["start", warm, "probe 1", "reset", timed, "close", "start", warm, "reset", timed, "reset", b1,
+                      "probe 2", "close"]
+    assert row["host_before"] == dict(probe=1) and row["host_after"] == dict(probe=2)
+
+
+def test_warm_start_marks_exactly_the_named_families_rows():
+    from nanovllm_bench.harness import HF_NAME, plan_peers
+    common = dict(cuda=True, repeats=1, hf_repeats=1, batch1_repeats=0, nanovllm_src="/tmp/upstream")
+    every = ["nanovllm_ref", "vllm", "nano-vllm", "hf"]
+    runs = [("triton", False), ("triton", True)]
+    rows_of = {"vllm": ["vllm"], "nanovllm_ref": ["nanovllm_ref[triton:graph]", "nanovllm_ref[triton:eager]"],
+               "nano-vllm": ["nano-vllm"], "hf": [HF_NAME]}
+    order = ["vllm", "nanovllm_ref[triton:graph]", "nanovllm_ref[triton:eager]", "nano-vllm", HF_NAME]
+    for family in every:
+        specs = plan_peers(every, runs, {}, warm_start=[family], **common)
+        assert [s.name for s in specs] == order
+        assert [s.name for s in specs if s.warm_start] == rows_of[family], family
+    specs = plan_peers(every, runs, {}, warm_start=["hf", "nano-vllm"], **common)
+    assert [s.name for s in specs if s.warm_start] == ["nano-vllm", HF_NAME]
+    assert not any(s.warm_start for s in plan_peers(every, runs, {}, **common))
+    assert all(s.warm_start for s in plan_peers(every, runs, {}, warm_start=every, **common))
+    with pytest.raises(ValueError, match=r"warm_start: 'vllm' is not among the peers this call runs \(nanovllm_ref\)"):
+        plan_peers(["nanovllm_ref"], runs, {}, warm_start=["vllm"], **common)
+    with pytest.raises(ValueError, match=r"'hf', 'vllm' is not among the peers this call runs \(none\)"):
+        plan_peers([], runs, {}, warm_start=["hf", "vllm"], **common)
+
+
+def test_describe_row_gives_the_probes_in_order_and_the_warm_start():
+    from nanovllm_bench.harness import describe_row
+    row = dict(name="fake[x]", status="ok", output_tokens=12_345, seconds=2.0, tok_s=6172.5, min_tok_s=6000,
+               max_tok_s=6300, repeats=3, batch1_tok_s=55.0, startup_s=3.4,
+               warm_start=dict(status="ok", startup_s=12.34),
+               host_before=dict(torch_op_us=1.5, cpu_busy=0.1), host_after=dict(torch_op_us=2.5, cpu_busy=0.9))
+    line = describe_row(row)
+    assert line.startswith("fake[x]".ljust(40) + "    12,345 tok     2.00 s      6,172 tok/s (6,000-6,300, median of 3)")
+    assert line.endswith("; batch-1 55 tok/s; start-up 3.4 s (after an untimed one of 12.3 s); host: torch op "
+                         "1.50-2.50 us, CPUs busy 10-90 %")
+    row.update(warm_start=dict(status="failed", reason="exit 1"), host_before=dict(torch_op_us=4.0, cpu_busy=None))
+    line = describe_row(row)
+    assert line.endswith("; start-up 3.4 s (its untimed start-up failed); host: torch op 4.00-2.50 us")
+    row.update(warm_start=dict(status="timeout", reason="ran past 5 s"))
+    assert "(its untimed start-up timed out)" in describe_row(row)
+    row.pop("warm_start")
+    assert "untimed" not in describe_row(row)
+
+
+def test_cpu_tiny_warm_start_end_to_end_then_merge_and_a_warm_start_of_a_peer_left_out(tmp_path, capsys):
+    """--warm-start through the CLI: the record's machine carries the call's host probe, our row its warm
+    start and caches; --merge adds a later call's rows and says which call they came from (merged_calls);
+    --warm-start of a peer that --peers leaves out is refused by name, before anything runs."""
+    out1, out2, out3, logs = (tmp_path / d for d in ("one", "two", "three", "logs"))
+    assert main(["--cpu-tiny", "--num-requests", "4", "--repeats", "1", "--batch1-repeats", "1",
+                 "--peers", "nanovllm_ref,vllm", "--warm-start", "nanovllm_ref", "--out", str(out1),
+                 "--figures", str(tmp_path / "figs"), "--logs", str(logs)]) == 0
+    record = json.loads((out1 / "bench_cpu.json").read_text())
+    assert set(record["machine"]["host_probe"]) == {"python_loop_ns", "torch_op_us", "cpu_busy", "load_1m", "cpus"}
+    assert record["machine"]["host_probe"]["cpus"] == os.cpu_count()
+    from nanovllm_bench.machine import source_digest
+    assert record["machine"]["sources"] == source_digest() and all(record["machine"]["sources"].values())
+    vllm, ours = record["runs"]
+    assert vllm["name"] == "vllm" and vllm["status"] == "missing" and "warm_start" not in vllm
+    assert ours["name"] == "nanovllm_ref[cpu:eager]" and ours["status"] == "ok"
+    assert ours["warm_start"]["status"] == "ok" and ours["warm_start"]["startup_s"] > 0
+    assert (logs / ours["warm_start"]["log"]).exists() and (logs / ours["log"]).exists()
+    for caches in (ours["caches_before"], ours["warm_start"]["caches_before"]):
+        assert set(caches) == {"vllm", "inductor", "triton"} and all(isinstance(v, int) and v >= 0
+                                                                     for v in caches.values())
+    assert ours["host_before"]["torch_op_us"] > 0 and ours["host_after"]["torch_op_us"] > 0
+    assert "warm_start" in record["protocol"]
+    capsys.readouterr()
+
+    # a later call of the vLLM row alone (missing on a CPU: it exits 1, nothing measured) merged in
+    assert main(["--cpu-tiny", "--num-requests", "4", "--repeats", "1", "--peers", "vllm",
+                 "--merge", str(out1 / "bench_cpu.json"), "--out", str(out2)]) == 1
+    merged = json.loads((out2 / "bench_cpu.json").read_text())
+    assert [r["name"] for r in merged["runs"]] == ["nanovllm_ref[cpu:eager]", "vllm"]
+    assert merged["runs"][1]["note"].startswith("measured in a separate call on ")
+    assert merged["machine"] == record["machine"] and merged["date"] == record["date"]
+    (call,) = merged["merged_calls"]
+    assert set(call) == {"date", "time_utc", "machine", "protocol", "rows"} and call["rows"] == ["vllm"]
+    assert call["protocol"] == record["protocol"] and call["machine"]["host_probe"]["cpus"] == os.cpu_count()
+    assert call["machine"] != record["machine"]                 # this call's own probe and measurements
+    assert len(call["date"]) == 10 and len(call["time_utc"]) == 8
+    capsys.readouterr()
+
+    assert main(["--cpu-tiny", "--num-requests", "4", "--peers", "nanovllm_ref", "--warm-start", "vllm",
+                 "--out", str(out3)]) == 2
+    err = capsys.readouterr().err
+    assert "--warm-start: 'vllm' is not among the peers this call runs (nanovllm_ref)" in err
+    assert "Traceback" not in err and not out3.exists()
 
 
 def test_the_bench_commands_forward_from_the_engine_cli():
@@ -342,3 +649,30 @@ def test_vllm_peer_passes_the_workload_as_vllm_expects_it():
                for p, m in zip(params, max_tokens))
     assert use_tqdm is False and reset == ("reset",)
     assert peer.info()["versions"]["peer"] == "0.0-standin"
+
+
+def test_source_digest_names_the_files_a_record_ran_not_the_commit_it_was_told(tmp_path):
+    """A device call copies the working tree, uncommitted edits included, and is told its commit: the digest is
+    what tells a planted or edited harness from the committed one."""
+    import shutil
+    from pathlib import Path
+
+    from nanovllm_bench.machine import source_digest
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "nanovllm_bench", tmp_path / "nanovllm_bench",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    here = source_digest(str(tmp_path))
+    assert here["nanovllm_ref"] is None and here["nanovllm_models"] is None
+    assert here["nanovllm_bench"] == source_digest()["nanovllm_bench"] and len(here["nanovllm_bench"]) == 16
+    (tmp_path / "nanovllm_bench" / "__pycache__").mkdir(exist_ok=True)
+    (tmp_path / "nanovllm_bench" / "__pycache__" / "x.py").write_text("ignored")
+    (tmp_path / "nanovllm_bench" / "notes.txt").write_text("not source")
+    assert source_digest(str(tmp_path)) == here
+    cli = tmp_path / "nanovllm_bench" / "cli.py"
+    text = cli.read_text()
+    cli.write_text(text.replace("return 2", "return 0", 1))
+    assert source_digest(str(tmp_path))["nanovllm_bench"] != here["nanovllm_bench"]
+    cli.write_text(text)
+    assert source_digest(str(tmp_path)) == here
+    cli.rename(tmp_path / "nanovllm_bench" / "cli2.py")              # a file's name counts, not just its bytes
+    assert source_digest(str(tmp_path))["nanovllm_bench"] != here["nanovllm_bench"]
