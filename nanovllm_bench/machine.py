@@ -142,15 +142,43 @@ def compiles_between(before: dict, after: dict) -> dict:
     return {k: (after[k] - before[k]) if after[k] is not None and before[k] is not None else None for k in before}
 
 
-def _cpu_times() -> tuple[int, int] | None:
-    """(busy, total) jiffies of all CPUs from /proc/stat (Linux); None elsewhere."""
+def _cpu_times(path: str = "/proc/stat") -> tuple[int, int, int] | None:
+    """(busy, steal, total) jiffies of all CPUs from /proc/stat (Linux; steal, the 8th field, is time the
+    hypervisor gave another guest, and counts in busy); None elsewhere."""
     try:
-        with open("/proc/stat") as f:
+        with open(path) as f:
             fields = [int(x) for x in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)          # idle + iowait
-    return sum(fields) - idle, sum(fields)
+    # guest and guest_nice (fields 9-10) are already inside user and nice: leave them out of the total
+    total = sum(fields[:8])
+    return total - idle, fields[7] if len(fields) > 7 else 0, total
+
+
+def _this_cpu(stat: str = "/proc/self/stat", cpuinfo: str = "/proc/cpuinfo") -> tuple[int | None, float | None]:
+    """(the CPU this process runs on now, its clock in MHz): /proc/self/stat's field 39 and that CPU's
+    "cpu MHz" line in /proc/cpuinfo (a VM may report a fixed figure); None for what cannot be read."""
+    cpu = mhz = None
+    try:
+        with open(stat) as f:
+            cpu = int(f.read().rsplit(")", 1)[1].split()[36])   # fields after the name start at field 3
+    except (OSError, ValueError, IndexError):
+        return None, None
+    try:
+        with open(cpuinfo) as f:
+            current = None
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "processor":
+                    current = int(value)
+                elif key == "cpu MHz" and current == cpu:
+                    mhz = float(value)
+                    break
+    except (OSError, ValueError):
+        pass
+    return cpu, mhz
 
 
 def host_probe(window_s: float = 0.25) -> dict:
@@ -164,7 +192,11 @@ def host_probe(window_s: float = 0.25) -> dict:
     Returns python_loop_ns (ns an iteration of a fixed pure-Python loop: dict, attribute and list work; best of
     3), torch_op_us (us a `torch.add(a, b, out=c)` on 16-element CPU tensors: op dispatch; best of 3),
     cpu_busy (fraction 0-1 of all CPUs busy over `window_s` seconds while this process sleeps, from
-    /proc/stat: other processes' work; None off Linux), load_1m (the 1-minute load average) and cpus.
+    /proc/stat: other processes' work; None off Linux), cpu_steal (the part of that the hypervisor gave other
+    guests), load_1m (the 1-minute load average), cpus, and cpu / cpu_mhz (the CPU the probe ran on and its
+    clock as /proc/cpuinfo gives it; None where unreadable). Why the last three: on 2026-12-06's H100 machines
+    the Python loop took 78 ns an iteration at some moments and 171-191 ns at others with no CPU busy, so the
+    next record should say whether that was another guest, a clock, or where the process ran.
     """
     import torch
 
@@ -194,17 +226,20 @@ def host_probe(window_s: float = 0.25) -> dict:
         return time.perf_counter() - t
     k = 2_000
     torch_us = min(ops(k) for _ in range(3)) / k * 1e6
+    cpu, mhz = _this_cpu()
     before = _cpu_times()
     time.sleep(window_s)
     after = _cpu_times()
-    busy = None
-    if before and after and after[1] > before[1]:
-        busy = (after[0] - before[0]) / (after[1] - before[1])
+    busy = steal = None
+    if before and after and after[2] > before[2]:
+        busy = (after[0] - before[0]) / (after[2] - before[2])
+        steal = (after[1] - before[1]) / (after[2] - before[2])
     try:
         load = os.getloadavg()[0]
     except OSError:
         load = None
-    return dict(python_loop_ns=python_ns, torch_op_us=torch_us, cpu_busy=busy, load_1m=load, cpus=os.cpu_count())
+    return dict(python_loop_ns=python_ns, torch_op_us=torch_us, cpu_busy=busy, cpu_steal=steal, load_1m=load,
+                cpus=os.cpu_count(), cpu=cpu, cpu_mhz=mhz)
 
 
 def compile_cache_census() -> dict:
