@@ -41,6 +41,9 @@
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
 #                             head; $OUT/profile4_<TAG>.json + the table in gpu_run.log. RUN=triton:graph (default)
+#   or:                       bash bench/gpu_run.sh host-watch  # no payload, WATCH_S + ~20 s: machine.host_probe every
+#                             EVERY s (default 2) for WATCH_S (120), nothing else running: does the host's Python speed
+#                             move by itself, with steal time, CPU or clock (nanovllm_bench/host_watch.py)
 #   or:                       bash bench/gpu_run.sh prefill-step  # no payload, ~1-2 min: one served prefill
 #                             step timed (wall, device, host) at 128-4096 tokens and profiled (bench/prefill_step.py);
 #                             PREFILL_GRAPHS_RUNS="0 1" runs it without and with prefill CUDA graphs
@@ -205,6 +208,15 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode
     done
     step "A/B table"
     python3 -m nanovllm_bench.ab "$OUT/profile4_ab_base.json" "$OUT/profile4_ab_new.json" --out "$OUT/ab4.json"
+    step "done"
+  } 2>&1 | tee "$OUT/gpu_run.log"
+  exit 0
+fi
+if [ "$mode" = host-watch ]; then   # issue 29: the host's own speed over time, nothing else running (no payload)
+  {
+    step "host probes every ${EVERY:-2} s for ${WATCH_S:-120} s (nanovllm_bench/host_watch.py)"
+    timeout $(( ${WATCH_S:-120} + 60 )) python3 -m nanovllm_bench.host_watch --seconds ${WATCH_S:-120} \
+      --every ${EVERY:-2} --out "$OUT/host_watch.json"
     step "done"
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0

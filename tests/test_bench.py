@@ -699,3 +699,38 @@ def test_source_digest_names_the_files_a_record_ran_not_the_commit_it_was_told(t
     assert source_digest(str(tmp_path)) == here
     cli.rename(tmp_path / "nanovllm_bench" / "cli2.py")              # a file's name counts, not just its bytes
     assert source_digest(str(tmp_path))["nanovllm_bench"] != here["nanovllm_bench"]
+
+
+def test_host_watch_summary_splits_slow_probes_from_fast_ones():
+    from nanovllm_bench.host_watch import summarise
+
+    def probe(ns, op, cpu, steal=0.0):
+        return dict(python_loop_ns=ns, torch_op_us=op, cpu_busy=0.0, cpu_steal=steal, cpu=cpu, cpu_mhz=2000.0)
+    samples = [probe(78, 1.0, 15), probe(170, 2.2, 15, 0.5), probe(80, 1.1, 3), probe(190, 2.4, 15, 0.25),
+               probe(116, 1.5, 15)]                                  # 116 < 1.5 x 78 = 117: fast
+    s = summarise(samples)
+    assert (s["samples"], s["loop_ns_min"], s["loop_ns_max"], s["loop_ns_median"]) == (5, 78, 190, 116)
+    assert s["slow"] == dict(n=2, python_loop_ns=180.0, torch_op_us=2.3, cpu_steal=0.375, cpu_busy=0.0,
+                             cpu_mhz=2000.0, cpus_seen=[15])
+    assert s["fast"]["n"] == 3 and s["fast"]["python_loop_ns"] == 80 and s["fast"]["cpus_seen"] == [3, 15]
+    none_slow = summarise([probe(78, 1.0, 1)])
+    assert none_slow["slow"]["n"] == 0 and none_slow["slow"]["python_loop_ns"] is None
+
+
+@pytest.mark.parametrize("argv, flag", [(["--seconds", "0"], "--seconds"), (["--every", "-1"], "--every")])
+def test_host_watch_refuses_a_window_it_cannot_watch(tmp_path, capsys, argv, flag):
+    from nanovllm_bench.host_watch import main as watch
+    with pytest.raises(SystemExit) as exc:
+        watch(argv + ["--out", str(tmp_path / "w.json")])
+    assert exc.value.code == 2 and f"argument {flag}: must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "w.json").exists()
+
+
+def test_host_watch_writes_every_probe_and_the_summary(tmp_path, capsys):
+    from nanovllm_bench.host_watch import main as watch
+    assert watch(["--seconds", "0.5", "--every", "0.2", "--out", str(tmp_path / "w.json")]) == 0
+    rec = json.loads((tmp_path / "w.json").read_text())
+    assert rec["every_s"] == 0.2 and len(rec["samples"]) >= 2 and rec["summary"]["samples"] == len(rec["samples"])
+    assert [s["t_s"] for s in rec["samples"]] == sorted(s["t_s"] for s in rec["samples"])
+    assert {"python_loop_ns", "cpu_steal", "cpu", "cpu_mhz"} <= set(rec["samples"][0])
+    assert capsys.readouterr().out.startswith(f"host_watch: {len(rec['samples'])} probes over 0.5 s")
