@@ -181,6 +181,30 @@ def _this_cpu(stat: str = "/proc/self/stat", cpuinfo: str = "/proc/cpuinfo") -> 
     return cpu, mhz
 
 
+class _Box:
+    __slots__ = ("n",)
+
+    def __init__(self):
+        self.n = 0
+
+
+def python_loop_ns(n: int = 100_000, best_of: int = 1) -> float:
+    """ns an iteration of a fixed pure-Python loop (an attribute, a dict lookup, list appends: the kind of work
+    a host-bound engine step does), the best of `best_of` runs of n iterations; about 8 ms a run at 80 ns.
+    host_probe's first figure; peer.measure takes one before each batch-1 run, since the lent hosts' speed
+    flips within seconds (bench/results/README.md, 2026-12-06)."""
+    def loop() -> float:
+        box, table, items = _Box(), {i: i for i in range(64)}, []
+        t = time.perf_counter()
+        for i in range(n):
+            box.n += table[i & 63]
+            items.append(box.n)
+            if len(items) > 32:
+                items.clear()
+        return time.perf_counter() - t
+    return min(loop() for _ in range(best_of)) / n * 1e9
+
+
 def host_probe(window_s: float = 0.25) -> dict:
     """How fast this host runs host-side engine work just now, and how busy its CPUs are (about 0.3 s; a
     process's first call also pays torch's import, about 1 s).
@@ -200,24 +224,7 @@ def host_probe(window_s: float = 0.25) -> dict:
     """
     import torch
 
-    class Box:
-        __slots__ = ("n",)
-
-        def __init__(self):
-            self.n = 0
-
-    def loop(n: int) -> float:
-        box, table, items = Box(), {i: i for i in range(64)}, []
-        t = time.perf_counter()
-        for i in range(n):
-            box.n += table[i & 63]
-            items.append(box.n)
-            if len(items) > 32:
-                items.clear()
-        return time.perf_counter() - t
-
-    n = 100_000
-    python_ns = min(loop(n) for _ in range(3)) / n * 1e9
+    python_ns = python_loop_ns(best_of=3)
     a, b, c = torch.ones(16), torch.ones(16), torch.empty(16)
     def ops(k: int) -> float:
         t = time.perf_counter()

@@ -8,7 +8,8 @@ Every peer follows the same protocol (`measure`), on the same workload (`nanovll
 3. batch-1: one prompt (the workload's first prompt cut to `batch1_prompt` tokens), `batch1_tokens` new
    tokens, ignore_eos, at the workload's temperature; median of `batch1_repeats`;
 4. the host: `machine.host_probe` after the start-up and again after batch-1 (`host_before`, `host_after`),
-   since a host-bound peer moves with the host's speed and load.
+   since a host-bound peer moves with the host's speed and load; and `machine.python_loop_ns` just before each
+   batch-1 run (`batch1_host_loop_ns`), since the lent hosts' speed flips within seconds.
 A spec with `start_only` runs step 1 alone and closes the engine (the harness's warm start: it fills the
 compile caches that the measured process then finds).
 The row keeps the median of the timed runs with min and max, every run, each start-up, the compiles counted
@@ -25,7 +26,7 @@ import sys
 import time
 from typing import Protocol
 
-from nanovllm_bench.machine import compile_counts, compiles_between, host_probe, versions
+from nanovllm_bench.machine import compile_counts, compiles_between, host_probe, python_loop_ns, versions
 from nanovllm_bench.workload import WARMUP_PROMPT, WARMUP_TOKENS, Workload
 
 EXIT_UNAVAILABLE = 3
@@ -84,10 +85,11 @@ def measure(peer: Peer, workload: Workload, repeats: int = 3, batch1_repeats: in
         # None where the peer compiles in another process (vLLM's engine core): not measurable from here.
         compiles.append(compiles_between(before, compile_counts()) if getattr(peer, "compiles_here", True) else None)
         per_run.append(getattr(peer, "last_run", None))
-    b1_prompt, b1 = prompts[0][:workload.batch1_prompt], []
+    b1_prompt, b1, b1_host = prompts[0][:workload.batch1_prompt], [], []
     for _ in range(batch1_repeats):
         peer.reset()
         _sync(peer.device)
+        b1_host.append(python_loop_ns())      # a batch-1 run lasts ~50 ms: within one of the host's spells
         t = time.perf_counter()
         n = peer.generate([b1_prompt], [workload.batch1_tokens], T)
         _sync(peer.device)
@@ -102,7 +104,7 @@ def measure(peer: Peer, workload: Workload, repeats: int = 3, batch1_repeats: in
                max_tok_s=max(run_tok_s), repeats=repeats, run_seconds=seconds, run_tok_s=run_tok_s,
                run_output_tokens=tokens, startup_s=startups[0], startup_seconds=startups,
                fresh_engine_per_run=peer.fresh_per_run, compiles_in_timed_run=compiles,
-               batch1_tok_s=statistics.median(b1) if b1 else None, batch1_runs=b1,
+               batch1_tok_s=statistics.median(b1) if b1 else None, batch1_runs=b1, batch1_host_loop_ns=b1_host,
                batch1=dict(prompt_tokens=len(b1_prompt), new_tokens=workload.batch1_tokens),
                versions=dict(versions(), **info.pop("versions", {})), info=info, host_before=host_before,
                host_after=host_after)

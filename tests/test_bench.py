@@ -52,6 +52,7 @@ def test_cpu_tiny_mode_runs_every_peer_through_the_harness_and_writes_the_record
     for run in ours["per_run"]:                       # nothing cached: every prompt token was computed
         assert run["preemptions"] == 0 and run["prefill_tokens"] == run["prompt_tokens"] == record["workload"]["prompt_tokens"]
     assert ours["batch1_tok_s"] > 0 and len(ours["batch1_runs"]) == 3
+    assert len(ours["batch1_host_loop_ns"]) == 3 and all(0 < ns < 1e5 for ns in ours["batch1_host_loop_ns"])
     assert ours["batch1"] == dict(prompt_tokens=16, new_tokens=32)
     assert {"torch", "triton", "transformers"} <= set(ours["versions"])
     assert (tmp_path / "logs" / ours["log"]).exists()
@@ -418,6 +419,11 @@ def test_measure_probes_the_host_after_the_start_up_and_after_batch_1(monkeypatc
         return dict(probe=len([e for e in events if e.startswith("probe")]))
     monkeypatch.setattr(peer_mod, "host_probe", probe)
 
+    def loop_ns(n=100_000, best_of=1):
+        events.append("loop")
+        return 80.0 + sum(e == "loop" for e in events)
+    monkeypatch.setattr(peer_mod, "python_loop_ns", loop_ns)
+
     class Recorder:
         device = "cpu"
 
@@ -443,13 +449,14 @@ def test_measure_probes_the_host_after_the_start_up_and_after_batch_1(monkeypatc
     _, max_tokens = wl.draw()
     warm, timed, b1 = f"generate 1 {WARMUP_TOKENS}", f"generate 3 {sum(max_tokens)}", f"generate 1 {wl.batch1_tokens}"
     row = peer_mod.measure(Recorder(False), wl, repeats=2, batch1_repeats=2)
-    assert events == ["start", warm, "probe 1", "reset", timed, "reset", timed, "reset", b1, "reset", b1, "probe 2",
-                      "close"]
+    assert events == ["start", warm, "probe 1", "reset", timed, "reset", timed, "reset", "loop", b1, "reset", "loop",
+                      b1, "probe 2", "close"]
     assert row["host_before"] == dict(probe=1) and row["host_after"] == dict(probe=2)
+    assert row["batch1_host_loop_ns"] == [81.0, 82.0] and len(row["batch1_runs"]) == 2
     events.clear()
     row = peer_mod.measure(Recorder(True), wl, repeats=2, batch1_repeats=1)
-    assert events == ["start", warm, "probe 1", "reset", timed, "close", "start", warm, "reset", timed, "reset", b1,
-                      "probe 2", "close"]
+    assert events == ["start", warm, "probe 1", "reset", timed, "close", "start", warm, "reset", timed, "reset",
+                      "loop", b1, "probe 2", "close"]
     assert row["host_before"] == dict(probe=1) and row["host_after"] == dict(probe=2)
 
 
@@ -734,3 +741,14 @@ def test_host_watch_writes_every_probe_and_the_summary(tmp_path, capsys):
     assert [s["t_s"] for s in rec["samples"]] == sorted(s["t_s"] for s in rec["samples"])
     assert {"python_loop_ns", "cpu_steal", "cpu", "cpu_mhz"} <= set(rec["samples"][0])
     assert capsys.readouterr().out.startswith(f"host_watch: {len(rec['samples'])} probes over 0.5 s")
+
+
+def test_python_loop_ns_is_host_probes_first_figure(monkeypatch):
+    """host_probe's python_loop_ns is machine.python_loop_ns, best of 3 (the figure peer.measure also takes
+    before each batch-1 run, one run each)."""
+    from nanovllm_bench import machine
+    asked = []
+    monkeypatch.setattr(machine, "python_loop_ns", lambda n=100_000, best_of=1: asked.append(best_of) or 123.0)
+    assert machine.host_probe(window_s=0.01)["python_loop_ns"] == 123.0 and asked == [3]
+    monkeypatch.undo()
+    assert 1 < machine.python_loop_ns(n=20_000) < 1e5 and isinstance(machine.python_loop_ns(n=10), float)
