@@ -239,9 +239,9 @@ def make_record(tag: str, machine: dict, workload, totals: tuple, floor: dict, r
                 floor=floor, runs=rows,
                 protocol=("each peer in its own process; one warm-up generate; median of N timed runs with min and "
                           "max, none finding anything cached from an earlier run; batch-1: one prompt, ignore_eos, "
-                          "median of its runs; the host probed before the timed runs and after batch-1, and its Python loop "
-                          "timed before each batch-1 run; a row with "
-                          "warm_start had its start-up run once before, untimed, in a process of its own"),
+                          "median of its runs; the host probed before the timed runs and after batch-1, and its "
+                          "Python loop timed before each batch-1 run; a row with warm_start had its start-up run "
+                          "once before, untimed, in a process of its own"),
                 **extra)
 
 
