@@ -163,3 +163,33 @@ def test_round10_dry_run_runs_the_gemm_chain_on_both_paths_and_agrees_with_fp32_
     [row] = rec["overlap"]
     assert (row["step"], row["batch"]) == (0, 5)
     assert row["halves_serial_max_abs_err_vs_full"] < 5e-2 and row["halves_two_streams_max_abs_err_vs_full"] < 5e-2
+
+
+def test_round11_dry_run_sweeps_every_projection_both_ways_and_every_plan_agrees_with_fp32(tmp_path):
+    """bench/kernels_round11.py (round 11's record) in the interpreter: at each batch size the chain is timed as the
+    engine runs it (before and after the sweep), each projection as cuBLAS and as a Triton config other than the
+    engine's, the best plan is made of specs the sweep measured, and every plan's output agrees with the chain in
+    fp32 torch within bf16 rounding (2 layers, outputs of size ~1). At 2 rows the engine runs the small GEMMs
+    (small_max_m = 2 in a dry run), at 5 cuBLAS, so both sides of the line are swept."""
+    rec = _dry(tmp_path, "kernels_round11.py")
+    assert rec["errors"] == [] and rec["skipped"] == [] and rec["meta"]["ms"] == [2, 5]
+    for m, engine in ((2, "default"), (5, "cublas")):
+        rows = [r for r in rec["sweep"] if r["m"] == m]
+        assert [r["spec"] for r in rows if r["op"] is None] == ["engine", "engine (after)"]
+        assert rows[0]["engine"] == {op: engine for op in ("qkv", "o", "gate_up", "down")}
+        for op in ("qkv", "o", "gate_up", "down"):
+            specs = [r["spec"] for r in rows if r["op"] == op]
+            assert engine not in specs and ("cublas" in specs or "default" in specs), (m, op, specs)
+            assert any(s.startswith("bm") for s in specs), (m, op, specs)
+            assert all(r["us_a_layer"] > 0 and "vs_engine_us" in r for r in rows if r["op"] == op)
+        [summary] = [r for r in rec["sweep_summary"] if r["m"] == m]
+        measured = {(r["op"], r["spec"]) for r in rows if r["op"]}
+        for op, spec in summary["best"].items():
+            name = spec if isinstance(spec, str) else "bm{block_m} bn{block_n} bk{block_k} s{split_k} w{num_warps} " \
+                "st{num_stages}".format(**spec)
+            assert name == engine or (op, name) in measured, (m, op, name)
+    assert [r["m"] for r in rec["best"]] == [2, 5]
+    for row in rec["best"]:
+        for plan in ("engine", "all_cublas", "best"):
+            assert 0 < row[f"{plan}_max_abs_err_vs_fp32"] < 5e-2, row
+    assert rec["trace"] == [{"m": 2, "note": "no CUDA: no trace"}]
