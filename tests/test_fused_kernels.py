@@ -386,12 +386,16 @@ QWEN3_0_6B = {"qkv": (4096, 1024, "full"), "o_proj": (1024, 2048, "partials"),
 @pytest.mark.parametrize("name", sorted(QWEN3_0_6B))
 def test_default_configs_fill_an_h200_with_programs(name, m):
     """At every captured decode batch size each Qwen3-0.6B projection launches at least one program per SM
-    of an H200 (132), at most 4 per SM, with tiles a GPU's tl.dot accepts."""
+    of an H200 (132), at most 4 per SM, with tiles a GPU's tl.dot accepts. The SiLU and partial-sums forms at 2-64
+    rows are the exception, by measurement: about one program an SM (96 of 32 columns for gate_up, 128-160 for
+    o_proj and down) beat two in the decode GEMM chain by 0.3-3.8 us a layer
+    (bench/results/kernels_round11_h100_2026-12-06.json)."""
     n, k, kind = QWEN3_0_6B[name]
     cfg = choose_config(m, n, k, kind, sms=132)
     n_out = n // 2 if kind == "silu" else n
     programs = -(-n_out // cfg.block_n) * (cfg.num_splits(k) if kind == "partials" else 1)
-    assert 132 <= programs <= 4 * 132, (cfg, programs)
+    low = 96 if kind != "full" and cfg.use_dot else 132
+    assert low <= programs <= 4 * 132, (cfg, programs)
     assert cfg.block_m >= m
     assert cfg.use_dot == (m > small_gemm.GEMV_MAX_M)
     if cfg.use_dot:

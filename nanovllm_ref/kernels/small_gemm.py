@@ -112,9 +112,15 @@ def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) ->
     elif m <= TILE_M:
         wide = triton.cdiv(n_out, 32) >= target
         block_m = max(16, triton.next_power_of_2(m))
-        # Two accumulators (SiLU) of 32-64 rows spill registers at 4 warps (fp32, sm_90 build): use 8.
-        cfg = dict(block_m=block_m, block_n=32 if wide else 16, use_dot=True, num_stages=4, block_k=128,
-                   num_warps=8 if kind == "silu" and block_m >= 32 else 4)
+        # Round 11 (bench/results/kernels_round11_h100_2026-12-06.json, each projection timed in the 28-layer
+        # decode GEMM chain at 4-64 rows): 32-column tiles at 4 warps for the SiLU epilogue (gate_up 1.1-3.8 us a
+        # layer faster than 16 columns at 8 warps) and for the partial sums, whose K splits then aim at one
+        # program an SM (o_proj and down 0.3-2.0 us faster than 16 columns at two programs an SM). The
+        # full-K form (qkv) was level across the candidates and keeps its tiles.
+        cfg = dict(block_m=block_m, block_n=32 if (wide or kind != "full") else 16, use_dot=True, num_stages=4,
+                   block_k=128, num_warps=4)
+        if kind == "partials":
+            target = sms
     else:
         # More rows than one tile: tiles of TILE_M rows, and wider column tiles so that x (re-read from L2
         # by every column tile) stays a small part of the traffic.
