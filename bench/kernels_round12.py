@@ -24,8 +24,9 @@ tile 0 stores h, the next layer's residual.
 
 Sections:
 - chain: at each M, the chain as the engine runs it (round 11's `chain`, the engine's plan) and with the norms in
-  the GEMMs (tiles from choose_config), us a layer of each (engine measured before and after), the fused chain's
-  error against the engine's chain and both against the same chain in fp32 torch.
+  the GEMMs (VARIANTS: both norms with choose_config's tiles, both with column tiles twice as wide, the qkv one
+  only, the gate_up one only), us a layer of each (engine measured before and after), each variant's error
+  against the engine's chain and against the same chain in fp32 torch.
 - trace: torch.profiler over graph replays of the fused chain at 1 and 16 rows: kernels a replay and span.
 The JSON (--out) is rewritten after every case.
 """
@@ -176,45 +177,77 @@ def norm_gemm(x, residual, norm_weight, eps, weight, silu: bool, pdl: bool, conf
     return out, h
 
 
-def fused_chain(x, layers, s, pdl: bool):
-    """Round 11's chain with each add + RMSNorm inside the GEMM after it (module docstring); [M, hidden]."""
+VARIANTS = {                       # name: (the GEMMs that take the norm in, column-tile width factor)
+    "fused": (("qkv", "gate_up"), 1),
+    "fused_wide": (("qkv", "gate_up"), 2),   # half as many programs, so half as many re-reads of the row
+    "fused_qkv": (("qkv",), 1),
+    "fused_gate_up": (("gate_up",), 1),
+}
+
+
+def fused_chain(x, layers, s, pdl: bool, variant: str = "fused"):
+    """Round 11's chain with the add + RMSNorm inside the GEMM after it (module docstring), for the GEMMs the
+    variant names (VARIANTS); the others keep the engine's separate kernel. Returns [M, hidden]."""
+    import dataclasses
+
     from nanovllm_ref.kernels import rms_norm, small_gemm
+    fused, widen = VARIANTS[variant]
     eps, q_size = s["eps"], s["heads"] * s["head_dim"]
+    sms = small_gemm.num_sms(x.device)
+
+    def norm_then(inp, residual, nw, w, op):
+        if op in fused:
+            cfg = small_gemm.choose_config(x.shape[0], w.shape[0], w.shape[1], "silu" if op == "gate_up" else "full",
+                                           sms)
+            cfg = dataclasses.replace(cfg, block_n=cfg.block_n * widen)
+            return norm_gemm(inp, residual, nw, eps, w, op == "gate_up", pdl, cfg)
+        if residual is None:
+            h, residual = rms_norm.add_rms_norm(inp, None, nw, eps, use_pdl=pdl)[0], inp
+        else:
+            h, residual = rms_norm.add_rms_norm(inp, residual, nw, eps, use_pdl=pdl)
+        gemm = small_gemm.linear_silu_mul if op == "gate_up" else small_gemm.linear
+        return gemm(h, w, use_pdl=pdl), residual
+
     hidden, residual = x, None
     for L in layers:
-        qkv, residual = norm_gemm(hidden, residual, L["n1"], eps, L["qkv"], False, pdl)
+        qkv, residual = norm_then(hidden, residual, L["n1"], L["qkv"], "qkv")
         o = small_gemm.linear_partials(qkv[:, :q_size], L["o"], use_pdl=pdl)
-        act, residual = norm_gemm(o, residual, L["n2"], eps, L["gate_up"], True, pdl)
+        act, residual = norm_then(o, residual, L["n2"], L["gate_up"], "gate_up")
         hidden = small_gemm.linear_partials(act, L["down"], use_pdl=pdl)
     return rms_norm.add_rms_norm(hidden, residual, layers[-1]["n1"], eps, use_pdl=pdl)[0]
 
 
 class FusedCtx(r11.Ctx):
-    """Round 11's context at m rows, whose `run` takes the plan "fused" too."""
+    """Round 11's context at m rows, whose `run` takes a VARIANTS name as the plan too."""
 
     def run(self, plan):
-        if plan == "fused":
-            return fused_chain(self.x, self.layers, self.s, self.pdl)
+        if isinstance(plan, str) and plan in VARIANTS:
+            return fused_chain(self.x, self.layers, self.s, self.pdl, plan)
         return super().run(plan)
 
 
 def chain_m(rec, ctx: FusedCtx):
     ref32 = r10.chain_fp32(ctx.x, ctx.layers, ctx.s)
-    eng_out, fused_out = ctx.run(ctx.engine), ctx.run("fused")
+    eng_out = ctx.run(ctx.engine)
     row = {"m": ctx.m, "engine": ctx.engine,
-           "engine_max_abs_err_vs_fp32": round(float((eng_out.float() - ref32).abs().max()), 4),
-           "fused_max_abs_err_vs_fp32": round(float((fused_out.float() - ref32).abs().max()), 4),
-           "fused_max_abs_diff_vs_engine": round(float((fused_out.float() - eng_out.float()).abs().max()), 4)}
+           "engine_max_abs_err_vs_fp32": round(float((eng_out.float() - ref32).abs().max()), 4)}
+    for name in VARIANTS:
+        out = ctx.run(name)
+        row[f"{name}_max_abs_err_vs_fp32"] = round(float((out.float() - ref32).abs().max()), 4)
+        row[f"{name}_max_abs_diff_vs_engine"] = round(float((out.float() - eng_out.float()).abs().max()), 4)
     row["engine_us_a_layer"] = ctx.us(ctx.engine)
-    row["fused_us_a_layer"] = ctx.us("fused")
+    for name in VARIANTS:
+        row[f"{name}_us_a_layer"] = ctx.us(name)
     row["engine_us_again"] = ctx.us(ctx.engine)
     eng = (row["engine_us_a_layer"] + row["engine_us_again"]) / 2
-    row["fused_vs_engine"] = round(row["fused_us_a_layer"] / eng, 3) if eng else None
+    for name in VARIANTS:
+        row[f"{name}_vs_engine"] = round(row[f"{name}_us_a_layer"] / eng, 3) if eng else None
     row["fused_saves_us_a_step"] = round((eng - row["fused_us_a_layer"]) * len(ctx.layers), 1)
     rec.add("chain", row)
-    r3.log(f"  M={ctx.m:<3d} engine {eng:.2f}  fused {row['fused_us_a_layer']} us a layer ({row['fused_vs_engine']}x); "
-           f"fused vs engine max diff {row['fused_max_abs_diff_vs_engine']}, vs fp32 {row['fused_max_abs_err_vs_fp32']} "
-           f"(engine {row['engine_max_abs_err_vs_fp32']})")
+    r3.log(f"  M={ctx.m:<3d} engine {eng:.2f} us a layer; " + ", ".join(
+        f"{n} {row[f'{n}_us_a_layer']} ({row[f'{n}_vs_engine']}x)" for n in VARIANTS) +
+        f"; fused vs engine max diff {row['fused_max_abs_diff_vs_engine']}, vs fp32 {row['fused_max_abs_err_vs_fp32']} "
+        f"(engine {row['engine_max_abs_err_vs_fp32']})")
 
 
 def main(args) -> int:
@@ -242,7 +275,7 @@ def main(args) -> int:
         r3.log("2. trace: kernel time against the replay's span, the fused chain")
         for m in ([1] if dry else [1, 16]):
             ctx = ctxs.get(m) or FusedCtx(m, layers, shapes, device, dtype, pdl, small_max_m)
-            ctx.engine = "fused"          # r11.trace_m traces ctx.engine's plan
+            ctx.engine = "fused"          # r11.trace_m traces ctx.engine's plan: both norms inside
             r3.guarded(rec, budget, f"trace M={m}", lambda: r11.trace_m(rec, ctx), min_left=1.0)
     return r3.finish(run, args.out)
 
