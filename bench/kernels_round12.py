@@ -22,6 +22,10 @@ does, and feeds it to the GEMM. Every column tile re-reads the row (from L2: M *
 pass), which costs little at a few rows and grows with M; the round measures where it stops paying. Column
 tile 0 stores h, the next layer's residual.
 
+Result (H200, 2026-12-07, bench/results/kernels_round12_h200_2026-12-07.json): slower at every size, 1.14x the
+engine's chain at 1 row and 2.8-3.7x at 2-32, with the engine's outputs; not kept. The two passes put chains of
+dependent L2 loads in front of every program's weight stream, which costs more than the separate norm kernel.
+
 Sections:
 - chain: at each M, the chain as the engine runs it (round 11's `chain`, the engine's plan) and with the norms in
   the GEMMs (VARIANTS: both norms with choose_config's tiles, both with column tiles twice as wide, the qkv one
