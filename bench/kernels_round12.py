@@ -34,6 +34,7 @@ Sections:
 - trace: torch.profiler over graph replays of the fused chain at 1 and 16 rows: kernels a replay and span.
 The JSON (--out) is rewritten after every case.
 """
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -192,8 +193,6 @@ VARIANTS = {                       # name: (the GEMMs that take the norm in, col
 def fused_chain(x, layers, s, pdl: bool, variant: str = "fused"):
     """Round 11's chain with the add + RMSNorm inside the GEMM after it (module docstring), for the GEMMs the
     variant names (VARIANTS); the others keep the engine's separate kernel. Returns [M, hidden]."""
-    import dataclasses
-
     from nanovllm_ref.kernels import rms_norm, small_gemm
     fused, widen = VARIANTS[variant]
     eps, q_size = s["eps"], s["heads"] * s["head_dim"]
@@ -278,7 +277,7 @@ def main(args) -> int:
     if "trace" in sections:
         r3.log("2. trace: kernel time against the replay's span, the fused chain")
         for m in ([1] if dry else [1, 16]):
-            ctx = ctxs.get(m) or FusedCtx(m, layers, shapes, device, dtype, pdl, small_max_m)
+            ctx = FusedCtx(m, layers, shapes, device, dtype, pdl, small_max_m)
             ctx.engine = "fused"          # r11.trace_m traces ctx.engine's plan: both norms inside
             r3.guarded(rec, budget, f"trace M={m}", lambda: r11.trace_m(rec, ctx), min_left=1.0)
     return r3.finish(run, args.out)
