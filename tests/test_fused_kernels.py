@@ -355,6 +355,49 @@ def test_rows_beyond_one_tile_take_row_tiles_in_every_form(m):
                    GEMM_TOL)
 
 
+# Round 13: the first K step's weight tile is loaded before the PDL wait (GemmConfig.preload). Same tiles, same
+# order: every form must give the loads-after-the-wait kernel's outputs bit for bit, with one K step or several,
+# a ragged last step, K splits and the SiLU epilogue's second (up) tile.
+@pytest.mark.parametrize("form", ["full", "partials", "silu"])
+@pytest.mark.parametrize("m, config", [
+    (1, GemmConfig(block_m=1, block_n=16, block_k=32, split_k=2)),            # GEMV, 3 K steps, ragged last
+    (1, GemmConfig(block_m=1, block_n=16, block_k=128)),                      # GEMV, one K step only
+    (6, GemmConfig(block_m=16, block_n=16, block_k=16, split_k=3, use_dot=True)),
+])
+def test_preloading_the_first_weight_tile_changes_no_value(form, m, config):
+    import dataclasses
+    g = gen(m + 40)
+    x, w, b = randn(g, m, 72, dtype=torch.bfloat16), randn(g, 80, 72, dtype=torch.bfloat16, scale=0.2), None
+    fn = {"full": small_gemm.linear, "partials": small_gemm.linear_partials, "silu": small_gemm.linear_silu_mul}[form]
+    if form == "silu":
+        b = randn(g, 80, dtype=torch.bfloat16)
+    after = fn(x, w, b, config=dataclasses.replace(config, preload=False))
+    before = fn(x, w, b, config=dataclasses.replace(config, preload=True))
+    early = fn(x, w, b, config=dataclasses.replace(config, preload=True, launch_early=True))
+    torch.testing.assert_close(before, after, atol=0, rtol=0)
+    torch.testing.assert_close(early, after, atol=0, rtol=0)
+    if form == "full":         # and the preloading kernel is still the GEMM
+        assert_matches(before, _reference_linear(x, w, None), torch.bfloat16, GEMM_TOL)
+
+
+def test_default_configs_preload_the_first_weight_tile():
+    """choose_config's pick preloads at every size it serves (round 13) and never launches the next kernel early."""
+    for m in (1, 2, 16, 64, 65, 512):
+        for kind in ("full", "partials", "silu"):
+            cfg = choose_config(m, 4096, 1024, kind)
+            assert cfg.preload and not cfg.launch_early, (m, kind, cfg)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: GemmConfig(block_m=1, block_n=16, block_k=16, launch_early=True), ValueError, "launch_early needs preload"),
+    (lambda: GemmConfig(block_m=1, block_n=16, block_k=16, preload=1), TypeError, "preload must be a bool"),
+    (lambda: GemmConfig(block_m=1, block_n=16, block_k=16, launch_early="yes"), TypeError, "launch_early"),
+])
+def test_gemm_config_refuses_bad_preload_options_by_name(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: small_gemm.linear(torch.zeros(0, 8), torch.zeros(4, 8)), "1 <= M <= 512"),
     (lambda: small_gemm.linear(torch.zeros(513, 8), torch.zeros(4, 8)), "F.linear"),

@@ -56,7 +56,11 @@ GEMV_MAX_M = 1
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile sizes and launch options of one small GEMM (powers of two). split_k: how many K ranges the
-    partial-sums form cuts K into (the launched count is cdiv(K, k_per_split(K)), which may be smaller)."""
+    partial-sums form cuts K into (the launched count is cdiv(K, k_per_split(K)), which may be smaller).
+    preload: load the first K step's weight tile before waiting for the kernel in front (PDL's gdc_wait): the
+    weights depend on nothing the step computes, so their first HBM round trip overlaps that kernel's tail
+    (it changes no value: the same tiles are summed in the same order). launch_early: let the kernel behind
+    launch right after that load instead of after the K loop (only with preload)."""
     block_m: int
     block_n: int
     block_k: int
@@ -64,6 +68,8 @@ class GemmConfig:
     use_dot: bool = False
     num_warps: int = 4
     num_stages: int = 2
+    preload: bool = False
+    launch_early: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -74,6 +80,11 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.split_k must be an int >= 1, got {self.split_k!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"GemmConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
+        for name in ("preload", "launch_early"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GemmConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.launch_early and not self.preload:
+            raise ValueError("GemmConfig.launch_early needs preload=True (the early launch follows the preload)")
 
     def k_per_split(self, k: int) -> int:
         """K columns per split: a whole number of BLOCK_K steps, so only the last split is ragged."""
@@ -131,7 +142,8 @@ def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) ->
     if kind == "partials":
         tiles = triton.cdiv(n_out, cfg["block_n"]) * triton.cdiv(m, cfg["block_m"])
         split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, cfg["block_k"])))
-    return GemmConfig(split_k=split, **cfg)
+    # Round 13 (bench/kernels_round13.py): the first weight tile is asked for before the PDL wait (GemmConfig).
+    return GemmConfig(split_k=split, preload=True, **cfg)
 
 
 def warm_batch_sizes(max_m: int = MAX_M) -> list[int]:
@@ -154,6 +166,15 @@ def _accumulate(acc, x_ptr, stride_xm, w_rows, ks, k_mask, offs_m, m_mask, n_mas
                 DOT_PRECISION: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] += x[:, ks] @ W[rows, ks].T for one K step."""
     w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return _accumulate_w(acc, w, x_ptr, stride_xm, ks, k_mask, offs_m, m_mask, M, BLOCK_M, USE_DOT, CAST_FP32,
+                         DOT_PRECISION)
+
+
+@triton.jit
+def _accumulate_w(acc, w, x_ptr, stride_xm, ks, k_mask, offs_m, m_mask, M,
+                  BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, CAST_FP32: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """acc += x[:, ks] @ w.T for a weight tile w [BLOCK_N, BLOCK_K] already loaded (the preloaded first step)."""
     if USE_DOT:
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + ks[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -181,7 +202,7 @@ def _small_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_FP32: tl.constexpr, EMULATE_ROUNDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PRELOAD: tl.constexpr, LAUNCH_EARLY: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -197,9 +218,29 @@ def _small_gemm_kernel(
     up_w_rows = w_rows + up_offset                   # SiLU: the up rows sit I rows below the gate
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    for k0 in range(k_start, k_stop, BLOCK_K):
+    if PRELOAD:
+        # The first K step's weight tiles are asked for before the wait: W is no output of the kernel in front,
+        # so this HBM round trip runs under that kernel's tail instead of after it. x is its output: read after.
+        ks = k_start + offs_k
+        k_mask = ks < k_stop
+        w_first = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if SILU_MUL:
+            up_first = tl.load(up_w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_PDL and LAUNCH_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        acc = _accumulate_w(acc, w_first, x_ptr, stride_xm, ks, k_mask, offs_m, m_mask, M,
+                            BLOCK_M, USE_DOT, CAST_FP32, DOT_PRECISION)
+        if SILU_MUL:
+            acc_up = _accumulate_w(acc_up, up_first, x_ptr, stride_xm, ks, k_mask, offs_m, m_mask, M,
+                                   BLOCK_M, USE_DOT, CAST_FP32, DOT_PRECISION)
+        k_loop = k_start + BLOCK_K
+    else:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        k_loop = k_start
+    for k0 in range(k_loop, k_stop, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_stop
         acc = _accumulate(acc, x_ptr, stride_xm, w_rows, ks, k_mask, offs_m, m_mask, n_mask, M,
@@ -207,7 +248,7 @@ def _small_gemm_kernel(
         if SILU_MUL:
             acc_up = _accumulate(acc_up, x_ptr, stride_xm, up_w_rows, ks, k_mask, offs_m, m_mask, n_mask, M,
                                  BLOCK_M, USE_DOT, CAST_FP32, DOT_PRECISION)
-    if USE_PDL:
+    if USE_PDL and not LAUNCH_EARLY:
         # Not at the start: a trial that let the next kernel launch there made back-to-back tl.dot GEMMs
         # 1.5-1.7x slower with PDL than without it on the H200 (M = 8-64,
         # bench/results/kernels_round5_h200_2026-12-02.json).
@@ -266,7 +307,7 @@ def _launch(x, weight, bias, out, n_out, config, partials, silu, use_pdl):
         PARTIALS=partials, SILU_MUL=silu, HAS_BIAS=bias is not None, CAST_FP32=interpreting(),
         EMULATE_ROUNDING=interpreting(),
         DOT_PRECISION="ieee" if (x.dtype == torch.float32 or interpreting()) else "tf32",
-        USE_PDL=use_pdl, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_kwargs(use_pdl),
+        USE_PDL=use_pdl, PRELOAD=config.preload, LAUNCH_EARLY=config.launch_early, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_kwargs(use_pdl),
     )
     return out
 
