@@ -14,15 +14,22 @@ under the tail of the kernel in front (an add + RMSNorm that lets its dependents
 before). The same tiles are summed in the same order: the outputs are bit for bit the same.
 
 Plans, at each M (round 11's chain: 28 layers with their own weights, from HBM, PDL as the engine launches):
-- `engine`: choose_config's pick as the engine now runs it (preload on);
-- `no_preload`: the same tiles with the loads after the wait (the engine before this round);
-- `early`: preload, and every GEMM lets the next kernel launch right after its preload (`launch_early`);
-- `early_gate_up`: launch_early on gate_up only, whose dependent is the down GEMM (which preloads too);
-- `whole_k` (1 row only): the GEMV with one K step a program (block_k the whole split), so the preload is all of
-  the program's weights.
-Each plan's us a layer (no_preload measured before and after), its max difference from `no_preload`'s outputs
-(0 expected for every plan but `whole_k`, whose K sum is cut differently) and its error against the chain in fp32.
-- trace: torch.profiler over graph replays at 1 and 16 rows, for `no_preload` and `engine`: kernels a replay,
+- `before`: the engine before this round (loads after the wait; at 1 row K steps of 512, or 256 for the partial
+  sums);
+- `engine`: choose_config's pick now: at 1 row each program's whole K range in one step, preloaded; at 2-64 rows
+  the same as `before`;
+- `no_preload`: the engine's tiles with the loads after the wait;
+- `early`: the engine's tiles, preloaded, and every GEMM lets the next kernel launch right after its preload
+  (`launch_early`);
+- `preload_dot` (2-64 rows): the engine's tl.dot tiles with the first tile preloaded.
+Each plan's us a layer (`before` measured before and after), its max difference from `before`'s outputs (0 expected
+for every plan at 2-64 rows; at 1 row the whole-K step sums K in another order: one bf16 step) and its error
+against the chain in fp32.
+First call (H100, 2026-12-07, kernels_round13_h100_2026-12-07_call1.json; then the engine preloaded at every size
+with choose_config's old tiles): at 1 row the preload took 24.57 -> 23.80 us a layer, the whole-K step 22.90, the
+early launch 23.07; at 2-64 rows the preload was 8-21 % slower. So the engine preloads at 1 row only, with whole-K
+steps.
+- trace: torch.profiler over graph replays at 1 and 16 rows, for `before` and `engine`: kernels a replay,
   kernel time and span.
 The JSON (--out) is rewritten after every case.
 """
@@ -46,8 +53,9 @@ import kernels_round3 as r3  # noqa: E402
 import kernels_round10 as r10  # noqa: E402  (make_layers, chain_fp32)
 import kernels_round11 as r11  # noqa: E402  (chain with a plan of GemmConfigs, Ctx, trace_m)
 
-GPU_MS = [1, 2, 4, 8, 16, 32, 64]
-PLANS = ("engine", "no_preload", "early", "early_gate_up", "whole_k")
+GPU_MS = [1, 2, 8, 32, 64]
+PLANS = ("before", "engine", "no_preload", "early", "preload_dot")
+BASE = "before"
 
 
 def plan_for(name: str, m: int, s: dict, sms: int) -> dict | None:
@@ -57,18 +65,18 @@ def plan_for(name: str, m: int, s: dict, sms: int) -> dict | None:
     for op, kind in r11.OPS.items():
         n, k = r11.op_shape(s, op)
         cfg = small_gemm.choose_config(m, n, k, kind, sms)
-        if name == "no_preload":
+        if name == "before":
+            cfg = dataclasses.replace(cfg, preload=False)
+            if not cfg.use_dot:
+                cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, 256 if kind == "partials" else 512))
+        elif name == "no_preload":
             cfg = dataclasses.replace(cfg, preload=False, launch_early=False)
-        elif name == "early" or (name == "early_gate_up" and op == "gate_up"):
+        elif name == "early":
             cfg = dataclasses.replace(cfg, preload=True, launch_early=True)
-        elif name == "whole_k":
-            if cfg.use_dot:
+        elif name == "preload_dot":
+            if not cfg.use_dot:
                 return None
-            # one K step a program: 3 splits of 1,024 for down (K = 3,072), the default's splits elsewhere
-            split = 3 if (kind == "partials" and k > 2048) else cfg.split_k
-            probe = dataclasses.replace(cfg, split_k=split)
-            bk = 1 << (probe.k_per_split(k) - 1).bit_length()
-            cfg = dataclasses.replace(cfg, split_k=split, block_k=max(bk, cfg.block_k), preload=True)
+            cfg = dataclasses.replace(cfg, preload=True)
         plan[op] = cfg
     return plan
 
@@ -77,28 +85,28 @@ def chain_m(rec, ctx, sms: int):
     plans = {name: plan_for(name, ctx.m, ctx.s, sms) for name in PLANS}
     plans = {name: p for name, p in plans.items() if p is not None}
     ref32 = r10.chain_fp32(ctx.x, ctx.layers, ctx.s)
-    base_out = ctx.run(plans["no_preload"])
+    base_out = ctx.run(plans[BASE])
     row = {"m": ctx.m, "configs": {name: {op: r11.spec_name(c) + (" pre" if c.preload else "") +
                                           (" early" if c.launch_early else "") for op, c in p.items()}
                                    for name, p in plans.items()}}
     for name, plan in plans.items():
         out = ctx.run(plan)
         row[f"{name}_max_abs_err_vs_fp32"] = round(float((out.float() - ref32).abs().max()), 4)
-        row[f"{name}_max_abs_diff_vs_no_preload"] = round(float((out.float() - base_out.float()).abs().max()), 4)
-    row["no_preload_us_a_layer"] = ctx.us(plans["no_preload"])
+        row[f"{name}_max_abs_diff_vs_before"] = round(float((out.float() - base_out.float()).abs().max()), 4)
+    row["before_us_a_layer"] = ctx.us(plans[BASE])
     for name, plan in plans.items():
-        if name != "no_preload":
+        if name != BASE:
             row[f"{name}_us_a_layer"] = ctx.us(plan)
-    row["no_preload_us_again"] = ctx.us(plans["no_preload"])
-    base = (row["no_preload_us_a_layer"] + row["no_preload_us_again"]) / 2
+    row["before_us_again"] = ctx.us(plans[BASE])
+    base = (row["before_us_a_layer"] + row["before_us_again"]) / 2
     for name in plans:
-        if name != "no_preload":
-            row[f"{name}_vs_no_preload"] = round(row[f"{name}_us_a_layer"] / base, 3) if base else None
+        if name != BASE:
+            row[f"{name}_vs_before"] = round(row[f"{name}_us_a_layer"] / base, 3) if base else None
     row["engine_saves_us_a_step"] = round((base - row["engine_us_a_layer"]) * len(ctx.layers), 1)
     rec.add("chain", row)
-    r3.log(f"  M={ctx.m:<3d} no_preload {base:.2f} us a layer; " + ", ".join(
-        f"{n} {row[f'{n}_us_a_layer']} ({row[f'{n}_vs_no_preload']}x, diff {row[f'{n}_max_abs_diff_vs_no_preload']})"
-        for n in plans if n != "no_preload"))
+    r3.log(f"  M={ctx.m:<3d} before {base:.2f} us a layer; " + ", ".join(
+        f"{n} {row[f'{n}_us_a_layer']} ({row[f'{n}_vs_before']}x, diff {row[f'{n}_max_abs_diff_vs_before']})"
+        for n in plans if n != BASE))
 
 
 def trace_named(rec, ctx, name: str):
@@ -132,7 +140,7 @@ def main(args) -> int:
     if "trace" in sections:
         r3.log("2. trace: kernel time against the replay's span, without the preload and with it")
         for m in ([1] if dry else [1, 16]):
-            for name in ("no_preload", "engine"):
+            for name in (BASE, "engine"):
                 ctx = r11.Ctx(m, layers, shapes, device, dtype, pdl, small_max_m)
                 ctx.engine = plan_for(name, m, shapes, sms)     # r11.trace_m traces ctx.engine's plan
                 r3.guarded(rec, budget, f"trace M={m} {name}", lambda: trace_named(rec, ctx, name), min_left=1.0)

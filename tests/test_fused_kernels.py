@@ -380,12 +380,6 @@ def test_preloading_the_first_weight_tile_changes_no_value(form, m, config):
         assert_matches(before, _reference_linear(x, w, None), torch.bfloat16, GEMM_TOL)
 
 
-def test_default_configs_preload_the_first_weight_tile():
-    """choose_config's pick preloads at every size it serves (round 13) and never launches the next kernel early."""
-    for m in (1, 2, 16, 64, 65, 512):
-        for kind in ("full", "partials", "silu"):
-            cfg = choose_config(m, 4096, 1024, kind)
-            assert cfg.preload and not cfg.launch_early, (m, kind, cfg)
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -459,3 +453,20 @@ def test_warm_batch_sizes_meet_every_variant_once():
     variants = {(choose_config(m, 1024, 2048, "partials").block_m, choose_config(m, 1024, 2048).use_dot)
                 for m in range(1, 65)}
     assert len(variants) == len(sizes)
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_0_6B))
+def test_one_row_takes_its_whole_k_range_in_one_preloaded_step(name):
+    """Round 13: at one row (the GEMV) each program's K range is one step, loaded before the PDL wait; with tl.dot
+    (2-64 rows and the row tiles above) the preload made the chain slower and stays off. Never an early launch."""
+    n, k, kind = QWEN3_0_6B[name]
+    cfg = choose_config(1, n, k, kind, sms=132)
+    assert cfg.preload and not cfg.launch_early and not cfg.use_dot
+    assert cfg.block_k >= cfg.k_per_split(k) and cfg.block_k <= 1024, cfg
+    assert {"qkv": 1, "gate_up": 1, "o_proj": 4, "down": 3}[name] == (cfg.num_splits(k) if kind == "partials" else 1)
+    for m in (2, 16, 64, 65, 512):
+        cfg = choose_config(m, n, k, kind, sms=132)
+        assert not cfg.preload and not cfg.launch_early, (m, cfg)
+    # a K too long for one tile of registers keeps several steps (and still preloads the first)
+    long_k = choose_config(1, 4096, 8192, "full", sms=132)
+    assert long_k.preload and long_k.block_k == 512

@@ -142,8 +142,17 @@ def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) ->
     if kind == "partials":
         tiles = triton.cdiv(n_out, cfg["block_n"]) * triton.cdiv(m, cfg["block_m"])
         split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, cfg["block_k"])))
-    # Round 13 (bench/kernels_round13.py): the first weight tile is asked for before the PDL wait (GemmConfig).
-    return GemmConfig(split_k=split, preload=True, **cfg)
+    if m <= GEMV_MAX_M:
+        # Round 13 (bench/kernels_round13.py, the decode GEMM chain on an H100, 2026-12-07): at one row each program
+        # takes its whole K range in one step (block_k = the split's length, up to 1,024 columns: 32 KB of weights
+        # a tile of 16 rows) and asks for those weights before the PDL wait, so they stream in under the tail of
+        # the kernel in front: 24.57 -> 22.90 us a layer. With tl.dot (2-64 rows) the preload made the chain
+        # 8-21 % slower, so it stays off there.
+        whole = triton.next_power_of_2(GemmConfig(split_k=split, **cfg).k_per_split(k))
+        if whole <= 1024:
+            cfg["block_k"] = max(cfg["block_k"], whole)
+        return GemmConfig(split_k=split, preload=True, **cfg)
+    return GemmConfig(split_k=split, **cfg)
 
 
 def warm_batch_sizes(max_m: int = MAX_M) -> list[int]:
