@@ -354,6 +354,10 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:
+        # The kernel behind (o_proj's small GEMM) may launch at once: at one row it loads its weights before its
+        # own wait (kernels/small_gemm.py, GemmConfig.preload), so they stream in while this small merge runs.
+        # Its wait still holds it until this grid has ended and its writes are visible.
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
