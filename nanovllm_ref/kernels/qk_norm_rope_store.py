@@ -77,6 +77,7 @@ def _qk_norm_rope_store_kernel(
     mask = (is_q | is_k | is_v) & cols
     dtype = q_out_ptr.dtype.element_ty
     if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()     # the attention behind may launch now; its wait holds it
         tl.extra.cuda.gdc_wait()
     pos = tl.load(positions_ptr + token).to(tl.int64)
     if TO_CACHE:

@@ -38,6 +38,9 @@ def _add_rms_norm_kernel(
     mask = offs < D
     dtype = out_ptr.dtype.element_ty
     if USE_PDL:
+        # The GEMM behind (qkv or gate_up) may launch at once: at one row it loads its weights before its own wait
+        # (kernels/small_gemm.py, GemmConfig.preload), so they stream in while this kernel waits and runs.
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if PARTIALS:
         x = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -53,8 +56,6 @@ def _add_rms_norm_kernel(
         h = x
     if STORE_H:
         tl.store(h_ptr + row * stride_ht + offs, h.to(dtype), mask=mask)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     mean_sq = tl.sum(h * h, axis=0) / D
     normed = round_to(h * tl.rsqrt(mean_sq + eps), dtype, EMULATE_ROUNDING)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
