@@ -63,6 +63,7 @@ def _qk_norm_rope_store_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, QK_NORM: tl.constexpr, PARTIALS: tl.constexpr,
     EMULATE_ROUNDING: tl.constexpr, USE_PDL: tl.constexpr, TO_CACHE: tl.constexpr = True,
+    LAUNCH_EARLY: tl.constexpr = False,
 ):
     # The head rows of one token: q heads 0..H-1, k heads H..H+Hkv-1, v heads after them, as they sit in a qkv
     # row (head r starts at column r * HEAD_DIM). This program owns rows r0 .. r0 + BLOCK_R - 1, each as its
@@ -76,8 +77,9 @@ def _qk_norm_rope_store_kernel(
     cols = offs < HALF
     mask = (is_q | is_k | is_v) & cols
     dtype = q_out_ptr.dtype.element_ty
+    if USE_PDL and LAUNCH_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()     # one row: the attention behind may launch now; its wait holds it
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()     # the attention behind may launch now; its wait holds it
         tl.extra.cuda.gdc_wait()
     pos = tl.load(positions_ptr + token).to(tl.int64)
     if TO_CACHE:
@@ -237,6 +239,6 @@ def _launch(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping
         cos_sin_cache.stride(0), q.stride(0), q.stride(1), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_HALF=block_half, BLOCK_R=block_r, QK_NORM=qk_norm, PARTIALS=partials,
-        EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl, TO_CACHE=to_cache,
+        EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl, TO_CACHE=to_cache, LAUNCH_EARLY=num_tokens == 1,
         num_warps=max(1, min(4, block_r * block_half // 256)), **pdl_launch_kwargs(use_pdl),
     )

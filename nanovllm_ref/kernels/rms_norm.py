@@ -31,16 +31,17 @@ def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, h_ptr,
     num_parts, stride_xs, stride_xt, stride_rt, stride_ot, stride_ht, D, eps,
     BLOCK_D: tl.constexpr, PARTIALS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_H: tl.constexpr,
-    EMULATE_ROUNDING: tl.constexpr, USE_PDL: tl.constexpr,
+    EMULATE_ROUNDING: tl.constexpr, USE_PDL: tl.constexpr, LAUNCH_EARLY: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     dtype = out_ptr.dtype.element_ty
-    if USE_PDL:
-        # The GEMM behind (qkv or gate_up) may launch at once: at one row it loads its weights before its own wait
+    if USE_PDL and LAUNCH_EARLY:
+        # One row: the GEMM behind (qkv or gate_up) may launch at once, as it loads its weights before its own wait
         # (kernels/small_gemm.py, GemmConfig.preload), so they stream in while this kernel waits and runs.
         tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
     if PARTIALS:
         x = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -56,6 +57,10 @@ def _add_rms_norm_kernel(
         h = x
     if STORE_H:
         tl.store(h_ptr + row * stride_ht + offs, h.to(dtype), mask=mask)
+    if USE_PDL and not LAUNCH_EARLY:
+        # More rows: the tl.dot GEMM behind preloads nothing and would only hold SM slots while it waits; launching
+        # it at the start made 9-64-row steps 5-9 % slower (H100, bench/results/ab13_h100_2026-12-07_call4.json).
+        tl.extra.cuda.gdc_launch_dependents()
     mean_sq = tl.sum(h * h, axis=0) / D
     normed = round_to(h * tl.rsqrt(mean_sq + eps), dtype, EMULATE_ROUNDING)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -101,7 +106,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         x.shape[0] if partials else 1, x.stride(0) if partials else 0, x.stride(-2),
         residual.stride(0) if residual is not None else 0, out.stride(0), h.stride(0), hidden, eps,
         BLOCK_D=triton.next_power_of_2(hidden), PARTIALS=partials, HAS_RESIDUAL=residual is not None,
-        STORE_H=store_h, EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl,
+        STORE_H=store_h, EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl, LAUNCH_EARLY=num_tokens == 1,
         num_warps=4 if hidden <= 2048 else 8, **pdl_launch_kwargs(use_pdl),
     )
     return out, h
