@@ -29,6 +29,14 @@ Two formulations (`GemmConfig.use_dot`)
 
     More rows than TILE_M (64) are cut into row tiles (grid axis 2), up to MAX_M (512) rows.
 
+Weights before the wait (round 13, `GemmConfig.preload`)
+    With PDL a kernel starts while the one in front finishes and waits (`gdc_wait`) before reading its output.
+    W is no kernel's output, so at one row each program loads its whole K range of W (one K step) before that
+    wait, and the add + RMSNorm and attention-merge kernels in front let it launch at their start: the weights
+    stream in while they run (the 1-row decode GEMM chain 24.6 -> 22.7 us a layer on an H100,
+    bench/results/kernels_round13_h100_2026-12-07_call2.json). With tl.dot (2-64 rows) it made the chain
+    7-21 % slower, so choose_config leaves it off there.
+
 Configurations are picked by shape, deterministically (`choose_config`), never autotuned: this runs inside
 CUDA-graph capture, where timing candidate kernels is impossible. `bench/kernels_round3.py` and
 `bench/kernels_round5.py` sweep candidates on the GPU to pick them. The engine serves batches of up to
