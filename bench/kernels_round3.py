@@ -445,13 +445,16 @@ def compile_variants(s: dict, dtypes=("bf16", "fp32")):
         sig = dict(x_ptr="*fp32", residual_ptr=f"*{dt}", weight_ptr=f"*{dt}", out_ptr=f"*{dt}", h_ptr=f"*{dt}",
                    num_parts="i32", stride_xs="i32", stride_xt="i32", stride_rt="i32", stride_ot="i32",
                    stride_ht="i32", D="i32", eps="fp32")
-        for partials, pdl in ((True, False), (True, True)):
-            out.append((f"add_rms_norm {dt} partials pdl={pdl}", k1._add_rms_norm_kernel, sig,
+        # early: the one-row decode form, which lets the kernel behind launch at its start (round 13)
+        for partials, pdl, early in ((True, False, False), (True, True, False), (True, True, True)):
+            out.append((f"add_rms_norm {dt} partials pdl={pdl} early={early}", k1._add_rms_norm_kernel, sig,
                         dict(BLOCK_D=triton.next_power_of_2(s["hidden"]), PARTIALS=partials, HAS_RESIDUAL=True,
-                             STORE_H=True, EMULATE_ROUNDING=False, USE_PDL=pdl), dict(num_warps=4)))
+                             STORE_H=True, EMULATE_ROUNDING=False, USE_PDL=pdl, LAUNCH_EARLY=early),
+                        dict(num_warps=4)))
         out.append((f"rms_norm {dt} plain", k1._add_rms_norm_kernel, {**sig, "x_ptr": f"*{dt}"},
                     dict(BLOCK_D=triton.next_power_of_2(s["hidden"]), PARTIALS=False, HAS_RESIDUAL=False,
-                         STORE_H=False, EMULATE_ROUNDING=False, USE_PDL=False), dict(num_warps=4)))
+                         STORE_H=False, EMULATE_ROUNDING=False, USE_PDL=False, LAUNCH_EARLY=False),
+                    dict(num_warps=4)))
         sig2 = dict(qkv_ptr=f"*{dt}", positions_ptr="*i64", cos_sin_ptr="*fp32", q_weight_ptr=f"*{dt}",
                     k_weight_ptr=f"*{dt}", slot_mapping_ptr="*i32", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}",
                     q_out_ptr=f"*{dt}", num_parts="i32", stride_ps="i32", stride_t="i32", stride_cs="i32",
@@ -459,12 +462,14 @@ def compile_variants(s: dict, dtypes=("bf16", "fp32")):
         block_half = triton.next_power_of_2(s["head_dim"] // 2)
         block_r = min(k2.BLOCK_ROWS, triton.next_power_of_2(s["heads"] + 2 * s["kv_heads"]))
         # to_cache False: the prefill form (qk_norm_rope), which writes k to a [T, Hkv, d] output.
-        for qk, pdl, to_cache in ((True, False, True), (False, False, True), (True, True, True), (True, False, False)):
-            out.append((f"qk_norm_rope_store {dt} qk_norm={qk} pdl={pdl} to_cache={to_cache}",
+        for qk, pdl, to_cache, early in ((True, False, True, False), (False, False, True, False),
+                                         (True, True, True, False), (True, True, True, True), (True, False, False, False)):
+            out.append((f"qk_norm_rope_store {dt} qk_norm={qk} pdl={pdl} to_cache={to_cache} early={early}",
                         k2._qk_norm_rope_store_kernel, sig2,
                         dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], HEAD_DIM=s["head_dim"],
                              HALF=s["head_dim"] // 2, BLOCK_HALF=block_half, BLOCK_R=block_r,
-                             QK_NORM=qk, PARTIALS=False, EMULATE_ROUNDING=False, USE_PDL=pdl, TO_CACHE=to_cache),
+                             QK_NORM=qk, PARTIALS=False, EMULATE_ROUNDING=False, USE_PDL=pdl, TO_CACHE=to_cache,
+                             LAUNCH_EARLY=early),
                         dict(num_warps=max(1, min(4, block_r * block_half // 256)))))
         sig3 = dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", bias_ptr=f"*{dt}", out_ptr=f"*{dt}", M="i32", N="i32", K="i32",
                     stride_xm="i32", stride_wn="i32", stride_os="i32", stride_om="i32", k_per_split="i32",
@@ -477,7 +482,8 @@ def compile_variants(s: dict, dtypes=("bf16", "fp32")):
                             k3._small_gemm_kernel, {**sig3, "out_ptr": "*fp32"} if kind == "partials" else sig3,
                             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
                                  PARTIALS=kind == "partials", SILU_MUL=kind == "silu", HAS_BIAS=False, CAST_FP32=False,
-                                 EMULATE_ROUNDING=False, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", USE_PDL=pdl),
+                                 EMULATE_ROUNDING=False, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", USE_PDL=pdl,
+                                 PRELOAD=cfg.preload, LAUNCH_EARLY=cfg.launch_early),
                             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
     return out
 
