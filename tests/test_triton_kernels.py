@@ -170,30 +170,6 @@ def test_paged_decode_matches_reference_with_padded_block_tables(block_size, gro
     assert_attention_close(got, expected, dtype)
 
 
-# Round 13: at one row with PDL each program loads its first tile of keys and values before it waits for the kernel in
-# front, all but the newest key (that kernel's output), which it reads after the wait. The same tiles in the same
-# order: bit for bit the output without the preload, with empty splits, one split, block sizes that do not hold
-# a whole tile, a padding row (context 0, block table -1) and one-key contexts (the newest key is the only one).
-@pytest.mark.parametrize("block_size,group,head_dim,dtype,num_splits", DECODE_CASES)
-def test_paged_decode_preloading_its_first_tile_changes_no_value(block_size, group, head_dim, dtype, num_splits):
-    g = _gen(300 + block_size * 10 + group)
-    num_kv_heads = 2
-    context_lens = [1, 5, 17, 33, 1]
-    k_cache, v_cache, table = _paged_cache(g, context_lens, block_size, num_kv_heads, head_dim, dtype)
-    table[-1] = -1
-    context_lens[-1] = 0
-    q = _randn(g, len(context_lens), num_kv_heads * group, head_dim, dtype=dtype)
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
-    plain = kattn.paged_decode(q, k_cache, v_cache, table, lens, head_dim ** -0.5, num_splits=num_splits,
-                               preload=False)
-    pre = kattn.paged_decode(q, k_cache, v_cache, table, lens, head_dim ** -0.5, num_splits=num_splits,
-                             preload=True)
-    torch.testing.assert_close(pre, plain, atol=0, rtol=0)
-    assert torch.equal(pre[-1], torch.zeros_like(pre[-1]))
-    expected = ref.paged_decode(q[:-1], k_cache, v_cache, table[:-1], lens[:-1], head_dim ** -0.5)
-    assert_attention_close(pre[:-1], expected, dtype)
-
-
 def test_paged_decode_backend_wrapper_uses_the_kernel():
     g = _gen(7)
     context_lens = [9, 2]

@@ -284,9 +284,8 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, CAST_FP32: tl.constexpr, ONE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = True,
-    PRELOAD: tl.constexpr = False,
 ):
-    if USE_PDL and not PRELOAD:   # launched before the kernel in front ended: wait until its writes are visible
+    if USE_PDL:           # launched before the kernel in front of it ended: wait until its writes are visible
         tl.extra.cuda.gdc_wait()
     # HEAD_MAJOR: grid (Hkv, B, splits), so the programs launched one after another are the KV heads of one
     # sequence. They read neighbouring 256-byte pieces of the same cache rows (a row holds all Hkv heads of a
@@ -316,24 +315,6 @@ def _paged_decode_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
     seq64 = seq.to(tl.int64)
-    table = block_tables_ptr + seq64 * stride_bt
-    if PRELOAD:
-        # The first tile's keys and values before the wait (one row: kernels/qk_norm_rope_store.py lets this kernel
-        # launch at its start). Context lengths, block tables and every key but the newest were written before
-        # the step's kernels ran; the newest (position context_len - 1) is the kernel in front's output, so it is
-        # read after the wait. first: a valid tile start even for an empty split (whose keys are all masked).
-        first = tl.where(start < end, start, 0)
-        valid0 = first + offs_n < end
-        newest = first + offs_n == context_len - 1
-        rows0 = _key_rows(table, 0, first, offs_n, valid0, BLOCK_SIZE, True, TILE_IN_BLOCK)
-        k0, v0 = _load_kv_tile(k_cache_ptr, v_cache_ptr, rows0, kv_head, stride_ct, stride_ch, stride_ct, stride_ch,
-                               offs_d, valid0 & ~newest, d_mask, CAST_FP32)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-        k1, v1 = _load_kv_tile(k_cache_ptr, v_cache_ptr, rows0, kv_head, stride_ct, stride_ch, stride_ct, stride_ch,
-                               offs_d, valid0 & newest, d_mask, CAST_FP32)
-        k0 = tl.where(newest[:, None], k1, k0)
-        v0 = tl.where(newest[:, None], v1, v0)
     q = tl.load(q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if CAST_FP32:
@@ -342,13 +323,8 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    loop_start = start
-    if PRELOAD:
-        if start < end:
-            acc, m_i, l_i = _online_softmax_step(q, k0, v0, acc, m_i, l_i, qk_scale, valid0[None, :], True,
-                                                 DOT_PRECISION)
-        loop_start = start + BLOCK_N
-    for tile_start in range(loop_start, end, BLOCK_N):
+    table = block_tables_ptr + seq64 * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
         valid = tile_start + offs_n < end
         rows = _key_rows(table, 0, tile_start, offs_n, valid, BLOCK_SIZE, True, TILE_IN_BLOCK)
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, rows, kv_head, stride_ct, stride_ch, stride_ct, stride_ch,
@@ -430,7 +406,7 @@ def _decode_block_n() -> int:
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, block_n=None,
                  use_pdl: bool = False, num_warps: int | None = None, num_stages: int | None = None,
-                 head_major: bool | None = None, preload: bool | None = None):
+                 head_major: bool | None = None):
     """One query per sequence against its paged context. q: [B, H, D] -> [B, H, D].
 
     num_splits / block_n / num_warps / num_stages / head_major override the heuristics (`decode_num_splits`;
@@ -439,10 +415,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
     use_pdl: launch both kernels with programmatic dependent launch (Hopper, kernels/numerics.py), each waiting
     on the device for the kernel before it: the decode step's other kernels are launched so, and a launch that
     overlaps the previous kernel's tail saves about a microsecond (the engine's plan sets it with its decode
-    kernels' PDL). preload: each program loads its first tile of keys and values (all but the newest key, which the
-    kernel in front writes) before that wait; default: with PDL at one row (round 13: the q/k kernel in front lets
-    this one launch at its start only then). The same tiles in the same order: the same output.
-    No host synchronisation: safe to capture in a CUDA graph."""
+    kernels' PDL). No host synchronisation: safe to capture in a CUDA graph."""
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -475,7 +448,6 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
     # The KV heads of a sequence launched side by side (HEAD_MAJOR), unless the batch passes CUDA's 65,535 limit
     # on a grid's second axis.
     head_major = (batch <= 65535) if head_major is None else head_major
-    preload = (use_pdl and batch == 1) if preload is None else bool(preload)
     grid = (num_kv_heads, batch, num_splits) if head_major else (batch, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * LOG2E,
@@ -485,7 +457,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_IN_BLOCK=block_size % block_n == 0, CAST_FP32=_interpreting(),
         ONE_SPLIT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype), USE_PDL=use_pdl, HEAD_MAJOR=head_major,
-        PRELOAD=preload, num_warps=num_warps,
+        num_warps=num_warps,
         num_stages=num_stages, **pdl_launch_kwargs(use_pdl),
     )
     if num_splits > 1:
