@@ -284,10 +284,7 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, CAST_FP32: tl.constexpr, ONE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = True,
-    LAUNCH_EARLY: tl.constexpr = False,
 ):
-    if USE_PDL and LAUNCH_EARLY:   # one row: the small merge behind may launch now (its wait holds it)
-        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:           # launched before the kernel in front of it ended: wait until its writes are visible
         tl.extra.cuda.gdc_wait()
     # HEAD_MAJOR: grid (Hkv, B, splits), so the programs launched one after another are the KV heads of one
@@ -460,7 +457,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_IN_BLOCK=block_size % block_n == 0, CAST_FP32=_interpreting(),
         ONE_SPLIT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype), USE_PDL=use_pdl, HEAD_MAJOR=head_major,
-        LAUNCH_EARLY=batch == 1 and num_splits > 1, num_warps=num_warps,
+        num_warps=num_warps,
         num_stages=num_stages, **pdl_launch_kwargs(use_pdl),
     )
     if num_splits > 1:
