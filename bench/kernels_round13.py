@@ -42,9 +42,7 @@ import bench_env  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = bench_env.parser(__doc__, budget=100.0, sections="chain,trace")
-    p.add_argument("--ms", default=None, help="comma-separated batch sizes (default: the GPU's list, or 1,2 dry)")
-    return p.parse_args(argv)
+    return bench_env.parser(__doc__, budget=100.0, sections="chain,trace", dry_ms="1,2").parse_args(argv)
 
 
 ARGS = parse_args()
@@ -128,7 +126,7 @@ def main(args) -> int:
     pdl = pdl_available(device)
     sms = small_gemm.num_sms(device)
     small_max_m = 64
-    ms = [int(v) for v in args.ms.split(",")] if args.ms else ([1, 2] if dry else GPU_MS)
+    ms = bench_env.batch_sizes(args, GPU_MS)
     n_layers = 2 if dry else 28
     layers = r10.make_layers(shapes, n_layers, device, dtype, seed=13)
     rec.data["meta"].update(chain_layers=n_layers, ms=ms, pdl=pdl, sms=sms, small_max_m=small_max_m)

@@ -383,7 +383,8 @@ def test_preloading_the_first_weight_tile_changes_no_value(form, m, config):
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda: GemmConfig(block_m=1, block_n=16, block_k=16, launch_early=True), ValueError, "launch_early needs preload"),
+    (lambda: GemmConfig(block_m=1, block_n=16, block_k=16, launch_early=True), ValueError,
+     "launch_early needs preload"),
     (lambda: GemmConfig(block_m=1, block_n=16, block_k=16, preload=1), TypeError, "preload must be a bool"),
     (lambda: GemmConfig(block_m=1, block_n=16, block_k=16, launch_early="yes"), TypeError, "launch_early"),
 ])

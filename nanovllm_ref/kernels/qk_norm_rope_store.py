@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from nanovllm_ref.kernels.numerics import DEFINED_INTERPRETED, interpreting, pdl_launch_kwargs, round_to  # noqa: F401
+from nanovllm_ref.kernels.small_gemm import preloads_weights
 
 
 @triton.jit
@@ -239,6 +240,6 @@ def _launch(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping
         cos_sin_cache.stride(0), q.stride(0), q.stride(1), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_HALF=block_half, BLOCK_R=block_r, QK_NORM=qk_norm, PARTIALS=partials,
-        EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl, TO_CACHE=to_cache, LAUNCH_EARLY=num_tokens == 1,
+        EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl, TO_CACHE=to_cache, LAUNCH_EARLY=preloads_weights(num_tokens),
         num_warps=max(1, min(4, block_r * block_half // 256)), **pdl_launch_kwargs(use_pdl),
     )

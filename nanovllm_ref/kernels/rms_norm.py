@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from nanovllm_ref.kernels.numerics import DEFINED_INTERPRETED, interpreting, pdl_launch_kwargs, round_to  # noqa: F401
+from nanovllm_ref.kernels.small_gemm import preloads_weights
 
 
 @triton.jit
@@ -106,7 +107,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         x.shape[0] if partials else 1, x.stride(0) if partials else 0, x.stride(-2),
         residual.stride(0) if residual is not None else 0, out.stride(0), h.stride(0), hidden, eps,
         BLOCK_D=triton.next_power_of_2(hidden), PARTIALS=partials, HAS_RESIDUAL=residual is not None,
-        STORE_H=store_h, EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl, LAUNCH_EARLY=num_tokens == 1,
+        STORE_H=store_h, EMULATE_ROUNDING=interpreting(), USE_PDL=use_pdl, LAUNCH_EARLY=preloads_weights(num_tokens),
         num_warps=4 if hidden <= 2048 else 8, **pdl_launch_kwargs(use_pdl),
     )
     return out, h

@@ -61,6 +61,14 @@ TILE_M = 64                # above this many rows the rows are cut into tiles of
 GEMV_MAX_M = 1
 
 
+def preloads_weights(m: int) -> bool:
+    """True where choose_config's pick for m rows loads its weights before the PDL wait (round 13: the GEMV form
+    only). The kernels in front of a GEMM (kernels/rms_norm.py, kernels/qk_norm_rope_store.py) let the next kernel
+    launch at their start exactly then, so that the weights stream in while they run; elsewhere an early launch
+    only parks waiting programs on the SMs."""
+    return m <= GEMV_MAX_M
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile sizes and launch options of one small GEMM (powers of two). split_k: how many K ranges the
@@ -150,7 +158,7 @@ def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) ->
     if kind == "partials":
         tiles = triton.cdiv(n_out, cfg["block_n"]) * triton.cdiv(m, cfg["block_m"])
         split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, cfg["block_k"])))
-    if m <= GEMV_MAX_M:
+    if preloads_weights(m):
         # Round 13 (bench/kernels_round13.py, the decode GEMM chain on an H100, 2026-12-07): at one row each program
         # takes its whole K range in one step (block_k = the split's length, up to 1,024 columns: 32 KB of weights
         # a tile of 16 rows) and asks for those weights before the PDL wait, so they stream in under the tail of
@@ -324,7 +332,8 @@ def _launch(x, weight, bias, out, n_out, config, partials, silu, use_pdl):
         PARTIALS=partials, SILU_MUL=silu, HAS_BIAS=bias is not None, CAST_FP32=interpreting(),
         EMULATE_ROUNDING=interpreting(),
         DOT_PRECISION="ieee" if (x.dtype == torch.float32 or interpreting()) else "tf32",
-        USE_PDL=use_pdl, PRELOAD=config.preload, LAUNCH_EARLY=config.launch_early, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_kwargs(use_pdl),
+        USE_PDL=use_pdl, PRELOAD=config.preload, LAUNCH_EARLY=config.launch_early,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_kwargs(use_pdl),
     )
     return out
 
