@@ -47,6 +47,10 @@
 #   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh round13   # ~1-2 min + ab4: bench/kernels_round13.py
 #                             (the decode GEMM chain at 1-64 rows with each small GEMM's first weight tile loaded before
 #                             the PDL wait, against the loads after it), then ab4 (ROUND13_AB=0: the script alone)
+#   or (carry .carry/ab and .carry/wheels):  bash bench/gpu_run.sh round14   # ~2-3 min + ab4: bench/kernels_round14.py
+#                             (read-only bandwidth against the copy's, the decode attention in TB/s, TMA Triton GEMMs
+#                             against cuBLAS in the GEMM chain at 96-256 rows, cuBLAS's kernels by name), then ab4
+#                             (ROUND14_AB=0: the script alone; R14_MS picks the sizes)
 #   or:                       bash bench/gpu_run.sh profile4  # no payload, ~2-3 min: where the workload's time goes
 #                             (nanovllm_bench/workload_profile.py): prefill vs decode steps, decode by batch bucket,
 #                             device time vs GPU idle, probes at fixed batches (attention / GEMM / other), the LM
@@ -155,7 +159,7 @@ if [ "$mode" = triton-check ]; then   # issue 29, item 5: bf16 equivalence on th
   } 2>&1 | tee "$OUT/gpu_run.log"
   exit 0
 fi
-if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode" = round8 ] || [ "$mode" = round9 ] || [ "$mode" = round10 ] || [ "$mode" = round11 ] || [ "$mode" = round12 ] || [ "$mode" = round13 ]; then   # issue 29: baseline vs this tree's (carry .carry/ab)
+if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode" = round8 ] || [ "$mode" = round9 ] || [ "$mode" = round10 ] || [ "$mode" = round11 ] || [ "$mode" = round12 ] || [ "$mode" = round13 ] || [ "$mode" = round14 ]; then   # issue 29: baseline vs this tree's (carry .carry/ab)
   {
     step "versions"
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
@@ -220,6 +224,13 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode
         --budget ${KERNELS_BUDGET:-100} --sections ${SECTIONS:-chain,trace} ${R13_MS:+--ms $R13_MS} 2>&1 \
         | tail -${KERNELS_TAIL:-30}
       [ "${ROUND13_AB:-1}" = 1 ] && [ -e .carry/ab/base.tgz ] || { step "done (no A/B asked)"; exit 0; }
+    fi
+    if [ "$mode" = round14 ]; then   # round 14 first: read bandwidth, TMA GEMMs at 96-256 rows, cuBLAS's kernels
+      step "read bandwidth, decode attention, TMA Triton GEMMs against cuBLAS at 96-256 rows (bench/kernels_round14.py)"
+      timeout ${KERNELS_S:-260} python3 bench/kernels_round14.py --out "$OUT/kernels_round14.json" \
+        --budget ${KERNELS_BUDGET:-200} --sections ${SECTIONS:-bandwidth,chain,trace} ${R14_MS:+--ms $R14_MS} 2>&1 \
+        | tail -${KERNELS_TAIL:-70}
+      [ "${ROUND14_AB:-1}" = 1 ] && [ -e .carry/ab/base.tgz ] || { step "done (no A/B asked)"; exit 0; }
     fi
     # The new side's run: NEW_RUN, else RUN; round 6 asks for the persistent batch-1 step (decode_kernels).
     new_run=${NEW_RUN:-$([ "$mode" = round6 ] && echo triton:graph:persistent || echo "${RUN:-triton:graph}")}

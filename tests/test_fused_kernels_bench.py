@@ -239,3 +239,21 @@ def test_round13_dry_run_preloaded_weights_give_the_same_chain(tmp_path):
             assert row[f"{name}_max_abs_diff_vs_before"] == 0.0, (name, row)
             assert 0 < row[f"{name}_max_abs_err_vs_fp32"] < 5e-2 and row[f"{name}_us_a_layer"] > 0, (name, row)
     assert [(t["m"], t["plan"]) for t in rec["trace"]] == [(1, "before"), (1, "engine")]
+
+
+def test_round14_dry_run_tma_gemms_give_the_engines_chain(tmp_path):
+    """bench/kernels_round14.py (round 14) in the interpreter: every projection run by the TMA-descriptor Triton GEMM
+    (bench/gemm_tma.py: the full, split-K partials and SiLU forms) gives the chain of the engine's cuBLAS plan within
+    bf16 rounding (here 0: the interpreter's cuBLAS stand-in and the kernel round alike), and the read and attention
+    cases report their bytes."""
+    rec = _dry(tmp_path, "kernels_round14.py")
+    assert rec["errors"] == [] and rec["skipped"] == [] and rec["meta"]["ms"] == [2]
+    kinds = [r["kind"] for r in rec["bandwidth"]]
+    assert kinds == ["read", "attention"] and all(r["bytes"] > 0 and r["us"] > 0 for r in rec["bandwidth"])
+    rows = [r for r in rec["chain"] if r["op"]]
+    assert {r["op"] for r in rows if r["spec"].startswith("tma ")} == {"qkv", "o", "gate_up", "down"}
+    assert {r["spec"] for r in rows if r["op"] == "o" and r["spec"].startswith("tma ")} == {"tma bm16 bn16 bk16 s4 w4 st2"}
+    for row in rows:
+        assert row["max_abs_diff_vs_engine"] < 2e-2 and row["us_a_layer"] > 0, row
+    assert [r["m"] for r in rec["best"]] == [2] and rec["best"][0]["best_max_abs_err_vs_fp32"] < 5e-2
+    assert rec["trace"] == [{"m": 2, "note": "no CUDA: no trace"}]
