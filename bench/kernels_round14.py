@@ -10,7 +10,8 @@ of about 1.15 ms a step, mostly the 112 GEMMs of the layers (cuBLAS above 64 row
 8's profile, where the weights take 0.28 ms to read and the flops 0.3 ms at the matmul rate). Two questions:
 - bandwidth: is the copy bandwidth the KV floor? A kernel that only reads may go faster than a copy, which also
   writes. A read-only Triton kernel (several tile sizes and programs an SM) against `copy_`, and the engine's
-  decode attention at the workload's shapes, each in TB/s read.
+  decode attention at the workload's shapes, each in TB/s read (at 234 rows also other key tiles, warps and
+  stages than the engine's, each with its output's largest difference from the engine's).
 - chain: can a Triton GEMM whose tiles come through TMA descriptors (bench/gemm_tma.py), with PDL, beat cuBLAS in
   round 11's decode GEMM chain at 96-256 rows? One projection changed at a time (the others as the engine runs
   them), then every projection at its winner against the engine's plan, with each plan's error against the chain
@@ -87,13 +88,22 @@ def bandwidth(rec, device, shapes, dry: bool):
         q, k_cache, v_cache, table, lens = r3.paged_decode_inputs(lengths, context, shapes, device, torch.bfloat16,
                                                                   batch * 7 + context)
         scale = d ** -0.5
-        us = r3.time_us([lambda: attn.paged_decode(q, k_cache, v_cache, table, lens, scale)], device,
-                        reps=10, iters=7)[0]
         nbytes = 2 * sum(lengths) * hkv * d * 2
-        row = {"kind": "attention", "batch": batch, "context": context, "mean_length": sum(lengths) / batch,
-               "bytes": nbytes, "us": round(us, 2), "tbps": round(nbytes / (us * 1e-6) / 1e12, 3)}
-        rec.add("bandwidth", row)
-        r3.log(f"  attention B={batch:<3d} ctx<={context:<5d} {row['us']:8.1f} us {row['tbps']} TB/s")
+        ref = attn.paged_decode(q, k_cache, v_cache, table, lens, scale).float()
+        # the engine's launch (None: 64-key tiles, 4 warps, 2 stages), then other tiles, warps and stages
+        variants = [None] if dry or batch != 234 else [None, (64, 4, 3), (64, 4, 4), (64, 8, 2), (64, 8, 3),
+                                                        (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 4)]
+        for v in variants:
+            kw = {} if v is None else dict(block_n=v[0], num_warps=v[1], num_stages=v[2])
+            diff = float((attn.paged_decode(q, k_cache, v_cache, table, lens, scale, **kw).float() - ref).abs().max())
+            us = r3.time_us([lambda: attn.paged_decode(q, k_cache, v_cache, table, lens, scale, **kw)], device,
+                            reps=10, iters=7)[0]
+            row = {"kind": "attention", "batch": batch, "context": context, "mean_length": sum(lengths) / batch,
+                   "launch": "engine" if v is None else f"bn{v[0]} w{v[1]} st{v[2]}", "max_abs_diff": round(diff, 5),
+                   "bytes": nbytes, "us": round(us, 2), "tbps": round(nbytes / (us * 1e-6) / 1e12, 3)}
+            rec.add("bandwidth", row)
+            r3.log(f"  attention B={batch:<3d} ctx<={context:<5d} {row['launch']:12s} {row['us']:8.1f} us "
+                   f"{row['tbps']} TB/s")
 
 
 @dataclasses.dataclass(frozen=True)
