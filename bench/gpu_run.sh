@@ -228,7 +228,7 @@ if [ "$mode" = ab4 ] || [ "$mode" = round5 ] || [ "$mode" = round6 ] || [ "$mode
     if [ "$mode" = round14 ]; then   # round 14 first: read bandwidth, TMA GEMMs at 96-256 rows, cuBLAS's kernels
       step "read bandwidth, decode attention, TMA Triton GEMMs against cuBLAS at 96-256 rows (bench/kernels_round14.py)"
       timeout ${KERNELS_S:-260} python3 bench/kernels_round14.py --out "$OUT/kernels_round14.json" \
-        --budget ${KERNELS_BUDGET:-200} --sections ${SECTIONS:-bandwidth,chain,trace} ${R14_MS:+--ms $R14_MS} 2>&1 \
+        --budget ${KERNELS_BUDGET:-200} --sections ${SECTIONS:-bandwidth,prefill,chain,trace} ${R14_MS:+--ms $R14_MS} 2>&1 \
         | tail -${KERNELS_TAIL:-70}
       [ "${ROUND14_AB:-1}" = 1 ] && [ -e .carry/ab/base.tgz ] || { step "done (no A/B asked)"; exit 0; }
     fi

@@ -12,6 +12,8 @@ of about 1.15 ms a step, mostly the 112 GEMMs of the layers (cuBLAS above 64 row
   writes. A read-only Triton kernel (several tile sizes and programs an SM) against `copy_`, and the engine's
   decode attention at the workload's shapes, each in TB/s read (at 234 rows also other key tiles, warps and
   stages than the engine's, each with its output's largest difference from the engine's).
+- prefill: one prefill step's attention (16,384 tokens of 100-1,024-token prompts), the engine's Triton kernel with
+  its launch and others, against torch's FlashAttention (varlen_attn): round 8 put it at 8.5 ms of a 31.8-ms step.
 - chain: can a Triton GEMM whose tiles come through TMA descriptors (bench/gemm_tma.py), with PDL, beat cuBLAS in
   round 11's decode GEMM chain at 96-256 rows? One projection changed at a time (the others as the engine runs
   them), then every projection at its winner against the engine's plan, with each plan's error against the chain
@@ -29,7 +31,7 @@ import bench_env  # noqa: E402
 
 
 def parse_args(argv=None):
-    return bench_env.parser(__doc__, budget=200.0, sections="bandwidth,chain,trace", dry_ms="2").parse_args(argv)
+    return bench_env.parser(__doc__, budget=200.0, sections="bandwidth,prefill,chain,trace", dry_ms="2").parse_args(argv)
 
 
 ARGS = parse_args()
@@ -104,6 +106,54 @@ def bandwidth(rec, device, shapes, dry: bool):
             rec.add("bandwidth", row)
             r3.log(f"  attention B={batch:<3d} ctx<={context:<5d} {row['launch']:12s} {row['us']:8.1f} us "
                    f"{row['tbps']} TB/s")
+
+
+def prefill(rec, device, shapes, dry: bool):
+    """One prefill step of the workload (prompts of 100-1,024 tokens up to 16,384 tokens, no cached prefix): the
+    engine's varlen attention kernel with its launch and others (BLOCK_M, BLOCK_N, warps, stages), each with its
+    largest difference from the engine's output, and torch's FlashAttention varlen_attn as a yardstick."""
+    import random
+    from nanovllm_ref.kernels import attention as attn
+    h, hkv, d = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
+    rnd = random.Random(0)
+    lengths, budget_tokens = [], 64 if dry else 16384
+    while True:
+        n = rnd.randint(100, 1024) if not dry else rnd.randint(5, 30)
+        if sum(lengths) + n > budget_tokens:
+            break
+        lengths.append(n)
+    t = sum(lengths)
+    g = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(t, heads, d, device=device, generator=g).to(torch.bfloat16) for heads in (h, hkv, hkv))
+    cu = torch.tensor([0] + list(__import__("itertools").accumulate(lengths)), dtype=torch.int32, device=device)
+    mx, scale = max(lengths), d ** -0.5
+    flops = sum(2 * 2 * n * (n + 1) / 2 * d * h for n in lengths)          # QK and PV, causal
+    ref = attn.varlen_prefill(q, k, v, cu, cu, mx, mx, scale).float()
+    variants = [None] if dry else [None, (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+                                   (64, 128, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)]
+    cases = [(("engine" if v_ is None else "bm%d bn%d w%d st%d" % v_),
+              (lambda v_=v_: attn.varlen_prefill(q, k, v, cu, cu, mx, mx, scale, launch=v_))) for v_ in variants]
+    if not dry:
+        from torch.nn.attention.varlen import varlen_attn
+
+        def torch_fa():
+            try:
+                return varlen_attn(q, k, v, cu, cu, mx, mx, scale=scale, window_size=(-1, 0), enable_gqa=True)
+            except TypeError:                            # torch 2.11's form
+                return varlen_attn(q, k, v, cu, cu, mx, mx, is_causal=True, scale=scale)
+        cases.append(("torch varlen_attn", torch_fa))
+    for name, fn in cases:
+        try:
+            diff = float((fn().float() - ref).abs().max())
+            us = r3.time_us([fn], device, reps=3, iters=5)[0]
+        except Exception as exc:                         # noqa: BLE001 (a launch that does not build is a result)
+            rec.add("errors", {"case": f"prefill {name}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            continue
+        row = {"kind": "prefill", "launch": name, "tokens": t, "seqs": len(lengths), "us": round(us, 1),
+               "tflops": round(flops / (us * 1e-6) / 1e12, 1), "max_abs_diff": round(diff, 5)}
+        rec.add("prefill", row)
+        r3.log(f"  prefill {t} tokens {len(lengths)} seqs {name:18s} {row['us']:9.1f} us {row['tflops']} TFLOP/s "
+               f"(diff {row['max_abs_diff']})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +274,7 @@ def cublas_trace(rec, ctx):
 def main(args) -> int:
     from nanovllm_ref.kernels import small_gemm
     from nanovllm_ref.kernels.numerics import pdl_available
-    run = r3.begin(args, "bench/kernels_round14.py", ("bandwidth", "chain", "best", "trace"))
+    run = r3.begin(args, "bench/kernels_round14.py", ("bandwidth", "prefill", "chain", "best", "trace"))
     if run is None:
         return 2
     device, shapes, dtype, rec, budget = run.device, run.shapes, run.dtype, run.rec, run.budget
@@ -239,6 +289,9 @@ def main(args) -> int:
     if "bandwidth" in sections:
         r3.log("1. bandwidth: read-only kernels and the decode attention, TB/s read")
         r3.guarded(rec, budget, "bandwidth", lambda: bandwidth(rec, device, shapes, dry), min_left=6.0)
+    if "prefill" in sections:
+        r3.log("1b. prefill: the varlen attention kernel's launch, and torch's FlashAttention")
+        r3.guarded(rec, budget, "prefill", lambda: prefill(rec, device, shapes, dry), min_left=6.0)
     layers = r10.make_layers(shapes, n_layers, device, dtype, seed=14)
     ctxs = {m: r11.Ctx(m, layers, shapes, device, dtype, pdl, small_max_m) for m in ms}
     best: dict = {}

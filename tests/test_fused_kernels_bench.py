@@ -244,12 +244,15 @@ def test_round13_dry_run_preloaded_weights_give_the_same_chain(tmp_path):
 def test_round14_dry_run_tma_gemms_give_the_engines_chain(tmp_path):
     """bench/kernels_round14.py (round 14) in the interpreter: every projection run by the TMA-descriptor Triton GEMM
     (bench/gemm_tma.py: the full, split-K partials and SiLU forms) gives the chain of the engine's cuBLAS plan within
-    bf16 rounding (here 0: the interpreter's cuBLAS stand-in and the kernel round alike), and the read and attention
-    cases report their bytes."""
+    bf16 rounding (here 0: the interpreter's cuBLAS stand-in and the kernel round alike), and the read, decode and
+    prefill attention cases report their sizes."""
     rec = _dry(tmp_path, "kernels_round14.py")
     assert rec["errors"] == [] and rec["skipped"] == [] and rec["meta"]["ms"] == [2]
     kinds = [r["kind"] for r in rec["bandwidth"]]
     assert kinds == ["read", "attention"] and all(r["bytes"] > 0 and r["us"] > 0 for r in rec["bandwidth"])
+    assert rec["bandwidth"][1]["max_abs_diff"] == 0.0
+    assert [(r["launch"], r["max_abs_diff"]) for r in rec["prefill"]] == [("engine", 0.0)]
+    assert rec["prefill"][0]["seqs"] >= 2 and rec["prefill"][0]["tokens"] <= 64
     rows = [r for r in rec["chain"] if r["op"]]
     assert {r["op"] for r in rows if r["spec"].startswith("tma ")} == {"qkv", "o", "gate_up", "down"}
     assert {r["spec"] for r in rows if r["op"] == "o" and r["spec"].startswith("tma ")} == {"tma bm16 bn16 bk16 s4 w4 st2"}

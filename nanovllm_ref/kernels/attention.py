@@ -224,14 +224,14 @@ def _check_q(q, num_kv_heads, head_dim):
 
 
 def _launch_prefill(q, k, v, block_tables, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, paged,
-                    block_size, stride_k, stride_v):
+                    block_size, stride_k, stride_v, launch=None):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs <= 0:
         return out
-    block_m, block_n, num_warps, num_stages = _prefill_config(q.dtype, head_dim)
+    block_m, block_n, num_warps, num_stages = launch or _prefill_config(q.dtype, head_dim)
     table = block_tables if paged else cu_seqlens_q          # dummy pointer when not paged
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
@@ -262,15 +262,17 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k,
                            (k_cache.stride(1), k_cache.stride(2)), (v_cache.stride(1), v_cache.stride(2)))
 
 
-def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
-    """Causal varlen attention over this step's k/v only (no cache): the paged kernel with slot = token."""
+def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, launch=None):
+    """Causal varlen attention over this step's k/v only (no cache): the paged kernel with slot = token.
+    launch: (BLOCK_M, BLOCK_N, num_warps, num_stages) in place of `_prefill_config`'s (benchmarks:
+    bench/kernels_round14.py); the engine passes none."""
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"k/v must be [tokens, num_kv_heads, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v need stride(-1) == 1")
     _check_q(q, k.shape[1], k.shape[2])
     return _launch_prefill(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, False, 1,
-                           (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1)))
+                           (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1)), launch)
 
 
 # ------------------------------------------------------------------------------------------------- decode
