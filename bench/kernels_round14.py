@@ -14,15 +14,15 @@ of about 1.15 ms a step, mostly the 112 GEMMs of the layers (cuBLAS above 64 row
   stages than the engine's, each with its output's largest difference from the engine's).
 - prefill: one prefill step's attention (16,384 tokens of 100-1,024-token prompts), the engine's Triton kernel with
   its launch and others, against torch's FlashAttention (varlen_attn): round 8 put it at 8.5 ms of a 31.8-ms step.
-- chain: can a Triton GEMM whose tiles come through TMA descriptors (kernels/small_gemm.py, GemmConfig.tma), with
-  PDL, beat cuBLAS in round 11's decode GEMM chain at 96-256 rows? `default` is choose_config's pick (TMA tiles of
-  128 rows above 64 rows). One projection changed at a time (the others as the engine runs
+- chain: can a Triton GEMM whose tiles come through TMA descriptors (bench/gemm_tma.py), with PDL, beat cuBLAS in
+  round 11's decode GEMM chain at 96-256 rows? One projection changed at a time (the others as the engine runs
   them), then every projection at its winner against the engine's plan, with each plan's error against the chain
   in fp32 (kernels_round11.best_m).
 - trace: torch.profiler over graph replays of the engine's chain at 128 and 256 rows: which cuBLAS kernel runs
   each projection and for how long (us a call, the mean over 28 layers).
 The JSON (--out) is rewritten after every case.
 """
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -156,9 +156,23 @@ def prefill(rec, device, shapes, dry: bool):
                f"(diff {row['max_abs_diff']})")
 
 
+@dataclasses.dataclass(frozen=True)
+class TmaSpec:
+    """A projection run by bench/gemm_tma.py with `config` (kernels_round11.chain calls it)."""
+    config: "object"
+
+    @property
+    def name(self) -> str:
+        c = self.config
+        return f"tma bm{c.block_m} bn{c.block_n} bk{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+
+    def __call__(self, inp, w, kind, pdl):
+        import gemm_tma
+        return gemm_tma.gemm(inp, w, kind, self.config, use_pdl=pdl)
+
+
 def tma_candidates(m: int, op: str, s: dict, sms: int, dry: bool) -> list:
-    """GemmConfigs with tma=True for `op` at m rows, other than choose_config's pick: a few tile shapes; partial sums
-    with K splits for about 1 and 2 programs an SM."""
+    """TmaSpecs for `op` at m rows: a few tile shapes; partial sums with K splits for about 1 and 2 programs an SM."""
     from nanovllm_ref.kernels import small_gemm
     kind = r11.OPS[op]
     n, k = r11.op_shape(s, op)
@@ -179,9 +193,9 @@ def tma_candidates(m: int, op: str, s: dict, sms: int, dry: bool) -> list:
             if kind == "partials":
                 tiles = triton.cdiv(n_out, bn) * triton.cdiv(m, bm)
                 split = max(1, min(triton.cdiv(t * sms, tiles), triton.cdiv(k, bk)))
-            spec = small_gemm.GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, use_dot=True,
-                                         num_warps=warps, num_stages=stages, tma=True)
-            if spec not in out and spec != small_gemm.choose_config(m, n, k, kind, sms):
+            spec = TmaSpec(small_gemm.GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, use_dot=True,
+                                                 num_warps=warps, num_stages=stages))
+            if spec not in out:
                 out.append(spec)
     return out
 

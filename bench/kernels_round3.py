@@ -478,20 +478,6 @@ def compile_variants(s: dict, dtypes=("bf16", "fp32")):
             for op, (n, k, kind) in gemm_shapes(s).items():
                 cfg = k3.choose_config(m, n, k, kind)
                 pdl = m == 1 and dt == "bf16"
-                if cfg.tma:                  # round 14: x and W through TMA descriptors (boxes of the tile sizes)
-                    pdl = dt == "bf16"
-                    sig4 = dict(x_desc=f"tensordesc<{dt}[{cfg.block_m},{cfg.block_k}]>",
-                                w_desc=f"tensordesc<{dt}[{cfg.block_n},{cfg.block_k}]>", bias_ptr=f"*{dt}",
-                                out_ptr="*fp32" if kind == "partials" else f"*{dt}", M="i32", N="i32", K="i32",
-                                stride_os="i32", stride_om="i32", k_per_split="i32", up_rows="i32")
-                    out.append((f"gemm {op} {dt} M={m} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} tma pdl={pdl}",
-                                k3._tma_gemm_kernel, sig4,
-                                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                     PARTIALS=kind == "partials", SILU_MUL=kind == "silu", HAS_BIAS=False,
-                                     CAST_FP32=False, EMULATE_ROUNDING=False, USE_PDL=pdl,
-                                     NUM_STAGES=cfg.num_stages),
-                                dict(num_warps=cfg.num_warps)))
-                    continue
                 out.append((f"gemm {op} {dt} M={m} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} dot={cfg.use_dot} pdl={pdl}",
                             k3._small_gemm_kernel, {**sig3, "out_ptr": "*fp32"} if kind == "partials" else sig3,
                             dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
@@ -538,7 +524,6 @@ def compile_check(rec, budget, s, dtypes=("bf16", "fp32")):
             ptx = compiled.asm.get("ptx", "")
             row = {"variant": name, "compiled": True, "seconds": round(time.monotonic() - t0, 2),
                    "griddepcontrol_in_ptx": "griddepcontrol" in ptx,
-                   "tma_in_ptx": "cp.async.bulk.tensor" in ptx,
                    "dynamic_shared_bytes": getattr(compiled.metadata, "shared", None),
                    **resource_usage(compiled.asm.get("cubin", b""))}
             rec.add("compile_check", row)

@@ -72,10 +72,6 @@ from nanovllm_ref.utils.fusion import FusedKernels
 
 logger = logging.getLogger("nanovllm_ref")
 
-# The largest decode batch whose GEMMs the Triton small GEMM runs on a GPU with TMA (kernels/small_gemm.py: TMA tiles
-# above 64 rows, round 14); larger batches use cuBLAS.
-LARGE_BATCH_MAX_M = 256
-
 # The fields a model's layers call (ModelOps has the same names).
 MODEL_FIELDS = ("rms_norm", "add_rms_norm", "rope_cos_sin", "rotary", "silu_and_mul", "qkv_weight_loader",
                 "gate_up_weight_loader")
@@ -211,17 +207,13 @@ class Parts:
             raise ValueError("decode_kernels='persistent' needs a model without attention_bias or mlp_bias (the "
                              "persistent step has no linear biases)")
         if config.decode_kernels in ("auto", "persistent") and fuse and triton:
-            from nanovllm_ref.kernels.numerics import pdl_available, tma_available
-            device = torch.device("cuda", torch.cuda.current_device())
-            pdl = pdl_available(device)
-            # Above 64 rows the small GEMM's TMA tiles (round 14) where the GPU has TMA, else cuBLAS.
-            max_m = LARGE_BATCH_MAX_M if tma_available(device) else FusedKernels.max_m
+            from nanovllm_ref.kernels.numerics import pdl_available
+            pdl = pdl_available(torch.device("cuda", torch.cuda.current_device()))
             # FusedKernels.persistent only when asked ("persistent"): on the H200 it is level with these kernels
             # (batch-1 +4 % in the engine, a step 0-5 % slower alone), and its grid barriers need all of its
             # programs resident at once, which a GPU shared with other work does not promise
             # (kernels/persistent_decode.py).
-            kernels = FusedKernels.all(pdl=pdl, persistent=persistent, max_m=max_m).restricted_to(
-                self.kernels_allowed(qk_norm))
+            kernels = FusedKernels.all(pdl=pdl, persistent=persistent).restricted_to(self.kernels_allowed(qk_norm))
             if persistent and not kernels.persistent:
                 mine = [f for f in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "store_kvcache")
                         if not self.is_reference(f)]

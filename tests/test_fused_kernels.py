@@ -339,14 +339,14 @@ def test_gate_up_with_silu_epilogue_matches_gemm_then_silu_and_mul(dtype, m, bia
     assert_matches(got, silu_and_mul(_reference_linear(x, w, b)), dtype, GEMM_TOL)
 
 
-# More rows than one tile (small_gemm.TILE_M = 64): TMA tiles of 128 rows (round 14), cut along grid axis 2, and
-# every form must still give each row its own output (a kernel that ignored the row tile would repeat tile 0).
-@pytest.mark.parametrize("m", [65, 130, 300])
+# More rows than one tile (small_gemm.TILE_M = 64): the rows are cut into tiles along grid axis 2, and every
+# form must still give each row its own output (a kernel that ignored the row tile would repeat tile 0).
+@pytest.mark.parametrize("m", [65, 130])
 def test_rows_beyond_one_tile_take_row_tiles_in_every_form(m):
     g = gen(m + 30)
     x, w, b = randn(g, m, 72), randn(g, 80, 72, scale=0.2), randn(g, 80)
     cfg = choose_config(m, 80, 72, "full")
-    assert cfg.use_dot and cfg.tma and cfg.block_m == 128 and small_gemm.TILE_M < m
+    assert cfg.use_dot and cfg.block_m == small_gemm.TILE_M < m
     assert_matches(small_gemm.linear(x, w, b), _reference_linear(x, w, b), torch.float32, GEMM_TOL)
     partials = small_gemm.linear_partials(x, w, b)
     torch.testing.assert_close(partials.double().sum(0), F.linear(x.double(), w.double(), b.double()),
@@ -471,47 +471,3 @@ def test_one_row_takes_its_whole_k_range_in_one_preloaded_step(name):
     # a K too long for one tile of registers keeps several steps (and still preloads the first)
     long_k = choose_config(1, 4096, 8192, "full", sms=132)
     assert long_k.preload and long_k.block_k == 512
-
-
-# Round 14: the TMA kernel (GemmConfig.tma) reads the same tiles through descriptors, zeros past M, N and K where
-# the pointer kernel masks: every form, with bias, ragged M, N and K and K splits, gives the pointer kernel's
-# outputs bit for bit (the interpreter sums the same tiles in the same order). Operands TMA cannot hold (a row
-# stride that is no multiple of 16 bytes) run the pointer kernel with the same tiles.
-@pytest.mark.parametrize("form", ["full", "partials", "silu"])
-@pytest.mark.parametrize("m, n, k", [(70, 80, 72), (130, 48, 160)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_tma_tiles_give_the_pointer_kernels_outputs(form, m, n, k, bias):
-    import dataclasses
-    g = gen(m + n + k)
-    x, w = randn(g, m, k, dtype=torch.bfloat16), randn(g, n, k, dtype=torch.bfloat16, scale=0.2)
-    b = randn(g, n, dtype=torch.bfloat16) if bias else None
-    fn = {"full": small_gemm.linear, "partials": small_gemm.linear_partials, "silu": small_gemm.linear_silu_mul}[form]
-    config = GemmConfig(block_m=64, block_n=16, block_k=32, split_k=3 if form == "partials" else 1, use_dot=True)
-    assert small_gemm.tma_takes(x, w)
-    pointer = fn(x, w, b, config=config)
-    tma = fn(x, w, b, config=dataclasses.replace(config, tma=True))
-    assert tma.shape == pointer.shape and torch.equal(tma, pointer), (tma.float() - pointer.float()).abs().max()
-    ref = _reference_linear(x, w, b)
-    if form == "partials":
-        assert_matches(tma.sum(0).to(x.dtype), ref, torch.bfloat16, GEMM_TOL)
-    else:
-        assert_matches(tma, silu_and_mul(ref) if form == "silu" else ref, torch.bfloat16, GEMM_TOL)
-
-
-def test_tma_falls_back_to_pointer_loads_where_descriptors_cannot_hold_the_operands():
-    import dataclasses
-    g = gen(7)
-    x, w = randn(g, 70, 71, dtype=torch.bfloat16), randn(g, 40, 71, dtype=torch.bfloat16, scale=0.2)
-    assert not small_gemm.tma_takes(x, w)                 # 142-byte rows: TMA needs multiples of 16
-    config = GemmConfig(block_m=64, block_n=16, block_k=32, use_dot=True)
-    assert torch.equal(small_gemm.linear(x, w, config=dataclasses.replace(config, tma=True)),
-                       small_gemm.linear(x, w, config=config))
-
-
-def test_tma_config_refuses_what_its_kernel_cannot_do():
-    with pytest.raises(ValueError, match="GemmConfig.tma needs use_dot=True"):
-        GemmConfig(block_m=16, block_n=16, block_k=16, tma=True)
-    with pytest.raises(ValueError, match="GemmConfig.tma needs use_dot=True and preload=False"):
-        GemmConfig(block_m=16, block_n=16, block_k=16, use_dot=True, preload=True, tma=True)
-    with pytest.raises(TypeError, match="GemmConfig.tma must be a bool"):
-        GemmConfig(block_m=16, block_n=16, block_k=16, use_dot=True, tma=1)

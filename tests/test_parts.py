@@ -322,18 +322,11 @@ def test_the_plan_on_a_gpu_runs_every_kernel_the_reference_parts_allow(monkeypat
     from nanovllm_ref.utils.fusion import FusedKernels
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(numerics, "pdl_available", lambda device: True)
-    monkeypatch.setattr(numerics, "tma_available", lambda device: True)
     config = Config(tiny_dir("qwen3"), kvcache_block_size=16, max_model_len=64, max_num_seqs=8)
     plan = Parts().resolve(config, "cuda", torch.bfloat16)
     assert plan.attention == "triton" and plan.use_graphs and plan.async_scheduling and plan.fuse
     # Not the persistent batch-1 step: slower than these kernels on the H200 (kernels/persistent_decode.py).
-    # With TMA (Hopper) the small GEMM serves up to 256 rows (its TMA tiles above 64), else 64.
-    large = parts_mod.LARGE_BATCH_MAX_M
-    assert large == 256 and plan.ops.kernels == FusedKernels.all(pdl=True, max_m=large)
-    assert not plan.ops.kernels.persistent and "up to 256 rows for the GEMMs" in plan.describe()
-    with monkeypatch.context() as m:
-        m.setattr(numerics, "tma_available", lambda device: False)
-        assert Parts().resolve(config, "cuda", torch.bfloat16).ops.kernels == FusedKernels.all(pdl=True, max_m=64)
+    assert plan.ops.kernels == FusedKernels.all(pdl=True) and not plan.ops.kernels.persistent
     assert plan.ops.attention_backend.paged_decode is triton_backend.paged_decode_pdl
     assert plan.graph_sample_rows is sampler_kernel.sample_rows and plan.graph_batch_sizes == (1, 2, 4, 8)
     assert "row draw Triton kernel" in plan.describe() and "PDL on" in plan.describe()
@@ -347,7 +340,7 @@ def test_the_plan_on_a_gpu_runs_every_kernel_the_reference_parts_allow(monkeypat
     # decode_kernels="persistent": every kernel and the persistent batch-1 step; refused by name where it can't run.
     ask = Config(tiny_dir("qwen3"), kvcache_block_size=16, max_model_len=64, max_num_seqs=8, decode_kernels="persistent")
     on = Parts().resolve(ask, "cuda", torch.bfloat16)
-    assert on.ops.kernels == FusedKernels.all(pdl=True, persistent=True, max_m=large) and on.attention == "triton"
+    assert on.ops.kernels == FusedKernels.all(pdl=True, persistent=True) and on.attention == "triton"
     assert "a batch of one: one persistent kernel" in on.describe() and "persistent" not in plan.describe()
     # 'auto' picks the triton back-end for it even where flash-attn would be picked (installed, half dtype).
     from nanovllm_ref import attn as attn_mod

@@ -61,14 +61,6 @@ def pdl_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def tma_available(device: torch.device) -> bool:
-    """TMA tensor descriptors (kernels/small_gemm.py, GemmConfig.tma) need a CUDA device of compute capability >= 9
-    (Hopper); the interpreter emulates them."""
-    if interpreting():
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def pdl_launch_kwargs(use_pdl: bool) -> dict:
     """Launch options for a kernel whose USE_PDL constant is `use_pdl` ({} when off, so Triton builds
     without the option keep working)."""

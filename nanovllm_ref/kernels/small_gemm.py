@@ -50,10 +50,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm_ref.kernels.numerics import (DEFINED_INTERPRETED, interpreting, pdl_launch_kwargs, round_to,  # noqa: F401
-                                           tma_available)
+from nanovllm_ref.kernels.numerics import DEFINED_INTERPRETED, interpreting, pdl_launch_kwargs, round_to  # noqa: F401
 
 MAX_M = 512                # the kernel's limit; the engine's FusedKernels.max_m says which batches it serves
 TILE_M = 64                # above this many rows the rows are cut into tiles of TILE_M (grid axis 2)
@@ -78,9 +76,7 @@ class GemmConfig:
     preload: load the first K step's weight tile before waiting for the kernel in front (PDL's gdc_wait): the
     weights depend on nothing the step computes, so their first HBM round trip overlaps that kernel's tail
     (it changes no value: the same tiles are summed in the same order). launch_early: let the kernel behind
-    launch right after that load instead of after the K loop (only with preload). tma: x and W tiles come
-    through TMA tensor descriptors (Hopper's bulk tensor copies, `_tma_gemm_kernel`) instead of pointer loads
-    (only with use_dot; where the operands are not 16-byte aligned, the pointer kernel runs the same tiles)."""
+    launch right after that load instead of after the K loop (only with preload)."""
     block_m: int
     block_n: int
     block_k: int
@@ -90,7 +86,6 @@ class GemmConfig:
     num_stages: int = 2
     preload: bool = False
     launch_early: bool = False
-    tma: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -101,14 +96,11 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.split_k must be an int >= 1, got {self.split_k!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"GemmConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
-        for name in ("preload", "launch_early", "tma"):
+        for name in ("preload", "launch_early"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GemmConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.launch_early and not self.preload:
             raise ValueError("GemmConfig.launch_early needs preload=True (the early launch follows the preload)")
-        if self.tma and (not self.use_dot or self.preload):
-            raise ValueError("GemmConfig.tma needs use_dot=True and preload=False (the TMA kernel is a tl.dot "
-                             "kernel whose loads all follow the PDL wait)")
 
     def k_per_split(self, k: int) -> int:
         """K columns per split: a whole number of BLOCK_K steps, so only the last split is ragged."""
@@ -157,12 +149,10 @@ def choose_config(m: int, n: int, k: int, kind: str = "full", sms: int = 132) ->
         if kind == "partials":
             target = sms
     else:
-        # More rows than one tile (round 14): tiles of 128 rows whose x and W come through TMA descriptors; the
-        # partial sums split K for about one program an SM.
-        cfg = dict(block_m=128, block_n=64, use_dot=True, num_stages=3 if kind == "silu" else 4, block_k=64,
-                   num_warps=8 if kind == "silu" else 4, tma=True)
-        if kind == "partials":
-            target = sms
+        # More rows than one tile: tiles of TILE_M rows, and wider column tiles so that x (re-read from L2
+        # by every column tile) stays a small part of the traffic.
+        cfg = dict(block_m=TILE_M, block_n=64, use_dot=True, num_stages=4, block_k=64,
+                   num_warps=8 if kind == "silu" else 4)
     cfg["block_k"] = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     split = 1
     if kind == "partials":
@@ -188,7 +178,7 @@ def warm_batch_sizes(max_m: int = MAX_M) -> list[int]:
     seen, sizes = set(), []
     for m in range(1, max_m + 1):
         cfg = choose_config(m, 4096, 4096)
-        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.use_dot, cfg.num_warps, cfg.num_stages, cfg.tma)
+        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.use_dot, cfg.num_warps, cfg.num_stages)
         if key not in seen:
             seen.add(key)
             sizes.append(m)
@@ -307,72 +297,6 @@ def _small_gemm_kernel(
         tl.store(out_ptr + rows + offs_n[None, :], y.to(dtype), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _tma_gemm_kernel(x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_os, stride_om, k_per_split, up_rows,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     CAST_FP32: tl.constexpr, EMULATE_ROUNDING: tl.constexpr, USE_PDL: tl.constexpr,
-                     NUM_STAGES: tl.constexpr):
-    """`_small_gemm_kernel`'s three forms (tl.dot only) with x [M, K] and W [N, K] (or [2I, K]) read through TMA
-    descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] boxes. A box that runs past M, N or K reads zeros
-    (TMA's out-of-bounds fill), so no load needs a mask; the columns it computes past N (or, for the gate, into
-    the up rows) are never stored. K splits are whole BLOCK_K steps (GemmConfig.k_per_split), so a split never
-    reads its neighbour's columns."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    m0 = pid_m * BLOCK_M
-    n0 = pid_n * BLOCK_N
-    k_start = split * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    for k0 in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
-        x = x_desc.load([m0, k0])
-        w = w_desc.load([n0, k0])
-        if CAST_FP32:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc)
-        if SILU_MUL:
-            u = w_desc.load([up_rows + n0, k0])
-            if CAST_FP32:
-                u = u.to(tl.float32)
-            acc_up = tl.dot(x, tl.trans(u), acc_up)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    if HAS_BIAS:                                      # added once: by split 0 of the partial sums
-        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        acc += tl.where(split == 0, bias, 0.0)[None, :]
-        if SILU_MUL:
-            acc_up += tl.load(bias_ptr + up_rows + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_mask = (offs_m < M)[:, None] & n_mask[None, :]
-    rows = offs_m.to(tl.int64)[:, None] * stride_om
-    if PARTIALS:
-        tl.store(out_ptr + split * stride_os + rows + offs_n[None, :], acc, mask=out_mask)
-    else:
-        dtype = out_ptr.dtype.element_ty
-        y = round_to(acc, dtype, EMULATE_ROUNDING)
-        if SILU_MUL:
-            up = round_to(acc_up, dtype, EMULATE_ROUNDING)
-            y = round_to(y * tl.sigmoid(y), dtype, EMULATE_ROUNDING)
-            y = round_to(y * up, dtype, EMULATE_ROUNDING)
-        tl.store(out_ptr + rows + offs_n[None, :], y.to(dtype), mask=out_mask)
-
-
-def tma_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether TMA descriptors can hold x and weight: a Hopper GPU or the interpreter (numerics.tma_available), and
-    16-byte aligned bases and row strides (a TMA rule)."""
-    if not tma_available(x.device):
-        return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, weight))
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig | None):
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -400,18 +324,6 @@ def _launch(x, weight, bias, out, n_out, config, partials, silu, use_pdl):
     m, k = x.shape
     num_splits = config.num_splits(k) if partials else 1
     grid = (triton.cdiv(n_out, config.block_n), num_splits, triton.cdiv(m, config.block_m))
-    if config.tma and tma_takes(x, weight):
-        _tma_gemm_kernel[grid](
-            TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]),
-            TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),
-            bias if bias is not None else out, out, m, n_out, k, out.stride(0) if partials else 0, out.stride(-2),
-            config.k_per_split(k) if partials else k, n_out if silu else 0,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PARTIALS=partials,
-            SILU_MUL=silu, HAS_BIAS=bias is not None, CAST_FP32=interpreting(), EMULATE_ROUNDING=interpreting(),
-            USE_PDL=use_pdl, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
-            **pdl_launch_kwargs(use_pdl),
-        )
-        return out
     _small_gemm_kernel[grid](
         x, weight, bias if bias is not None else out, out,
         m, n_out, k, x.stride(0), weight.stride(0), out.stride(0) if partials else 0, out.stride(-2),
