@@ -139,8 +139,9 @@ def prefill(rec, device, shapes, dry: bool):
         def torch_fa():
             try:
                 return varlen_attn(q, k, v, cu, cu, mx, mx, scale=scale, window_size=(-1, 0), enable_gqa=True)
-            except TypeError:                            # torch 2.11's form
-                return varlen_attn(q, k, v, cu, cu, mx, mx, is_causal=True, scale=scale)
+            except TypeError as exc:                     # another torch's form: say which
+                import inspect
+                raise TypeError(f"{exc}; varlen_attn{inspect.signature(varlen_attn)}") from None
         cases.append(("torch varlen_attn", torch_fa))
     for name, fn in cases:
         try:
