@@ -402,13 +402,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def _decode_block_n(num_splits: int) -> int:
-    """Keys a tile of the decode kernel. One split (the large batches, which read most of the workload's KV): 128,
-    which read a 234-row batch of mixed contexts up to 1,024 tokens 1.3 % faster than 64 on an H100
-    (bench/results/kernels_round14_h100_2026-12-07.json); with splits 64, so that short contexts still split."""
-    if _interpreting():
-        return 16
-    return 128 if num_splits == 1 else 64
+def _decode_block_n() -> int:
+    return 16 if _interpreting() else 64
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, block_n=None,
@@ -440,12 +435,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    # Tiles of _decode_block_n keys, 4 warps, 2 stages. 32-key tiles with 2 warps and 3 stages were 4 % faster on
-    # 256 equal 512-token contexts but made the whole bench workload (mixed lengths) 4 % slower on the H200
+    # 64-key tiles, 4 warps, 2 stages. 32-key tiles with 2 warps and 3 stages were 4 % faster on 256 equal
+    # 512-token contexts but made the whole bench workload (mixed lengths) 4 % slower on the H200
     # (bench/results/ab5_h200_2026-12-02_small_tiles.json), so they are not used.
+    block_n, num_warps, num_stages = block_n or _decode_block_n(), num_warps or 4, num_stages or 2
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
-    block_n, num_warps, num_stages = block_n or _decode_block_n(num_splits), num_warps or 4, num_stages or 2
     block_d = triton.next_power_of_2(head_dim)
     if num_splits > 1:
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
