@@ -59,34 +59,44 @@ def engine_spec(m: int, small_max_m: int):
     return "default" if m <= small_max_m else "cublas"
 
 
-def candidates(m: int, op: str, s: dict, sms: int, dry: bool) -> list:
+def _round11_shapes(m: int, kind: str, dry: bool) -> list:
+    """(block_m, block_n, block_k, warps, stages) of this round's candidates at m rows for a form `kind`."""
+    import triton
+    from nanovllm_ref.kernels import small_gemm
+    if dry:
+        return [(16, 16, 16, 1, 1)]
+    if m <= small_gemm.TILE_M:
+        bm = max(16, triton.next_power_of_2(m))
+        shapes = [(bm, 32, 128, 4, 4), (bm, 16, 256, 4, 3), (bm, 32, 256, 4, 3), (bm, 64, 128, 4, 3),
+                  (bm, 32, 64, 4, 4), (bm, 64, 64, 4, 4), (bm, 16, 128, 4, 4)]
+        return shapes + ([(bm, 16, 128, 8, 4), (bm, 32, 128, 8, 4)] if kind == "silu" else [])
+    shapes = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 64, 64, 8, 3),
+              (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), (128, 32, 128, 4, 4), (64, 32, 128, 4, 4)]
+    return shapes + ([(64, 64, 64, 8, 4), (128, 64, 64, 8, 4)] if kind == "silu" else [])
+
+
+def candidates(m: int, op: str, s: dict, sms: int, dry: bool, shapes: list | None = None, targets=None) -> list:
     """Triton GemmConfigs to try for `op` at m rows, other than choose_config's own pick (dot form only: the GEMV
     form serves 1 row, which this round does not sweep). Partial sums get the K splits that give about 2 programs
-    an SM (the default's rule) for every tile shape, and also 1 and 4 for the first shape."""
+    an SM (the default's rule) for every tile shape, and also 1 and 4 for the first shape. shapes ((block_m,
+    block_n, block_k, warps, stages) a candidate) and targets (j -> the programs an SM to split K for, shape j)
+    replace this round's (round 14 passes its own)."""
     import triton
     from nanovllm_ref.kernels import small_gemm
     kind = OPS[op]
     n, k = op_shape(s, op)
     n_out = n // 2 if kind == "silu" else n
-    if dry:
-        shapes = [(16, 16, 16, 1, 1)]
-    elif m <= small_gemm.TILE_M:
-        bm = max(16, triton.next_power_of_2(m))
-        shapes = [(bm, 32, 128, 4, 4), (bm, 16, 256, 4, 3), (bm, 32, 256, 4, 3), (bm, 64, 128, 4, 3),
-                  (bm, 32, 64, 4, 4), (bm, 64, 64, 4, 4), (bm, 16, 128, 4, 4)]
-        if kind == "silu":
-            shapes += [(bm, 16, 128, 8, 4), (bm, 32, 128, 8, 4)]
-    else:
-        shapes = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 64, 64, 8, 3),
-                  (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), (128, 32, 128, 4, 4), (64, 32, 128, 4, 4)]
-        if kind == "silu":
-            shapes += [(64, 64, 64, 8, 4), (128, 64, 64, 8, 4)]
+    if shapes is None:
+        shapes = _round11_shapes(m, kind, dry)
     default = small_gemm.choose_config(m, n, k, kind, sms)
     out = []
     for j, (bm, bn, bk, warps, stages) in enumerate(shapes):
         bk = min(bk, max(16, triton.next_power_of_2(k)))
-        targets = (2,) if kind != "partials" else ((2, 1, 4) if j == 0 else (2,))
-        for t in targets:
+        if kind != "partials":
+            per_sm = (2,)
+        else:
+            per_sm = targets(j) if targets else ((2, 1, 4) if j == 0 else (2,))
+        for t in per_sm:
             split = 1
             if kind == "partials":
                 tiles = triton.cdiv(n_out, bn) * triton.cdiv(m, bm)
@@ -158,34 +168,40 @@ class Ctx:
         return round(r3.time_us([lambda: self.run(plan)], self.device, reps=3, iters=5)[0] / len(self.layers), 2)
 
 
-def sweep_m(rec, ctx: Ctx, sms: int, dry: bool, budget, best: dict):
-    """Every candidate of every projection at ctx.m rows, one projection changed at a time (module docstring)."""
+def sweep_m(rec, ctx: Ctx, sms: int, dry: bool, budget, best: dict, specs_for=None, section: str = "sweep"):
+    """Every candidate of every projection at ctx.m rows, one projection changed at a time (module docstring).
+    specs_for(op): the specs to try for op (default: cuBLAS, choose_config's pick and `candidates`; round 14 passes
+    its TMA GEMMs). Rows go to rec[section], one summary a batch size to rec[section + "_summary"]; each row holds
+    its output's largest difference from the engine's plan (bf16 rounding: ~0.1 expected)."""
     base_before = ctx.us(ctx.engine)
-    rec.add("sweep", {"m": ctx.m, "op": None, "spec": "engine", "engine": {op: ctx.engine[op] for op in OPS},
+    ref = ctx.run(ctx.engine).float()
+    rec.add(section, {"m": ctx.m, "op": None, "spec": "engine", "engine": {op: spec_name(ctx.engine[op]) for op in OPS},
                       "us_a_layer": base_before})
-    r3.log(f"  M={ctx.m:<3d} engine ({ctx.engine['qkv']}) {base_before} us a layer")
+    r3.log(f"  M={ctx.m:<3d} engine ({spec_name(ctx.engine['qkv'])}) {base_before} us a layer")
     rows = []
     for op in OPS:
-        specs = ["cublas", "default"] + candidates(ctx.m, op, ctx.s, sms, dry)
+        specs = specs_for(op) if specs_for else ["cublas", "default"] + candidates(ctx.m, op, ctx.s, sms, dry)
         for spec in specs:
             if spec == ctx.engine[op]:
                 continue
             if budget.left() < 4.0:
-                rec.add("skipped", {"case": f"sweep M={ctx.m} {op} {spec_name(spec)}", "why": "time budget"})
+                rec.add("skipped", {"case": f"{section} M={ctx.m} {op} {spec_name(spec)}", "why": "time budget"})
                 continue
             plan = {**ctx.engine, op: spec}
             try:
+                diff = round(float((ctx.run(plan).float() - ref).abs().max()), 4)
                 us = ctx.us(plan)
             except Exception as exc:                     # noqa: BLE001 (a config that does not build is a result)
-                rec.add("errors", {"case": f"sweep M={ctx.m} {op} {spec_name(spec)}",
+                rec.add("errors", {"case": f"{section} M={ctx.m} {op} {spec_name(spec)}",
                                    "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 continue
-            row = {"m": ctx.m, "op": op, "spec": spec_name(spec), "config": spec_record(spec), "us_a_layer": us}
+            row = {"m": ctx.m, "op": op, "spec": spec_name(spec), "config": spec_record(spec), "us_a_layer": us,
+                   "max_abs_diff_vs_engine": diff}
             rows.append((row, spec))
-            rec.add("sweep", row)
+            rec.add(section, row)
     base_after = ctx.us(ctx.engine)
     base = (base_before + base_after) / 2
-    rec.add("sweep", {"m": ctx.m, "op": None, "spec": "engine (after)", "us_a_layer": base_after})
+    rec.add(section, {"m": ctx.m, "op": None, "spec": "engine (after)", "us_a_layer": base_after})
     for row, _ in rows:
         row["vs_engine_us"] = round(row["us_a_layer"] - base, 2)
     for op in OPS:
@@ -195,10 +211,10 @@ def sweep_m(rec, ctx: Ctx, sms: int, dry: bool, budget, best: dict):
         drift = abs(base_after - base_before) / 2 + 0.05
         best[(ctx.m, op)] = win[2] if win and win[0] < base - drift else ctx.engine[op]
         if win:
-            r3.log(f"    {op:8s} best {spec_name(win[2]):32s} {win[0]:7.2f} us a layer ({win[0] - base:+.2f}); "
+            r3.log(f"    {op:8s} best {spec_name(win[2]):36s} {win[0]:7.2f} us a layer ({win[0] - base:+.2f}); "
                    f"keeps {spec_name(best[(ctx.m, op)])}")
-    rec.add("sweep_summary", {"m": ctx.m, "engine_us_before": base_before, "engine_us_after": base_after,
-                              "best": {op: spec_record(best[(ctx.m, op)]) for op in OPS}})
+    rec.add(f"{section}_summary", {"m": ctx.m, "engine_us_before": base_before, "engine_us_after": base_after,
+                                   "best": {op: spec_record(best[(ctx.m, op)]) for op in OPS}})
 
 
 def best_m(rec, ctx: Ctx, best: dict):

@@ -173,70 +173,17 @@ class TmaSpec:
 
 
 def tma_candidates(m: int, op: str, s: dict, sms: int, dry: bool) -> list:
-    """TmaSpecs for `op` at m rows: a few tile shapes; partial sums with K splits for about 1 and 2 programs an SM."""
-    from nanovllm_ref.kernels import small_gemm
-    kind = r11.OPS[op]
-    n, k = r11.op_shape(s, op)
-    n_out = n // 2 if kind == "silu" else n
+    """TmaSpecs for `op` at m rows: a few tile shapes (kernels_round11.candidates' rule); partial sums with K splits
+    for about 1 and 2 programs an SM."""
     if dry:
         shapes = [(16, 16, 16, 4, 2)]
-    elif kind == "silu":
+    elif r11.OPS[op] == "silu":
         shapes = [(128, 64, 64, 8, 3), (64, 64, 64, 4, 4), (128, 32, 64, 4, 4), (64, 128, 64, 8, 3),
                   (128, 64, 128, 8, 3), (64, 32, 128, 4, 4)]
     else:
         shapes = [(128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 128, 4, 3),
                   (64, 64, 128, 4, 4), (128, 32, 128, 4, 4)]
-    out = []
-    for bm, bn, bk, warps, stages in shapes:
-        bk = min(bk, max(16, triton.next_power_of_2(k)))
-        for t in ((1, 2) if kind == "partials" else (None,)):
-            split = 1
-            if kind == "partials":
-                tiles = triton.cdiv(n_out, bn) * triton.cdiv(m, bm)
-                split = max(1, min(triton.cdiv(t * sms, tiles), triton.cdiv(k, bk)))
-            spec = TmaSpec(small_gemm.GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, use_dot=True,
-                                                 num_warps=warps, num_stages=stages))
-            if spec not in out:
-                out.append(spec)
-    return out
-
-
-def chain_m(rec, ctx, sms: int, dry: bool, budget, best: dict):
-    """Each projection as cuBLAS (the engine above 64 rows), the small GEMM's pick or a TMA candidate, one changed
-    at a time; each row with its output's largest difference from the engine's (bf16 rounding: ~0.1 expected)."""
-    base_before = ctx.us(ctx.engine)
-    ref = ctx.run(ctx.engine).float()
-    rec.add("chain", {"m": ctx.m, "op": None, "spec": "engine", "us_a_layer": base_before})
-    r3.log(f"  M={ctx.m:<3d} engine {base_before} us a layer")
-    rows = []
-    for op in r11.OPS:
-        for spec in ["default"] + tma_candidates(ctx.m, op, ctx.s, sms, dry):
-            if budget.left() < 6.0:
-                rec.add("skipped", {"case": f"chain M={ctx.m} {op} {r11.spec_name(spec)}", "why": "time budget"})
-                continue
-            try:
-                plan = {**ctx.engine, op: spec}
-                err = round(float((ctx.run(plan).float() - ref).abs().max()), 4)
-                us = ctx.us(plan)
-            except Exception as exc:                     # noqa: BLE001 (a config that does not build is a result)
-                rec.add("errors", {"case": f"chain M={ctx.m} {op} {r11.spec_name(spec)}",
-                                   "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-                continue
-            row = {"m": ctx.m, "op": op, "spec": r11.spec_name(spec), "us_a_layer": us, "max_abs_diff_vs_engine": err}
-            rows.append((row, spec))
-            rec.add("chain", row)
-    base_after = ctx.us(ctx.engine)
-    base = (base_before + base_after) / 2
-    rec.add("chain", {"m": ctx.m, "op": None, "spec": "engine (after)", "us_a_layer": base_after})
-    drift = abs(base_after - base_before) / 2 + 0.05
-    for op in r11.OPS:
-        mine = [(row["us_a_layer"], j, spec) for j, (row, spec) in enumerate(rows) if row["op"] == op]
-        for row, _ in rows:
-            row["vs_engine_us"] = round(row["us_a_layer"] - base, 2)
-        win = min(mine, key=lambda t: t[:2]) if mine else None
-        best[(ctx.m, op)] = win[2] if win and win[0] < base - drift else ctx.engine[op]
-        if win:
-            r3.log(f"    {op:8s} best {r11.spec_name(win[2]):36s} {win[0]:7.2f} us a layer ({win[0] - base:+.2f})")
+    return [TmaSpec(c) for c in r11.candidates(m, op, s, sms, dry, shapes=shapes, targets=lambda j: (1, 2))]
 
 
 def cublas_trace(rec, ctx):
@@ -275,7 +222,7 @@ def cublas_trace(rec, ctx):
 def main(args) -> int:
     from nanovllm_ref.kernels import small_gemm
     from nanovllm_ref.kernels.numerics import pdl_available
-    run = r3.begin(args, "bench/kernels_round14.py", ("bandwidth", "prefill", "chain", "best", "trace"))
+    run = r3.begin(args, "bench/kernels_round14.py", ("bandwidth", "prefill", "chain", "chain_summary", "best", "trace"))
     if run is None:
         return 2
     device, shapes, dtype, rec, budget = run.device, run.shapes, run.dtype, run.rec, run.budget
@@ -299,7 +246,9 @@ def main(args) -> int:
     if "chain" in sections:
         r3.log("2. chain: each projection as cuBLAS or a TMA Triton GEMM, one at a time, then the best plan")
         for m in ms:
-            r3.guarded(rec, budget, f"chain M={m}", lambda: chain_m(rec, ctxs[m], sms, dry, budget, best),
+            specs = (lambda op, m=m: ["default"] + tma_candidates(m, op, shapes, sms, dry))
+            r3.guarded(rec, budget, f"chain M={m}",
+                       lambda: r11.sweep_m(rec, ctxs[m], sms, dry, budget, best, specs_for=specs, section="chain"),
                        min_left=8.0)
         for m in ms:
             if any((m, op) in best for op in r11.OPS):
