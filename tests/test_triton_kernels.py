@@ -257,3 +257,21 @@ def test_varlen_prefill_on_fused_qkv_views_matches_reference(group, head_dim, dt
     args = (q, k, v, cu, cu, max(lens), max(lens), head_dim ** -0.5)
     got = tb.varlen_prefill(*args)
     assert_attention_close(got, ref.varlen_prefill(*args), dtype)
+
+
+def test_varlen_prefill_takes_a_benchmark_launch_and_refuses_a_bad_one():
+    """varlen_prefill's launch override (bench/kernels_round14.py): another tile shape gives the same attention
+    within the dtype's tolerance; a launch that is not four positive ints (tiles and warps powers of two) is
+    refused by name, also for an empty batch."""
+    g = _gen(404)
+    lens = [5, 1, 33, 17]
+    q, k, v = _fused_kv(g, sum(lens), 4, 2, 16, torch.float32)
+    cu = _cu(lens)
+    args = (q, k, v, cu, cu, max(lens), max(lens), 0.25)
+    assert_attention_close(kattn.varlen_prefill(*args, launch=(32, 16, 4, 1)), ref.varlen_prefill(*args), torch.float32)
+    for bad in [(16, 16, 4), (16, 24, 4, 1), (16, 16, 4, 0), [16, 16, 4, 1], (16, 16, True, 1)]:
+        with pytest.raises(ValueError, match="launch must be"):
+            kattn.varlen_prefill(*args, launch=bad)
+    empty = torch.zeros(0, 4, 16)
+    with pytest.raises(ValueError, match="launch must be"):
+        kattn.varlen_prefill(empty, empty[:, :2], empty[:, :2], _cu([]), _cu([]), 0, 0, 0.25, launch=(3, 16, 4, 1))

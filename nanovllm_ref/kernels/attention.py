@@ -225,6 +225,11 @@ def _check_q(q, num_kv_heads, head_dim):
 
 def _launch_prefill(q, k, v, block_tables, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, paged,
                     block_size, stride_k, stride_v, launch=None):
+    if launch is not None and (not isinstance(launch, tuple) or len(launch) != 4 or
+                               not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in launch)
+                               or any(v & (v - 1) for v in launch[:3])):
+        raise ValueError(f"launch must be (BLOCK_M, BLOCK_N, num_warps, num_stages): powers of two but num_stages, "
+                         f"every one a positive int; got {launch!r}")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     num_seqs = cu_seqlens_q.shape[0] - 1
