@@ -164,6 +164,24 @@ class Ctx:
     def run(self, plan):
         return chain(self.x, self.layers, self.s, plan, self.pdl)
 
+    def profiled_kernels(self, plan, replays: int) -> list:
+        """The CUDA kernels torch.profiler saw over `replays` replays of one graph of the chain under `plan`, in
+        start order (CUDA only)."""
+        from torch.profiler import ProfilerActivity, profile
+        self.run(plan)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.run(plan)
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        return sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
+                      key=lambda e: e.time_range.start)
+
     def us(self, plan) -> float:
         return round(r3.time_us([lambda: self.run(plan)], self.device, reps=3, iters=5)[0] / len(self.layers), 2)
 
@@ -243,21 +261,7 @@ def trace_m(rec, ctx: Ctx):
     if ctx.device.type != "cuda":
         rec.add("trace", {"m": ctx.m, "note": "no CUDA: no trace"})
         return
-    from torch.profiler import ProfilerActivity, profile
-    plan = ctx.engine
-    ctx.run(plan)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ctx.run(plan)
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
-                     key=lambda e: e.time_range.start)
+    kernels = ctx.profiled_kernels(ctx.engine, replays=3)
     if not kernels:
         rec.add("trace", {"m": ctx.m, "note": "the profiler saw no kernels"})
         return

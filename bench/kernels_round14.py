@@ -191,19 +191,7 @@ def cublas_trace(rec, ctx):
     if ctx.device.type != "cuda":
         rec.add("trace", {"m": ctx.m, "note": "no CUDA: no trace"})
         return
-    from torch.profiler import ProfilerActivity, profile
-    ctx.run(ctx.engine)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ctx.run(ctx.engine)
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
-                     key=lambda e: e.time_range.start)
+    kernels = ctx.profiled_kernels(ctx.engine, replays=1)
     by_name: dict = {}
     for e in kernels:
         t = by_name.setdefault(e.name, [0, 0.0])
