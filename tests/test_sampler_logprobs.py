@@ -112,6 +112,29 @@ def test_completion_logprobs_equal_hfs_raw_distribution(async_scheduling):
     llm.exit()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_logprobs_zero_alone_keys_each_entry_by_its_own_token(async_scheduling):
+    """logprobs=0 in every row: the chosen token's column is then the whole result, no top-k copy is made,
+    and on the CPU it once viewed the runner's id buffer, which the next (async) step overwrote before the
+    host read it: each entry was keyed by the next token (a reported fault). Keys and values must be each
+    token's own, equal to logprobs=1's chosen entry (to ATOL: the two runs batch differently)."""
+    path = tiny_dir("qwen3")
+    prompts = _prompts(7, 3)
+    llm = LLM(path, kvcache_block_size=4, max_model_len=64, async_scheduling=async_scheduling)
+    zero = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    one = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1),
+                       use_tqdm=False)
+    for z, o in zip(zero, one):
+        cz, co = z.outputs[0], o.outputs[0]
+        assert cz.token_ids == co.token_ids
+        assert [list(e) for e in cz.logprobs] == [[t] for t in cz.token_ids]
+        for t, ez, eo in zip(cz.token_ids, cz.logprobs, co.logprobs):
+            assert ez[t].rank == eo[t].rank and abs(ez[t].logprob - eo[t].logprob) <= ATOL
+            assert ez[t].decoded_token == llm.tokenizer.decode([t])
+    llm.exit()
+
+
 @pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=8, max_num_seqs=3)],
                          ids=["one_chunk", "chunked_prefill"])
 def test_prompt_logprobs_equal_hfs_per_position(engine_args):

@@ -176,8 +176,10 @@ class PendingStep:
         self._n = ids.shape[0]
         self.prompt_owners = prompt_owners
         if host is None:                              # CPU: the step has already run
+            # Read everything now: `ids` (and a logprobs column taken from it) views the runner's last_ids,
+            # which the next step, launched before this one is read (async scheduling), overwrites.
             self._ids, self._event = ids.tolist(), None
-            self._logprobs = (logprobs, prompt_logprobs)
+            self._logprobs = (_lists(logprobs), _lists(prompt_logprobs))
         else:
             host[:self._n].copy_(ids, non_blocking=True)
             self._logprobs = (_to_host(logprobs, True), _to_host(prompt_logprobs, True))
@@ -188,11 +190,12 @@ class PendingStep:
         if self._event is not None:
             self._event.synchronize()
             self._ids, self._event = self._host[:self._n].tolist(), None
+            self._logprobs = tuple(map(_lists, self._logprobs))
         return self._ids
 
     def logprobs(self) -> tuple:
         self.token_ids()
-        return tuple(map(_lists, self._logprobs))
+        return self._logprobs
 
 
 class ModelRunner:

@@ -41,7 +41,8 @@ def gather_logprobs(logits: torch.Tensor, num_top: int, chosen: torch.Tensor) ->
     parts = []
     for start in range(0, max(logits.shape[0], 1), ROWS_PER_PASS):
         lp = compute_logprobs(logits[start:start + ROWS_PER_PASS])
-        ids = chosen[start:start + ROWS_PER_PASS].long().unsqueeze(-1)
+        # a copy: `chosen` may be a buffer the next step overwrites before these reach the host
+        ids = chosen[start:start + ROWS_PER_PASS].to(torch.int64, copy=True).unsqueeze(-1)
         own = lp.gather(-1, ids)
         ranks = (lp >= own).sum(dim=-1)
         if num_top > 0:
