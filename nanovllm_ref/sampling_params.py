@@ -8,6 +8,7 @@ its default, by name, instead of ignoring it. Every field is implemented now, so
 """
 import math
 import numbers
+import struct
 from dataclasses import KW_ONLY, dataclass
 
 from nanovllm_ref.errors import RequestError, RequestTypeError
@@ -17,6 +18,7 @@ GREEDY_BELOW = 1e-5
 # top_k values above this are stored as it: it exceeds every vocabulary, so it keeps every token, and it
 # fits the int64 tensor the sampler reads (10**30 would not).
 TOP_K_MAX = 2**31 - 1
+_FP32_MAX = 3.4028234663852886e38
 
 # Fields whose sampler side is not implemented yet, with their defaults. The engine refuses a request whose
 # value differs (nanovllm_ref.engine.request.check_request). Remove a name here when it is implemented.
@@ -33,11 +35,26 @@ def _int(name: str, value, low: int, high: int | None = None, what: str = "", fi
     return int(value)
 
 
+def _as_fp32(value: float) -> float:
+    """value rounded to fp32, the precision the sampler computes in (inf where fp32 cannot hold it)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf
+
+
 def _real(name: str, value, ok, rng: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RequestTypeError(name, f"{name} must be a number {rng}, got {type(value).__name__}")
     if not math.isfinite(value) or not ok(value):        # also refuses NaN
         raise RequestError(name, f"{name} must be a finite number {rng}, got {value}")
+    # The sampler reads the value as fp32: 1e300 would become inf there (a temperature of inf turns masked
+    # logits into NaN) and 1e-300 would become 0 (a repetition penalty of 0). The rule must hold after that
+    # rounding too.
+    rounded = _as_fp32(float(value))
+    if not math.isfinite(rounded) or not ok(rounded):
+        raise RequestError(name, f"{name} must be a finite number {rng} in fp32's range (the sampler's "
+                                 f"precision; its largest is {_FP32_MAX:.4g}), got {value}")
     return float(value)
 
 

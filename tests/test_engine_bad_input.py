@@ -107,10 +107,30 @@ def test_huge_top_k_keeps_every_token_and_never_fails_mid_run():
     (dict(repetition_penalty=0), ValueError, "repetition_penalty must be a finite number > 0"),
     (dict(min_p=1.5), ValueError, r"min_p must be a finite number in \[0, 1\]"),
     (dict(top_k=-2), ValueError, "top_k"),
+    # finite in Python, not in the sampler's fp32 (a reported fault: 1e300 became inf, and min_tokens' masked
+    # logits then NaN, so every token was id 0), or out of the rule once rounded to fp32
+    (dict(temperature=1e300), ValueError, "temperature must be a finite number >= 0 .* in fp32's range"),
+    (dict(temperature=3.5e38), ValueError, "temperature .* fp32"),
+    (dict(repetition_penalty=1e308), ValueError, "repetition_penalty .* fp32"),
+    (dict(repetition_penalty=1e-300), ValueError, r"repetition_penalty must be a finite number > 0 .* fp32"),
+    (dict(top_p=1e-50), ValueError, r"top_p must be a finite number in \(0, 1\] .* fp32"),
 ])
 def test_new_sampling_fields_are_checked_by_name(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         SamplingParams(**kwargs)
+
+
+def test_the_largest_fp32_temperature_samples_flat_with_min_tokens():
+    """3.4e38 fits fp32, so it is taken: logits / T are all about 0, the draw is flat, exactly as at 1e30 with
+    the same seed, and min_tokens' masked tokens stay masked (no NaN rows, no id 0 run)."""
+    llm = LLM(tiny_dir("qwen3"), kvcache_block_size=4, max_model_len=64)
+    for seed in range(3):
+        got = [llm.generate([[5, 6, 7]], SamplingParams(temperature=t, max_tokens=6, min_tokens=4, seed=seed,
+                                                          stop_token_ids=[5]), use_tqdm=False)[0].outputs[0].token_ids
+               for t in (3.4e38, 1e30)]
+        assert got[0] == got[1], (seed, got)
+        assert not {5, llm.tokenizer.eos_token_id} & set(got[0][:4]) and got[0][:4] != [0] * 4
+    llm.exit()
 
 
 def test_fields_past_the_first_five_are_keyword_only_and_normalised():
