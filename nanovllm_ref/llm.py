@@ -113,6 +113,9 @@ def chat_token_ids(tokenizer, conversation, add_generation_prompt: bool = True, 
                          "the template expects") from exc
     except Exception as exc:
         raise ValueError(f"apply_chat_template refused {where} ({type(exc).__name__}: {exc}); check {given}") from exc
+    if len(ids) == 0:       # named here: the engine's own "prompts[i] is empty" would point at the wrong argument
+        raise ValueError(f"the chat template rendered {where} to no tokens; check {given} against what the "
+                         "template expects")
     return [int(t) for t in ids]
 
 

@@ -76,6 +76,8 @@ def test_tool_call_messages_without_content_go_to_the_template(llm):
     (dict(tools={"name": "f"}), TypeError, "tools must be a list"),
     (dict(documents="Paris"), TypeError, "documents must be a list"),
     (dict(chat_template=3), TypeError, "chat_template must be a str"),
+    # a template that renders nothing: named as the conversation, not as "prompts[0] is empty"
+    (dict(chat_template="{% if false %}x{% endif %}"), ValueError, r"rendered messages\[0\] to no tokens"),
 ])
 def test_bad_chat_options_raise_named_errors_before_any_work(llm, kwargs, exc, match):
     with pytest.raises(exc, match=match):
