@@ -19,7 +19,8 @@ private temporary folder, with msgspec messages (engine/core_messages.py):
     front end ◀─ PULL output (EngineCoreOutputs, one per step) ◀────────────────────────── PUSH  core
 
 The core's busy loop: take every add and abort that arrived, run one step, send its outputs, again; block on
-the input socket while it has no work. It never waits for the front end, so the front end's text work
+the input socket while it has no work (aborts that leave it without work still send one message: the
+scheduler's stats after them, so the front end's `core_stats` do not keep the aborted requests). It never waits for the front end, so the front end's text work
 (detokenizing, stop strings, HTTP) overlaps the next step instead of delaying it. It stops on
 EngineCoreShutdown, on an exception in a step (sending `EngineCoreOutputs(error=...)` first), or when its
 parent dies (Linux: PR_SET_PDEATHSIG; elsewhere it notices within a second), so a killed server leaves no
@@ -325,7 +326,7 @@ def run_engine_core(config, parts, input_addr: str, output_addr: str, ready, par
                 while not inp.poll(IDLE_POLL_MS):          # idle: block on the input socket
                     if os.getppid() != parent_pid:         # orphaned (no PDEATHSIG here): stop
                         return
-            stop = False
+            stop = aborted = False
             while True:                                    # every add and abort that arrived, in order
                 try:
                     message = decode(inp.recv(zmq.NOBLOCK, copy=False).buffer)
@@ -335,12 +336,15 @@ def run_engine_core(config, parts, input_addr: str, output_addr: str, ready, par
                     core.add_request(message)
                 elif isinstance(message, EngineCoreAbort):
                     core.abort([message.request_id if message.index < 0 else (message.request_id, message.index)])
+                    aborted = True
                 else:
                     stop = True
             if stop:
                 return
             if core.has_work():
                 out.send(encode(core.step()), copy=False)
+            elif aborted:                                  # no step follows: still report the freed seats and blocks
+                out.send(encode(EngineCoreOutputs(scheduler_stats=core.scheduler_stats())), copy=False)
     except BaseException as exc:
         traceback.print_exc()
         out.send(encode(EngineCoreOutputs(error=f"{type(exc).__name__}: {exc}")))

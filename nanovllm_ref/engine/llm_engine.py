@@ -224,11 +224,13 @@ class LLMEngine:
         """One engine step; returns the requests that got new tokens in it (finished ones included, and
         dropped from `requests`). Sets `last_step` (the step launched)."""
         self._check_open()
+        batches = None
         if not isinstance(self.core_client, InprocClient) and not self.output_processor.has_unfinished_requests():
-            self.last_step, self.last_steps = None, []       # nothing to wait for: the core is idle or draining
-            return []
+            # Nothing to wait for: the core is idle or draining. Take in what already arrived (the steps after an
+            # abort, the stats message an idle core sends after one), so core_stats say what the core holds now.
+            batches = self.core_client.get_outputs(timeout_ms=0)
         progressed, steps = {}, []
-        for outs in self.core_client.get_outputs():
+        for outs in self.core_client.get_outputs() if batches is None else batches:
             if outs.step is not None:
                 steps.append(StepStats(outs.step.kind, outs.step.num_tokens, outs.step.num_seqs))
                 self.core_steps += 1

@@ -26,7 +26,8 @@ Failure and shutdown: if `step()` raises, the engine is dead: every open request
 later submits raise EngineDead (503). With the engine core in its own process (`serve --engine-core
 process`, engine/core_client.py) that covers the core dying: `step()` waits on the core's output socket and
 its process sentinel together, so a core that raised, was killed or ran out of memory fails the step at once;
-while idle the loop asks `engine.check_health()` every HEALTH_POLL_S. `begin_shutdown()` (on SIGTERM) refuses new requests and aborts every
+while idle the loop asks `engine.check_health()` every HEALTH_POLL_S, and takes its stats again (a process core
+reports the seats and blocks that aborts freed after the loop went idle). `begin_shutdown()` (on SIGTERM) refuses new requests and aborts every
 open one; `shutdown()` then stops the thread, which applies those aborts and calls `engine.exit()`.
 
 Threads: the groups and their queues belong to the event loop; the pending adds and aborts are shared, under
@@ -265,6 +266,8 @@ class EngineLoop:
                         self._cond.wait(HEALTH_POLL_S if check_health is not None else None)
                         if check_health is not None:
                             check_health()
+                            # such a core may report after the loop went idle (the stats after aborts)
+                            self._refresh_stats()
                     adds, self._pending_adds = self._pending_adds, []
                     aborts, self._pending_aborts = self._pending_aborts, set()
                     stop = self._stop
@@ -299,12 +302,16 @@ class EngineLoop:
             self.timing["steps"] += 1
             self.timing["step_s"] += time.perf_counter() - before
         self.num_steps += bool(outputs)
-        stats = getattr(self.engine, "stats", None)
-        if stats is not None:
-            self.engine_stats = stats()
+        self._refresh_stats()
         self.timing["tick_s"] += time.perf_counter() - start
         self.timing["engine_cpu_s"] += time.thread_time() - cpu_start
         return refused, outputs, self.engine.has_unfinished_requests()
+
+    def _refresh_stats(self) -> None:
+        """On the engine thread: engine_stats from the engine's stats(), if it has one."""
+        stats = getattr(self.engine, "stats", None)
+        if stats is not None:
+            self.engine_stats = stats()
 
     def _deliver(self, adds, refused, outputs) -> None:
         start = time.perf_counter()

@@ -142,13 +142,16 @@ class LLMEngineAdapter:
 
     def stats(self) -> dict:
         """Sequences running / waiting and KV blocks free / in all (a replaced scheduler or block manager may
-        lack some of them: those are left out), as the core reported them after its last step taken in; with
+        lack some of them: those are left out), as the core reported them after its last step taken in (while
+        idle, the messages that arrived are taken in first, so aborted requests drop out of them); with
         a process core also its pid, the core steps taken in (`core_steps`), the seconds the core spent in them
         (`core_step_s`) and both by what the step launched after what (`core_step_kinds`: {"decode>prefill":
         [steps, seconds, tokens launched], ...}; LLMEngine.core_step_kinds)."""
         from nanovllm_ref.engine.core_client import ProcessClient
         client = getattr(self.engine, "core_client", None)
         if isinstance(client, ProcessClient):
+            if self.engine.is_finished():
+                self.engine.step()       # idle: never waits; takes in the core's messages since (after aborts)
             return {**self.engine.core_stats, "core_pid": client.pid, "core_steps": self.engine.core_steps,
                     "core_step_s": round(self.engine.core_step_s, 6),
                     "core_step_kinds": {k: [n, round(t, 6), tokens]
