@@ -20,6 +20,7 @@ The server loads it through its test hook, in a subprocess started by a test:
   vocabulary, an empty prompt, a request that can never fit the cache, n above max_num_seqs... are the
   engine's own RequestErrors here too; add_request runs it as well;
 - with SamplingParams.logprobs = k, each token gets a logprob dict like the real engine's (fake_logprobs);
+- `slow_encode_s`: encoding a text that holds "SLOW" sleeps that long first (a prompt of many MB);
 - `record`: a JSON-lines file of events, one per add / abort / step / exit, which the tests read: the server
   runs in another process. An add records the whole SamplingParams (`sampling_params`).
 """
@@ -109,7 +110,7 @@ class FakeEngine:
     max_num_seqs); the others are recorded and ignored. step_delay: seconds each step sleeps (a slow GPU)."""
 
     def __init__(self, model, max_model_len=None, max_num_seqs=8, step_delay=0.0, record=None,
-                 kv_cache_tokens=4096, eos_after=24, fail_at_step=None, **engine_args):
+                 kv_cache_tokens=4096, eos_after=24, fail_at_step=None, slow_encode_s=0.0, **engine_args):
         import warnings
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -135,8 +136,21 @@ class FakeEngine:
         self.num_steps = 0
         self.closed = False
         self._record = open(record, "a", buffering=1) if record else None
+        if slow_encode_s:
+            self._slow_encode(slow_encode_s)
         self._log({"event": "start", "engine_args": {k: v for k, v in engine_args.items()
                                                      if isinstance(v, (int, float, str, bool, type(None)))}})
+
+    def _slow_encode(self, seconds: float) -> None:
+        """Encoding a text that holds "SLOW" takes `seconds` (a prompt of many MB), logged as "encode_start"."""
+        encode = self.tokenizer.encode
+
+        def slow(text, *args, **kwargs):
+            if isinstance(text, str) and "SLOW" in text:
+                self._log({"event": "encode_start"})
+                time.sleep(seconds)
+            return encode(text, *args, **kwargs)
+        self.tokenizer.encode = slow
 
     def _log(self, event: dict) -> None:
         self.calls.append(event)

@@ -84,6 +84,27 @@ def test_sigterm_aborts_open_requests_calls_exit_and_exits_0(fake_server):
     assert "Application shutdown complete" in srv.log()
 
 
+def test_sigterm_answers_a_request_still_being_tokenized_503_and_exits_promptly(fake_server):
+    """A request on the tokenizing thread at SIGTERM is not yet the engine loop's: it once went on being
+    encoded, uvicorn's graceful timeout (10 s) cancelled it with a plain-text 500, and the exit then waited for
+    the encoding to end (reported for a 7.5 MB prompt). Now: OpenAI's 503 body at once, and the process exits
+    without waiting for the encoding (here 120 s; the 30 s bound is a liveness bound, not a timing)."""
+    import threading
+    srv = fake_server({"slow_encode_s": 120})
+    got = []
+    sender = threading.Thread(target=lambda: got.append(httpx.post(
+        srv.url + "/v1/completions", json={"prompt": "SLOW text", "max_tokens": 2}, timeout=60)), daemon=True)
+    sender.start()
+    srv.wait_for(lambda ev: any(e["event"] == "encode_start" for e in ev), what="the prompt's encoding")
+    status = srv.terminate(timeout=30)
+    sender.join(30)
+    assert status == 0, srv.log()
+    assert got and got[0].status_code == 503, got and got[0].text
+    error = got[0].json()["error"]
+    assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+    assert srv.events("add") == [], "the request reached the engine after shutdown began"
+
+
 def _serve(args, timeout=120):
     cmd = [sys.executable, "-m", "nanovllm_ref", "serve", *args]
     return subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)

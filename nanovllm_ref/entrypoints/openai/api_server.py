@@ -27,8 +27,8 @@ than --max-queued-requests); 404 for another model's name or an unknown route; 4
 methods; 413 for a body over --max-request-bytes; 500 for a server fault; 503 when the server already holds
 `--max-queued-requests` requests, or is stopping. A client that disconnects has its requests aborted
 (their KV blocks are freed at the next step). SIGTERM or Ctrl-C: in-flight requests are aborted (streams end
-with finish_reason "abort", unanswered requests get 503), then the engine's exit() runs and the process
-exits with status 0.
+with finish_reason "abort", unanswered requests get 503, those still being tokenized too), then the engine's
+exit() runs and the process exits with status 0 (without waiting for a prompt still being encoded).
 
 The event loop only moves bytes: prompts are tokenized and chat templates rendered on one worker thread, so
 a long prompt delays its own answer, never the other clients' streams or /health (tokenizers release the
@@ -44,7 +44,9 @@ import signal
 import socket
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Executor, Future
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -228,6 +230,45 @@ def _watch_disconnect(raw: Request, group) -> asyncio.Task:
     return asyncio.create_task(watch())
 
 
+class _TokenizeThread(Executor):
+    """The one tokenizing thread (module docstring), a daemon: a ThreadPoolExecutor's threads are joined when
+    the interpreter exits, so a long prompt still being encoded at SIGTERM would hold up the exit for as long as
+    it takes (seconds for a few MB of text). Its callers stop waiting for it at shutdown (build_app's off_loop);
+    what it was encoding is dropped with the process."""
+
+    def __init__(self):
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="tokenize", daemon=True).start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future = Future()
+        self._work.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop after the current call; cancel_futures: cancel the calls not started. Never waits (wait is
+        taken for Executor's signature)."""
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        self._work.put(None)
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():       # cancelled before it started
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
 def build_app(engine_loop: EngineLoop, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               cors: dict | None = None) -> FastAPI:
     """The FastAPI app over `engine_loop` (started and shut down by the app's lifespan). model_name: the name
@@ -241,7 +282,15 @@ def build_app(engine_loop: EngineLoop, model_name: str, max_request_bytes: int =
     cors = {**DEFAULT_CORS, **(cors or {})}
     if set(cors) != set(DEFAULT_CORS):
         raise ValueError(f"cors takes the keys {sorted(DEFAULT_CORS)}, got {sorted(cors)}")
-    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+    tokenize_pool = _TokenizeThread()
+    tokenizing: set[asyncio.Future] = set()            # the off_loop calls waiting for the tokenizing thread
+
+    def stop_tokenizing():
+        """On SIGTERM (EngineLoop.begin_shutdown): the requests still being tokenized are answered 503 now, not
+        after their tokenizing ends (or uvicorn's graceful timeout cancels them with a plain-text 500)."""
+        for future in tokenizing:
+            future.cancel()
+    engine_loop.on_shutdown(stop_tokenizing)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -271,9 +320,25 @@ def build_app(engine_loop: EngineLoop, model_name: str, max_request_bytes: int =
     async def http_error(request, exc: HTTPException):
         return _error_response(_http_error(request.method, request.url.path, exc), headers=exc.headers)
 
+    def not_run():
+        return APIError(f"the request was not run: {engine_loop.dead}", status=503, type="service_unavailable")
+
     async def off_loop(fn, *args):
-        """fn(*args) on the tokenizing thread (a long prompt must not stall the event loop)."""
-        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
+        """fn(*args) on the tokenizing thread (a long prompt must not stall the event loop). Raises the 503
+        APIError when the server stops (or the engine failed) before or while it runs."""
+        if engine_loop.dead is not None:
+            raise not_run()
+        future = asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
+        tokenizing.add(future)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():   # the handler itself is cancelled: let it end
+                raise
+            raise not_run() from None                    # stop_tokenizing
+        finally:
+            tokenizing.discard(future)
 
     @app.get("/health")
     async def health():

@@ -149,6 +149,7 @@ class EngineLoop:
         self._pending_adds: list[tuple[RequestGroup, str, object]] = []
         self._pending_aborts: set[str] = set()
         self._stop = False
+        self._shutdown_callbacks: list = []
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Future | None = None         # set when the thread has called engine.exit()
         self.dead: BaseException | None = None               # why the engine cannot run requests any more
@@ -177,13 +178,21 @@ class EngineLoop:
         if self._thread is not None:
             self._event_loop.call_soon_threadsafe(self.begin_shutdown)
 
+    def on_shutdown(self, callback) -> None:
+        """callback() runs on the event loop when begin_shutdown does (the server's requests still being
+        tokenized, which this loop does not hold yet, are answered then)."""
+        self._shutdown_callbacks.append(callback)
+
     def begin_shutdown(self) -> None:
-        """Refuse new requests and abort every open one (SIGTERM). Safe to call twice."""
+        """Refuse new requests and abort every open one (SIGTERM); then the on_shutdown callbacks. Safe to
+        call twice."""
         if self.dead is None:
             self.dead = EngineDead("the server is shutting down")
         for group in {id(g): g for g in self._groups.values()}.values():
             group.queue.put_nowait(Aborted("the server is shutting down"))
             self._abort_group(group)
+        for callback in self._shutdown_callbacks:
+            callback()
 
     async def shutdown(self) -> None:
         """Abort what is open, stop the engine thread after its current tick, wait until it called exit()."""
