@@ -207,6 +207,40 @@ def test_bad_request_gets_400_naming_the_field(server, path, body, param):
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
 
 
+# A value that fits none of a field's shapes: the 400 lists the shapes and where the closest one failed (it once
+# said only "prompt.str: Input should be a valid string", or named a text part as "content.str").
+SHAPE_ERRORS = [
+    ("/v1/completions", {"prompt": [[5, 6], "abc"]}, "prompt",
+     ["prompt must be a str, a list of str, a list of int token ids, or a list of token-id lists",
+      "at prompt[1]: Input should be a valid list (got 'abc')"]),
+    ("/v1/completions", {"prompt": [[5, 6], [7, -0.5]]}, "prompt", ["at prompt[1][1]: Input should be a valid integer"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
+     ["messages[0].content must be a str or a list of text parts", "this server serves text only",
+      "at messages[0].content[1].type: Input should be 'text' (got 'image_url')"]),
+    ("/v1/completions", {"prompt": PROMPT, "stop": ["a", 3]}, "stop", ["stop must be a str or a list of str",
+                                                                       "at stop[1]"]),
+    # finite in JSON, not in the sampler's fp32 (SamplingParams' own check)
+    ("/v1/completions", {"prompt": PROMPT, "temperature": 1e300}, "temperature", ["in fp32's range"]),
+]
+
+
+@pytest.mark.parametrize("path,body,param,parts", SHAPE_ERRORS, ids=[f"{param}-{i}" for i, (_, _, param, _)
+                                                                      in enumerate(SHAPE_ERRORS)])
+def test_a_value_of_no_accepted_shape_gets_a_400_that_lists_the_shapes(server, path, body, param, parts):
+    res = httpx.post(server.url + path, json={"max_tokens": 2, **body}, timeout=10)
+    assert res.status_code == 400, res.text
+    error = res.json()["error"]
+    assert error["param"] == param and all(part in error["message"] for part in parts), error
+
+
+def test_stream_null_is_not_streamed(server):
+    res = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": None},
+                     timeout=10)
+    assert res.status_code == 200 and res.headers["content-type"] == "application/json", res.text
+    assert res.json()["usage"]["completion_tokens"] == 3
+
+
 def test_more_prompts_than_the_queue_holds_is_a_400_naming_the_limit(server):
     res = httpx.post(server.url + "/v1/completions", json={"prompt": [[5, 6]] * 1025, "max_tokens": 2}, timeout=10)
     error = res.json()["error"]

@@ -251,6 +251,31 @@ def _text_part_text(ctx, endpoint):
              [{"role": "user", "content": "first part\nsecond part"}]).run(ctx, endpoint, "content")
 
 
+def _history_null(field):
+    """An OpenAI client's own assistant message sent back as history carries `field: null`: accepted, and the
+    prompt is the message's role and content alone (HF's rendering); a value is refused naming messages."""
+    def check(ctx, endpoint):
+        history = [*USER, {"role": "assistant", "content": "Me."}, {"role": "user", "content": "Who?"}]
+        sent = [dict(m, **({field: None} if m["role"] == "assistant" else {})) for m in history]
+        assert ctx.added(endpoint, {"messages": sent})["prompt_token_ids"] == ctx.render(history)
+        value = [{"id": "c1", "type": "function"}] if field == "tool_calls" else "text"
+        sent[1][field] = value
+        res = ctx.post(endpoint, {"messages": sent})
+        assert res.status_code == 400 and res.json()["error"]["param"] == "messages", res.text
+        assert field in res.json()["error"]["message"], res.text
+    return Check(check)
+
+
+def _parallel_tool_calls(ctx, endpoint):
+    """No tools run, so no call is made in parallel: true and false hold alike and change nothing sampled."""
+    base = ctx.base(endpoint)
+    plain = ctx.added(endpoint, {}, base)
+    for value in (True, False):
+        got = ctx.added(endpoint, {"parallel_tool_calls": value}, base)
+        assert (got["sampling_params"], got["prompt_token_ids"]) == (plain["sampling_params"],
+                                                                      plain["prompt_token_ids"])
+
+
 USER = [{"role": "user", "content": "Who is there?"}]
 NAMED = [{"role": "user", "content": "Who is there?", "name": "alice"}]
 SHARED = {   # the fields both endpoints have (_SamplingFields), one row each, checked on both
@@ -292,7 +317,7 @@ FIELDS = {
     "ChatCompletionRequest.response_format": ("chat", Refused({"type": "json_object"})),
     "ChatCompletionRequest.tools": ("chat", Refused([{"type": "function", "function": {"name": "f"}}])),
     "ChatCompletionRequest.tool_choice": ("chat", Refused("auto")),
-    "ChatCompletionRequest.parallel_tool_calls": ("chat", Refused(True)),
+    "ChatCompletionRequest.parallel_tool_calls": ("chat", Check(_parallel_tool_calls)),
     "ChatCompletionRequest.add_generation_prompt": ("chat", Rendered(
         {"messages": USER, "add_generation_prompt": False}, USER, (USER,), add_generation_prompt=False)),
     "ChatCompletionRequest.chat_template_kwargs": ("chat", Rendered(
@@ -302,6 +327,8 @@ FIELDS = {
                                           ([{"role": "system", "content": "Be brief."}, *USER],))),
     "ChatMessage.content": ("chat", Check(_messages)),
     "ChatMessage.name": ("chat", Rendered({"messages": NAMED}, NAMED, (USER,))),
+    **{f"ChatMessage.{name}": ("chat", _history_null(name)) for name in ("tool_calls", "refusal", "function_call",
+                                                                         "audio")},
     "TextPart.type": ("chat", Check(_text_part_type)),
     "TextPart.text": ("chat", Check(_text_part_text)),
     "StreamOptions.include_usage": ("completions", Check(_include_usage)),

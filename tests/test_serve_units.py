@@ -367,6 +367,17 @@ def test_max_tokens_left_out_takes_what_the_context_and_cache_leave():
     assert info.value.param == "messages"
 
 
+def test_a_batch_prompt_that_leaves_no_room_is_named_by_its_index(model_dir):
+    """Reported: a batch's second prompt over the context was called "the prompt"."""
+    engine = FakeEngine(model_dir)                               # max_model_len 256
+    with pytest.raises(APIError) as info:
+        completion_inputs(CompletionRequest(prompt=[[5, 6], [5] * 200], max_tokens=100), engine)
+    assert info.value.param == "max_tokens" and "prompt[1] has 200 and max_tokens=100" in info.value.message
+    with pytest.raises(APIError) as info:
+        completion_inputs(CompletionRequest(prompt=[[5, 6], [5] * 256], max_tokens=1), engine)
+    assert info.value.param == "prompt" and "prompt[1] has 256: no room" in info.value.message
+
+
 def test_completion_inputs_encode_text_prompts_with_the_tokenizer(model_dir):
     engine = FakeEngine(model_dir)
     (one,) = completion_inputs(CompletionRequest(prompt="Hello world", max_tokens=3, temperature=0), engine)

@@ -75,15 +75,61 @@ class ClientGone(Exception):
     """Put in a group's queue when the client disconnected."""
 
 
+# What a field of several accepted shapes (a pydantic union) takes, for its 400: pydantic reports one error
+# per shape ("prompt.str: Input should be a valid string" first), which names none of the others.
+UNION_FORMS = {
+    "prompt": "a str, a list of str, a list of int token ids, or a list of token-id lists (a batch's prompts are "
+              "all texts or all token-id lists)",
+    "content": 'a str or a list of text parts ({"type": "text", "text": ...}); this server serves text only',
+    "stop": "a str or a list of str",
+}
+
+
+def _dotted(loc) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def _union_error(errors: list[dict]) -> APIError | None:
+    """The 400 for a value that fits none of a union's shapes, or None if the first error is not one: the
+    shapes it may take (UNION_FORMS), and where the shape that got furthest failed."""
+    locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
+    first = locs[0]
+    for i, tag in enumerate(first):
+        # the union's members appear as string tags at one position, after the same path, in 2+ errors
+        if i == 0 or not isinstance(tag, str) or not any(
+                len(o) > i and o[:i] == first[:i] and isinstance(o[i], str) and o[i] != tag for o in locs):
+            continue
+        branches = [(o, e) for o, e in zip(locs, errors) if o[:i] == first[:i]]
+        # the shape that got furthest: the deepest error, then the shape with the fewest errors, then the error
+        # furthest along its list
+        count = {}
+        for o, _ in branches:
+            count[o[i]] = count.get(o[i], 0) + 1
+        deepest, err = max(branches, key=lambda b: (len(b[0]), -count[b[0][i]],
+                                                    [p for p in b[0][i + 1:] if isinstance(p, int)]))
+        field, where = first[i - 1], _dotted(first[:i])
+        forms = UNION_FORMS.get(field) if isinstance(field, str) else None
+        forms = forms or " or ".join(dict.fromkeys(str(o[i]) for o, _ in branches))
+        at = _dotted(first[:i] + deepest[i + 1:])
+        got = err.get("input")
+        got = f" (got {got!r:.60})" if isinstance(got, (str, int, float)) and not isinstance(got, bool) else ""
+        return APIError(f"{where} must be {forms}; at {at}: {err.get('msg')}{got}", param=str(first[0]))
+    return None
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     """The first pydantic error as an OpenAI error body naming its top-level field."""
-    err = exc.errors()[0]
+    errors = exc.errors()
+    err = errors[0]
     loc = [p for p in err.get("loc", ()) if p != "body"]
     if err.get("type") == "json_invalid":
         return APIError(f"malformed JSON body: {err.get('msg')} (at character {loc[0] if loc else '?'})",
                         param=None)
     if not loc:
         return APIError(f"the request body is missing or not a JSON object: {err.get('msg')}", param=None)
+    union = _union_error(errors)
+    if union is not None:
+        return union
     field, path = str(loc[0]), ".".join(str(p) for p in loc)
     if err.get("type") == "extra_forbidden":
         return APIError(f"unknown field `{path}`: this server does not know it (a typo?)", param=field)

@@ -46,7 +46,7 @@ class _SamplingFields(_Request):
     temperature: Float | None = None          # OpenAI's default is 1
     top_p: Float | None = None
     n: Int | None = None
-    stream: Bool = False
+    stream: Bool | None = False                # null: not streamed, as vLLM reads it
     stream_options: StreamOptions | None = None
     stop: Str | list[Str] | None = None
     seed: Int | None = None
@@ -89,10 +89,16 @@ class TextPart(_Request):
 class ChatMessage(_Request):
     """One message. content: a str, or a list of text parts (joined by newlines, as vLLM does for text-only
     models). name: the participant's name (OpenAI: to tell apart participants of one role), passed to the chat
-    template as the message's `name`, as vLLM does; templates that do not read it render the same."""
+    template as the message's `name`, as vLLM does; templates that do not read it render the same.
+    tool_calls, refusal, function_call, audio: only null, the values an OpenAI client's own assistant message
+    carries when it is sent back as history (this server runs no tools and makes no audio)."""
     role: Literal["system", "user", "assistant", "developer"]
     content: Str | list[TextPart]
     name: Str | None = None
+    tool_calls: None = None
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

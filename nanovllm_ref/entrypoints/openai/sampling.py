@@ -24,7 +24,8 @@ no error text is read.
 | skip_special_tokens | same name | true |
 | completions: logprobs (int) | logprobs | None |
 | chat: logprobs (bool) + top_logprobs (int) | logprobs = top_logprobs or 0 when logprobs is true | None, false |
-| echo, suffix, best_of > 1, logit_bias, response_format other than text, tools, tool_choice, parallel_tool_calls | (none: refused by name; this server does not build or apply them) | None, false, "", {}, [] |
+| echo, suffix, best_of > 1, logit_bias, response_format other than text, tools, tool_choice | (none: refused by name; this server does not build or apply them) | None, false, "", {}, [] |
+| parallel_tool_calls | (none: no tools run, so it always holds) | None, true, false |
 
 Length rules (vLLM's): prompt + max_tokens must fit max_model_len (so the prompt needs room for one more
 token); max_tokens None asks for the rest of the context, and no more than the KV cache can ever hold
@@ -63,7 +64,9 @@ NOT_SERVED = {
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
+    # no tools run here, so no call is ever made in parallel: either value holds (clients send false as
+    # history or by default), as vLLM accepts it
+    "parallel_tool_calls": (None, True, False),
 }
 
 
@@ -150,21 +153,22 @@ def check_with_engine(engine, request, prompt_token_ids: list[int], sp: Sampling
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
                        kv_cache_tokens: int | None = None, field: str = "max_tokens",
-                       prompt_field: str = "prompt") -> int:
+                       prompt_field: str = "prompt", where: str | None = None) -> int:
     """The max_tokens to run: `requested`, or for None the rest of the context, and no more than the KV cache
     can ever hold (kv_cache_room; a prompt that alone does not fit gets 1, and the engine's check refuses
     it). Raises APIError naming `prompt_field` when the prompt leaves no room under max_model_len, or `field`
     when prompt + max_tokens does not fit it (the server's rule, vLLM's: the engine itself stops a completion
-    at max_model_len)."""
+    at max_model_len). where: the prompt's name in the messages (`prompt[1]` in a batch; default prompt_field)."""
+    where = where or prompt_field
     room = max_model_len - prompt_len
     if room < 1:
-        raise APIError(f"this model's maximum context length is {max_model_len} tokens and the prompt has "
-                       f"{prompt_len}: no room for a completion; shorten the prompt", param=prompt_field)
+        raise APIError(f"this model's maximum context length is {max_model_len} tokens and {where} has "
+                       f"{prompt_len}: no room for a completion; shorten it", param=prompt_field)
     if requested is None:
         fits = kv_cache_room(prompt_len, max_model_len, kv_cache_tokens) if kv_cache_tokens is not None else None
         return max(min(room, fits), 1) if fits is not None else room
     if requested >= 1 and requested > room:
-        raise APIError(f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+        raise APIError(f"this model's maximum context length is {max_model_len} tokens; {where} has "
                        f"{prompt_len} and {field}={requested} asks for {prompt_len + requested}; lower {field} "
                        f"to at most {room}", param=field)
     return requested

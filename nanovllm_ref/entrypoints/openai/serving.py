@@ -118,7 +118,7 @@ def engine_inputs(request, prompts: list[tuple[list[int], str]], engine) -> list
     inputs = []
     for ids, where in prompts:
         max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, engine.kv_cache_tokens,
-                                        max_tokens_field(request), request_param(request, "prompt"))
+                                        max_tokens_field(request), request_param(request, "prompt"), where)
         sp = make_sampling_params(request, kwargs, max_tokens)
         check_with_engine(engine, request, ids, sp, where)
         inputs.append(EngineInput(ids, sp))
