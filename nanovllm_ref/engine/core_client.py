@@ -20,11 +20,11 @@ private temporary folder, with msgspec messages (engine/core_messages.py):
 
 The core's busy loop: take every add and abort that arrived, run one step, send its outputs, again; block on
 the input socket while it has no work (aborts that leave it without work still send one message: the
-scheduler's stats after them, so the front end's `core_stats` do not keep the aborted requests). It never waits for the front end, so the front end's text work
-(detokenizing, stop strings, HTTP) overlaps the next step instead of delaying it. It stops on
-EngineCoreShutdown, on an exception in a step (sending `EngineCoreOutputs(error=...)` first), or when its
-parent dies (Linux: PR_SET_PDEATHSIG; elsewhere it notices within a second), so a killed server leaves no
-core behind. The front end notices a dead core at once: it waits on the output socket and the process's
+scheduler's stats after them, so the front end's `core_stats` do not keep the aborted requests). It never
+waits for the front end, so the front end's text work (detokenizing, stop strings, HTTP) overlaps the next
+step instead of delaying it. It stops on EngineCoreShutdown, on an exception in a step (sending
+`EngineCoreOutputs(error=...)` first), or when its parent dies (Linux: PR_SET_PDEATHSIG; elsewhere it notices
+within a second), so a killed server leaves no core behind. The front end notices a dead core at once: it waits on the output socket and the process's
 sentinel together.
 """
 import gc

@@ -40,12 +40,12 @@ import gc
 import itertools
 import json
 import logging
+import queue
 import signal
 import socket
 import sys
-import time
-import queue
 import threading
+import time
 from concurrent.futures import Executor, Future
 from contextlib import asynccontextmanager
 

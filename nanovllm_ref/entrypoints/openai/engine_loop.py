@@ -27,8 +27,9 @@ later submits raise EngineDead (503). With the engine core in its own process (`
 process`, engine/core_client.py) that covers the core dying: `step()` waits on the core's output socket and
 its process sentinel together, so a core that raised, was killed or ran out of memory fails the step at once;
 while idle the loop asks `engine.check_health()` every HEALTH_POLL_S, and takes its stats again (a process core
-reports the seats and blocks that aborts freed after the loop went idle). `begin_shutdown()` (on SIGTERM) refuses new requests and aborts every
-open one; `shutdown()` then stops the thread, which applies those aborts and calls `engine.exit()`.
+reports the seats and blocks that aborts freed after the loop went idle). `begin_shutdown()` (on SIGTERM)
+refuses new requests, aborts every open one and runs the `on_shutdown` callbacks (the server's requests still
+being tokenized); `shutdown()` then stops the thread, which applies those aborts and calls `engine.exit()`.
 
 Threads: the groups and their queues belong to the event loop; the pending adds and aborts are shared, under
 one lock; the engine belongs to the engine thread. Python's GIL lets only one of the two threads run Python
