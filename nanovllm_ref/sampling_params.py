@@ -43,15 +43,15 @@ def _as_fp32(value: float) -> float:
         return math.inf
 
 
-def _real(name: str, value, ok, rng: str) -> float:
+def _real(name: str, value, ok, rng: str, fp32: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RequestTypeError(name, f"{name} must be a number {rng}, got {type(value).__name__}")
     if not math.isfinite(value) or not ok(value):        # also refuses NaN
         raise RequestError(name, f"{name} must be a finite number {rng}, got {value}")
-    # The sampler reads the value as fp32: 1e300 would become inf there (a temperature of inf turns masked
+    # The sampler reads the value as fp32 (top_p, fp32=False, it takes as the Python float): 1e300 would become inf there (a temperature of inf turns masked
     # logits into NaN) and 1e-300 would become 0 (a repetition penalty of 0). The rule must hold after that
     # rounding too.
-    rounded = _as_fp32(float(value))
+    rounded = _as_fp32(float(value)) if fp32 else float(value)
     if not math.isfinite(rounded) or not ok(rounded):
         raise RequestError(name, f"{name} must be a finite number {rng} in fp32's range (the sampler's "
                                  f"precision; its largest is {_FP32_MAX:.4g}), got {value}")
@@ -172,7 +172,7 @@ class SamplingParams:
         if self.top_k < -1:
             raise RequestError("top_k", f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
         set_("top_k", min(max(int(self.top_k), 0), TOP_K_MAX))
-        set_("top_p", _real("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"))
+        set_("top_p", _real("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)", fp32=False))
         set_("n", _int("n", self.n, 1))
         set_("min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens, " (at most max_tokens)"))
         set_("stop", self._stop_strings(self.stop))

@@ -113,11 +113,15 @@ def test_huge_top_k_keeps_every_token_and_never_fails_mid_run():
     (dict(temperature=3.5e38), ValueError, "temperature .* fp32"),
     (dict(repetition_penalty=1e308), ValueError, "repetition_penalty .* fp32"),
     (dict(repetition_penalty=1e-300), ValueError, r"repetition_penalty must be a finite number > 0 .* fp32"),
-    (dict(top_p=1e-50), ValueError, r"top_p must be a finite number in \(0, 1\] .* fp32"),
 ])
 def test_new_sampling_fields_are_checked_by_name(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         SamplingParams(**kwargs)
+
+
+def test_top_p_is_read_as_the_python_float_so_a_tiny_one_is_taken():
+    """top_p reaches the sampler as the request's float (not fp32): 1e-50 keeps the top token only."""
+    assert SamplingParams(top_p=1e-50).top_p == 1e-50
 
 
 def test_the_largest_fp32_temperature_samples_flat_with_min_tokens():

@@ -220,6 +220,13 @@ SHAPE_ERRORS = [
       "at messages[0].content[1].type: Input should be 'text' (got 'image_url')"]),
     ("/v1/completions", {"prompt": PROMPT, "stop": ["a", 3]}, "stop", ["stop must be a str or a list of str",
                                                                        "at stop[1]"]),
+    # the first bad element, not the last
+    ("/v1/completions", {"prompt": [1, 2, "a", 3, "b"]}, "prompt", ["at prompt[2]"]),
+    # not unions: two fields of one message, a dict's keys; the old wording, with the real path
+    ("/v1/chat/completions", {"messages": [{"role": "bad", "content": "x", "name": 5}]}, "messages",
+     ["messages.0.role: Input should be"]),
+    ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True, "a": 1, "b": 2}},
+     "stream_options", ["unknown field `stream_options.a`"]),
     # finite in JSON, not in the sampler's fp32 (SamplingParams' own check)
     ("/v1/completions", {"prompt": PROMPT, "temperature": 1e300}, "temperature", ["in fp32's range"]),
 ]

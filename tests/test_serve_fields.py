@@ -328,7 +328,7 @@ FIELDS = {
     "ChatMessage.content": ("chat", Check(_messages)),
     "ChatMessage.name": ("chat", Rendered({"messages": NAMED}, NAMED, (USER,))),
     **{f"ChatMessage.{name}": ("chat", _history_null(name)) for name in ("tool_calls", "refusal", "function_call",
-                                                                         "audio")},
+                                                                         "audio", "annotations")},
     "TextPart.type": ("chat", Check(_text_part_type)),
     "TextPart.text": ("chat", Check(_text_part_text)),
     "StreamOptions.include_usage": ("completions", Check(_include_usage)),

@@ -95,21 +95,22 @@ def _union_error(errors: list[dict]) -> APIError | None:
     locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
     first = locs[0]
     for i, tag in enumerate(first):
-        # the union's members appear as string tags at one position, after the same path, in 2+ errors
-        if i == 0 or not isinstance(tag, str) or not any(
+        # a union of UNION_FORMS: its members appear as string tags right after the field, in 2+ errors (other
+        # fields of one message, or a dict's keys, also differ at one position: those are not unions)
+        if i == 0 or first[i - 1] not in UNION_FORMS or not isinstance(tag, str) or not any(
                 len(o) > i and o[:i] == first[:i] and isinstance(o[i], str) and o[i] != tag for o in locs):
             continue
-        branches = [(o, e) for o, e in zip(locs, errors) if o[:i] == first[:i]]
-        # the shape that got furthest: the deepest error, then the shape with the fewest errors, then the error
-        # furthest along its list
-        count = {}
-        for o, _ in branches:
-            count[o[i]] = count.get(o[i], 0) + 1
-        deepest, err = max(branches, key=lambda b: (len(b[0]), -count[b[0][i]],
-                                                    [p for p in b[0][i + 1:] if isinstance(p, int)]))
-        field, where = first[i - 1], _dotted(first[:i])
-        forms = UNION_FORMS.get(field) if isinstance(field, str) else None
-        forms = forms or " or ".join(dict.fromkeys(str(o[i]) for o, _ in branches))
+        branches: dict[str, list] = {}
+        for o, e in zip(locs, errors):
+            if len(o) > i and o[:i] == first[:i]:
+                branches.setdefault(o[i], []).append((o, e))
+        # the shape that got furthest: its errors the deepest, then the fewest of them, then its first error the
+        # furthest along; reported at that first error (pydantic lists them in order), the earliest bad element
+        shape = max(branches.values(), key=lambda b: (max(len(o) for o, _ in b), -len(b),
+                                                      [p for p in b[0][0][i + 1:] if isinstance(p, int)]))
+        depth = max(len(o) for o, _ in shape)
+        deepest, err = next((o, e) for o, e in shape if len(o) == depth)
+        where, forms = _dotted(first[:i]), UNION_FORMS[first[i - 1]]
         at = _dotted(first[:i] + deepest[i + 1:])
         got = err.get("input")
         got = f" (got {got!r:.60})" if isinstance(got, (str, int, float)) and not isinstance(got, bool) else ""
@@ -379,10 +380,12 @@ def build_app(engine_loop: EngineLoop, model_name: str, max_request_bytes: int =
         try:
             return await future
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():   # the handler itself is cancelled: let it end
+            # stop_tokenizing cancelled the future (the server is stopping): 503. Otherwise the handler itself
+            # is cancelled (Task.cancelling, Python >= 3.11): let it end.
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)
+            if engine_loop.dead is None or (cancelling is not None and cancelling()):
                 raise
-            raise not_run() from None                    # stop_tokenizing
+            raise not_run() from None
         finally:
             tokenizing.discard(future)
 

@@ -90,8 +90,9 @@ class ChatMessage(_Request):
     """One message. content: a str, or a list of text parts (joined by newlines, as vLLM does for text-only
     models). name: the participant's name (OpenAI: to tell apart participants of one role), passed to the chat
     template as the message's `name`, as vLLM does; templates that do not read it render the same.
-    tool_calls, refusal, function_call, audio: only null, the values an OpenAI client's own assistant message
-    carries when it is sent back as history (this server runs no tools and makes no audio)."""
+    tool_calls, refusal, function_call, audio, annotations: only null, the values an OpenAI client's own
+    assistant message carries when it is sent back as history (`model_dump()`; this server runs no tools, makes
+    no audio and cites nothing)."""
     role: Literal["system", "user", "assistant", "developer"]
     content: Str | list[TextPart]
     name: Str | None = None
@@ -99,6 +100,7 @@ class ChatMessage(_Request):
     refusal: None = None
     function_call: None = None
     audio: None = None
+    annotations: None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
