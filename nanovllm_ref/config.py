@@ -10,10 +10,11 @@ goes into a copy (`Config.derived`), so the object a caller built never changes.
 import copy
 import functools
 import json
-import math
 import numbers
 import os
 from dataclasses import dataclass, field, fields
+
+from nanovllm_ref.utils.checks import is_finite
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -69,6 +70,12 @@ class Config:
         request's samples do not depend on the rest of its batch (layers/sampler.py).
     load_format: "auto" reads the safetensors checkpoint (see utils/loader.py); "dummy" fills the weights with random numbers (vLLM's name),
         for benchmarks of a model shape whose weights are not at hand.
+    generation_config: where the sampling defaults come from (nanovllm_ref/sampling_defaults.py, vLLM's
+        names): "auto" (default) the model folder's generation_config.json, "vllm" none, or a folder holding
+        generation_config.json. They apply to `generate` / `chat` without SamplingParams and to the server's
+        omitted fields (`LLM.get_default_sampling_params()`); a SamplingParams you pass is never changed.
+    override_generation_config: None or a dict of those keys (temperature, top_k, top_p, min_p,
+        repetition_penalty, max_new_tokens) laid over them, e.g. {"temperature": 0.2}.
     """
     model: str
     max_num_batched_tokens: int = 16384
@@ -89,11 +96,15 @@ class Config:
     enable_prefix_caching: bool = True
     seed: int = 0
     load_format: str = "auto"
+    generation_config: str = "auto"
+    override_generation_config: dict | None = field(default=None, hash=False)
     # Read from the model folder, never passed: the HF config, and the stop ids as HF generate and vLLM use
     # them (config.json's eos_token_id, then generation_config.json's, where real chat checkpoints list their
     # end-of-turn ids; the engine's derived copy adds the tokenizer's eos).
     hf_config: object = field(init=False, repr=False, compare=False)
     eos: frozenset = field(init=False)
+    # SamplingParams field -> value, from generation_config (+ override_generation_config); see sampling_defaults
+    sampling_defaults: dict = field(init=False, hash=False)
 
     def __post_init__(self):
         _set = functools.partial(object.__setattr__, self)      # frozen: normalised values are set once, here
@@ -134,7 +145,7 @@ class Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise TypeError(f"{name} must be a number {rng}, got {type(v).__name__}")
-            if not math.isfinite(v) or not ok(v):
+            if not is_finite(v) or not ok(v):
                 raise ValueError(f"{name} must be a number {rng}, got {v!r}")
             _set(name, float(v))
         if self.decode_kernels not in ("auto", "off", "persistent"):
@@ -185,6 +196,14 @@ class Config:
         check_model_config(hf)
         _set("eos", frozenset(_token_ids("config.json eos_token_id", hf.eos_token_id)
                               | _token_ids("generation_config.json eos_token_id", _generation_eos(self.model))))
+        from nanovllm_ref.sampling_defaults import read_sampling_defaults
+        if isinstance(self.generation_config, os.PathLike):
+            _set("generation_config", os.fspath(self.generation_config))
+        if self.override_generation_config is not None:
+            _set("override_generation_config", dict(self.override_generation_config)
+                 if isinstance(self.override_generation_config, dict) else self.override_generation_config)
+        _set("sampling_defaults", read_sampling_defaults(self.model, self.generation_config,
+                                                         self.override_generation_config))
 
     # Pickled (to a tensor-parallel worker, to the core process), a Config carries its hf_config as a ModelConfig:
     # the same attributes with the same values, in a class of this module, so the process that unpickles it

@@ -20,6 +20,8 @@ The server loads it through its test hook, in a subprocess started by a test:
   vocabulary, an empty prompt, a request that can never fit the cache, n above max_num_seqs... are the
   engine's own RequestErrors here too; add_request runs it as well;
 - with SamplingParams.logprobs = k, each token gets a logprob dict like the real engine's (fake_logprobs);
+- `sampling_defaults`: the SamplingParams fields a request leaving them out gets (the real engine's come
+  from generation_config.json);
 - `slow_encode_s`: encoding a text that holds "SLOW" sleeps that long first (a prompt of many MB);
 - `record`: a JSON-lines file of events, one per add / abort / step / exit, which the tests read: the server
   runs in another process. An add records the whole SamplingParams (`sampling_params`).
@@ -110,7 +112,8 @@ class FakeEngine:
     max_num_seqs); the others are recorded and ignored. step_delay: seconds each step sleeps (a slow GPU)."""
 
     def __init__(self, model, max_model_len=None, max_num_seqs=8, step_delay=0.0, record=None,
-                 kv_cache_tokens=4096, eos_after=24, fail_at_step=None, slow_encode_s=0.0, **engine_args):
+                 kv_cache_tokens=4096, eos_after=24, fail_at_step=None, slow_encode_s=0.0, sampling_defaults=None,
+                 **engine_args):
         import warnings
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -119,6 +122,7 @@ class FakeEngine:
         self.max_model_len = max_model_len or 256
         self.vocab_size = len(self.tokenizer)
         self.kv_cache_tokens = kv_cache_tokens
+        self.sampling_defaults = dict(sampling_defaults or {})     # as a model's generation_config.json would set them
         self.max_num_seqs = max_num_seqs
         self.step_delay = step_delay
         self.eos_after = eos_after

@@ -163,6 +163,13 @@ def test_config_settings_the_engine_cannot_honour_are_refused_by_name(tmp_path, 
         Config(path)
 
 
+@pytest.mark.parametrize("factor", [10**400, float("inf"), 0, -2.0, "2"])
+def test_a_rope_factor_that_is_no_finite_positive_number_is_named(factor):
+    """config.json may hold an integer no float holds (10**400): named like inf, not a bare OverflowError."""
+    with pytest.raises(ValueError, match="config.json rope scaling 'factor' must be a number > 0"):
+        rope_frequencies(8, 10000.0, {"rope_type": "linear", "factor": factor}, 64)
+
+
 def test_qwen3_ignores_mlp_bias_as_hf_does(tmp_path):
     path = make_tiny_model(str(tmp_path / "m"), "qwen3", mlp_bias=True)
     prompt = random.Random(6).choices(range(3, 500), k=9)

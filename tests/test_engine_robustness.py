@@ -101,6 +101,7 @@ def test_engine_after_exit_and_idle_step():
     (dict(cpu_kvcache_space_gib=math.inf), ValueError, "cpu_kvcache_space_gib"),
     (dict(gpu_memory_utilization=True), TypeError, "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
+    (dict(cpu_kvcache_space_gib=10**400), ValueError, r"cpu_kvcache_space_gib must be a number in \(0, 2\*\*20\)"),
     (dict(seed=2**64), ValueError, "seed"),
     (dict(enforce_eager="no"), TypeError, "enforce_eager"),
     (dict(enable_prefix_caching=0), TypeError, "enable_prefix_caching"),

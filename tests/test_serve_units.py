@@ -385,6 +385,77 @@ def test_completion_inputs_encode_text_prompts_with_the_tokenizer(model_dir):
     assert (one.sampling_params.max_tokens, one.sampling_params.temperature) == (3, 0.0)
 
 
+DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 5, "repetition_penalty": 1.1}
+
+
+@pytest.mark.parametrize("make", [lambda **f: CompletionRequest(prompt="Hello world", **f),
+                                  lambda **f: ChatCompletionRequest(messages=CHAT, **f)], ids=["completions", "chat"])
+def test_omitted_fields_take_the_models_defaults_and_given_ones_win(model_dir, make):
+    """vLLM's --generation-config auto: the engine's sampling_defaults fill what a request leaves out; a value
+    it gives wins, the neutral one too (temperature 1, top_k 0, repetition_penalty 1)."""
+    engine = FakeEngine(model_dir, sampling_defaults=DEFAULTS)
+    (sp,) = [i.sampling_params for i in (chat_inputs if "Chat" in type(make()).__name__ else completion_inputs)(
+        make(), engine)]
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.max_tokens, sp.repetition_penalty) == (0.6, 20, 0.95, 5, 1.1)
+    given = make(temperature=1.0, top_k=0, repetition_penalty=1.0, max_tokens=9, min_p=0.1)
+    (sp,) = [i.sampling_params for i in (chat_inputs if "Chat" in type(given).__name__ else completion_inputs)(
+        given, engine)]
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.max_tokens, sp.repetition_penalty, sp.min_p) == (
+        1.0, 0, 0.95, 9, 1.0, 0.1)
+
+
+def test_without_defaults_omitted_fields_stay_the_sampling_params_defaults(model_dir):
+    engine = FakeEngine(model_dir)
+    (one,) = completion_inputs(CompletionRequest(prompt="Hello world"), engine)
+    assert (one.sampling_params.temperature, one.sampling_params.top_k, one.sampling_params.top_p) == (1.0, 0, 1.0)
+    assert one.sampling_params.max_tokens == 16                                     # OpenAI's completions default
+    (one,) = chat_inputs(ChatCompletionRequest(messages=CHAT), engine)
+    assert one.sampling_params.max_tokens == 256 - len(one.prompt_token_ids)      # chat: the rest of the context
+
+
+def test_the_models_max_new_tokens_caps_what_a_request_leaves_out(model_dir):
+    """Completions left out is OpenAI's 16, chat's the rest of the context; the file's max_new_tokens caps
+    both (vLLM's min), and a given value is kept."""
+    def max_tokens(request, cap):
+        inputs = (chat_inputs if isinstance(request, ChatCompletionRequest) else completion_inputs)(
+            request, FakeEngine(model_dir, sampling_defaults={"max_tokens": cap}))
+        return inputs[0].sampling_params.max_tokens
+    assert [max_tokens(CompletionRequest(prompt="Hi"), cap) for cap in (5, 40)] == [5, 16]
+    chat_len = len(chat_inputs(ChatCompletionRequest(messages=CHAT), FakeEngine(model_dir))[0].prompt_token_ids)
+    assert [max_tokens(ChatCompletionRequest(messages=CHAT), cap) for cap in (5, 40, 10**6)] == [5, 40, 256 - chat_len]
+    assert max_tokens(CompletionRequest(prompt="Hi", max_tokens=30), 5) == 30
+    assert max_tokens(ChatCompletionRequest(messages=CHAT, max_completion_tokens=30), 5) == 30
+
+
+def test_the_default_max_tokens_caps_only_an_omitted_max_tokens():
+    assert sampling.resolve_max_tokens(None, 10, 100, default=5) == 5
+    assert sampling.resolve_max_tokens(None, 10, 100, default=500) == 90        # the context still bounds it
+    assert sampling.resolve_max_tokens(None, 10, 100, kv_cache_tokens=50, default=60) == 41
+    assert sampling.resolve_max_tokens(30, 10, 100, default=5) == 30            # a given max_tokens is kept
+
+
+def test_serve_takes_vllms_generation_config_flags():
+    import argparse
+
+    from nanovllm_ref.entrypoints import cli_args
+    p = argparse.ArgumentParser()
+    cli_args.add_serve_flags(p)
+    args = p.parse_args(["--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.5}'])
+    assert {k: v for k, v in cli_args.more_engine_args(args).items() if "generation" in k} == {
+        "generation_config": "vllm", "override_generation_config": {"temperature": 0.5}}
+    assert "generation_config" not in cli_args.more_engine_args(p.parse_args([]))   # the engine's default: auto
+
+
+@pytest.mark.parametrize("value", ["[1]", "{not json", '"temperature"'])
+def test_an_override_generation_config_that_is_not_a_json_object_is_refused_by_name(value, capsys):
+    from nanovllm_ref.__main__ import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model", "unused", "--override-generation-config", value])
+    assert exit_.value.code == 2
+    assert "argument --override-generation-config: --override-generation-config must be a JSON object" in \
+        capsys.readouterr().err
+
+
 # -- the adapter ----------------------------------------------------------------------------------------------
 class _NewAPIEngine:
     """An LLMEngine stand-in with the request API the adapter forwards to."""
@@ -437,10 +508,12 @@ def test_adapter_refuses_an_engine_without_the_request_api_and_the_factory_build
     from nanovllm_ref.engine.llm_engine import LLMEngine
     assert engine_request_api_missing(LLMEngine) == []
     from nanovllm_models.tiny import make_tiny_model
-    adapter = default_engine_factory(make_tiny_model(str(tmp_path / "tiny")), max_model_len=128, device="cpu")
+    adapter = default_engine_factory(make_tiny_model(str(tmp_path / "tiny")), max_model_len=128, device="cpu",
+                                     override_generation_config={"top_k": 7})
     try:
         check_serving_engine(adapter)
         assert adapter.max_model_len == 128
+        assert adapter.sampling_defaults == {"top_k": 7}       # the engine's config's, for the server's requests
         with pytest.raises(ValueError, match="max_num_seqs"):
             adapter.check_request([1, 2], SamplingParams(n=10**4))
     finally:

@@ -25,6 +25,7 @@ notebook can step through it and `scheduler`, `model_runner`, `step_builder`, `w
 """
 import atexit
 import functools
+import logging
 import random
 import time
 from collections.abc import Sequence as SequenceABC
@@ -41,7 +42,10 @@ from nanovllm_ref.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_ref.engine.request import check_request, load_tokenizer
 from nanovllm_ref.outputs import RequestOutput, StepStats
 from nanovllm_ref.parts import Parts
+from nanovllm_ref.sampling_defaults import describe as describe_sampling_defaults
 from nanovllm_ref.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm_ref")
 
 
 class LLMEngine:
@@ -83,6 +87,8 @@ class LLMEngine:
         self.engine_core = engine_core
         self.core_client = (InprocClient if engine_core == "inproc" else ProcessClient)(config, parts)
         self.config = self.core_client.config            # derived: the KV cache's real size
+        if self.config.sampling_defaults:                 # vLLM says so at start-up too
+            logger.info("%s", describe_sampling_defaults(self.config.sampling_defaults, self.config.generation_config))
         self.async_scheduling = self.core_client.async_scheduling
         self.output_processor = OutputProcessor(self.tokenizer, self._decode_token)
         self._request_ids = count()
@@ -188,17 +194,24 @@ class LLMEngine:
                                                        [self._seeds.getrandbits(64) for _ in range(sp.n)]))
         return state
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a request without its own gets (vLLM's `LLM.get_default_sampling_params`):
+        SamplingParams() with the model's generation-config defaults (`config.sampling_defaults`: what
+        generation_config.json sets of temperature, top_k, top_p, min_p, repetition_penalty and max_new_tokens,
+        or override_generation_config; none with generation_config="vllm"). nanovllm_ref/sampling_defaults.py."""
+        return SamplingParams(**self.config.sampling_defaults)
+
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one request; `step()` then runs it. Returns its request id (str).
 
-        prompt: a str or a list of int token ids. sampling_params: default SamplingParams(). request_id:
+        prompt: a str or a list of int token ids. sampling_params: default get_default_sampling_params(). request_id:
         your own id (a non-empty str not used by an unfinished request), or None for the engine's next
         number as a str. Raises TypeError/ValueError, before anything is queued, for a bad request (see
         engine/request.py, check_request) or a request_id in use.
         """
         self._check_open()
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         token_ids = self._check_request(prompt, sampling_params)
         request_id = self._new_request_id(request_id)
         return self._queue(request_id, prompt, token_ids, sampling_params).request_id
@@ -295,7 +308,7 @@ class LLMEngine:
         """Generate completions for `prompts` (a list of str or of token-id lists; one str is also accepted).
 
         sampling_params: one SamplingParams for all prompts, or a list with one per prompt (default:
-        SamplingParams()). Returns, in input order, one finished RequestOutput per prompt
+        get_default_sampling_params(), the model's generation-config defaults). Returns, in input order, one finished RequestOutput per prompt
         (nanovllm_ref.outputs): `.outputs[i].text`, `.token_ids` (the completion only), `.finish_reason`
         ("stop": eos, a stop id or a stop string; "length": max_tokens, or prompt + completion reached
         max_model_len) and `.stop_reason`, plus `.prompt_token_ids`. With one sample per prompt,
@@ -309,7 +322,7 @@ class LLMEngine:
         if not isinstance(prompts, SequenceABC):
             raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):

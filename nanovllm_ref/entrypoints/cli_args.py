@@ -28,8 +28,22 @@ def add_more_engine_flags(p) -> None:
 
 def more_engine_args(args) -> dict:
     names = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "load_format",
-             "enable_prefix_caching", "seed")
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+             "enable_prefix_caching", "seed", "generation_config", "override_generation_config")   # the last two: serve's
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _json_dict(flag: str):
+    """An argparse type: a JSON object, as vLLM's --override-generation-config takes, e.g. '{"temperature": 0.5}'."""
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object such as '{{\"temperature\": 0.5}}', "
+                                             f"got {text!r}")
+        return value
+    return parse
 
 
 def _int_in(name: str, low: int, high: int | None = None):
@@ -63,6 +77,14 @@ def _json_list(flag: str):
 
 def add_serve_flags(p) -> None:
     add_more_engine_flags(p)
+    # vLLM's flags: the sampling defaults a request that leaves a field out gets (nanovllm_ref/sampling_defaults.py)
+    p.add_argument("--generation-config", default=None,
+                   help="where omitted sampling fields get their defaults: auto (the model folder's "
+                        "generation_config.json), vllm (none) or a folder holding generation_config.json "
+                        "(default: auto)")
+    p.add_argument("--override-generation-config", type=_json_dict("--override-generation-config"), default=None,
+                   help='sampling defaults laid over those, a JSON object of temperature, top_k, top_p, min_p, '
+                        'repetition_penalty, max_new_tokens, e.g. \'{"temperature": 0.5}\'')
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=_int_in("a TCP port", 1, 65535), default=8000, help="TCP port (1..65535)")
     p.add_argument("--served-model-name", default=None,

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from nanovllm_ref.utils.checks import is_finite
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
 
@@ -44,7 +46,7 @@ def rope_parameters_of(hf_config) -> dict:
 
 def _positive(params: dict, key: str, default=None) -> float:
     value = params.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value) or value <= 0:
         raise ValueError(f"config.json rope scaling {key!r} must be a number > 0, got {value!r}")
     return float(value)
 

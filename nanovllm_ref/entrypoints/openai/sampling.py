@@ -27,6 +27,13 @@ no error text is read.
 | echo, suffix, best_of > 1, logit_bias, response_format other than text, tools, tool_choice | (none: refused by name; this server does not build or apply them) | None, false, "", {}, [] |
 | parallel_tool_calls | (none: no tools run, so it always holds) | None, true, false |
 
+Omitted fields and the model's defaults (vLLM's `--generation-config auto`): a field the request leaves out
+(None) of temperature, top_p, top_k, min_p, repetition_penalty and max_tokens takes the engine's
+`sampling_defaults` (generation_config.json's, nanovllm_ref/sampling_defaults.py) where it has one; a value
+the request gives, even the neutral one, wins. max_tokens left out is the rest of the context (chat) or
+OpenAI's 16 (completions), either at most the file's max_new_tokens. (vLLM also caps a given max_tokens at
+max_new_tokens; here a given max_tokens is kept, as every other given field.)
+
 Length rules (vLLM's): prompt + max_tokens must fit max_model_len (so the prompt needs room for one more
 token); max_tokens None asks for the rest of the context, and no more than the KV cache can ever hold
 (engine/request.py's kv_cache_room, the rule the engine's check refuses by).
@@ -110,15 +117,20 @@ def _logprobs(request) -> int | None:
     return (request.top_logprobs or 0) if request.logprobs else None
 
 
-def sampling_kwargs(request) -> dict:
+def sampling_kwargs(request, defaults: dict | None = None) -> dict:
     """The SamplingParams keyword arguments `request` asks for, max_tokens left out: every mapped field whose
-    value is not neutral, and logprobs. Raises APIError (400) naming the first field this server does not
-    serve (NOT_SERVED); what the engine cannot do is refused later, by the engine's own check."""
+    value is not neutral, the model's default for each mapped field the request leaves out (None) where
+    `defaults` (the engine's sampling_defaults: SamplingParams field -> value) has one, and logprobs. Raises
+    APIError (400) naming the first field this server does not serve (NOT_SERVED); what the engine cannot do
+    is refused later, by the engine's own check."""
     for name, neutral in NOT_SERVED.items():
         if name in type(request).model_fields and not _is_neutral(getattr(request, name), neutral):
             raise APIError(f"`{name}` is not supported by this server; leave it out", param=name)
     kwargs = {sp_name: getattr(request, name) for name, (sp_name, neutral) in MAPPED.items()
               if not _is_neutral(getattr(request, name), neutral)}
+    for name, (sp_name, _) in MAPPED.items():
+        if getattr(request, name) is None and sp_name in (defaults or {}):
+            kwargs[sp_name] = defaults[sp_name]
     logprobs = _logprobs(request)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
@@ -153,10 +165,10 @@ def check_with_engine(engine, request, prompt_token_ids: list[int], sp: Sampling
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
                        kv_cache_tokens: int | None = None, field: str = "max_tokens",
-                       prompt_field: str = "prompt", where: str | None = None) -> int:
-    """The max_tokens to run: `requested`, or for None the rest of the context, and no more than the KV cache
-    can ever hold (kv_cache_room; a prompt that alone does not fit gets 1, and the engine's check refuses
-    it). Raises APIError naming `prompt_field` when the prompt leaves no room under max_model_len, or `field`
+                       prompt_field: str = "prompt", where: str | None = None, default: int | None = None) -> int:
+    """The max_tokens to run: `requested`, or for None the rest of the context, at most `default` (the model's
+    max_new_tokens, where its generation config sets one) and no more than the KV cache can ever hold
+    (kv_cache_room; a prompt that alone does not fit gets 1, and the engine's check refuses it). Raises APIError naming `prompt_field` when the prompt leaves no room under max_model_len, or `field`
     when prompt + max_tokens does not fit it (the server's rule, vLLM's: the engine itself stops a completion
     at max_model_len). where: the prompt's name in the messages (`prompt[1]` in a batch; default prompt_field)."""
     where = where or prompt_field
@@ -166,7 +178,8 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
                        f"{prompt_len}: no room for a completion; shorten it", param=prompt_field)
     if requested is None:
         fits = kv_cache_room(prompt_len, max_model_len, kv_cache_tokens) if kv_cache_tokens is not None else None
-        return max(min(room, fits), 1) if fits is not None else room
+        rest = max(min(room, fits), 1) if fits is not None else room
+        return min(rest, default) if default is not None else rest
     if requested >= 1 and requested > room:
         raise APIError(f"this model's maximum context length is {max_model_len} tokens; {where} has "
                        f"{prompt_len} and {field}={requested} asks for {prompt_len + requested}; lower {field} "

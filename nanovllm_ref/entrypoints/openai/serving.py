@@ -113,12 +113,17 @@ def check_stream_options(request) -> None:
 def engine_inputs(request, prompts: list[tuple[list[int], str]], engine) -> list[EngineInput]:
     """One EngineInput per (token ids, name) prompt: max_tokens resolved (sampling.py), SamplingParams made,
     and the engine asked whether it can run it (check_with_engine). Raises APIError."""
-    kwargs = sampling_kwargs(request)
+    defaults = getattr(engine, "sampling_defaults", None) or {}      # the model's generation config
+    kwargs = sampling_kwargs(request, defaults)
     requested = getattr(request, max_tokens_field(request))
+    if max_tokens_field(request) not in request.model_fields_set and requested is not None:
+        # left out of a completions request: OpenAI's 16, and no more than the model's max_new_tokens (vLLM)
+        requested = min(requested, defaults.get("max_tokens", requested))
     inputs = []
     for ids, where in prompts:
         max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, engine.kv_cache_tokens,
-                                        max_tokens_field(request), request_param(request, "prompt"), where)
+                                        max_tokens_field(request), request_param(request, "prompt"), where,
+                                        default=defaults.get("max_tokens"))
         sp = make_sampling_params(request, kwargs, max_tokens)
         check_with_engine(engine, request, ids, sp, where)
         inputs.append(EngineInput(ids, sp))

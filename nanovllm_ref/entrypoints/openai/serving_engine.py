@@ -36,6 +36,9 @@ Contract (vLLM's `LLMEngine` request API has the same shape):
 - Facts the server checks requests against, before they reach the engine: `tokenizer` (a transformers
   tokenizer: `encode`, `decode`, `apply_chat_template`), `max_model_len`, `vocab_size` (prompt ids must
   lie in [0, vocab_size)), `kv_cache_tokens` (tokens whose K/V the whole cache holds; None if unknown).
+- Optional fact: `sampling_defaults`, a dict of SamplingParams fields (temperature, top_k, top_p, min_p,
+  repetition_penalty, max_tokens) that a request leaving the field out gets: the model's generation config
+  (nanovllm_ref/sampling_defaults.py, vLLM's `--generation-config auto`). None or missing: no defaults.
 
 The loop calls every method from one thread and never two at once, so an engine needs no locks. Only the
 tokenizer and `check_request` are also used from the HTTP side, on the server's one tokenizing thread
@@ -108,6 +111,7 @@ class LLMEngineAdapter:
         self.max_model_len = config.max_model_len
         self.vocab_size = config.hf_config.vocab_size
         self.kv_cache_tokens = config.num_kvcache_blocks * config.kvcache_block_size
+        self.sampling_defaults = dict(getattr(config, "sampling_defaults", None) or {})
 
     def add_request(self, prompt_token_ids, sampling_params, request_id):
         return self.engine.add_request(prompt_token_ids, sampling_params, request_id=request_id)
