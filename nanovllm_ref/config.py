@@ -103,7 +103,8 @@ class Config:
     # end-of-turn ids; the engine's derived copy adds the tokenizer's eos).
     hf_config: object = field(init=False, repr=False, compare=False)
     eos: frozenset = field(init=False)
-    # SamplingParams field -> value, from generation_config (+ override_generation_config); see sampling_defaults
+    # SamplingParams field -> value, from generation_config (+ override_generation_config), read-only; see
+    # nanovllm_ref/sampling_defaults.py
     sampling_defaults: dict = field(init=False, hash=False)
 
     def __post_init__(self):
@@ -203,7 +204,7 @@ class Config:
             _set("override_generation_config", dict(self.override_generation_config)
                  if isinstance(self.override_generation_config, dict) else self.override_generation_config)
         _set("sampling_defaults", read_sampling_defaults(self.model, self.generation_config,
-                                                         self.override_generation_config))
+                                                         self.override_generation_config, hf))
 
     # Pickled (to a tensor-parallel worker, to the core process), a Config carries its hf_config as a ModelConfig:
     # the same attributes with the same values, in a class of this module, so the process that unpickles it

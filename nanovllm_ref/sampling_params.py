@@ -12,7 +12,7 @@ import struct
 from dataclasses import KW_ONLY, dataclass
 
 from nanovllm_ref.errors import RequestError, RequestTypeError
-from nanovllm_ref.utils.checks import is_finite
+from nanovllm_ref.utils.checks import is_finite, shown
 
 # Like vLLM: a temperature this small is greedy (dividing logits by it would overflow fp32).
 GREEDY_BELOW = 1e-5
@@ -48,8 +48,7 @@ def _real(name: str, value, ok, rng: str, fp32: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RequestTypeError(name, f"{name} must be a number {rng}, got {type(value).__name__}")
     if not is_finite(value) or not ok(value):        # also refuses NaN (and 10**400, which no float holds)
-        shown = str(value) if len(str(value)) <= 40 else f"{str(value)[:20]}... ({len(str(value))} digits)"
-        raise RequestError(name, f"{name} must be a finite number {rng}, got {shown}")
+        raise RequestError(name, f"{name} must be a finite number {rng}, got {shown(value)}")
     # The sampler reads the value as fp32 (top_p, fp32=False, it takes as the Python float): 1e300 would become
     # inf there (a temperature of inf turns masked logits into NaN) and 1e-300 would become 0 (a repetition
     # penalty of 0). The rule must hold after that rounding too.

@@ -114,7 +114,7 @@ def test_huge_top_k_keeps_every_token_and_never_fails_mid_run():
     (dict(repetition_penalty=1e308), ValueError, "repetition_penalty .* fp32"),
     (dict(repetition_penalty=1e-300), ValueError, r"repetition_penalty must be a finite number > 0 .* fp32"),
     # an int no float holds (a reported fault: math.isfinite raised a bare OverflowError); the number is cut short
-    (dict(temperature=10**400), ValueError, r"temperature must be a finite number >= 0 .*got 10{19}\.\.\. \(401 digits\)$"),
+    (dict(temperature=10**400), ValueError, r"temperature must be a finite number >= 0 .*got 10{19}\.\.\. \(401 characters\)$"),
     (dict(top_p=-10**400), ValueError, r"top_p must be a finite number in \(0, 1\]"),
     (dict(presence_penalty=10**309), ValueError, "presence_penalty must be a finite number"),
 ])

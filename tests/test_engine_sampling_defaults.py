@@ -56,6 +56,34 @@ def test_vllm_turns_them_off_a_folder_is_read_and_the_override_is_laid_over(tmp_
     assert over.sampling_defaults == {"temperature": 0.2, "top_k": 20, "max_tokens": 9}
     assert Config(folder, device="cpu", generation_config="vllm",
                   override_generation_config={"top_k": 3}).sampling_defaults == {"top_k": 3}
+    # None drops the file's value (vLLM drops None after laying the override over the file)
+    assert Config(folder, device="cpu", override_generation_config={"top_k": None}).sampling_defaults == {
+        "temperature": 0.6}
+
+
+def test_without_the_file_config_json_is_read_as_vllm_falls_back(tmp_path):
+    folder = with_generation_config(tmp_path / "m")
+    os.remove(os.path.join(folder, "generation_config.json"))
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**config, "max_new_tokens": 11}, f)
+    assert Config(folder, device="cpu").sampling_defaults == {"max_tokens": 11}
+    assert Config(tiny_dir("llama"), device="cpu").sampling_defaults == {}
+
+
+def test_the_defaults_cannot_change_once_read(tmp_path):
+    import copy
+    import pickle
+    config = Config(with_generation_config(tmp_path / "m", temperature=0.6), device="cpu")
+    with pytest.raises(TypeError, match="cannot change; pass override_generation_config"):
+        config.sampling_defaults["temperature"] = 2.0
+    with pytest.raises(TypeError, match="cannot change"):
+        config.sampling_defaults.update(top_k=3)
+    for copied in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config), config.derived(extra_eos=[1])):
+        assert copied.sampling_defaults == {"temperature": 0.6}
+        with pytest.raises(TypeError):
+            copied.sampling_defaults.pop("temperature")
 
 
 @pytest.mark.parametrize("file_keys,args,error,says", [
@@ -70,6 +98,8 @@ def test_vllm_turns_them_off_a_folder_is_read_and_the_override_is_laid_over(tmp_
     # transformers' GenerationConfig refuses this one itself; either way the message names the file and the key
     (dict(max_new_tokens=0), {}, ValueError, "generation_config.json.*max_new_tokens"),
     (dict(repetition_penalty=1e-300), {}, ValueError, "sets repetition_penalty=1e-300"),
+    ({}, dict(override_generation_config={"temperature": 10**400}), ValueError,
+     r"sets temperature=10{19}\.\.\. \(401 characters\), which"),
 ])
 def test_a_bad_source_or_value_is_refused_by_name(tmp_path, file_keys, args, error, says):
     folder = with_generation_config(tmp_path / "m", **file_keys)
@@ -114,6 +144,40 @@ def test_a_given_sampling_params_is_never_changed(sampled_pair):
     got = [o.outputs[0].token_ids for o in with_defaults.generate(PROMPTS, sp, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in without.generate(PROMPTS, sp, use_tqdm=False)]
     assert list(map(len, got)) == [9, 9]
+
+
+def test_the_engine_warns_which_defaults_it_took_and_from_where(tmp_path, caplog):
+    folder = with_generation_config(tmp_path / "m", temperature=0.6, max_new_tokens=7)
+    with caplog.at_level("WARNING", logger="nanovllm_ref"):
+        LLM(folder, override_generation_config={"top_k": 3}, **ENGINE).exit()
+    (line,) = [r.getMessage() for r in caplog.records if "sampling defaults" in r.getMessage()]
+    assert line.startswith("sampling defaults temperature=0.6, max_new_tokens=7, top_k=3 (from ")
+    assert "generation_config.json and override_generation_config) apply where a request leaves" in line
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nanovllm_ref"):
+        LLM(folder, generation_config="vllm", override_generation_config={"top_k": 3}, **ENGINE).exit()
+    (line,) = [r.getMessage() for r in caplog.records if "sampling defaults" in r.getMessage()]
+    assert "top_k=3 (from override_generation_config)" in line and "json" not in line
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nanovllm_ref"):
+        LLM(folder, generation_config="vllm", **ENGINE).exit()
+    assert not [r for r in caplog.records if "sampling defaults" in r.getMessage()]
+
+
+def test_a_refusal_caused_by_a_default_says_it_came_from_the_generation_config(tmp_path):
+    folder = with_generation_config(tmp_path / "m", max_new_tokens=1000)
+    llm = LLM(folder, num_kvcache_blocks=3, **ENGINE)        # 48 token slots
+    try:
+        for call in (lambda: llm.generate([[5, 6, 7]], use_tqdm=False), lambda: llm.add_request([5, 6, 7])):
+            with pytest.raises(ValueError, match=r"lower max_tokens .* \(max_tokens=1000 is the model's default, "
+                                                 "from its generation config: pass SamplingParams"):
+                call()
+        with pytest.raises(ValueError) as err:
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1000), use_tqdm=False)
+        assert "generation config" not in str(err.value)
+        assert llm.is_finished()
+    finally:
+        llm.exit()
 
 
 def test_add_request_and_chat_without_sampling_params_take_the_defaults_too(tmp_path):

@@ -434,6 +434,20 @@ def test_the_default_max_tokens_caps_only_an_omitted_max_tokens():
     assert sampling.resolve_max_tokens(30, 10, 100, default=5) == 30            # a given max_tokens is kept
 
 
+def test_a_refusal_caused_by_a_default_says_it_came_from_the_generation_config(model_dir):
+    """The request set no max_tokens, so "min_tokens must be in [0, 7]" alone would puzzle; a field it gave is
+    named as before."""
+    engine = FakeEngine(model_dir, sampling_defaults={"max_tokens": 7})
+    with pytest.raises(APIError) as err:
+        chat_inputs(ChatCompletionRequest(messages=CHAT, min_tokens=10), engine)
+    assert err.value.param == "min_tokens"
+    assert "max_tokens=7 is the model's default, from its generation config, as the request left max_tokens out" \
+        in str(err.value)
+    with pytest.raises(APIError) as err:
+        chat_inputs(ChatCompletionRequest(messages=CHAT, min_tokens=10, max_tokens=8), engine)
+    assert "generation config" not in str(err.value)
+
+
 def test_serve_takes_vllms_generation_config_flags():
     import argparse
 
@@ -443,7 +457,8 @@ def test_serve_takes_vllms_generation_config_flags():
     args = p.parse_args(["--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.5}'])
     assert {k: v for k, v in cli_args.more_engine_args(args).items() if "generation" in k} == {
         "generation_config": "vllm", "override_generation_config": {"temperature": 0.5}}
-    assert "generation_config" not in cli_args.more_engine_args(p.parse_args([]))   # the engine's default: auto
+    assert cli_args.more_engine_args(p.parse_args([]))["generation_config"] == "auto"   # the engine's default
+    assert "override_generation_config" not in cli_args.more_engine_args(p.parse_args([]))
 
 
 @pytest.mark.parametrize("value", ["[1]", "{not json", '"temperature"'])

@@ -40,6 +40,7 @@ from nanovllm_ref.engine.core_client import (EngineCoreDead, InprocClient, Proce
 from nanovllm_ref.engine.core_messages import EngineCoreRequest, sampling_fields
 from nanovllm_ref.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_ref.engine.request import check_request, load_tokenizer
+from nanovllm_ref.errors import RequestError
 from nanovllm_ref.outputs import RequestOutput, StepStats
 from nanovllm_ref.parts import Parts
 from nanovllm_ref.sampling_defaults import describe as describe_sampling_defaults
@@ -87,8 +88,10 @@ class LLMEngine:
         self.engine_core = engine_core
         self.core_client = (InprocClient if engine_core == "inproc" else ProcessClient)(config, parts)
         self.config = self.core_client.config            # derived: the KV cache's real size
-        if self.config.sampling_defaults:                 # vLLM says so at start-up too
-            logger.info("%s", describe_sampling_defaults(self.config.sampling_defaults, self.config.generation_config))
+        if self.config.sampling_defaults:      # a warning, shown without any logging set up: vLLM warns so too
+            logger.warning("%s", describe_sampling_defaults(self.config.sampling_defaults, self.config.model,
+                                                            self.config.generation_config,
+                                                            self.config.override_generation_config))
         self.async_scheduling = self.core_client.async_scheduling
         self.output_processor = OutputProcessor(self.tokenizer, self._decode_token)
         self._request_ids = count()
@@ -162,6 +165,15 @@ class LLMEngine:
                              scheduler_cls=self.core_client.scheduler_cls, where=where, sp_where=sp_where,
                              block_manager_cls=self.core_client.block_manager_cls)
 
+    def _named_default(self, exc: RequestError) -> RequestError:
+        """exc, told that its field's value is the model's default when it is (a request without SamplingParams):
+        the caller set no max_tokens, so "lower max_tokens" alone would puzzle."""
+        if exc.field not in self.config.sampling_defaults:
+            return exc
+        value = self.config.sampling_defaults[exc.field]
+        return type(exc)(exc.field, f"{exc.message} ({exc.field}={value!r} is the model's default, from its generation "
+                                    "config: pass SamplingParams, or override_generation_config to the engine)")
+
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this engine was shut down (exit() was called); create a new LLM")
@@ -210,9 +222,15 @@ class LLMEngine:
         engine/request.py, check_request) or a request_id in use.
         """
         self._check_open()
-        if sampling_params is None:
+        defaulted = sampling_params is None
+        if defaulted:
             sampling_params = self.get_default_sampling_params()
-        token_ids = self._check_request(prompt, sampling_params)
+        try:
+            token_ids = self._check_request(prompt, sampling_params)
+        except RequestError as exc:
+            if not defaulted:
+                raise
+            raise self._named_default(exc) from None
         request_id = self._new_request_id(request_id)
         return self._queue(request_id, prompt, token_ids, sampling_params).request_id
 
@@ -321,15 +339,21 @@ class LLMEngine:
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):
             raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
-        if sampling_params is None:
+        defaulted = sampling_params is None
+        if defaulted:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt "
                              f"({len(prompts)})")
-        token_ids = [self._check_request(p, sp, f"prompts[{i}]", f"sampling_params[{i}]")
-                     for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        try:
+            token_ids = [self._check_request(p, sp, f"prompts[{i}]", f"sampling_params[{i}]")
+                         for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        except RequestError as exc:
+            if not defaulted:
+                raise
+            raise self._named_default(exc) from None
         if not self.is_finished():
             raise RuntimeError("generate() called while requests from add_request() are still pending; "
                                "step() until is_finished(), or call abort_all()")

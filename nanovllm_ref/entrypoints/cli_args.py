@@ -78,13 +78,12 @@ def _json_list(flag: str):
 def add_serve_flags(p) -> None:
     add_more_engine_flags(p)
     # vLLM's flags: the sampling defaults a request that leaves a field out gets (nanovllm_ref/sampling_defaults.py)
-    p.add_argument("--generation-config", default=None,
-                   help="where omitted sampling fields get their defaults: auto (the model folder's "
-                        "generation_config.json), vllm (none) or a folder holding generation_config.json "
-                        "(default: auto)")
+    p.add_argument("--generation-config", default="auto",
+                   help="where a request's omitted sampling fields get their defaults: auto (the model folder's "
+                        "generation_config.json), vllm (none) or a folder holding generation_config.json")
     p.add_argument("--override-generation-config", type=_json_dict("--override-generation-config"), default=None,
                    help='sampling defaults laid over those, a JSON object of temperature, top_k, top_p, min_p, '
-                        'repetition_penalty, max_new_tokens, e.g. \'{"temperature": 0.5}\'')
+                        'repetition_penalty, max_new_tokens (null drops one), e.g. \'{"temperature": 0.5}\'')
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=_int_in("a TCP port", 1, 65535), default=8000, help="TCP port (1..65535)")
     p.add_argument("--served-model-name", default=None,

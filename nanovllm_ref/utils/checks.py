@@ -12,3 +12,9 @@ def is_finite(value) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def shown(value, limit: int = 40) -> str:
+    """value's repr for an error message, cut short past `limit` characters (10**400 has 401 digits)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:20]}... ({len(text)} characters)"

@@ -137,13 +137,20 @@ def sampling_kwargs(request, defaults: dict | None = None) -> dict:
     return kwargs
 
 
-def make_sampling_params(request, kwargs: dict, max_tokens: int) -> SamplingParams:
+def make_sampling_params(request, kwargs: dict, max_tokens: int, defaulted: dict | None = None) -> SamplingParams:
     """SamplingParams(**kwargs, max_tokens=...); its RequestError becomes an APIError (400) naming the
-    request's field."""
+    request's field. defaulted: the fields (SamplingParams names -> values) that came from the model's
+    generation config because the request left them out; a message about one says so (min_tokens is refused
+    against max_tokens, so a defaulted max_tokens is named for it too)."""
     try:
         return SamplingParams(**kwargs, max_tokens=max_tokens)
     except RequestError as exc:
-        raise APIError(exc.message, param=request_param(request, exc.field)) from exc
+        message, defaulted = exc.message, defaulted or {}
+        cause = exc.field if exc.field in defaulted else "max_tokens" if exc.field == "min_tokens" else None
+        if cause in defaulted:
+            message += (f" ({cause}={defaulted[cause]!r} is the model's default, from its generation config, as "
+                        f"the request left {request_param(request, cause)} out)")
+        raise APIError(message, param=request_param(request, exc.field)) from exc
 
 
 def check_with_engine(engine, request, prompt_token_ids: list[int], sp: SamplingParams, where: str) -> None:

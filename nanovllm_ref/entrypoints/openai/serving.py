@@ -119,12 +119,16 @@ def engine_inputs(request, prompts: list[tuple[list[int], str]], engine) -> list
     if max_tokens_field(request) not in request.model_fields_set and requested is not None:
         # left out of a completions request: OpenAI's 16, and no more than the model's max_new_tokens (vLLM)
         requested = min(requested, defaults.get("max_tokens", requested))
+    defaulted = {name: value for name, value in kwargs.items() if name in defaults and getattr(request, name) is None}
     inputs = []
     for ids, where in prompts:
         max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, engine.kv_cache_tokens,
                                         max_tokens_field(request), request_param(request, "prompt"), where,
                                         default=defaults.get("max_tokens"))
-        sp = make_sampling_params(request, kwargs, max_tokens)
+        left_out = max_tokens_field(request) not in request.model_fields_set
+        named = {**defaulted, "max_tokens": max_tokens} if left_out and max_tokens == defaults.get("max_tokens") \
+            else defaulted
+        sp = make_sampling_params(request, kwargs, max_tokens, named)
         check_with_engine(engine, request, ids, sp, where)
         inputs.append(EngineInput(ids, sp))
     return inputs
