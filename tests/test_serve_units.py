@@ -692,13 +692,16 @@ DICTS = [{7: _lp(-0.1, 1, " a"), 9: _lp(-2.5, 2, " b")},
 
 
 class _Decoder:
+    """A tokenizer with no vocabulary to read bytes from (engine/token_bytes.py then decodes each token alone)."""
     def decode(self, ids):
-        return {8: "<s>"}[ids[0]]
+        return {7: " a", 9: " b", 4: "é", 8: "<s>"}[ids[0]]
 
 
 def test_completion_logprobs_have_openais_legacy_shape():
-    from nanovllm_ref.entrypoints.openai.serving import completion_logprobs
-    out = completion_logprobs([7, 4], DICTS, _Decoder(), offset=5).model_dump()
+    from nanovllm_ref.entrypoints.openai.serving import TextOffsets, completion_logprobs
+    offsets = TextOffsets()
+    offsets.take(b"12345")                      # a stream's earlier chunks: 5 characters
+    out = completion_logprobs([7, 4], DICTS, _Decoder(), offsets).model_dump()
     assert out == {"tokens": [" a", "é"], "token_logprobs": [-0.1, -3.0],
                    "top_logprobs": [{" a": -0.1, " b": -2.5}, {"é": -3.0, " a": -0.2, "<s>": -9999.0}],
                    "text_offset": [5, 7]}

@@ -24,7 +24,6 @@ notebook can step through it and `scheduler`, `model_runner`, `step_builder`, `w
 `generate` and the server run the same core loop and the same output code.
 """
 import atexit
-import functools
 import logging
 import random
 import time
@@ -40,6 +39,7 @@ from nanovllm_ref.engine.core_client import (EngineCoreDead, InprocClient, Proce
 from nanovllm_ref.engine.core_messages import EngineCoreRequest, sampling_fields
 from nanovllm_ref.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_ref.engine.request import check_request, load_tokenizer
+from nanovllm_ref.engine.token_bytes import token_bytes_for
 from nanovllm_ref.errors import RequestError
 from nanovllm_ref.outputs import RequestOutput, StepStats
 from nanovllm_ref.parts import Parts
@@ -79,9 +79,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model, config.hf_config.vocab_size)
         if self.tokenizer.eos_token_id is not None:
             config = config.derived(extra_eos=[self.tokenizer.eos_token_id])
-        # The text of one token alone, for logprobs' decoded_token (vLLM: tokenizer.decode([id])); cached,
-        # since the same ids come back at every step.
-        self._decode_token = functools.lru_cache(maxsize=65536)(lambda i: self.tokenizer.decode([i]))
+        # The text of one token alone, for logprobs' decoded_token, from its own bytes (engine/token_bytes.py: a
+        # piece of a character is named by its bytes, not "�"); cached, since the same ids come back each step.
+        self._decode_token = token_bytes_for(self.tokenizer).text
         # Each sample without its own SamplingParams.seed gets one from here, in arrival order.
         self._seeds = random.Random(config.seed)
         self.parts = parts

@@ -64,8 +64,8 @@ from nanovllm_ref.entrypoints.openai.protocol import (APIError, AssistantMessage
                                                       CompletionRequest, CompletionResponse, DeltaMessage,
                                                       ModelCard, ModelList, random_id)
 from nanovllm_ref.entrypoints.openai.sampling import request_param
-from nanovllm_ref.entrypoints.openai.serving import (Choices, chat_inputs, chat_logprobs, completion_inputs,
-                                                     completion_logprobs, needs_tokenizer)
+from nanovllm_ref.entrypoints.openai.serving import (Choices, TextOffsets, chat_inputs, chat_logprobs,
+                                                     completion_inputs, completion_logprobs, needs_tokenizer)
 from nanovllm_ref.errors import RequestError
 
 logger = logging.getLogger("uvicorn.error")          # uvicorn configures it: one log for the server
@@ -554,10 +554,7 @@ class _LogprobsBuilder:
     def completion(self, index: int, token_ids, dicts):
         if not self._asked(dicts):
             return None
-        out = completion_logprobs(token_ids, dicts, self.tokenizer, self.offsets.get(index, 0))
-        if out.tokens:
-            self.offsets[index] = out.text_offset[-1] + len(out.tokens[-1])
-        return out
+        return completion_logprobs(token_ids, dicts, self.tokenizer, self.offsets.setdefault(index, TextOffsets()))
 
     def chat(self, token_ids, dicts):
         return chat_logprobs(token_ids, dicts, self.top, self.tokenizer) if self._asked(dicts) else None

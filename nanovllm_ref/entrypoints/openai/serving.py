@@ -13,9 +13,11 @@ appending (serving_engine.py), so a delta is the cumulative text minus what was 
 extend what was sent is a broken engine contract and raises RuntimeError rather than sending garbled text.
 Choice index = prompt index * n + sample index, as in OpenAI's and vLLM's batched completions.
 """
+import codecs
 from dataclasses import dataclass, field
 
 from nanovllm_ref.engine.request import encode_text
+from nanovllm_ref.engine.token_bytes import token_bytes_for
 from nanovllm_ref.entrypoints.openai.protocol import (APIError, ChatLogprob, ChatLogprobs, ChatLogprobsContent,
                                                       CompletionLogprobs, Usage)
 from nanovllm_ref.entrypoints.openai.sampling import (check_with_engine, make_sampling_params, max_tokens_field,
@@ -150,30 +152,43 @@ LOGPROB_FLOOR = -9999.0          # OpenAI's and vLLM's stand-in for -inf (JSON h
 
 
 def _token_text(tokenizer, token_id: int, logprob) -> str:
-    return logprob.decoded_token if logprob.decoded_token is not None else tokenizer.decode([token_id])
+    return logprob.decoded_token if logprob.decoded_token is not None else token_bytes_for(tokenizer).text(token_id)
 
 
-def completion_logprobs(token_ids, dicts, tokenizer, offset: int = 0) -> CompletionLogprobs:
+class TextOffsets:
+    """Where each token's text starts in a completion's text, in characters, from the tokens' own bytes
+    (engine/token_bytes.py): a character spread over several tokens starts where its first piece does. One per
+    choice, kept across a stream's chunks."""
+
+    def __init__(self):
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")   # holds an unfinished character
+
+    def take(self, raw: bytes) -> int:
+        start = self.chars
+        self.chars += len(self._utf8.decode(raw))
+        return start
+
+
+def completion_logprobs(token_ids, dicts, tokenizer, offsets: TextOffsets | None = None) -> CompletionLogprobs:
     """/v1/completions' logprobs of `token_ids` from the engine's dicts ({token_id: Logprob}, one per token:
     the token itself, then the k most likely; nanovllm_ref/outputs.py). top_logprobs holds every entry of a
-    dict (the token and the k most likely, as OpenAI's "up to logprobs + 1"), text_offset counts from
-    `offset` (a stream continues where its last chunk ended)."""
-    out = CompletionLogprobs()
+    dict (the token and the k most likely, as OpenAI's "up to logprobs + 1"), text_offset counts on from
+    `offsets` (a stream continues where its last chunk ended; None: from 0)."""
+    out, offsets, token_bytes = CompletionLogprobs(), offsets or TextOffsets(), token_bytes_for(tokenizer)
     for token_id, entries in zip(token_ids, dicts):
-        token = _token_text(tokenizer, token_id, entries[token_id])
-        out.tokens.append(token)
+        out.tokens.append(_token_text(tokenizer, token_id, entries[token_id]))
         out.token_logprobs.append(max(entries[token_id].logprob, LOGPROB_FLOOR))
         out.top_logprobs.append({_token_text(tokenizer, t, lp): max(lp.logprob, LOGPROB_FLOOR)
                                  for t, lp in entries.items()})
-        out.text_offset.append(offset)
-        offset += len(token)
+        out.text_offset.append(offsets.take(token_bytes.bytes(token_id)))
     return out
 
 
 def _chat_logprob(tokenizer, token_id, logprob, cls=ChatLogprob, **more):
-    token = _token_text(tokenizer, token_id, logprob)
-    return cls(token=token, logprob=max(logprob.logprob, LOGPROB_FLOOR),
-               bytes=list(token.encode("utf-8", errors="replace")), **more)
+    # bytes: the token's own (OpenAI: joined over the tokens of a character, they spell it), not its text's
+    return cls(token=_token_text(tokenizer, token_id, logprob), logprob=max(logprob.logprob, LOGPROB_FLOOR),
+               bytes=list(token_bytes_for(tokenizer).bytes(token_id)), **more)
 
 
 def chat_logprobs(token_ids, dicts, top_logprobs: int, tokenizer) -> ChatLogprobs:
