@@ -19,6 +19,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
 from nanovllm_course import ch12
 from nanovllm_course.figures import figure, save
+from nanovllm_ref.engine.token_bytes import byte_decoder
 
 BLUE, GREEN, ORANGE, GREY, RED = "#3182bd", "#31a354", "#e6550d", "#969696", "#de2d26"
 
@@ -74,24 +75,11 @@ def engine_loop(path: Path) -> Path:
     return save(fig, path)
 
 
-def _byte_level_alphabet() -> dict:
-    """GPT-2's byte-level alphabet: the printable character that stands for each byte, mapped back to it."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
 def _label(tok, t) -> str:
     """A token as the figure shows it: its text, or its bytes in hex when it is not a whole character."""
     piece = tok.convert_ids_to_tokens(t)
     if ch12.REPLACEMENT in tok.decode([t]):
-        alphabet = _byte_level_alphabet()
+        alphabet = byte_decoder()           # GPT-2's byte-level alphabet, character -> byte
         return " ".join(f"{alphabet[c]:02X}" for c in piece if c in alphabet)
     return piece.replace("Ġ", "␣")
 

@@ -9,7 +9,7 @@ same fault: vllm-project/vllm#27300.)
 So a token's bytes are read from the vocabulary, as the tokenizer's decoder would produce them in the middle
 of a text:
 - byte-level (a `ByteLevel` decoder): each character of the piece stands for one byte (GPT-2's table of 256
-  printable characters, `_byte_decoder`);
+  printable characters, `byte_decoder`);
 - SentencePiece (`ByteFallback`, `Replace` or `Metaspace` decoders): `<0xAB>` is the byte 0xAB, and "▁" is a
   space (the decoders' `Strip` of the text's first space does not apply inside a text);
 - added and special tokens: their content's UTF-8;
@@ -28,7 +28,7 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @functools.cache
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the printable character that stands for each of the 256 bytes.
     Bytes that are printable Latin-1 characters stand for themselves; the other 68 (controls, space, 0x7F-0xA0,
     0xAD) take the characters from U+0100 on, in byte order."""
@@ -83,7 +83,7 @@ class TokenBytes:
         if piece is None:                             # unknown decoder kind, or an id past the vocabulary
             return self.tokenizer.decode([token_id]).encode("utf-8")
         if self.kind == "byte_level":
-            table = _byte_decoder()
+            table = byte_decoder()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
             return piece.encode("utf-8")
