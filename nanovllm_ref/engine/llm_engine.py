@@ -159,20 +159,22 @@ class LLMEngine:
         self.exit()
 
     # -- requests ---------------------------------------------------------------------------------------
-    def _check_request(self, prompt, sp, where: str = "prompt", sp_where: str = "sampling_params") -> list[int]:
-        """Token ids of one validated request (engine/request.py, check_request); changes nothing."""
-        return check_request(prompt, sp, tokenizer=self.tokenizer, config=self.config,
-                             scheduler_cls=self.core_client.scheduler_cls, where=where, sp_where=sp_where,
-                             block_manager_cls=self.core_client.block_manager_cls)
-
-    def _named_default(self, exc: RequestError) -> RequestError:
-        """exc, told that its field's value is the model's default when it is (a request without SamplingParams):
-        the caller set no max_tokens, so "lower max_tokens" alone would puzzle."""
-        if exc.field not in self.config.sampling_defaults:
-            return exc
-        value = self.config.sampling_defaults[exc.field]
-        return type(exc)(exc.field, f"{exc.message} ({exc.field}={value!r} is the model's default, from its generation "
-                                    "config: pass SamplingParams, or override_generation_config to the engine)")
+    def _check_request(self, prompt, sp, where: str = "prompt", sp_where: str = "sampling_params",
+                       defaulted: bool = False) -> list[int]:
+        """Token ids of one validated request (engine/request.py, check_request); changes nothing. defaulted: sp
+        is get_default_sampling_params() (the caller passed none), so a refusal of one of the model's defaults
+        says where the value came from: the caller set no max_tokens, and "lower max_tokens" alone would puzzle."""
+        try:
+            return check_request(prompt, sp, tokenizer=self.tokenizer, config=self.config,
+                                 scheduler_cls=self.core_client.scheduler_cls, where=where, sp_where=sp_where,
+                                 block_manager_cls=self.core_client.block_manager_cls)
+        except RequestError as exc:
+            if not defaulted or exc.field not in self.config.sampling_defaults:
+                raise
+            value = self.config.sampling_defaults[exc.field]
+            raise type(exc)(exc.field, f"{exc.message} ({exc.field}={value!r} is the model's default, from its "
+                                       "generation config: pass SamplingParams, or override_generation_config to "
+                                       "the engine)") from None
 
     def _check_open(self):
         if self._closed:
@@ -225,12 +227,7 @@ class LLMEngine:
         defaulted = sampling_params is None
         if defaulted:
             sampling_params = self.get_default_sampling_params()
-        try:
-            token_ids = self._check_request(prompt, sampling_params)
-        except RequestError as exc:
-            if not defaulted:
-                raise
-            raise self._named_default(exc) from None
+        token_ids = self._check_request(prompt, sampling_params, defaulted=defaulted)
         request_id = self._new_request_id(request_id)
         return self._queue(request_id, prompt, token_ids, sampling_params).request_id
 
@@ -347,13 +344,8 @@ class LLMEngine:
         elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt "
                              f"({len(prompts)})")
-        try:
-            token_ids = [self._check_request(p, sp, f"prompts[{i}]", f"sampling_params[{i}]")
-                         for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
-        except RequestError as exc:
-            if not defaulted:
-                raise
-            raise self._named_default(exc) from None
+        token_ids = [self._check_request(p, sp, f"prompts[{i}]", f"sampling_params[{i}]", defaulted)
+                     for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
         if not self.is_finished():
             raise RuntimeError("generate() called while requests from add_request() are still pending; "
                                "step() until is_finished(), or call abort_all()")
