@@ -477,12 +477,14 @@ def reference_completion_events(head: dict, n: int, outputs, include_usage: bool
         return f"data: {chunk.model_dump_json()}\n\n"
 
     events = []
+    chunk_head = dict(head, usage=None) if include_usage else head    # OpenAI: "usage": null only when asked
     for prompt_index, out in outputs:
         for d in choices.update(prompt_index, out):
             if d.text:
-                events.append(sse(CompletionResponse(**head, choices=[CompletionChoice(index=d.index, text=d.text)])))
+                events.append(sse(CompletionResponse(**chunk_head, choices=[CompletionChoice(index=d.index,
+                                                                                             text=d.text)])))
             if d.finish_reason is not None:
-                events.append(sse(CompletionResponse(**head, choices=[CompletionChoice(
+                events.append(sse(CompletionResponse(**chunk_head, choices=[CompletionChoice(
                     index=d.index, text="", finish_reason=d.finish_reason, stop_reason=d.stop_reason)])))
     if include_usage:
         events.append(sse(CompletionResponse(**head, choices=[], usage=choices.usage())))
@@ -584,7 +586,7 @@ def completion_events_variant(head: dict, n: int, outputs, include_usage: bool =
     the same events as reference_completion_events; a test holds them to it)."""
     def chunk(index, text, finish_reason=None, stop_reason=None):
         return {**head, "object": "text_completion", "choices": [{"index": index, "text": text, "logprobs": None,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}], "usage": None}
+                "finish_reason": finish_reason, "stop_reason": stop_reason}]} | ({"usage": None} if include_usage else {})
 
     events, sent, finished, tokens, prompt_lens = [], {}, set(), {}, {}
     prompt_seen = 0

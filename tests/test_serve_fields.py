@@ -183,13 +183,22 @@ def _stream(ctx, endpoint):
     assert text == want and text
 
 
-def _include_usage(ctx, endpoint):
+def _stream_chunks(ctx, endpoint, extra: dict) -> list[dict]:
     with httpx.stream("POST", f"{ctx.server.url}/v1/{'completions' if endpoint == 'completions' else 'chat/completions'}",
-                      json={**ctx.base(endpoint), "stream": True, "stream_options": {"include_usage": True}},
-                      timeout=30) as res:
-        chunks = [json.loads(line[6:]) for line in res.iter_lines() if line.startswith("data: {")]
+                      json={**ctx.base(endpoint), "stream": True, **extra}, timeout=30) as res:
+        return [json.loads(line[6:]) for line in res.iter_lines() if line.startswith("data: {")]
+
+
+def _include_usage(ctx, endpoint):
+    """OpenAI: with include_usage, one more chunk with choices [] and the usage, and "usage": null on every
+    other chunk; without it, no chunk has a usage key (it was "usage": null on every chunk before)."""
+    chunks = _stream_chunks(ctx, endpoint, {"stream_options": {"include_usage": True}})
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
-    assert all(c["usage"] is None for c in chunks[:-1])
+    assert len(chunks) > 2 and all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    for extra in ({}, {"stream_options": {"include_usage": False}}):
+        plain = _stream_chunks(ctx, endpoint, extra)
+        assert plain and all(c["choices"] for c in plain)
+        assert [c for c in plain if "usage" in c] == []
 
 
 def _user(ctx, endpoint):
@@ -362,3 +371,25 @@ def test_a_named_message_renders_as_llm_chat_and_hf_render_it(server, tokenizer)
     assert res.status_code == 200, res.text
     assert res.json()["usage"]["prompt_tokens"] == len(want)
     assert server.events("add")[-1]["prompt_token_ids"] == want
+
+
+@pytest.mark.parametrize("logprobs", [False, True], ids=["text_path", "logprobs_path"])
+def test_a_streamed_chat_delta_holds_only_what_it_sets(server, tokenizer, logprobs):
+    """OpenAI's chat chunk deltas: a choice opens with {"role": "assistant", "content": ""}, text chunks carry
+    {"content": ...} alone and the chunk that ends it {} (with its finish_reason); "finish_reason": null stays on
+    the others. Before, every delta wrote both keys ({"role": null, "content": null} at the end). The server's
+    fast text path and its pydantic path (logprobs) must agree."""
+    ctx = Checker(server, tokenizer)
+    extra = {"n": 2, "temperature": 1.0, "seed": 3} | ({"logprobs": True, "top_logprobs": 1} if logprobs else {})
+    chunks = _stream_chunks(ctx, "chat", extra)
+    by_choice = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        assert "finish_reason" in choice
+        by_choice.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_choice) == [0, 1]
+    for index, seen in by_choice.items():
+        assert seen[0]["delta"] == {"role": "assistant", "content": ""} and seen[0]["finish_reason"] is None
+        assert seen[-1]["delta"] == {} and seen[-1]["finish_reason"] == "length"
+        middle = seen[1:-1]
+        assert middle and all(set(s["delta"]) == {"content"} and s["finish_reason"] is None for s in middle)

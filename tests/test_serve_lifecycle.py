@@ -173,7 +173,7 @@ def test_a_served_model_name_holding_the_chunk_marks_streams_intact(queue_server
     for path, body, text_of in (
             ("/v1/completions", {"prompt": [7, 8, 9]}, lambda c: c["text"]),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
-             lambda c: c["message"]["content"] if "message" in c else c["delta"]["content"] or "")):
+             lambda c: c["message"]["content"] if "message" in c else c["delta"].get("content") or "")):
         body = {**body, "model": ODD_NAME, "max_tokens": 6}
         full = httpx.post(srv.url + path, json=body, timeout=10).json()
         with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=10) as res:

@@ -10,7 +10,8 @@ FastAPI routes (vLLM's `vllm/entrypoints/openai/api_server.py` serves the same o
 | POST /v1/chat/completions | the assistant's next message for a conversation (the model's chat template) |
 
 Both POST routes stream with `"stream": true`: server-sent events, one `data: {chunk}` per piece of new text,
-a chunk with the finish_reason when a choice ends, a usage chunk when `stream_options.include_usage`, then
+a chunk with the finish_reason when a choice ends, a usage chunk when `stream_options.include_usage` (the
+other chunks then carry "usage": null; without it they have no usage key, as in OpenAI's API), then
 `data: [DONE]`. A chunk may carry the text of several engine steps when the client reads slower than the
 engine writes. Without streaming, the answer is one JSON body; both carry `usage` and `finish_reason`, and
 `logprobs` when asked for (serving.py builds OpenAI's shapes; a stream's chunks carry each token's once).
@@ -507,6 +508,12 @@ async def _stream_deltas(group, watcher, choices: Choices):
         group.abort()
 
 
+def _chunk_head(head: dict, include_usage: bool) -> dict:
+    """The fields every text or finish chunk of a stream shares. With include_usage they carry "usage": null
+    (OpenAI: every chunk but the usage one); without it no usage key at all (protocol._UsageWhenGiven)."""
+    return dict(head, usage=None) if include_usage else head
+
+
 def _usage_and_done(chunk_cls, head, choices, include_usage, error):
     if error not in (None, "abort"):
         yield f"data: {json.dumps({'error': {'message': error, 'type': 'service_unavailable'}})}\n\n"
@@ -563,12 +570,13 @@ class _LogprobsBuilder:
 async def _completion_stream(group, watcher, choices: Choices, head: dict, include_usage: bool,
                              logprobs: _LogprobsBuilder | None = None):
     logprobs = logprobs or _LogprobsBuilder(None, None)
-    fast = _TextChunk(lambda index, text: CompletionResponse(**head, choices=[CompletionChoice(
+    chunk_head = _chunk_head(head, include_usage)
+    fast = _TextChunk(lambda index, text: CompletionResponse(**chunk_head, choices=[CompletionChoice(
         index=index, text=text)]))
 
     def chunk(index, text, delta, finish_reason=None, stop_reason=None):
         lps = logprobs.completion(index, delta.token_ids, delta.logprobs) if delta is not None else None
-        return _sse(CompletionResponse(**head, choices=[CompletionChoice(
+        return _sse(CompletionResponse(**chunk_head, choices=[CompletionChoice(
             index=index, text=text, logprobs=lps, finish_reason=finish_reason, stop_reason=stop_reason)]))
 
     def text_chunk(d):                                 # the hot path, unless logprobs are asked for
@@ -582,11 +590,13 @@ async def _completion_stream(group, watcher, choices: Choices, head: dict, inclu
 async def _chat_stream(group, watcher, choices: Choices, head: dict, include_usage: bool,
                        logprobs: _LogprobsBuilder | None = None):
     logprobs = logprobs or _LogprobsBuilder(None, None)
+    chunk_head = _chunk_head(head, include_usage)
+
     def chunk(index, delta, d=None, finish_reason=None, stop_reason=None):
         lps = logprobs.chat(d.token_ids, d.logprobs) if d is not None else None
-        return _sse(ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+        return _sse(ChatCompletionChunk(**chunk_head, choices=[ChatChunkChoice(
             index=index, delta=delta, logprobs=lps, finish_reason=finish_reason, stop_reason=stop_reason)]))
-    fast = _TextChunk(lambda index, text: ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+    fast = _TextChunk(lambda index, text: ChatCompletionChunk(**chunk_head, choices=[ChatChunkChoice(
         index=index, delta=DeltaMessage(content=text))]))
 
     def text_chunk(d):

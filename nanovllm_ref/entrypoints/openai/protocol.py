@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer
 
 # Strict scalars: "0.5" is not a temperature and true is not a max_tokens (pydantic's lax mode would convert
 # both). A JSON integer is still a valid float.
@@ -147,7 +147,23 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None      # vLLM's: the stop id or string that ended it
 
 
-class CompletionResponse(BaseModel):
+class _UsageWhenGiven(BaseModel):
+    """A body whose `usage` is written only when it was given, even as None. OpenAI's streamed chunks carry
+    `"usage": null` only when the client asked for usage (stream_options.include_usage), and then on every
+    chunk but the last; without it they have no usage key (vLLM's chat chunks too: exclude_unset)."""
+
+    @model_serializer(mode="wrap")
+    def _usage_when_given(self, handler):
+        data = handler(self)
+        if "usage" not in self.model_fields_set:
+            data.pop("usage", None)
+        return data
+
+
+class CompletionResponse(_UsageWhenGiven):
+    """A completion, or one chunk of a streamed one (the same shape, as in OpenAI's API). usage: given on a
+    full response and on a stream's usage chunk; None on the other chunks when usage was asked for; not
+    written at all otherwise (`_UsageWhenGiven`)."""
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -195,8 +211,16 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """What a streamed chat chunk adds to a choice's message. Only the fields it sets are written: the first
+    chunk of a choice is {"role": "assistant", "content": ""}, text chunks {"content": ...}, and the chunk
+    that ends the choice {} (OpenAI's shapes; vLLM writes chat chunks with exclude_unset)."""
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler):
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
@@ -207,7 +231,8 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_UsageWhenGiven):
+    """One chunk of a streamed chat completion. usage as in CompletionResponse: written only when given."""
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
