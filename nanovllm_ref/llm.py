@@ -9,7 +9,7 @@ from nanovllm_ref.outputs import RequestOutput
 
 # apply_chat_template's own parameters: chat_template_kwargs may not set them (they are chat()'s arguments,
 # or fixed here).
-_RESERVED = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+_RESERVED = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
              "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
              "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens")
 

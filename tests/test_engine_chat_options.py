@@ -71,6 +71,7 @@ def test_tool_call_messages_without_content_go_to_the_template(llm):
     (dict(chat_template="{% for m in messages %}{{ m.content }"), ValueError, "chat_template does not compile"),
     (dict(chat_template="{{ raise_exception('no system role') }}"), ValueError, "failed to render.*no system role"),
     (dict(chat_template_kwargs={"tokenize": False}), ValueError, r"chat_template_kwargs may not set \['tokenize'\]"),
+    (dict(chat_template_kwargs={"messages": []}), ValueError, r"chat_template_kwargs may not set \['messages'\]"),
     (dict(chat_template_kwargs=["enable_thinking"]), TypeError, "chat_template_kwargs must be a dict"),
     (dict(continue_final_message=True), ValueError, "add_generation_prompt=False"),
     (dict(tools={"name": "f"}), TypeError, "tools must be a list"),

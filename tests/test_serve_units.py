@@ -210,6 +210,17 @@ def test_sampling_kwargs_pass_what_is_asked_and_refuse_what_the_server_cannot_se
     assert info.value.param == "best_of" and info.value.status == 400
 
 
+@pytest.mark.parametrize("best_of,n", [(1, 2), (2, 3), (0, None)])
+def test_best_of_below_n_is_refused_by_name(best_of, n):
+    """OpenAI and vLLM refuse best_of < n (n samples cannot come from fewer); best_of=1 with n=2 was taken as
+    the neutral best_of=1 and answered with two choices (a reviewer's probe)."""
+    with pytest.raises(APIError) as info:
+        sampling.sampling_kwargs(CompletionRequest(prompt="x", best_of=best_of, n=n))
+    assert info.value.param == "best_of" and info.value.status == 400
+    assert "best_of must be at least n" in info.value.message and f"n={n or 1}" in info.value.message
+    assert sampling.sampling_kwargs(CompletionRequest(prompt="x", best_of=1, n=1)) == {}
+
+
 CHAT = [{"role": "user", "content": "hi"}]
 
 
@@ -580,6 +591,8 @@ def test_a_model_without_a_chat_template_points_to_completions(model_dir):
 def test_chat_template_kwargs_errors_name_it_and_give_http_advice(model_dir):
     engine = FakeEngine(model_dir)
     for kwargs, says in (({"tokenize": False}, "may not set ['tokenize']"),
+                         # HF passes messages= to the template itself: it was a TypeError blamed on `messages`
+                         ({"messages": []}, "may not set ['messages']"),
                          ({"persona": "\udfff"}, "chat_template_kwargs.persona is not valid text")):
         with pytest.raises(APIError) as info:
             chat_inputs(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],

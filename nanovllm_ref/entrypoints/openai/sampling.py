@@ -24,7 +24,7 @@ no error text is read.
 | skip_special_tokens | same name | true |
 | completions: logprobs (int) | logprobs | None |
 | chat: logprobs (bool) + top_logprobs (int) | logprobs = top_logprobs or 0 when logprobs is true | None, false |
-| echo, suffix, best_of > 1, logit_bias, response_format other than text, tools, tool_choice | (none: refused by name; this server does not build or apply them) | None, false, "", {}, [] |
+| echo, suffix, best_of > 1 (best_of < n is refused as OpenAI does), logit_bias, response_format other than text, tools, tool_choice | (none: refused by name; this server does not build or apply them) | None, false, "", {}, [] |
 | parallel_tool_calls | (none: no tools run, so it always holds) | None, true, false |
 
 Omitted fields and the model's defaults (vLLM's `--generation-config auto`): a field the request leaves out
@@ -123,6 +123,10 @@ def sampling_kwargs(request, defaults: dict | None = None) -> dict:
     `defaults` (the engine's sampling_defaults: SamplingParams field -> value) has one, and logprobs. Raises
     APIError (400) naming the first field this server does not serve (NOT_SERVED); what the engine cannot do
     is refused later, by the engine's own check."""
+    best_of, n = getattr(request, "best_of", None), 1 if getattr(request, "n", None) is None else request.n
+    if best_of is not None and best_of < n:   # OpenAI and vLLM refuse it so, first
+        raise APIError(f"best_of must be at least n (the samples returned come from the best_of made), got "
+                       f"best_of={best_of} and n={n}", param="best_of")
     for name, neutral in NOT_SERVED.items():
         if name in type(request).model_fields and not _is_neutral(getattr(request, name), neutral):
             raise APIError(f"`{name}` is not supported by this server; leave it out", param=name)
