@@ -466,7 +466,7 @@ def reference_completion_events(head: dict, n: int, outputs, include_usage: bool
     """The SSE events of a streamed /v1/completions answer (the server's rules, nanovllm_ref/entrypoints/openai:
     `Choices` keeps what was sent per choice, the protocol's pydantic models give the shapes). head: {"id",
     "created", "model"}; outputs: (prompt index, RequestOutput) pairs in arrival order."""
-    from nanovllm_ref.entrypoints.openai.protocol import CompletionChoice, CompletionResponse
+    from nanovllm_ref.entrypoints.openai.protocol import CompletionChoice, CompletionResponse, stream_chunk_head
     from nanovllm_ref.entrypoints.openai.serving import Choices
     lens = {}
     for prompt_index, out in outputs:
@@ -477,7 +477,7 @@ def reference_completion_events(head: dict, n: int, outputs, include_usage: bool
         return f"data: {chunk.model_dump_json()}\n\n"
 
     events = []
-    chunk_head = dict(head, usage=None) if include_usage else head    # OpenAI: "usage": null only when asked
+    chunk_head = stream_chunk_head(head, include_usage)              # OpenAI: "usage": null only when asked
     for prompt_index, out in outputs:
         for d in choices.update(prompt_index, out):
             if d.text:

@@ -63,7 +63,8 @@ from nanovllm_ref.entrypoints.openai.protocol import (APIError, AssistantMessage
                                                       ChatCompletionChunk, ChatCompletionRequest,
                                                       ChatCompletionResponse, CompletionChoice,
                                                       CompletionRequest, CompletionResponse, DeltaMessage,
-                                                      ModelCard, ModelList, random_id)
+                                                      ModelCard, ModelList, random_id,
+                                                      stream_chunk_head)
 from nanovllm_ref.entrypoints.openai.sampling import request_param
 from nanovllm_ref.entrypoints.openai.serving import (Choices, TextOffsets, chat_inputs, chat_logprobs,
                                                      completion_inputs, completion_logprobs, needs_tokenizer)
@@ -508,12 +509,6 @@ async def _stream_deltas(group, watcher, choices: Choices):
         group.abort()
 
 
-def _chunk_head(head: dict, include_usage: bool) -> dict:
-    """The fields every text or finish chunk of a stream shares. With include_usage they carry "usage": null
-    (OpenAI: every chunk but the usage one); without it no usage key at all (protocol._UsageWhenGiven)."""
-    return dict(head, usage=None) if include_usage else head
-
-
 def _usage_and_done(chunk_cls, head, choices, include_usage, error):
     if error not in (None, "abort"):
         yield f"data: {json.dumps({'error': {'message': error, 'type': 'service_unavailable'}})}\n\n"
@@ -570,7 +565,7 @@ class _LogprobsBuilder:
 async def _completion_stream(group, watcher, choices: Choices, head: dict, include_usage: bool,
                              logprobs: _LogprobsBuilder | None = None):
     logprobs = logprobs or _LogprobsBuilder(None, None)
-    chunk_head = _chunk_head(head, include_usage)
+    chunk_head = stream_chunk_head(head, include_usage)
     fast = _TextChunk(lambda index, text: CompletionResponse(**chunk_head, choices=[CompletionChoice(
         index=index, text=text)]))
 
@@ -590,7 +585,7 @@ async def _completion_stream(group, watcher, choices: Choices, head: dict, inclu
 async def _chat_stream(group, watcher, choices: Choices, head: dict, include_usage: bool,
                        logprobs: _LogprobsBuilder | None = None):
     logprobs = logprobs or _LogprobsBuilder(None, None)
-    chunk_head = _chunk_head(head, include_usage)
+    chunk_head = stream_chunk_head(head, include_usage)
 
     def chunk(index, delta, d=None, finish_reason=None, stop_reason=None):
         lps = logprobs.chat(d.token_ids, d.logprobs) if d is not None else None

@@ -160,6 +160,13 @@ class _UsageWhenGiven(BaseModel):
         return data
 
 
+def stream_chunk_head(head: dict, include_usage: bool) -> dict:
+    """The fields every text or finish chunk of a stream shares (head: id, created, model). With include_usage
+    they carry "usage": null (OpenAI: every chunk but the usage one); without it no usage key at all
+    (_UsageWhenGiven)."""
+    return dict(head, usage=None) if include_usage else head
+
+
 class CompletionResponse(_UsageWhenGiven):
     """A completion, or one chunk of a streamed one (the same shape, as in OpenAI's API). usage: given on a
     full response and on a stream's usage chunk; None on the other chunks when usage was asked for; not
